@@ -1,0 +1,73 @@
+"""The attention backend interface.
+
+The model runner describes a batch once (`AttentionMetadata`); the backend turns it into a
+`BatchAttention` that every layer calls with its new q/k/v. The backend owns the KV memory layout
+and states what it can do (`BackendCapabilities`); the rest of the engine asks, never guesses.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.spec import LayerSpec
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    name: str
+    devices: frozenset[str]             # torch device types it runs on
+    head_dims: frozenset[int] | None    # None: any head dim
+    scratch_pages: bool                 # honours per-layer page tables that alias scratch pages
+
+
+@dataclass
+class AttentionMetadata:
+    """Layout of one forward pass, shared by all layers.
+
+    Tokens of sequence b are rows [query_start[b], query_start[b] + query_lens[b]) of q/k/v; they
+    sit at positions [seq_lens[b] - query_lens[b], seq_lens[b]). `page_tables[t][b]` lists the pages
+    of sequence b in table t; layer l reads table `layer_table[l]`. `slot_mapping[t]` gives, for each
+    new token, its slot (page * page_size + offset) in table t.
+    """
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    page_tables: list[list[list[int]]]
+    slot_mapping: list[torch.Tensor]
+    layer_table: list[int]
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens)
+
+
+class BatchAttention(ABC):
+    """Attention for one batch: writes the new K/V of a layer into its pages, then attends."""
+
+    @abstractmethod
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                 window: int | None, softcap: float | None = None) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. Key k is visible to query q iff
+        k <= q and (window is None or k > q - window)."""
+
+
+class AttentionBackend(ABC):
+    capabilities: BackendCapabilities
+
+    @abstractmethod
+    def allocate_kv_cache(self, specs: list[LayerSpec], num_pages: int, page_size: int,
+                          device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, (K, V) storage indexed by slot. Layers that read another layer's KV get
+        that layer's tensors."""
+
+    @abstractmethod
+    def begin_batch(self, metadata: AttentionMetadata,
+                    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> BatchAttention: ...

@@ -1,0 +1,104 @@
+"""Engine configuration: the options of DESIGN.md §2, parsed once and shared by every command."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserInputError
+from ..models.embedded import DEFAULT_MODEL
+from .options import number, option, positive_int, size
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "fp32", "bf16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch")
+KV_MANAGERS = ("auto", "v1")
+
+# CPU default KV budget. Storage is torch.empty, so untouched pages cost no RAM.
+_CPU_KV_DEFAULT = 4 << 30
+# GPU memory kept free for activations and sampling buffers.
+_GPU_ACTIVATION_RESERVE = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str = option(DEFAULT_MODEL, help="model alias, .gguf file or Hugging Face checkpoint directory")
+    dtype: str = option("auto", choices=DTYPE_CHOICES,
+                        help="weight and activation dtype; auto = bfloat16 on CUDA, float32 on the CPU")
+    device: str = option("auto", help="torch device (cpu, cuda, cuda:1); auto = cuda if available")
+    max_model_len: int | None = option(None, parse=positive_int,
+                                       help="longest sequence (prompt + output); default: the model's context length")
+    max_num_seqs: int = option(64, parse=positive_int, help="most sequences in one batch")
+    max_num_batched_tokens: int = option(2048, parse=positive_int,
+                                         help="most tokens in one forward pass (longer prompts are chunked)")
+    page_size: int = option(16, parse=positive_int, help="tokens per KV page")
+    kv_cache_memory: int | None = option(None, parse=size,
+                                         help="hard cap on KV cache bytes, e.g. 64MiB or 2GiB "
+                                              "(default: 4GiB on the CPU, --gpu-memory-utilization on CUDA)")
+    gpu_memory_utilization: float = option(0.9, parse=number,
+                                           help="fraction of GPU memory the engine may use (weights + KV)")
+    kv_cache_manager: str = option("auto", choices=KV_MANAGERS, help="KV cache layout; auto = the model's preference")
+    attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
+                                    help="attention implementation; auto = the best one for the device")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise UserInputError("model must be a non-empty string")
+        if self.dtype not in DTYPE_CHOICES:
+            raise UserInputError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.dtype == "float16":
+            raise UserInputError("float16 overflows on Gemma activations; use bfloat16 or float32")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UserInputError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise UserInputError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
+            raise UserInputError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise UserInputError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_manager not in KV_MANAGERS:
+            raise UserInputError(f"kv_cache_manager must be one of {', '.join(KV_MANAGERS)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    # -- resolution of "auto" values ---------------------------------------------------------
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError:
+            raise UserInputError(f"invalid device {self.device!r} (expected cpu, cuda or cuda:N)") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise UserInputError(f"device {self.device!r} requested but CUDA is not available")
+        if dev.type not in ("cpu", "cuda"):
+            raise UserInputError(f"device type {dev.type!r} is not supported (cpu or cuda)")
+        return dev
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def kv_budget_bytes(self, device: torch.device) -> int:
+        """The KV cache budget. Call after the weights are on the device (they count as used)."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(total * self.gpu_memory_utilization) - (total - free) - _GPU_ACTIVATION_RESERVE
+            if budget <= 0:
+                raise UserInputError(
+                    f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
+                    f"at --gpu-memory-utilization {self.gpu_memory_utilization}")
+            return budget
+        return _CPU_KV_DEFAULT

@@ -1,0 +1,121 @@
+"""Declaring options once: a dataclass field carries its CLI flag, help and parser.
+
+Every command-line entry point builds its parser from the same dataclasses (`EngineConfig`,
+`SamplingParams`), so adding an option is adding a field.
+
+    @dataclass
+    class Example:
+        page_size: int = option(16, help="tokens per KV page", parse=positive_int)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import UserInputError
+
+_META = "gemmaserve.option"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionMeta:
+    help: str
+    parse: Callable[[str], Any] | None
+    choices: Sequence[str] | None
+    flag: str | None
+    negatable: bool
+
+
+def option(default: Any, *, help: str, parse: Callable[[str], Any] | None = None,
+           choices: Sequence[str] | None = None, flag: str | None = None) -> Any:
+    """A dataclass field that is also a command-line option. bool fields get --x/--no-x."""
+    meta = OptionMeta(help, parse, choices, flag, negatable=isinstance(default, bool))
+    return dataclasses.field(default=default, metadata={_META: meta})
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        meta: OptionMeta | None = f.metadata.get(_META)
+        if meta is None:
+            continue
+        flag = meta.flag or "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+        default_text = "" if f.default in (None, dataclasses.MISSING) else f" (default: {f.default})"
+        if meta.negatable:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, help=meta.help + default_text, **kwargs)
+            continue
+        if meta.parse is not None:
+            kwargs["type"] = meta.parse
+        if meta.choices is not None:
+            kwargs["choices"] = list(meta.choices)
+        group.add_argument(flag, help=meta.help + default_text, **kwargs)
+
+
+def from_namespace(cls: type, ns: argparse.Namespace, **overrides: Any) -> Any:
+    """Build `cls` from the options present in `ns` (absent ones keep their dataclass default)."""
+    names = {f.name for f in dataclasses.fields(cls) if _META in f.metadata}
+    values = {n: getattr(ns, n) for n in names if hasattr(ns, n)}
+    values.update(overrides)
+    return cls(**values)
+
+
+# -- parsers: raise UserInputError, which argparse shows as "argument --x: <message>" -----------
+def _argparse_type(fn: Callable[[str], Any]) -> Callable[[str], Any]:
+    def wrapped(text: str) -> Any:
+        try:
+            return fn(text)
+        except UserInputError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    wrapped.__name__ = fn.__name__
+    return wrapped
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UserInputError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise UserInputError(f"expected a number, got {text!r}") from None
+
+
+positive_int = _argparse_type(lambda t: _checked(_int(t), lambda v: v >= 1, "must be >= 1"))
+any_int = _argparse_type(_int)
+number = _argparse_type(_float)
+
+
+def _checked(value: Any, ok: Callable[[Any], bool], why: str) -> Any:
+    if not ok(value):
+        raise UserInputError(f"{value} {why}")
+    return value
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'64MiB', '1.5GB', '4096' -> bytes."""
+    raw = str(text).strip().lower().replace(" ", "")
+    number_part = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number_part):]
+    try:
+        value = float(number_part)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise UserInputError(f"invalid size {text!r}: expected a positive number with an optional unit "
+                             "such as 512MiB, 2GiB or 1.5GB")
+    return int(value * _UNITS[unit])
+
+
+size = _argparse_type(parse_size)

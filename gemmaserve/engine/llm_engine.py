@@ -1,0 +1,145 @@
+"""The engine: requests in, finished outputs out, one `step()` at a time.
+
+    add_request -> Scheduler -> KV manager -> ModelRunner -> model -> sampler -> detokenize
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import select_backend
+from ..config.engine import EngineConfig
+from ..errors import UserInputError
+from ..kv import create_kv_manager
+from ..models.loader import load_model
+from .model_runner import ModelRunner
+from .request import CompletionOutput, FinishReason, Request, RequestOutput
+from .sampler import sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    device: str
+    dtype: str
+    max_model_len: int
+    kv_manager: str
+    attention_backend: str
+    kv_pages: int
+    kv_page_size: int
+    kv_bytes: int
+    load_seconds: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        loaded = load_model(config.model, self.dtype, self.device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        model_cfg = self.model.config
+        limit = model_cfg.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise UserInputError(f"max_model_len {config.max_model_len} exceeds the model's context length {limit}")
+        self.max_model_len = config.max_model_len or limit
+
+        specs = self.model.kv_layer_specs(self.dtype)
+        self.backend = select_backend(config.attention_backend, self.device, specs)
+        self.kv = create_kv_manager(config.kv_cache_manager, specs, config.page_size,
+                                    config.kv_budget_bytes(self.device))
+        self.runner = ModelRunner(self.model, self.backend, self.kv, specs, self.device)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.info = EngineInfo(
+            model=config.model, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len, kv_manager=type(self.kv).__name__,
+            attention_backend=self.backend.capabilities.name, kv_pages=self.kv.num_pages,
+            kv_page_size=self.kv.page_size, kv_bytes=self.kv.num_pages * self.kv.page_bytes,
+            load_seconds=loaded.load_seconds)
+        log.info("engine ready: %s", self.info)
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise UserInputError(f"a prompt must be a string, got {type(prompt).__name__}")
+        if not prompt.strip():
+            raise UserInputError("empty prompt")
+        return self.tokenizer.encode(prompt)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise UserInputError if the request can never run (too long, or larger than the KV budget)."""
+        params.validate()
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise UserInputError(f"prompt is {n} tokens long; max_model_len is {self.max_model_len}, "
+                                 "which must leave room for at least one generated token")
+        peak = min(n + params.max_tokens, self.max_model_len)
+        if not self.kv.fits_ever(peak):
+            need = self.kv.pages_for(peak) * self.kv.page_bytes
+            have = self.kv.num_pages * self.kv.page_bytes
+            raise UserInputError(f"request needs {need / 2**20:.1f} MiB of KV cache for {peak} tokens, but the "
+                                 f"KV cache has {have / 2**20:.1f} MiB; raise --kv-cache-memory or lower max_tokens")
+
+    def add_request(self, prompt: str, params: SamplingParams, prompt_ids: list[int] | None = None,
+                    request_id: str | None = None) -> str:
+        ids = self.tokenize(prompt) if prompt_ids is None else list(prompt_ids)
+        self.check_request(ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._requests:
+            raise UserInputError(f"request id {request_id!r} is already in use")
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        req = Request(request_id, prompt, ids, params, self.tokenizer.stop_token_ids,
+                      min(len(ids) + params.max_tokens, self.max_model_len), generator)
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            req.finish(FinishReason.ABORT)
+            self.scheduler.finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One forward pass. Returns the outputs of requests that finished in it."""
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("scheduler made no progress with an empty running set")  # a bug, never input
+            return []
+        logits = self.runner.execute(sched.seqs)
+        completing = [s for s in sched.seqs if s.completes]
+        tokens = sample(logits, [s.request for s in completing]) if completing else []
+        for s in sched.seqs:
+            s.request.num_computed_tokens += s.num_new_tokens
+        finished: list[RequestOutput] = []
+        for s, token in zip(completing, tokens):
+            req = s.request
+            req.append_token(token)
+            if req.is_finished:
+                self.scheduler.finish(req)
+                del self._requests[req.request_id]
+                finished.append(self.make_output(req))
+        return finished
+
+    def make_output(self, req: Request) -> RequestOutput:
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        reason = req.finish_reason.value if req.finish_reason else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                             [CompletionOutput(0, text, list(req.output_token_ids), reason)], req.is_finished)

@@ -1,0 +1,367 @@
+"""Gemma 3 text model (Gemma3ForCausalLM, and the text tower of Gemma3ForConditionalGeneration).
+
+    x = E[ids] * sqrt(H)  (scale cast to the weight dtype)
+    for each layer:  x += post_attn_norm(attn(in_norm(x)));  x += post_ffw_norm(mlp(pre_ffw_norm(x)))
+    logits = final_norm(x) @ E^T
+
+Attention: q/k RMSNorm, then RoPE (sliding layers: local theta; full layers: global theta with
+linear scaling), scores scaled by query_pre_attn_scalar^-1/2, sliding layers see the last W tokens.
+The model knows nothing of pages: it hands q/k/v to the `BatchAttention` it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention.base import BatchAttention
+from ..errors import UserInputError
+from ..kv.spec import AttentionKind, LayerSpec
+from .layers import GeGLU, GemmaRMSNorm, Linear, RopeParams, apply_rope
+
+_FULL = "full_attention"
+_SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class Gemma3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    query_pre_attn_scalar: float
+    rope_global: RopeParams
+    rope_local: RopeParams
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 131072
+    final_logit_softcapping: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise UserInputError(
+                f"config lists {len(self.layer_types)} layer_types for {self.num_hidden_layers} layers")
+        unknown = set(self.layer_types) - {_FULL, _SLIDING}
+        if unknown:
+            raise UserInputError(f"unsupported layer types {sorted(unknown)} (expected {_FULL!r} or {_SLIDING!r})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserInputError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    # -- parsing --------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "Gemma3Config":
+        """From a Hugging Face config.json (Gemma3ForCausalLM, or the text_config of the multimodal model)."""
+        if "text_config" in cfg and isinstance(cfg["text_config"], dict):
+            cfg = cfg["text_config"]
+        if cfg.get("use_bidirectional_attention"):
+            raise UserInputError("bidirectional (embedding) Gemma 3 models are not supported for generation")
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise UserInputError("attention soft-capping is not supported (Gemma 3 does not use it)")
+        n_layers = cfg["num_hidden_layers"]
+        layer_types = cfg.get("layer_types")
+        if layer_types is None:
+            pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+            layer_types = [_FULL if (i + 1) % pattern == 0 else _SLIDING for i in range(n_layers)]
+        hidden = cfg["hidden_size"]
+        heads = cfg.get("num_attention_heads", 8)
+        head_dim = cfg.get("head_dim") or hidden // heads
+        rope_global, rope_local = _rope_from_hf(cfg)
+        return cls(
+            vocab_size=cfg.get("vocab_size", 262208),
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            layer_types=tuple(layer_types),
+            sliding_window=cfg.get("sliding_window", 4096),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
+            rope_global=rope_global,
+            rope_local=rope_local,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+
+    @classmethod
+    def from_gguf(cls, gguf) -> "Gemma3Config":
+        """From llama.cpp's gemma3 metadata. GGUF omits what llama.cpp hard-codes for Gemma 3: a
+        full-attention layer every 6th, local RoPE theta 1e4, and query_pre_attn_scalar = head_dim
+        except on the 27B shape (hidden 5376, 32 heads), where it is hidden / heads = 168."""
+        def key(name: str, default: Any = None) -> Any:
+            value = gguf.get(f"gemma3.{name}", default)
+            if value is None:
+                raise UserInputError(f"GGUF file lacks gemma3.{name}")
+            return value
+
+        n_layers = int(key("block_count"))
+        hidden = int(key("embedding_length"))
+        heads = int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", hidden // heads))
+        scale_key = gguf.get("gemma3.attention.scale")
+        if scale_key is not None:
+            qpas = float(scale_key) ** -2
+        elif hidden == 5376 and heads == 32:
+            qpas = hidden // heads
+        else:
+            qpas = head_dim
+        factor = 1.0
+        if gguf.get("gemma3.rope.scaling.type") == "linear":
+            factor = float(gguf.get("gemma3.rope.scaling.factor", 1.0))
+        embed = gguf.tensors_by_name().get("token_embd.weight")
+        vocab = embed.shape[0] if embed is not None else len(gguf.strings("tokenizer.ggml.tokens"))
+        return cls(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            layer_types=tuple(_FULL if (i + 1) % 6 == 0 else _SLIDING for i in range(n_layers)),
+            sliding_window=int(key("attention.sliding_window")),
+            query_pre_attn_scalar=qpas,
+            rope_global=RopeParams(float(key("rope.freq_base", 1e6)), factor),
+            rope_local=RopeParams(10_000.0),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            max_position_embeddings=int(key("context_length", 131072)),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The equivalent transformers Gemma3TextConfig arguments (used by tests and benchmarks)."""
+        rope = {
+            _FULL: {"rope_type": "default", "rope_theta": self.rope_global.theta},
+            _SLIDING: {"rope_type": "default", "rope_theta": self.rope_local.theta},
+        }
+        if self.rope_global.linear_factor != 1.0:
+            rope[_FULL] = {"rope_type": "linear", "rope_theta": self.rope_global.theta,
+                           "factor": self.rope_global.linear_factor}
+        return dict(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            layer_types=list(self.layer_types), sliding_window=self.sliding_window,
+            query_pre_attn_scalar=self.query_pre_attn_scalar, rope_parameters=rope,
+            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
+            final_logit_softcapping=self.final_logit_softcapping, attn_logit_softcapping=None,
+            tie_word_embeddings=True,
+        )
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[RopeParams, RopeParams]:
+    """Global and local RoPE from either the transformers>=5 `rope_parameters` dict or the
+    older `rope_theta` / `rope_local_base_freq` / `rope_scaling` fields."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and _FULL in params:
+        full, local = params[_FULL], params.get(_SLIDING, {})
+        scaling = full
+        theta_g = full.get("rope_theta", 1e6)
+        theta_l = local.get("rope_theta", 1e4)
+        if local.get("rope_type", "default") != "default":
+            raise UserInputError(f"unsupported RoPE type {local['rope_type']!r} on sliding layers")
+    else:
+        scaling = cfg.get("rope_scaling") or {}
+        theta_g = cfg.get("rope_theta", 1e6)
+        theta_l = cfg.get("rope_local_base_freq", 1e4)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "linear":
+        factor = float(scaling["factor"])
+    elif rope_type == "default":
+        factor = 1.0
+    else:
+        raise UserInputError(f"unsupported RoPE type {rope_type!r} (Gemma 3 uses 'default' or 'linear')")
+    return RopeParams(float(theta_g), factor), RopeParams(float(theta_l))
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, cfg: Gemma3Config, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.query_pre_attn_scalar ** -0.5
+        self.window = cfg.sliding_window if cfg.layer_types[layer] == _SLIDING else None
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = Linear(cfg.hidden_size, sum(self.split), dtype)
+        self.o_proj = Linear(q_size, cfg.hidden_size, dtype)
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                attn: BatchAttention) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = cos_sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn(self.layer, q, k, v, scale=self.scale, window=self.window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma3Config, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.is_sliding = cfg.layer_types[layer] == _SLIDING
+        self.self_attn = Gemma3Attention(cfg, layer, dtype)
+        self.mlp = GeGLU(cfg.hidden_size, cfg.intermediate_size, dtype)
+        eps, h = cfg.rms_norm_eps, cfg.hidden_size
+        self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
+
+    def forward(self, x, cos_sin, attn):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, attn))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3TextModel(nn.Module):
+    def __init__(self, cfg: Gemma3Config, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _freeze=True, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Entry point for the engine: forward() gives hidden states, compute_logits() the logits."""
+
+    config_class = Gemma3Config
+    # Checkpoint names whose tensors are stacked into one of our fused weights: (ours, shard index).
+    _stacked = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: Gemma3Config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = cfg
+        self.model = Gemma3TextModel(cfg, dtype)
+        # fp32 RoPE frequencies; the model is never cast with .to(dtype), so they stay fp32.
+        self.register_buffer("_inv_freq_global", cfg.rope_global.inv_freq(cfg.head_dim), persistent=False)
+        self.register_buffer("_inv_freq_local", cfg.rope_local.inv_freq(cfg.head_dim), persistent=False)
+
+    # -- KV description ------------------------------------------------------------------
+    def kv_layer_specs(self, dtype: torch.dtype) -> list[LayerSpec]:
+        cfg = self.config
+        return [
+            LayerSpec(kind=AttentionKind.SLIDING if t == _SLIDING else AttentionKind.FULL,
+                      num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=dtype,
+                      window=cfg.sliding_window if t == _SLIDING else None)
+            for t in cfg.layer_types
+        ]
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: BatchAttention) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, H]."""
+        weight = self.model.embed_tokens.weight
+        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(weight.dtype)
+        x = self.model.embed_tokens(input_ids) * scale
+        dtype = x.dtype
+        rope_global = self.config.rope_global.cos_sin(self._inv_freq_global, positions, dtype)
+        rope_local = self.config.rope_local.cos_sin(self._inv_freq_local, positions, dtype)
+        for layer in self.model.layers:
+            x = layer(x, rope_local if layer.is_sliding else rope_global, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # -- weights ----------------------------------------------------------------------------
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """Map a checkpoint tensor name to ours (HF naming), or None to skip it (vision tower)."""
+        for prefix in ("model.language_model.", "language_model.model."):
+            if name.startswith(prefix):
+                return "model." + name[len(prefix):]
+        if name.startswith(("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+                            "model.multi_modal_projector.")):
+            return None
+        if name in ("lm_head.weight", "language_model.lm_head.weight"):
+            return None  # tied to the embedding
+        return name
+
+    @staticmethod
+    def gguf_name(name: str) -> tuple[str, bool]:
+        """llama.cpp tensor name -> (our name, stored as 1+w norm)."""
+        if name == "token_embd.weight":
+            return "model.embed_tokens.weight", False
+        if name == "output_norm.weight":
+            return "model.norm.weight", True
+        if not name.startswith("blk."):
+            raise UserInputError(f"unexpected tensor {name!r} in a gemma3 GGUF file")
+        _, layer, rest = name.split(".", 2)
+        table = {
+            "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+            "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+            "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+            "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "ffn_norm.weight": "pre_feedforward_layernorm.weight", "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+            "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+            "ffn_down.weight": "mlp.down_proj.weight",
+        }
+        if rest not in table:
+            raise UserInputError(f"unexpected tensor {name!r} in a gemma3 GGUF file")
+        return f"model.layers.{layer}.{table[rest]}", rest.endswith("norm.weight")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the model, stacking q/k/v and gate/up. Every
+        parameter must be filled exactly once."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        shards_seen: dict[str, set[int]] = {}
+        for name, tensor in weights:
+            parts = name.rsplit(".", 2)
+            stacked = self._stacked.get(parts[-2]) if len(parts) == 3 else None
+            if stacked is not None:
+                target_name = f"{parts[0]}.{stacked[0]}.{parts[-1]}"
+                target = params.get(target_name)
+                if target is None:
+                    raise UserInputError(f"checkpoint tensor {name!r} has no place in the model")
+                offset, size = self._shard_range(target_name, stacked[1])
+                if tensor.shape[0] != size or tensor.shape[1:] != target.shape[1:]:
+                    raise UserInputError(f"{name}: shape {tuple(tensor.shape)} does not match the config")
+                target.data[offset:offset + size].copy_(tensor)
+                shards_seen.setdefault(target_name, set()).add(stacked[1])
+                filled.add(target_name)
+                continue
+            target = params.get(name)
+            if target is None:
+                raise UserInputError(f"checkpoint tensor {name!r} has no place in the model")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise UserInputError(f"{name}: shape {tuple(tensor.shape)} does not match {tuple(target.shape)}")
+            target.data.copy_(tensor)
+            filled.add(name)
+        incomplete = sorted(n for n, s in shards_seen.items()
+                            if len(s) != (3 if n.endswith("qkv_proj.weight") else 2))
+        missing = sorted(set(params) - filled)
+        if missing or incomplete:
+            raise UserInputError(f"checkpoint is missing weights: {(missing + incomplete)[:5]}")
+
+    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
+        cfg = self.config
+        if "qkv_proj" in fused_name:
+            sizes = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
+                     cfg.num_key_value_heads * cfg.head_dim)
+        else:
+            sizes = (cfg.intermediate_size, cfg.intermediate_size)
+        return sum(sizes[:shard]), sizes[shard]

@@ -1,0 +1,120 @@
+"""From `--model` (alias, .gguf file, or Hugging Face checkpoint directory) to a model and tokenizer."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UserInputError
+from .embedded import EMBEDDED_MODELS, cache_dir, resolve_embedded
+from .registry import model_class_for_gguf, model_class_for_hf
+from .tokenizer import Tokenizer
+
+
+class SourceKind(enum.Enum):
+    GGUF = "gguf"
+    HF_DIR = "hf_dir"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str          # what the user asked for
+    kind: SourceKind
+    path: Path
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Tokenizer
+    source: ModelSource
+    load_seconds: float
+
+
+def resolve_model(name: str) -> ModelSource:
+    if name in EMBEDDED_MODELS:
+        return ModelSource(name, SourceKind.GGUF, resolve_embedded(name))
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise UserInputError(f"model file {name!r} is not a .gguf file")
+        return ModelSource(name, SourceKind.GGUF, path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserInputError(f"model directory {name!r} has no config.json")
+        return ModelSource(name, SourceKind.HF_DIR, path)
+    aliases = ", ".join(EMBEDDED_MODELS)
+    raise UserInputError(f"model {name!r} is neither a known alias ({aliases}) nor an existing .gguf file "
+                         "or checkpoint directory")
+
+
+def load_model(name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    start = time.perf_counter()
+    source = resolve_model(name)
+    if source.kind is SourceKind.GGUF:
+        model, tokenizer = _load_gguf(source.path, dtype, device)
+    else:
+        model, tokenizer = _load_hf_dir(source.path, dtype, device)
+    return LoadedModel(model.eval(), tokenizer, source, time.perf_counter() - start)
+
+
+def build_model(model_class: type, config, weights: Iterator[tuple[str, torch.Tensor]],
+                dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Instantiate on the target device in the target dtype (no random init), then fill from `weights`."""
+    with torch.device(device):
+        model = model_class(config, dtype)
+    model.load_weights(weights)
+    return model
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Tokenizer]:
+    from .gguf_file import GGUFFile
+
+    gguf = GGUFFile(path)
+    model_class = model_class_for_gguf(gguf.get("general.architecture"))
+    config = model_class.config_class.from_gguf(gguf)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in gguf.tensors():
+            name, one_plus_w = model_class.gguf_name(t.name)
+            tensor = gguf.load(t.name)
+            yield name, tensor - 1.0 if one_plus_w else tensor  # GGUF stores Gemma norms as 1 + w
+
+    model = build_model(model_class, config, weights(), dtype, device)
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    tokenizer = Tokenizer.from_gguf(gguf, cache_dir() / "tokenizers" / f"{key}.json")
+    return model, tokenizer
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Tokenizer]:
+    from safetensors import safe_open
+
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise UserInputError(f"{path / 'config.json'} is not valid JSON: {exc}") from exc
+    model_class = model_class_for_hf(cfg.get("architectures"), cfg.get("model_type"))
+    config = model_class.config_class.from_hf(cfg)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserInputError(f"model directory {str(path)!r} has no *.safetensors files")
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            with safe_open(str(file), framework="pt") as fh:
+                for raw_name in fh.keys():
+                    name = model_class.checkpoint_name(raw_name)
+                    if name is not None:
+                        yield name, fh.get_tensor(raw_name).to(torch.float32)
+
+    model = build_model(model_class, config, weights(), dtype, device)
+    return model, Tokenizer.from_checkpoint_dir(path)

@@ -1,0 +1,158 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the special ids the engine needs.
+
+Sources:
+* a checkpoint directory: `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`);
+* a GGUF file: the SentencePiece-BPE vocabulary in its metadata. GGUF keeps no merges, so they are
+  rebuilt from the vocabulary: every way to cut a token into two tokens is a merge, ranked by the
+  token's position in the file (Gemma's scores do not follow merge order; file order does). Tokens
+  made only of spaces are stored with real spaces in GGUF, while the model's normaliser spells a
+  space "▁", so they are respelled. The result is cached as `tokenizer.json` beside the model in the
+  user cache, so the merge rebuild (~2 s) happens once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, processors
+
+from ..errors import UserInputError
+
+# GGUF token types (llama.cpp's llama_token_type).
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# Tokens that end a turn in Gemma's chat format; they stop generation like EOS when present.
+_TURN_END_TOKENS = ("<end_of_turn>",)
+
+
+@dataclass
+class Tokenizer:
+    backend: HFTokenizer
+    bos_token_id: int | None
+    eos_token_id: int
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    pad_token_id: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with BOS when the model wants it (post-processor)."""
+        return self.backend.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_backend(cls, backend: HFTokenizer, bos: int | None, eos: int, extra_stop: list[int] | None = None,
+                     pad: int = 0) -> "Tokenizer":
+        stops = {eos, *(extra_stop or [])}
+        for tok in _TURN_END_TOKENS:
+            tid = backend.token_to_id(tok)
+            if tid is not None:
+                stops.add(tid)
+        return cls(backend, bos, eos, frozenset(stops), pad)
+
+    @classmethod
+    def from_checkpoint_dir(cls, path: Path) -> "Tokenizer":
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise UserInputError(f"{path} has no tokenizer.json")
+        backend = HFTokenizer.from_file(str(tok_file))
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+        model_cfg = _read_json(path / "config.json")
+
+        def token_id(name: str, default: int | None) -> int | None:
+            value = cfg.get(name)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str) and backend.token_to_id(value) is not None:
+                return backend.token_to_id(value)
+            return default
+
+        bos = token_id("bos_token", model_cfg.get("bos_token_id", 2))
+        eos_field = gen.get("eos_token_id", model_cfg.get("eos_token_id", 1))
+        eos_list = eos_field if isinstance(eos_field, list) else [eos_field]
+        eos = token_id("eos_token", eos_list[0])
+        if cfg.get("add_bos_token", True) and bos is not None and not _adds_bos(backend, bos):
+            _set_bos_post_processor(backend, bos)
+        return cls.from_backend(backend, bos, eos, [int(e) for e in eos_list], token_id("pad_token", 0) or 0)
+
+    @classmethod
+    def from_gguf(cls, gguf, cache_file: Path | None = None) -> "Tokenizer":
+        model_type = gguf.get("tokenizer.ggml.model")
+        if model_type != "llama":
+            raise UserInputError(f"GGUF tokenizer type {model_type!r} is not supported (expected SentencePiece 'llama')")
+        bos = gguf.get("tokenizer.ggml.bos_token_id")
+        eos = gguf.get("tokenizer.ggml.eos_token_id")
+        pad = gguf.get("tokenizer.ggml.padding_token_id", 0)
+        if cache_file is not None and cache_file.is_file():
+            backend = HFTokenizer.from_file(str(cache_file))
+        else:
+            backend = build_sentencepiece_bpe(
+                gguf.strings("tokenizer.ggml.tokens"),
+                [int(t) for t in gguf.get("tokenizer.ggml.token_type")],
+                unk_id=gguf.get("tokenizer.ggml.unknown_token_id", 3),
+                bos_id=bos if gguf.get("tokenizer.ggml.add_bos_token", True) else None,
+            )
+            if cache_file is not None:
+                _atomic_save(backend, cache_file)
+        return cls.from_backend(backend, bos, eos, None, pad)
+
+
+def build_sentencepiece_bpe(tokens: list[str], token_types: list[int], unk_id: int,
+                            bos_id: int | None) -> HFTokenizer:
+    """A byte-fallback BPE tokenizer equivalent to the SentencePiece model the vocabulary came from."""
+    spelled = [t.replace(" ", "\u2581") if t and not t.strip(" ") else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    merges: list[tuple[str, str]] = []
+    for piece in spelled:  # file order = merge priority
+        for cut in range(len(piece) - 1, 0, -1):  # longer left part first
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=spelled[unk_id], fuse_unk=True,
+                                     byte_fallback=True, dropout=None))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, k in zip(spelled, token_types) if k == _CONTROL])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, k in zip(tokens, token_types) if k == _USER_DEFINED and t in vocab])
+    if bos_id is not None:
+        _set_bos_post_processor(backend, bos_id)
+    return backend
+
+
+def _set_bos_post_processor(backend: HFTokenizer, bos_id: int) -> None:
+    bos = backend.id_to_token(bos_id)
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+
+
+def _adds_bos(backend: HFTokenizer, bos_id: int) -> bool:
+    ids = backend.encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[0] == bos_id
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with path.open() as fh:
+        return json.load(fh)
+
+
+def _atomic_save(backend: HFTokenizer, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    backend.save(str(tmp))
+    tmp.replace(target)
