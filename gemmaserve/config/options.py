@@ -95,7 +95,7 @@ number = _argparse_type(_float)
 
 def _checked(value: Any, ok: Callable[[Any], bool], why: str) -> Any:
     if not ok(value):
-        raise UserInputError(f"{value} {why}")
+        raise UserInputError(f"{why}, got {value}")
     return value
 
 

@@ -20,7 +20,18 @@ from .sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        """`engine_options` are the fields of `EngineConfig` (dtype, device, max_model_len, ...)."""
+        try:
+            config = EngineConfig(model=model, **engine_options)
+        except TypeError as exc:  # an unknown keyword
+            raise UserInputError(str(exc).replace("EngineConfig.__init__()", "LLM()")) from None
+        self.engine = LLMEngine(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
 
     @property
     def tokenizer(self):

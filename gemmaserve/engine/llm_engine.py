@@ -106,6 +106,10 @@ class LLMEngine:
         self.scheduler.add(req)
         return request_id
 
+    def request(self, request_id: str) -> Request:
+        """A request that has not finished yet (KeyError otherwise)."""
+        return self._requests[request_id]
+
     def abort_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is not None and not req.is_finished:

@@ -21,7 +21,7 @@ from torch import nn
 from ..attention.base import BatchAttention
 from ..errors import UserInputError
 from ..kv.spec import AttentionKind, LayerSpec
-from .layers import GeGLU, GemmaRMSNorm, Linear, RopeParams, apply_rope
+from .layers import GeGLU, GemmaRMSNorm, Linear, RopeParams, apply_rope, linear
 
 _FULL = "full_attention"
 _SLIDING = "sliding_attention"
@@ -280,7 +280,7 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        logits = linear(hidden, self.model.embed_tokens.weight)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

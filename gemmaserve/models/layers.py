@@ -23,6 +23,18 @@ class GemmaRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
+# On the CPU, MKL runs x @ W^T up to ~3x slower than (W @ x^T)^T when x has few rows (decode
+# batches), most of all for the tall [262k, H] output head. Same math, different loop order.
+_CPU_SMALL_BATCH_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T for x of shape [T, in]."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _CPU_SMALL_BATCH_ROWS:
+        return torch.mm(weight, x.t()).t().contiguous()
+    return F.linear(x, weight)
+
+
 class Linear(nn.Module):
     """y = x W^T with no bias; weights are filled by the loader (no random init)."""
 
@@ -33,7 +45,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class GeGLU(nn.Module):

@@ -1,0 +1,79 @@
+"""Command line: `gemmaserve generate|bench ...`. Engine and sampling options come from the
+`EngineConfig` and `SamplingParams` dataclasses, so every command shares them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .config.engine import EngineConfig
+from .config.options import add_options, from_namespace
+from .engine.sampling_params import SamplingParams
+from .errors import UserInputError
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line (no usage dump), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gemmaserve", description="Gemma 3 / Gemma 4 inference engine")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = commands.add_parser("generate", help="complete prompts and print the results")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_options(gen, EngineConfig, "engine")
+    add_options(gen, SamplingParams, "sampling")
+    gen.set_defaults(handler=_generate)
+
+    bench = commands.add_parser("bench", help="run a benchmark and write JSON")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    from .bench import decode
+
+    dec = kinds.add_parser("decode", help="CPU/GPU decode tokens/s against Hugging Face generate")
+    decode.add_arguments(dec)
+    add_options(dec, EngineConfig, "engine")
+    dec.set_defaults(handler=decode.run)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine.llm import LLM
+
+    engine_config = from_namespace(EngineConfig, args)
+    params = from_namespace(SamplingParams, args)
+    llm = LLM.from_config(engine_config)
+    outputs = llm.generate(args.prompts, params)
+    for i, out in enumerate(outputs):
+        if args.json:
+            print(json.dumps(out.to_dict(), ensure_ascii=False), flush=True)
+        else:
+            if i:
+                print()
+            print(out.prompt + out.outputs[0].text, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.handler(args)
+    except UserInputError as exc:
+        print(f"gemmaserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
