@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _generate(args: argparse.Namespace) -> int:
     from .engine.llm import LLM
 
+    for i, prompt in enumerate(args.prompts):  # cheap checks before the model loads
+        if not prompt.strip():
+            raise UserInputError(f"prompt {i}: empty prompt")
     engine_config = from_namespace(EngineConfig, args)
     params = from_namespace(SamplingParams, args)
     llm = LLM.from_config(engine_config)

@@ -114,8 +114,11 @@ def run(args: argparse.Namespace) -> int:
         for row in result["rows"]:
             if hf1:
                 row["ratio_vs_hf_batch1"] = round(row["ours_tok_s"] / hf1, 2)
-    if args.hf_gguf_load and engine.info.model:
-        result["hf_gguf_load_seconds"] = round(_hf_gguf_load_seconds(engine), 2)
+    if args.hf_gguf_load:
+        try:
+            result["hf_gguf_load_seconds"] = round(_hf_gguf_load_seconds(engine), 2)
+        except (ImportError, ValueError) as exc:  # e.g. accelerate missing; keep the other figures
+            result["hf_gguf_load_error"] = str(exc)
     _report(result, Path(args.out))
     return 0
 

@@ -1,0 +1,31 @@
+"""The README's first command, and --json output."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+
+def test_generate_json_one_object_per_prompt(llm_270m):
+    res = subprocess.run([sys.executable, "-m", "gemmaserve", "generate", "--json", "--max-tokens", "6",
+                          "The capital of France is", "1, 2, 3,"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["The capital of France is", "1, 2, 3,"]
+    for r in rows:
+        assert {"prompt", "text", "token_ids", "finish_reason"} <= set(r)
+        assert r["finish_reason"] == "length" and len(r["token_ids"]) == 6
+    # Same tokens as the Python API.
+    from gemmaserve import SamplingParams
+
+    api = llm_270m.generate(["The capital of France is"], SamplingParams(max_tokens=6))[0]
+    assert rows[0]["token_ids"] == api.outputs[0].token_ids and rows[0]["text"] == api.outputs[0].text
+
+
+def test_console_script_prints_prompt_and_continuation():
+    exe = shutil.which("gemmaserve")
+    assert exe, "console script not installed"
+    res = subprocess.run([exe, "generate", "--max-tokens", "4", "The capital of France is"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("The capital of France is") and len(res.stdout.strip()) > len("The capital of France is")

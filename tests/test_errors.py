@@ -1,0 +1,146 @@
+"""Bad input gets a clear one-line error: UserInputError (a ValueError) in Python, exit status 2 and no
+traceback on the command line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gemmaserve import LLM, SamplingParams, UserInputError
+from gemmaserve.config.engine import EngineConfig
+
+
+def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gemmaserve", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=2.5), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(seed="x"), "seed"),
+])
+def test_sampling_params_reject_bad_values(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(dtype="float16"), "float16"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(page_size=0), "page_size"),
+    (dict(max_model_len=1), "max_model_len"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(kv_cache_manager="v9"), "kv_cache_manager"),
+    (dict(model=""), "model"),
+])
+def test_engine_config_rejects_bad_values(kwargs, needle):
+    with pytest.raises(UserInputError, match=needle):
+        EngineConfig(**kwargs)
+
+
+def test_unknown_model_and_missing_path():
+    with pytest.raises(UserInputError, match="neither a known alias"):
+        LLM(model="gemma-nonexistent")
+    with pytest.raises(UserInputError, match="neither a known alias"):
+        LLM(model="/no/such/dir")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(UserInputError, match="unsupported architecture.*LlamaForCausalLM"):
+        LLM(model=str(tmp_path))
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "llama.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserInputError, match="unsupported GGUF architecture 'llama'"):
+        LLM(model=str(path))
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="GGUF"):
+        LLM(model=str(bad))
+
+
+def test_unknown_llm_option():
+    with pytest.raises(UserInputError, match="unexpected keyword"):
+        LLM(not_an_option=3)
+
+
+def test_generate_rejects_bad_prompts_before_running(llm_270m):
+    with pytest.raises(UserInputError, match="no prompts"):
+        llm_270m.generate([])
+    with pytest.raises(UserInputError, match="prompt 1: empty prompt"):
+        llm_270m.generate(["fine", "   "])
+    with pytest.raises(UserInputError, match="must be a string"):
+        llm_270m.generate([123])
+    with pytest.raises(UserInputError, match="2 SamplingParams for 1 prompts"):
+        llm_270m.generate(["a"], [SamplingParams(), SamplingParams()])
+    long_prompt = "word " * (llm_270m.engine.max_model_len + 10)
+    with pytest.raises(UserInputError, match="prompt 1: prompt is .* tokens long; max_model_len is"):
+        llm_270m.generate(["ok", long_prompt])
+    assert not llm_270m.engine.has_unfinished_requests()  # nothing half-submitted
+
+
+def test_request_larger_than_kv_budget_is_rejected_at_admission(tmp_path):
+    from helpers import fresh_seed, save_checkpoint, tiny_hf_model
+
+    path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "tiny")
+    llm = LLM(model=str(path), kv_cache_memory=64 * 1024, page_size=4)
+    with pytest.raises(UserInputError, match=r"needs .* MiB of KV cache .* but the KV cache has"):
+        llm.generate(["abc"], SamplingParams(max_tokens=4000))
+    assert llm.generate(["abc"], SamplingParams(max_tokens=4))[0].outputs[0].finish_reason == "length"
+
+
+def test_budget_smaller_than_one_page_fails_at_startup(tmp_path):
+    from helpers import fresh_seed, save_checkpoint, tiny_hf_model
+
+    path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "tiny")
+    with pytest.raises(UserInputError, match="smaller than one page"):
+        LLM(model=str(path), kv_cache_memory=100)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate"], "required: PROMPT"),
+    (["generate", ""], "empty prompt"),
+    (["generate", "x", "--max-tokens", "0"], "--max-tokens: must be >= 1"),
+    (["generate", "x", "--temperature", "-1"], "temperature"),
+    (["generate", "x", "--top-p", "0"], "top_p"),
+    (["generate", "x", "--top-k", "-2"], "top_k"),
+    (["generate", "x", "--model", "no-such-model"], "neither a known alias"),
+    (["generate", "x", "--kv-cache-memory", "lots"], "invalid size"),
+    (["generate", "x", "--dtype", "float16"], "float16 overflows"),
+    (["bench", "decode", "--batch-sizes", "a,b"], "--batch-sizes must be"),
+    (["bench", "decode", "--model", "no-such-model"], "neither a known alias"),
+])
+def test_cli_errors_are_one_line_with_status_2(args, needle):
+    res = _cli(*args)
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    assert needle in lines[0] and "Traceback" not in res.stderr
+
+
+def test_cli_prompt_longer_than_max_model_len():
+    res = _cli("generate", "--max-model-len", "8", "one two three four five six seven eight nine ten")
+    assert res.returncode == 2
+    assert "max_model_len is 8" in res.stderr and "Traceback" not in res.stderr
