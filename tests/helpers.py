@@ -14,6 +14,7 @@ from gemmaserve.engine.request import Request
 from gemmaserve.engine.sampling_params import SamplingParams
 from gemmaserve.engine.scheduler import ScheduledSeq
 from gemmaserve.kv.manager_v1 import KVCacheManagerV1
+from gemmaserve.kv.manager_v2 import KVCacheManagerV2
 from gemmaserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 
 
@@ -76,14 +77,21 @@ def save_checkpoint(hf_model, path: Path) -> Path:
     return path
 
 
+def make_manager(kind: str, specs, page_size: int, num_pages: int, **kw):
+    if kind == "v1":
+        return KVCacheManagerV1(specs, page_size, num_pages)
+    return KVCacheManagerV2(specs, page_size, num_pages, **kw)
+
+
 def paged_logits(model: Gemma3ForCausalLM, seqs: list[list[int]], chunk: int | None = None,
-                 page_size: int = 4, first_chunk: int | None = None) -> list[torch.Tensor]:
+                 page_size: int = 4, first_chunk: int | None = None, manager: str = "v2",
+                 scratch: bool = False) -> list[torch.Tensor]:
     """Run the sequences together through our paged engine pieces, `chunk` new tokens per sequence
     per step (None = everything at once; `first_chunk` overrides the first step), and return the
     logits at every position of each sequence."""
     specs = model.kv_layer_specs(torch.float32)
-    total = sum(-(-len(s) // page_size) for s in seqs)
-    kv = KVCacheManagerV1(specs, page_size, total + 4)
+    total = sum(len(s) for s in seqs) * len(specs) + 64
+    kv = make_manager(manager, specs, page_size, total, enable_prefix_caching=False, enable_scratch=scratch)
     backend = TorchAttentionBackend()
     runner = ModelRunner(model, backend, kv, specs, torch.device("cpu"))
     reqs = [Request(str(i), "", list(s), SamplingParams(), frozenset(), 10**9) for i, s in enumerate(seqs)]
@@ -97,7 +105,8 @@ def paged_logits(model: Gemma3ForCausalLM, seqs: list[list[int]], chunk: int | N
                 continue
             n = first_chunk if (step == 0 and first_chunk) else (chunk or left)
             n = min(n, left)
-            assert kv.allocate(r.request_id, r.num_computed_tokens + n)
+            start = r.num_computed_tokens
+            assert kv.allocate(r.request_id, r.all_token_ids, start, start + n, prefill=n > 1)
             batch.append(ScheduledSeq(r, n))
         ids, pos, md = runner.build_metadata(batch)
         with torch.inference_mode():
@@ -108,6 +117,7 @@ def paged_logits(model: Gemma3ForCausalLM, seqs: list[list[int]], chunk: int | N
             outs[int(s.request.request_id)].append(logits[start:start + s.num_new_tokens])
             start += s.num_new_tokens
             s.request.num_computed_tokens += s.num_new_tokens
+            kv.commit(s.request.request_id, s.request.all_token_ids, s.request.num_computed_tokens)
         kv.check_integrity()
         step += 1
     return [torch.cat(o) for o in outs]

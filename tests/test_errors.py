@@ -106,7 +106,7 @@ def test_request_larger_than_kv_budget_is_rejected_at_admission(tmp_path):
 
     path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "tiny")
     llm = LLM(model=str(path), kv_cache_memory=64 * 1024, page_size=4)
-    with pytest.raises(UserInputError, match=r"needs .* MiB of KV cache .* but the KV cache has"):
+    with pytest.raises(UserInputError, match=r"needs .* of KV cache for .* tokens, but the KV cache has"):
         llm.generate(["abc"], SamplingParams(max_tokens=4000))
     assert llm.generate(["abc"], SamplingParams(max_tokens=4))[0].outputs[0].finish_reason == "length"
 
@@ -115,7 +115,7 @@ def test_budget_smaller_than_one_page_fails_at_startup(tmp_path):
     from helpers import fresh_seed, save_checkpoint, tiny_hf_model
 
     path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "tiny")
-    with pytest.raises(UserInputError, match="smaller than one page"):
+    with pytest.raises(UserInputError, match="too small for this model: one token in every layer needs"):
         LLM(model=str(path), kv_cache_memory=100)
 
 

@@ -24,14 +24,19 @@ def test_page_pool_is_all_or_nothing():
         pool.free(pages[:1])
 
 
+def _table(kv, seq):
+    return kv.group_tables([seq])[0].slot_ids[0]
+
+
 def test_v1_allocate_grows_tables_atomically():
     kv = KVCacheManagerV1(SPECS, page_size=4, num_pages=5)
+    toks = list(range(12))
     assert kv.page_bytes == 4 * 4 * 2 * 16 * 4
-    assert kv.allocate("a", 9) and len(kv.page_table("a")) == 3
-    assert kv.allocate("a", 12) and len(kv.page_table("a")) == 3
-    assert not kv.allocate("b", 12)          # needs 3, only 2 free: nothing taken
+    assert kv.allocate("a", toks, 0, 9, True) and len(_table(kv, "a")) == 3
+    assert kv.allocate("a", toks, 9, 12, True) and len(_table(kv, "a")) == 3
+    assert not kv.allocate("b", toks, 0, 12, True)          # needs 3, only 2 free: nothing taken
     assert kv.num_free_pages == 2 and "b" not in kv._tables
-    assert kv.allocate("b", 8)
+    assert kv.allocate("b", toks, 0, 8, True)
     kv.check_integrity()
     kv.free("a")
     assert kv.num_free_pages == 3
@@ -40,8 +45,8 @@ def test_v1_allocate_grows_tables_atomically():
 
 def test_v1_integrity_check_catches_corruption():
     kv = KVCacheManagerV1(SPECS, page_size=4, num_pages=6)
-    kv.allocate("a", 8)
-    kv.allocate("b", 4)
+    kv.allocate("a", list(range(8)), 0, 8, True)
+    kv.allocate("b", list(range(4)), 0, 4, True)
     kv._tables["b"].append(kv._tables["a"][0])  # a page owned twice
     with pytest.raises(AssertionError, match="owned by both"):
         kv.check_integrity()
@@ -52,7 +57,16 @@ def tiny_dir(tmp_path_factory):
     return save_checkpoint(tiny_hf_model(fresh_seed(), sliding_window=8), tmp_path_factory.mktemp("tiny"))
 
 
-PROMPTS = ["the quick brown fox jumps over the lazy dog " * k for k in (1, 3, 2, 4, 1, 2)]
+def _prompts() -> list[str]:
+    """Six prompts of different lengths that share no prefix (so the prefix cache cannot save memory)."""
+    import random
+
+    rng = random.Random(7)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(300)]
+    return [" ".join(rng.choice(words) for _ in range(9 * k)) for k in (1, 3, 2, 4, 1, 2)]
+
+
+PROMPTS = _prompts()
 
 
 def _run(llm: LLM, params: SamplingParams, check_each_step: bool = True):
@@ -67,17 +81,22 @@ def _run(llm: LLM, params: SamplingParams, check_each_step: bool = True):
     return [done[i] for i in ids]
 
 
-def test_preemption_under_small_budget_gives_identical_greedy_output(tiny_dir):
+@pytest.mark.parametrize("manager, scratch", [("v1", "off"), ("v2", "off"), ("v2", "on")])
+def test_preemption_under_small_budget_gives_identical_greedy_output(tiny_dir, manager, scratch):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    roomy = LLM(model=str(tiny_dir), page_size=4)
+    opts = dict(page_size=4, kv_cache_manager=manager, swa_scratch_reuse=scratch, max_num_batched_tokens=64)
+    roomy = LLM(model=str(tiny_dir), **opts)
     ref = _run(roomy, params)
-    # Enough for the longest single request (~230 tokens) but far less than all six together.
-    page_bytes = roomy.engine.kv.page_bytes
-    tight = LLM(model=str(tiny_dir), page_size=4, kv_cache_memory=70 * page_bytes, max_num_batched_tokens=64)
+    # Room for the longest request at its peak, but far less than all six together.
+    kv = roomy.engine.kv
+    longest = max(len(roomy.tokenizer.encode(p)) for p in PROMPTS) + params.max_tokens
+    budget = int(1.3 * kv.peak_pages(longest, 64)) * kv.page_bytes
+    tight = LLM(model=str(tiny_dir), kv_cache_memory=budget, **opts)
     got = _run(tight, params)
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == ref
-    assert tight.engine.kv.num_free_pages == tight.engine.kv.num_pages
+    stats = tight.engine.kv.stats()
+    assert stats.pages_used == 0 and stats.pages_free + stats.pages_cached == stats.num_pages
 
 
 def test_abort_frees_pages_at_any_point(tiny_dir):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv.base import GroupTables, KVLayout
 from ..kv.spec import LayerSpec
 
 
@@ -20,25 +21,24 @@ class BackendCapabilities:
     name: str
     devices: frozenset[str]             # torch device types it runs on
     head_dims: frozenset[int] | None    # None: any head dim
-    scratch_pages: bool                 # honours per-layer page tables that alias scratch pages
+    scratch_pages: bool                 # honours per-layer page tables where layers alias one scratch page
+    shared_arena: bool                  # can view one byte arena with per-layer page geometry (KV manager V2)
 
 
 @dataclass
 class AttentionMetadata:
     """Layout of one forward pass, shared by all layers.
 
-    Tokens of sequence b are rows [query_start[b], query_start[b] + query_lens[b]) of q/k/v; they
-    sit at positions [seq_lens[b] - query_lens[b], seq_lens[b]). `page_tables[t][b]` lists the pages
-    of sequence b in table t; layer l reads table `layer_table[l]`. `slot_mapping[t]` gives, for each
-    new token, its slot (page * page_size + offset) in table t.
+    Tokens of sequence b are rows [query_start[b], query_start[b] + query_lens[b]) of q/k/v; they sit
+    at positions [seq_lens[b] - query_lens[b], seq_lens[b]). Layer l reads and writes the pages of
+    column `layer_slot[l][1]` of group `layer_slot[l][0]`: the page of position p of sequence b is
+    `slot_pages[slot_ids[b][p // T - first_block[b]], column]`, at offset p % T.
     """
 
     query_lens: list[int]
     seq_lens: list[int]
-    page_tables: list[list[list[int]]]
-    slot_mapping: list[torch.Tensor]
-    layer_table: list[int]
-    page_size: int
+    groups: list[GroupTables]
+    layer_slot: tuple[tuple[int, int], ...]
 
     @property
     def num_seqs(self) -> int:
@@ -63,10 +63,10 @@ class AttentionBackend(ABC):
     capabilities: BackendCapabilities
 
     @abstractmethod
-    def allocate_kv_cache(self, specs: list[LayerSpec], num_pages: int, page_size: int,
+    def allocate_kv_cache(self, specs: list[LayerSpec], layout: KVLayout,
                           device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, (K, V) storage indexed by slot. Layers that read another layer's KV get
-        that layer's tensors."""
+        """Per layer, (K, V) views of shape [pages, tokens per page, Hkv, D]. Layers that read another
+        layer's KV get that layer's views."""
 
     @abstractmethod
     def begin_batch(self, metadata: AttentionMetadata,

@@ -1,14 +1,15 @@
 """Reference attention in plain torch (CPU and GPU): gather K/V through page tables, then SDPA.
 
-KV storage per layer is [num_pages * page_size, Hkv, D] (slot-indexed). For each batch and each
-(table, window) pair the backend builds a gather plan once and reuses it for every layer with the
-same table and window:
+Each layer's K and V are views [pages, T, Hkv, D] (T = its tokens per page). For each batch the
+backend resolves positions to (slot row, offset) once per layer group, and to pages once per group
+column (one gather of `slot_pages`), so every layer of a group reuses the same plan:
 
+* new tokens are written at (page, offset) of their layer (a scratch page is shared by all layers
+  of a group: each layer overwrites it before reading it);
 * decode rows (one new token each) are batched: keys padded to the longest row, padding masked;
 * rows with several new tokens (prefill chunks) run one by one with a causal/window mask.
 
-Only keys a query can see are gathered: a sliding layer reads the last `window` positions, not the
-whole history.
+Only keys a query can see are gathered: a sliding layer reads the last `window` positions.
 """
 
 from __future__ import annotations
@@ -18,29 +19,25 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..kv.base import GroupTables, KVLayout
 from ..kv.spec import LayerSpec
 from .base import AttentionBackend, AttentionMetadata, BackendCapabilities, BatchAttention
 
 
 @dataclass
-class _DecodePlan:
-    token_rows: torch.Tensor   # [B] row of each decode token in q
-    key_slots: torch.Tensor    # [B, K] slots to gather (padding repeats a valid slot)
-    mask: torch.Tensor | None  # [B, 1, 1, K] True = visible; None if no padding
+class _Where:
+    """Storage addresses of a set of positions: page per group column, and offset in the page."""
 
-
-@dataclass
-class _PrefillPlan:
-    start: int
-    end: int
-    key_slots: torch.Tensor    # [K]
-    mask: torch.Tensor | None  # [n, K] True = visible; None if plain full view
+    pages: torch.Tensor    # [columns, *shape]
+    offsets: torch.Tensor  # [*shape]
 
 
 @dataclass
 class _Plan:
-    decode: _DecodePlan | None = None
-    prefill: list[_PrefillPlan] = field(default_factory=list)
+    decode_rows: torch.Tensor | None = None   # [B] row of each decode token in q
+    decode_keys: _Where | None = None         # [B, K] (padding repeats a valid key)
+    decode_mask: torch.Tensor | None = None   # [B, 1, 1, K] True = visible; None if no padding
+    prefill: list[tuple[int, int, _Where, torch.Tensor]] = field(default_factory=list)  # start, end, keys, mask
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -60,95 +57,122 @@ class TorchBatchAttention(BatchAttention):
         self.specs = specs
         self.device = kv_cache[0][0].device if kv_cache else torch.device("cpu")
         self._plans: dict[tuple[int, int | None], _Plan] = {}
+        self._writes: dict[int, _Where] = {}
         starts = [0]
         for n in md.query_lens:
             starts.append(starts[-1] + n)
         self._starts = starts
 
-    def _slots(self, table: int, seq: int, first_pos: int, end_pos: int) -> torch.Tensor:
-        """Slots (on the CPU) of positions [first_pos, end_pos) of a sequence."""
-        pages = torch.tensor(self.md.page_tables[table][seq])
-        pos = torch.arange(first_pos, end_pos)
-        ps = self.md.page_size
-        return pages[pos // ps] * ps + pos % ps
+    def _where(self, tables: GroupTables, seq: int, pos: torch.Tensor) -> _Where:
+        t = tables.group.tokens_per_page
+        rows = torch.tensor(tables.slot_ids[seq], dtype=torch.long)[pos // t - tables.first_block[seq]]
+        return _Where(tables.slot_pages[rows].movedim(-1, 0), pos % t)
 
-    def _plan(self, table: int, window: int | None) -> _Plan:
-        key = (table, window)
-        plan = self._plans.get(key)
+    def _to_device(self, w: _Where) -> _Where:
+        return _Where(w.pages.to(self.device), w.offsets.to(self.device))
+
+    def _write_plan(self, group: int) -> _Where:
+        w = self._writes.get(group)
+        if w is None:
+            tables = self.md.groups[group]
+            parts = [self._where(tables, b, torch.arange(seq_len - n, seq_len))
+                     for b, (n, seq_len) in enumerate(zip(self.md.query_lens, self.md.seq_lens))]
+            w = self._to_device(_Where(torch.cat([p.pages for p in parts], dim=1),
+                                       torch.cat([p.offsets for p in parts])))
+            self._writes[group] = w
+        return w
+
+    def _plan(self, group: int, window: int | None) -> _Plan:
+        plan = self._plans.get((group, window))
         if plan is not None:
             return plan
         plan = _Plan()
-        md, dev = self.md, self.device
-        decode_rows, decode_slots, decode_lens = [], [], []
+        md, tables = self.md, self.md.groups[group]
+        decode_rows, decode_pos = [], []
         for b, (n, seq_len) in enumerate(zip(md.query_lens, md.seq_lens)):
             first_q = seq_len - n
             first_k = 0 if window is None else max(0, first_q - window + 1)
-            slots = self._slots(table, b, first_k, seq_len)
+            k_pos = torch.arange(first_k, seq_len)
             if n == 1:
                 decode_rows.append(self._starts[b])
-                decode_slots.append(slots)
-                decode_lens.append(len(slots))
+                decode_pos.append(k_pos)
                 continue
-            mask = visible(torch.arange(first_q, seq_len), torch.arange(first_k, seq_len), window)
-            plan.prefill.append(_PrefillPlan(self._starts[b], self._starts[b] + n, slots.to(dev), mask.to(dev)))
+            mask = visible(torch.arange(first_q, seq_len), k_pos, window)
+            plan.prefill.append((self._starts[b], self._starts[b] + n,
+                                 self._to_device(self._where(tables, b, k_pos)), mask.to(self.device)))
         if decode_rows:
-            width = max(decode_lens)
-            padded = torch.stack([F.pad(s, (0, width - len(s)), value=int(s[-1])) for s in decode_slots])
-            mask = None
-            if min(decode_lens) != width:
-                lens = torch.tensor(decode_lens)
-                mask = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :].to(dev)
-            plan.decode = _DecodePlan(torch.tensor(decode_rows, device=dev),
-                                      padded.to(dev), mask)
-        self._plans[key] = plan
+            lens = [len(p) for p in decode_pos]
+            width = max(lens)
+            seqs = [b for b, n in enumerate(md.query_lens) if n == 1]
+            # Pad each row by repeating its last key; the mask hides the copies.
+            wheres = [self._where(tables, b, torch.cat([p, p[-1:].expand(width - len(p))]))
+                      for b, p in zip(seqs, decode_pos)]
+            plan.decode_rows = torch.tensor(decode_rows, device=self.device)
+            plan.decode_keys = self._to_device(_Where(torch.stack([w.pages for w in wheres], dim=1),
+                                                      torch.stack([w.offsets for w in wheres])))
+            if min(lens) != width:
+                mask = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
+                plan.decode_mask = mask[:, None, None, :].to(self.device)
+        self._plans[(group, window)] = plan
         return plan
 
     def __call__(self, layer, q, k, v, *, scale, window, softcap=None):
         if softcap is not None:
             raise NotImplementedError("attention soft-capping is not used by Gemma 3/4 text models")
-        table = self.md.layer_table[layer]
+        group, col = self.md.layer_slot[layer]
         k_cache, v_cache = self.kv_cache[layer]
         if self.specs[layer].owns_kv:
-            slots = self.md.slot_mapping[table]
-            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
-        plan = self._plan(table, window)
+            w = self._write_plan(group)
+            k_cache[w.pages[col], w.offsets] = k.to(k_cache.dtype)
+            v_cache[w.pages[col], w.offsets] = v.to(v_cache.dtype)
+        plan = self._plan(group, window)
         out = torch.empty_like(q)
-        gqa = q.shape[1] != k_cache.shape[1]
-        if plan.decode is not None:
-            d = plan.decode
-            kk = k_cache[d.key_slots].transpose(1, 2)  # [B, Hkv, K, D]
-            vv = v_cache[d.key_slots].transpose(1, 2)
-            qq = q[d.token_rows].unsqueeze(2)          # [B, Hq, 1, D]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
-            out[d.token_rows] = o.squeeze(2)
-        for p in plan.prefill:
-            kk = k_cache[p.key_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, K, D]
-            vv = v_cache[p.key_slots].transpose(0, 1).unsqueeze(0)
-            qq = q[p.start:p.end].transpose(0, 1).unsqueeze(0)      # [1, Hq, n, D]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
-            out[p.start:p.end] = o[0].transpose(0, 1)
+        gqa = q.shape[1] != k_cache.shape[2]
+        if plan.decode_rows is not None:
+            keys = plan.decode_keys
+            kk = k_cache[keys.pages[col], keys.offsets].transpose(1, 2)  # [B, Hkv, K, D]
+            vv = v_cache[keys.pages[col], keys.offsets].transpose(1, 2)
+            qq = q[plan.decode_rows].unsqueeze(2)                         # [B, Hq, 1, D]
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=plan.decode_mask, scale=scale, enable_gqa=gqa)
+            out[plan.decode_rows] = o.squeeze(2)
+        for start, end, keys, mask in plan.prefill:
+            kk = k_cache[keys.pages[col], keys.offsets].transpose(0, 1).unsqueeze(0)  # [1, Hkv, K, D]
+            vv = v_cache[keys.pages[col], keys.offsets].transpose(0, 1).unsqueeze(0)
+            qq = q[start:end].transpose(0, 1).unsqueeze(0)                            # [1, Hq, n, D]
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[start:end] = o[0].transpose(0, 1)
         return out
 
 
 class TorchAttentionBackend(AttentionBackend):
-    capabilities = BackendCapabilities(
-        name="torch", devices=frozenset({"cpu", "cuda"}), head_dims=None, scratch_pages=True)
+    capabilities = BackendCapabilities(name="torch", devices=frozenset({"cpu", "cuda"}), head_dims=None,
+                                       scratch_pages=True, shared_arena=True)
 
     def __init__(self) -> None:
         self._specs: list[LayerSpec] = []
 
-    def allocate_kv_cache(self, specs, num_pages, page_size, device):
+    def allocate_kv_cache(self, specs, layout: KVLayout, device):
         self._specs = list(specs)
         caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for spec in specs:
+        # empty, not zeros: untouched pages cost no RAM on the CPU until first written.
+        arena = torch.empty(layout.num_pages * layout.page_bytes, dtype=torch.uint8, device=device) \
+            if layout.shared_arena else None
+        for i, spec in enumerate(specs):
             if not spec.owns_kv:
                 caches.append(caches[spec.kv_source])
                 continue
-            shape = (num_pages * page_size, spec.num_kv_heads, spec.head_dim)
-            # empty, not zeros: untouched pages cost no RAM on the CPU until first written.
-            caches.append((torch.empty(shape, dtype=spec.dtype, device=device),
-                           torch.empty(shape, dtype=spec.dtype, device=device)))
+            t, h, d = layout.tokens_per_page[i], spec.num_kv_heads, spec.head_dim
+            if arena is None:
+                shape = (layout.num_pages, t, h, d)
+                caches.append((torch.empty(shape, dtype=spec.dtype, device=device),
+                               torch.empty(shape, dtype=spec.dtype, device=device)))
+                continue
+            # Page p of this layer: T tokens x (K, V) x Hkv x D at byte p * page_bytes of the arena.
+            esize = torch.empty((), dtype=spec.dtype).element_size()
+            page_elems = layout.page_bytes // esize
+            flat = arena.view(spec.dtype)
+            kv = flat.as_strided((layout.num_pages, t, 2, h, d), (page_elems, 2 * h * d, h * d, d, 1))
+            caches.append((kv[:, :, 0], kv[:, :, 1]))
         return caches
 
     def begin_batch(self, metadata, kv_cache):

@@ -17,7 +17,8 @@ _DTYPES = {
 }
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "fp32", "bf16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch")
-KV_MANAGERS = ("auto", "v1")
+KV_MANAGERS = ("auto", "v1", "v2")
+SCRATCH_CHOICES = ("auto", "on", "off")
 
 # CPU default KV budget. Storage is torch.empty, so untouched pages cost no RAM.
 _CPU_KV_DEFAULT = 4 << 30
@@ -42,7 +43,15 @@ class EngineConfig:
                                               "(default: 4GiB on the CPU, --gpu-memory-utilization on CUDA)")
     gpu_memory_utilization: float = option(0.9, parse=number,
                                            help="fraction of GPU memory the engine may use (weights + KV)")
-    kv_cache_manager: str = option("auto", choices=KV_MANAGERS, help="KV cache layout; auto = the model's preference")
+    kv_cache_manager: str = option("auto", choices=KV_MANAGERS,
+                                   help="KV cache manager: v1 keeps every token in every layer, v2 keeps only what "
+                                        "sliding windows can still read; auto = the model's preference (Gemma: v2)")
+    swa_scratch_reuse: str = option("auto", choices=SCRATCH_CHOICES,
+                                    help="write prefill blocks that leave the window within the chunk to scratch pages "
+                                         "shared by the sliding layers; auto = on for text models when supported")
+    enable_prefix_caching: bool | None = option(None, negatable=True,
+                                                help="reuse the KV of earlier prompts' common prefixes (default: on "
+                                                     "where the KV manager supports it)")
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
                                     help="attention implementation; auto = the best one for the device")
 
@@ -64,6 +73,10 @@ class EngineConfig:
             raise UserInputError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_manager not in KV_MANAGERS:
             raise UserInputError(f"kv_cache_manager must be one of {', '.join(KV_MANAGERS)}")
+        if self.swa_scratch_reuse not in SCRATCH_CHOICES:
+            raise UserInputError(f"swa_scratch_reuse must be one of {', '.join(SCRATCH_CHOICES)}")
+        if self.enable_prefix_caching not in (None, True, False):
+            raise UserInputError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
 

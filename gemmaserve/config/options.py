@@ -30,9 +30,10 @@ class OptionMeta:
 
 
 def option(default: Any, *, help: str, parse: Callable[[str], Any] | None = None,
-           choices: Sequence[str] | None = None, flag: str | None = None) -> Any:
-    """A dataclass field that is also a command-line option. bool fields get --x/--no-x."""
-    meta = OptionMeta(help, parse, choices, flag, negatable=isinstance(default, bool))
+           choices: Sequence[str] | None = None, flag: str | None = None, negatable: bool = False) -> Any:
+    """A dataclass field that is also a command-line option. bool fields (and `negatable` ones, whose
+    default None means "auto") get --x/--no-x."""
+    meta = OptionMeta(help, parse, choices, flag, negatable=negatable or isinstance(default, bool))
     return dataclasses.field(default=default, metadata={_META: meta})
 
 
@@ -119,3 +120,12 @@ def parse_size(text: str) -> int:
 
 
 size = _argparse_type(parse_size)
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

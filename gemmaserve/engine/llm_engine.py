@@ -14,6 +14,8 @@ import torch
 
 from ..attention import select_backend
 from ..config.engine import EngineConfig
+from ..config.options import format_bytes
+from ..config.resolve import resolve_cache_options
 from ..errors import UserInputError
 from ..kv import create_kv_manager
 from ..models.loader import load_model
@@ -33,6 +35,8 @@ class EngineInfo:
     dtype: str
     max_model_len: int
     kv_manager: str
+    swa_scratch_reuse: bool
+    prefix_caching: bool
     attention_backend: str
     kv_pages: int
     kv_page_size: int
@@ -55,15 +59,21 @@ class LLMEngine:
 
         specs = self.model.kv_layer_specs(self.dtype)
         self.backend = select_backend(config.attention_backend, self.device, specs)
-        self.kv = create_kv_manager(config.kv_cache_manager, specs, config.page_size,
-                                    config.kv_budget_bytes(self.device))
+        self.cache_options = resolve_cache_options(config, self.model.engine_preferences(), self.backend.capabilities,
+                                                   specs)
+        self.kv = create_kv_manager(self.cache_options.kv_cache_manager, specs, config.page_size,
+                                    config.kv_budget_bytes(self.device),
+                                    enable_prefix_caching=self.cache_options.enable_prefix_caching,
+                                    enable_scratch=self.cache_options.swa_scratch_reuse)
         self.runner = ModelRunner(self.model, self.backend, self.kv, specs, self.device)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.info = EngineInfo(
             model=config.model, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            max_model_len=self.max_model_len, kv_manager=type(self.kv).__name__,
+            max_model_len=self.max_model_len, kv_manager=self.kv.name,
+            swa_scratch_reuse=self.cache_options.swa_scratch_reuse,
+            prefix_caching=self.cache_options.enable_prefix_caching,
             attention_backend=self.backend.capabilities.name, kv_pages=self.kv.num_pages,
             kv_page_size=self.kv.page_size, kv_bytes=self.kv.num_pages * self.kv.page_bytes,
             load_seconds=loaded.load_seconds)
@@ -85,11 +95,12 @@ class LLMEngine:
             raise UserInputError(f"prompt is {n} tokens long; max_model_len is {self.max_model_len}, "
                                  "which must leave room for at least one generated token")
         peak = min(n + params.max_tokens, self.max_model_len)
-        if not self.kv.fits_ever(peak):
-            need = self.kv.pages_for(peak) * self.kv.page_bytes
+        chunk = self.config.max_num_batched_tokens
+        if not self.kv.fits_ever(peak, chunk):
+            need = self.kv.peak_pages(peak, chunk) * self.kv.page_bytes
             have = self.kv.num_pages * self.kv.page_bytes
-            raise UserInputError(f"request needs {need / 2**20:.1f} MiB of KV cache for {peak} tokens, but the "
-                                 f"KV cache has {have / 2**20:.1f} MiB; raise --kv-cache-memory or lower max_tokens")
+            raise UserInputError(f"request needs {format_bytes(need)} of KV cache for {peak} tokens, but the "
+                                 f"KV cache has {format_bytes(have)}; raise --kv-cache-memory or lower max_tokens")
 
     def add_request(self, prompt: str, params: SamplingParams, prompt_ids: list[int] | None = None,
                     request_id: str | None = None) -> str:
@@ -131,7 +142,9 @@ class LLMEngine:
         completing = [s for s in sched.seqs if s.completes]
         tokens = sample(logits, [s.request for s in completing]) if completing else []
         for s in sched.seqs:
-            s.request.num_computed_tokens += s.num_new_tokens
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
         finished: list[RequestOutput] = []
         for s, token in zip(completing, tokens):
             req = s.request

@@ -23,35 +23,23 @@ class ModelRunner:
         self.backend = backend
         self.kv = kv
         self.device = device
-        self.kv_cache = backend.allocate_kv_cache(specs, kv.num_pages, kv.page_size, device)
+        self.kv_cache = backend.allocate_kv_cache(specs, kv.layout, device)
 
     def build_metadata(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
         positions: list[int] = []
-        tables = [[self.kv.page_table(s.request.request_id, t) for s in seqs] for t in range(self.kv.num_tables)]
         for s in seqs:
             start = s.request.num_computed_tokens
             ids.extend(s.request.all_token_ids[start:start + s.num_new_tokens])
             positions.extend(range(start, start + s.num_new_tokens))
-        pos = torch.tensor(positions, dtype=torch.long)
-        ps = self.kv.page_size
-        slot_mapping = []
-        for table in tables:
-            # pages[b] for every token, then slot = page * page_size + offset
-            page_of_token = torch.cat([
-                torch.tensor(pages, dtype=torch.long)[torch.arange(s.request.num_computed_tokens,
-                                                                   s.request.num_computed_tokens + s.num_new_tokens) // ps]
-                for pages, s in zip(table, seqs)])
-            slot_mapping.append((page_of_token * ps + pos % ps).to(self.device))
         md = AttentionMetadata(
             query_lens=[s.num_new_tokens for s in seqs],
             seq_lens=[s.request.num_computed_tokens + s.num_new_tokens for s in seqs],
-            page_tables=tables,
-            slot_mapping=slot_mapping,
-            layer_table=self.kv.layer_table,
-            page_size=ps,
+            groups=self.kv.group_tables([s.request.request_id for s in seqs]),
+            layer_slot=self.kv.layer_slot,
         )
-        return torch.tensor(ids, dtype=torch.long, device=self.device), pos.to(self.device), md
+        return (torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device), md)
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:

@@ -33,6 +33,7 @@ class Request:
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0           # tokens whose K/V sit in the cache
+    num_cached_tokens: int = 0             # of those, tokens served by the prefix cache (all admissions)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

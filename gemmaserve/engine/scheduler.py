@@ -1,7 +1,8 @@
 """Which requests run in the next forward pass, and how many tokens each.
 
 Every request catches its `num_computed_tokens` up to its `num_tokens`: a new prompt needs its whole
-prompt (chunked to the token budget), a decoding request needs one token. Each step serves the
+prompt (chunked to the token budget) minus what the prefix cache already holds, a decoding request
+needs one token. Each step serves the
 running requests first (in admission order), then admits waiting ones while the token budget, the
 sequence limit and the KV pages allow. When pages run out, the most recently admitted running
 request is preempted: its pages are freed, its tokens kept, and it is recomputed later, ahead of new
@@ -60,6 +61,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending_tokens, budget)
+            if n == 0:  # cannot happen for an unfinished request; guard against a stall
+                i += 1
+                continue
             if self._allocate_or_preempt(req, n, out):
                 out.seqs.append(ScheduledSeq(req, n))
                 budget -= n
@@ -68,9 +72,13 @@ class Scheduler:
         # pages just freed would go to a newcomer and the preempted request would starve.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_pending_tokens, budget)
-            if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            tokens = req.all_token_ids
+            hit = self.kv.lookup(req.request_id, tokens)
+            n = min(req.num_tokens - hit, budget)
+            if not self.kv.allocate(req.request_id, tokens, hit, hit + n, prefill=True):
                 break
+            req.num_computed_tokens = hit
+            req.num_cached_tokens += hit
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -81,7 +89,8 @@ class Scheduler:
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Pages for `n` more tokens of `req`, preempting later requests as needed. False if `req`
         itself had to be preempted."""
-        while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+        start = req.num_computed_tokens
+        while not self.kv.allocate(req.request_id, req.all_token_ids, start, start + n, prefill=n > 1):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is req:

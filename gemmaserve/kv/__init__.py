@@ -2,23 +2,42 @@
 
 from __future__ import annotations
 
+from ..config.options import format_bytes
 from ..errors import UserInputError
-from .base import KVCacheManager, KVStats
+from .base import GroupTables, KVCacheManager, KVLayout, KVStats
+from .groups import derive_groups
 from .manager_v1 import KVCacheManagerV1
+from .manager_v2 import KVCacheManagerV2
 from .spec import AttentionKind, LayerSpec
 
 
-def create_kv_manager(name: str, specs: list[LayerSpec], page_size: int, budget_bytes: int) -> KVCacheManager:
-    if name in ("auto", "v1"):
-        cls = KVCacheManagerV1
-    else:
-        raise UserInputError(f"unknown KV cache manager {name!r} (available: auto, v1)")
-    page_bytes = cls.page_bytes_for(specs, page_size)
+def page_bytes_for(manager: str, specs: list[LayerSpec], page_size: int) -> int:
+    if manager == "v1":
+        return KVCacheManagerV1.page_bytes_for(specs, page_size)
+    return derive_groups(specs, page_size).page_bytes
+
+
+def create_kv_manager(manager: str, specs: list[LayerSpec], page_size: int, budget_bytes: int, *,
+                      enable_prefix_caching: bool = False, enable_scratch: bool = False) -> KVCacheManager:
+    """A manager whose pool fits in `budget_bytes`. Fails if the budget cannot hold even one token."""
+    page_bytes = page_bytes_for(manager, specs, page_size)
     num_pages = budget_bytes // page_bytes
-    if num_pages < 1:
-        raise UserInputError(f"KV cache budget of {budget_bytes} bytes is smaller than one page "
-                             f"({page_bytes} bytes for {page_size} tokens over all layers)")
-    return cls(specs, page_size, num_pages)
+    if manager == "v1":
+        minimum = 1
+    else:
+        minimum = sum(g.num_layers for g in derive_groups(specs, page_size).groups)
+    if num_pages < minimum:
+        raise UserInputError(
+            f"KV cache budget of {format_bytes(budget_bytes)} is too small for this model: one token in every layer "
+            f"needs {minimum} pages of {format_bytes(page_bytes)} ({format_bytes(minimum * page_bytes)}); "
+            "raise --kv-cache-memory or lower --page-size")
+    if manager == "v1":
+        return KVCacheManagerV1(specs, page_size, num_pages)
+    if manager == "v2":
+        return KVCacheManagerV2(specs, page_size, num_pages, enable_prefix_caching=enable_prefix_caching,
+                                enable_scratch=enable_scratch)
+    raise UserInputError(f"unknown KV cache manager {manager!r} (v1 or v2)")
 
 
-__all__ = ["AttentionKind", "KVCacheManager", "KVCacheManagerV1", "KVStats", "LayerSpec", "create_kv_manager"]
+__all__ = ["AttentionKind", "GroupTables", "KVCacheManager", "KVCacheManagerV1", "KVCacheManagerV2", "KVLayout",
+           "KVStats", "LayerSpec", "create_kv_manager", "page_bytes_for"]

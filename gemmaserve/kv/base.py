@@ -1,9 +1,18 @@
 """The interface the scheduler and the model runner use, whatever the KV layout.
 
-A manager hands out *pages* from one pool. Each request has, per *table*, a list of pages (its page
-table): logical block i of the request lives in page table[i]. Attention layers read K/V through the
-table of their group (`layer_table[layer]`). The manager never touches tensors: it only decides
-which page holds which tokens; the attention backend owns the memory.
+A manager hands out pages of one pool. Per sequence and layer group it keeps a *block table*: logical
+block i (tokens [i*T, (i+1)*T), T = the group's tokens per page) lives in a slot, and a slot maps each
+layer of the group to one page. Attention reads layer l's K/V at page `slot_pages[slot, column(l)]`,
+offset `position % T`. The manager never touches tensors; the attention backend owns the memory and
+allocates it from `KVLayout`.
+
+Life of a sequence, one call each per engine step:
+
+    hit = lookup(seq, tokens)                    # admission only: tokens already cached (0 if none)
+    allocate(seq, tokens, start, end, prefill)   # room to compute tokens [start, end); False = no room
+    ... forward pass ...
+    commit(seq, tokens, end)                     # cache full blocks, drop what no later token reads
+    free(seq)                                    # finished, aborted or preempted
 """
 
 from __future__ import annotations
@@ -11,59 +20,124 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import torch
+
+from .groups import KVGroup
 from .spec import LayerSpec
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Storage the attention backend allocates."""
+
+    num_pages: int
+    page_bytes: int
+    shared_arena: bool                # True: one byte arena, every layer views every page (V2)
+    tokens_per_page: tuple[int, ...]  # per model layer (a KV-sharing layer: its source's)
+
+
+@dataclass
+class GroupTables:
+    """One group's block tables for the sequences of a batch (live blocks only)."""
+
+    group: KVGroup
+    first_block: list[int]          # per sequence: logical index of slot_ids[b][0]
+    slot_ids: list[list[int]]       # per sequence: slot of each live block, in order
+    slot_pages: torch.Tensor        # [slots, layers of the group]: the page of each layer (CPU, int64)
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    group: int
+    kind: str
+    window: int | None
+    num_layers: int
+    tokens_per_page: int
+    pages_used: int       # held by running sequences (scratch included)
+    pages_cached: int     # held only by the prefix cache (evictable)
+    scratch_pages: int
 
 
 @dataclass(frozen=True)
 class KVStats:
     num_pages: int
-    pages_used: int
-    pages_free: int
-    page_size: int
     page_bytes: int
+    pages_free: int
+    pages_used: int
+    pages_cached: int
+    scratch_pages: int
+    groups: tuple[GroupStats, ...]
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
 class KVCacheManager(ABC):
-    def __init__(self, specs: list[LayerSpec], page_size: int, num_pages: int):
+    name: str
+
+    def __init__(self, specs: list[LayerSpec], page_size: int):
         if page_size < 1:
             raise ValueError(f"page size must be >= 1, got {page_size}")
         self.specs = list(specs)
         self.page_size = page_size
-        self.num_pages = num_pages
+
+    # -- geometry -----------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def layout(self) -> KVLayout: ...
 
     @property
     @abstractmethod
-    def layer_table(self) -> list[int]:
-        """For each layer, the index of the page table it reads through."""
+    def groups(self) -> tuple[KVGroup, ...]: ...
 
     @property
     @abstractmethod
-    def num_tables(self) -> int: ...
+    def layer_slot(self) -> tuple[tuple[int, int], ...]:
+        """Per model layer: (group, column) whose pages it reads."""
 
     @property
-    @abstractmethod
+    def num_pages(self) -> int:
+        return self.layout.num_pages
+
+    @property
     def page_bytes(self) -> int:
-        """Bytes of KV memory one page stands for (over all layers that share it)."""
+        return self.layout.page_bytes
 
     @abstractmethod
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages one sequence of `num_tokens` tokens holds at its peak."""
+    def peak_pages(self, num_tokens: int, chunk: int) -> int:
+        """Most pages one sequence of `num_tokens` tokens holds at once when prefilled `chunk` tokens
+        per step (an upper bound)."""
+
+    def fits_ever(self, num_tokens: int, chunk: int) -> bool:
+        return self.peak_pages(num_tokens, chunk) <= self.num_pages
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def lookup(self, seq_id: str, token_ids: list[int]) -> int:
+        """Tokens at the start of `token_ids` whose KV can be reused (never the last one)."""
+        return 0
 
     @abstractmethod
-    def allocate(self, seq_id: str, num_tokens: int) -> bool:
-        """Make room for tokens [0, num_tokens) of a sequence. Atomic: False (and no change) if the
-        pool cannot supply the pages."""
+    def allocate(self, seq_id: str, token_ids: list[int], start: int, end: int, prefill: bool) -> bool:
+        """Make room to compute tokens [start, end) with [0, start) already cached (or hit). Atomic:
+        False and no change when the pool cannot supply the pages."""
+
+    def commit(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
+        """After a forward pass computed tokens up to `num_computed`."""
 
     @abstractmethod
-    def free(self, seq_id: str) -> None:
-        """Give back every page of a sequence (finished, aborted or preempted)."""
+    def free(self, seq_id: str) -> None: ...
 
     @abstractmethod
-    def page_table(self, seq_id: str, table: int = 0) -> list[int]: ...
+    def group_tables(self, seq_ids: list[str]) -> list[GroupTables]: ...
 
+    # -- observability -------------------------------------------------------------------------
     @property
     @abstractmethod
-    def num_free_pages(self) -> int: ...
+    def num_free_pages(self) -> int:
+        """Pages a new allocation can get (free, or cached and evictable)."""
 
     @abstractmethod
     def stats(self) -> KVStats: ...
@@ -71,6 +145,3 @@ class KVCacheManager(ABC):
     @abstractmethod
     def check_integrity(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent."""
-
-    def fits_ever(self, num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) <= self.num_pages

@@ -1,9 +1,9 @@
 """V1: every layer keeps every token (the baseline V2 is measured against).
 
-One page table per sequence, shared by all layers: page p holds tokens [i*P, (i+1)*P) of the
-sequence in *every* layer, so one page costs P x (sum over layers of bytes per token).
+One group holds every layer as if it were full attention; a slot is one page id that indexes every
+layer's own storage, so a page costs T x (sum over layers of bytes per token).
 
-    seq "a", 37 tokens, P = 16        table: [7, 2, 9]
+    seq "a", 37 tokens, T = 16        block table: [7, 2, 9]
     layer 0   [7: t0..t15][2: t16..t31][9: t32..t36 ....]
     layer 1   [7: t0..t15][2: t16..t31][9: t32..t36 ....]
     ...
@@ -11,39 +11,52 @@ sequence in *every* layer, so one page costs P x (sum over layers of bytes per t
 
 from __future__ import annotations
 
-from .base import KVCacheManager, KVStats
+import torch
+
+from .base import GroupStats, GroupTables, KVCacheManager, KVLayout, KVStats
+from .groups import KVGroup
 from .page_pool import PagePool
-from .spec import LayerSpec
+from .spec import AttentionKind, LayerSpec
 
 
 class KVCacheManagerV1(KVCacheManager):
+    name = "v1"
+
     def __init__(self, specs: list[LayerSpec], page_size: int, num_pages: int):
-        super().__init__(specs, page_size, num_pages)
+        super().__init__(specs, page_size)
+        owners = tuple(i for i, s in enumerate(specs) if s.owns_kv)
+        self._group = KVGroup(0, AttentionKind.FULL, None, page_size, owners)
+        col = {layer: c for c, layer in enumerate(owners)}
+        self._layer_slot = tuple((0, col[i if s.owns_kv else s.kv_source]) for i, s in enumerate(specs))
+        self._layout = KVLayout(num_pages, self.page_bytes_for(specs, page_size), False,
+                                tuple(page_size for _ in specs))
         self.pool = PagePool(num_pages)
         self._tables: dict[str, list[int]] = {}
+        # A slot is a page id, the same in every layer's storage.
+        self._slot_pages = torch.arange(num_pages).unsqueeze(1).expand(num_pages, len(owners))
 
     @staticmethod
     def page_bytes_for(specs: list[LayerSpec], page_size: int) -> int:
         return page_size * sum(s.bytes_per_token() for s in specs)
 
     @property
-    def layer_table(self) -> list[int]:
-        return [0] * len(self.specs)
+    def layout(self) -> KVLayout:
+        return self._layout
 
     @property
-    def num_tables(self) -> int:
-        return 1
+    def groups(self) -> tuple[KVGroup, ...]:
+        return (self._group,)
 
     @property
-    def page_bytes(self) -> int:
-        return self.page_bytes_for(self.specs, self.page_size)
+    def layer_slot(self) -> tuple[tuple[int, int], ...]:
+        return self._layer_slot
 
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+    def peak_pages(self, num_tokens: int, chunk: int) -> int:
+        return self._group.num_blocks(num_tokens)
 
-    def allocate(self, seq_id: str, num_tokens: int) -> bool:
+    def allocate(self, seq_id, token_ids, start, end, prefill) -> bool:
         table = self._tables.setdefault(seq_id, [])
-        missing = self.pages_for(num_tokens) - len(table)
+        missing = self._group.num_blocks(end) - len(table)
         if missing <= 0:
             return True
         pages = self.pool.allocate(missing)
@@ -59,10 +72,8 @@ class KVCacheManagerV1(KVCacheManager):
         if table:
             self.pool.free(table)
 
-    def page_table(self, seq_id: str, table: int = 0) -> list[int]:
-        if table != 0:
-            raise IndexError(f"V1 has one page table, asked for table {table}")
-        return self._tables[seq_id]
+    def group_tables(self, seq_ids: list[str]) -> list[GroupTables]:
+        return [GroupTables(self._group, [0] * len(seq_ids), [self._tables[s] for s in seq_ids], self._slot_pages)]
 
     @property
     def num_free_pages(self) -> int:
@@ -70,7 +81,10 @@ class KVCacheManagerV1(KVCacheManager):
 
     def stats(self) -> KVStats:
         free = self.pool.num_free
-        return KVStats(self.num_pages, self.num_pages - free, free, self.page_size, self.page_bytes)
+        used = self.num_pages - free
+        g = self._group
+        return KVStats(self.num_pages, self.page_bytes, free, used, 0, 0,
+                       (GroupStats(0, g.kind.value, None, g.num_layers, g.tokens_per_page, used, 0, 0),), 0, 0)
 
     def check_integrity(self) -> None:
         owner: dict[int, str] = {}

@@ -12,13 +12,14 @@ The model knows nothing of pages: it hands q/k/v to the `BatchAttention` it is g
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..attention.base import BatchAttention
+from ..config.resolve import ModelPreferences
 from ..errors import UserInputError
 from ..kv.spec import AttentionKind, LayerSpec
 from .layers import GeGLU, GemmaRMSNorm, Linear, RopeParams, apply_rope, linear
@@ -44,7 +45,7 @@ class Gemma3Config:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 131072
     final_logit_softcapping: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    multimodal: bool = False   # the checkpoint has a vision tower (only its text tower runs here)
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -60,6 +61,7 @@ class Gemma3Config:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "Gemma3Config":
         """From a Hugging Face config.json (Gemma3ForCausalLM, or the text_config of the multimodal model)."""
+        multimodal = "vision_config" in cfg
         if "text_config" in cfg and isinstance(cfg["text_config"], dict):
             cfg = cfg["text_config"]
         if cfg.get("use_bidirectional_attention"):
@@ -91,6 +93,7 @@ class Gemma3Config:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 131072),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            multimodal=multimodal,
         )
 
     @classmethod
@@ -255,6 +258,12 @@ class Gemma3ForCausalLM(nn.Module):
         # fp32 RoPE frequencies; the model is never cast with .to(dtype), so they stay fp32.
         self.register_buffer("_inv_freq_global", cfg.rope_global.inv_freq(cfg.head_dim), persistent=False)
         self.register_buffer("_inv_freq_local", cfg.rope_local.inv_freq(cfg.head_dim), persistent=False)
+
+    # -- engine hooks ---------------------------------------------------------------------
+    def engine_preferences(self) -> ModelPreferences:
+        """Gemma 3 prefers the sliding-window-aware KV manager; scratch reuse is on for text-only
+        checkpoints (an image must never be split across prefill chunks, so multimodal keeps it off)."""
+        return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not self.config.multimodal)
 
     # -- KV description ------------------------------------------------------------------
     def kv_layer_specs(self, dtype: torch.dtype) -> list[LayerSpec]:

@@ -1,0 +1,96 @@
+"""Resolving "auto" cache options (DESIGN.md §5, seed 000).
+
+Order: the model's config is loaded -> the model class states its preferences -> explicit user
+values win -> compatibility demotions, each recorded with its reason. An explicit value that cannot
+work is a clear error; an "auto" value that cannot work is demoted and logged.
+
+    option               auto means                         needs
+    kv_cache_manager     the model's preference (Gemma: v2) a backend that views a shared arena
+    swa_scratch_reuse    the model's preference (text: on)  v2, a backend with scratch pages, KV-sharing
+                                                            layers reading the last writer of their group
+    enable_prefix_caching  on                               v2
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+from ..attention.base import BackendCapabilities
+from ..errors import UserInputError
+from ..kv.groups import derive_groups
+from ..kv.spec import LayerSpec
+from .engine import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelPreferences:
+    """What a model class would like when the user leaves an option on "auto"."""
+
+    kv_cache_manager: Literal["v1", "v2"] = "v1"
+    swa_scratch_reuse: bool = False
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    kv_cache_manager: Literal["v1", "v2"]
+    swa_scratch_reuse: bool
+    enable_prefix_caching: bool
+    demotions: tuple[str, ...]
+
+
+def resolve_cache_options(config: EngineConfig, prefs: ModelPreferences, backend: BackendCapabilities,
+                          specs: list[LayerSpec]) -> CacheOptions:
+    demotions: list[str] = []
+
+    def demote(what: str, why: str) -> None:
+        demotions.append(f"{what} ({why})")
+        log.info("auto resolution: %s because %s", what, why)
+
+    # 1. KV cache manager.
+    manager = prefs.kv_cache_manager if config.kv_cache_manager == "auto" else config.kv_cache_manager
+    if manager == "v2" and not backend.shared_arena:
+        why = f"attention backend {backend.name!r} cannot read per-layer pages of a shared arena"
+        if config.kv_cache_manager == "v2":
+            raise UserInputError(f"--kv-cache-manager v2 is not available: {why}")
+        manager = "v1"
+        demote("kv_cache_manager auto -> v1", why)
+
+    # 2. SWA scratch reuse.
+    explicit_scratch = config.swa_scratch_reuse != "auto"
+    scratch = config.swa_scratch_reuse == "on" if explicit_scratch else prefs.swa_scratch_reuse
+    if scratch:
+        why = _scratch_blocker(manager, backend, specs)
+        if why is not None:
+            if explicit_scratch:
+                raise UserInputError(f"--swa-scratch-reuse on is not possible: {why}")
+            scratch = False
+            demote("swa_scratch_reuse auto -> off", why)
+
+    # 3. Prefix caching.
+    caching = True if config.enable_prefix_caching is None else config.enable_prefix_caching
+    if caching and manager == "v1":
+        why = "KV manager v1 keeps no content-addressed blocks"
+        if config.enable_prefix_caching:
+            raise UserInputError(f"--enable-prefix-caching is not available: {why}; use --kv-cache-manager v2")
+        caching = False
+        demote("enable_prefix_caching auto -> off", why)
+    return CacheOptions(manager, scratch, caching, tuple(demotions))
+
+
+def _scratch_blocker(manager: str, backend: BackendCapabilities, specs: list[LayerSpec]) -> str | None:
+    """Why scratch reuse cannot run with this setup, or None."""
+    if manager != "v2":
+        return "it needs KV manager v2 (v1 has no per-layer page tables)"
+    if not backend.scratch_pages:
+        return f"attention backend {backend.name!r} does not support scratch pages"
+    groups = derive_groups(specs, 1).groups
+    last_writer = {layer: g.layers[-1] for g in groups for layer in g.layers}
+    for i, s in enumerate(specs):
+        if not s.owns_kv and last_writer[s.kv_source] != s.kv_source:
+            return (f"layer {i} reads the KV of layer {s.kv_source}, which is not the last layer of its group, "
+                    "so a later layer would overwrite that layer's scratch pages first")
+    return None

@@ -1,0 +1,32 @@
+"""Content addresses for prefix caching: a hash chain over token ids.
+
+    h_0 = H(salt)            h_k = H(h_{k-1} || tokens[(k-1)g : kg])     (g = hash granularity)
+
+h_k names "these exact kg tokens, after this salt": two sequences share h_k iff they share the first
+kg tokens (up to a 128-bit collision). A group block ending at token e is addressed by h_{e/g}.
+The salt keeps caches of different tenants or adapters apart (empty by default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def chain_root(salt: str | bytes = b"") -> bytes:
+    return _digest(b"gemmaserve-prefix\x00" + (salt.encode() if isinstance(salt, str) else salt))
+
+
+def extend_chain(chain: list[bytes], token_ids: list[int], granularity: int, root: bytes) -> None:
+    """Append h_k for every full step of `granularity` tokens not yet in `chain` (chain[k-1] = h_k)."""
+    k = len(chain)
+    prev = chain[-1] if chain else root
+    while (k + 1) * granularity <= len(token_ids):
+        block = array("q", token_ids[k * granularity:(k + 1) * granularity]).tobytes()
+        prev = _digest(prev + block)
+        chain.append(prev)
+        k += 1

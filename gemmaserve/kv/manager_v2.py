@@ -1,0 +1,306 @@
+"""V2: the sliding-window-aware KV cache manager.
+
+One pool of equal-size pages serves every layer group (see groups.py). Per sequence and group, a
+block table holds only *live* blocks: full-attention groups keep every block; a sliding group keeps
+the blocks a later query can still read and gives the rest back after every step.
+
+    sliding group, W = 8, T = 4, after computing 21 tokens (next query at position 21 sees 14..21):
+    blocks    0      1      2      3      4      5
+    tokens  0..3   4..7   8..11  12..15 16..19 20..21
+    held     -      -      -     [s3]   [s4]   [s5]       (blocks 0-2 went back to the pool / cache)
+
+Scratch reuse (chunked prefill): a block that no later query reads once the chunk is done only
+lives while each layer computes its own attention over the chunk. Such blocks get a *scratch slot*
+(every layer of the group -> one page) instead of one page per layer:
+
+    chunk [0, 32), W = 8, T = 4: blocks 0-5 are out of the window at position 32 -> 6 scratch pages
+    (shared by all layers of the group); blocks 6-7 are real (one page per layer). Peak for the
+    group: 6 + 2 x layers pages instead of 8 x layers.
+
+Prefix reuse: full blocks are registered under a hash chain of their tokens. A cache hit at m
+tokens needs every block of full groups below m, and for sliding groups only the blocks the query
+at m reads (the window tail). Scratch blocks have no pages to keep, but the window at every chunk
+end and at the end of the prompt is real, so a repeated or extended prompt hits there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .base import GroupStats, GroupTables, KVCacheManager, KVLayout, KVStats
+from .block_hash import chain_root, extend_chain
+from .groups import KVGroup, derive_groups
+from .page_pool import PagePool
+from .prefix_cache import PrefixCache
+from .slots import Slot, SlotRows
+from .spec import LayerSpec
+
+
+@dataclass
+class _BlockTable:
+    first: int = 0                                   # logical block index of slots[0]
+    slots: list[Slot] = field(default_factory=list)
+    registered: int = 0                              # blocks below this were offered to the prefix cache
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.slots)
+
+
+@dataclass
+class _Seq:
+    tables: list[_BlockTable]
+    num_computed: int = 0
+    chain: list[bytes] = field(default_factory=list)
+
+
+class KVCacheManagerV2(KVCacheManager):
+    name = "v2"
+
+    def __init__(self, specs: list[LayerSpec], page_size: int, num_pages: int, *,
+                 enable_prefix_caching: bool = True, enable_scratch: bool = False, salt: bytes | str = b""):
+        super().__init__(specs, page_size)
+        geo = derive_groups(specs, page_size)
+        self._groups = geo.groups
+        self._layer_slot = geo.layer_slot
+        self._granularity = geo.hash_granularity
+        self._hit_step = math.lcm(*(g.tokens_per_page for g in geo.groups))  # hits land on every group's block edge
+        tokens = tuple(geo.groups[g].tokens_per_page for g, _ in geo.layer_slot)
+        self._layout = KVLayout(num_pages, geo.page_bytes, True, tokens)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_scratch = enable_scratch
+        self.pool = PagePool(num_pages)
+        self.rows = [SlotRows(g.num_layers) for g in self._groups]
+        self.cache = PrefixCache()
+        self._seqs: dict[str, _Seq] = {}
+        self._root = chain_root(salt)
+        self._query_tokens = 0
+        self._hit_tokens = 0
+
+    # -- geometry -----------------------------------------------------------------------------
+    @property
+    def layout(self) -> KVLayout:
+        return self._layout
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        return self._groups
+
+    @property
+    def layer_slot(self) -> tuple[tuple[int, int], ...]:
+        return self._layer_slot
+
+    def peak_pages(self, num_tokens: int, chunk: int) -> int:
+        total = 0
+        for g in self._groups:
+            blocks = g.num_blocks(num_tokens)
+            if g.sliding:  # window + one chunk resident (scratch only lowers this)
+                blocks = min(blocks, g.num_blocks(g.window - 1 + min(chunk, num_tokens)) + 1)
+            total += blocks * g.num_layers
+        return total
+
+    # -- prefix lookup --------------------------------------------------------------------------
+    def _block_key(self, chain: list[bytes], g: KVGroup, block: int) -> bytes:
+        return chain[(block + 1) * g.tokens_per_page // self._granularity - 1]
+
+    def _cached(self, chain: list[bytes], g: KVGroup, block: int) -> Slot | None:
+        return self.cache.get(g.index, self._block_key(chain, g, block))
+
+    def lookup(self, seq_id: str, token_ids: list[int]) -> int:
+        if not self.enable_prefix_caching or seq_id in self._seqs or len(token_ids) < 2:
+            return 0
+        limit = len(token_ids) - 1           # the last prompt token is always recomputed
+        chain: list[bytes] = []
+        extend_chain(chain, token_ids[:limit], self._granularity, self._root)
+        hit = limit - limit % self._hit_step
+        for g in self._groups:               # full groups: every block below the hit point
+            if g.sliding:
+                continue
+            n = 0
+            while (n + 1) * g.tokens_per_page <= hit and self._cached(chain, g, n) is not None:
+                n += 1
+            hit = min(hit, n * g.tokens_per_page)
+            hit -= hit % self._hit_step
+        changed = True
+        while changed and hit > 0:           # sliding groups: the window tail at the hit point
+            changed = False
+            for g in self._groups:
+                while g.sliding and hit > 0 and not all(
+                        self._cached(chain, g, b) is not None
+                        for b in range(g.first_needed_block(hit), hit // g.tokens_per_page)):
+                    hit -= self._hit_step
+                    changed = True
+        return hit
+
+    # -- allocation -----------------------------------------------------------------------------
+    def allocate(self, seq_id, token_ids, start, end, prefill) -> bool:
+        seq = self._seqs.get(seq_id)
+        new_seq = seq is None
+        chain: list[bytes] = []
+        if new_seq and start:
+            extend_chain(chain, token_ids[:start], self._granularity, self._root)
+        elif not new_seq and start != seq.num_computed:
+            raise ValueError(f"sequence {seq_id}: allocate from {start}, but {seq.num_computed} tokens are computed")
+        scratch_ok = self.enable_scratch and prefill and end - start > 1
+        # Per group: the blocks reused from the cache (new sequences only), then fresh blocks.
+        plan: list[tuple[int, list[Slot], list[bool]]] = []    # (first block, hits, fresh-is-scratch)
+        need = reviving = 0
+        for g in self._groups:
+            if new_seq:
+                first = g.first_needed_block(start)
+                hits = [self._cached(chain, g, b) for b in range(first, start // g.tokens_per_page)]
+                if any(s is None for s in hits):
+                    raise ValueError(f"sequence {seq_id}: {start} tokens are not cached (call lookup first)")
+                next_block = start // g.tokens_per_page
+            else:
+                table = seq.tables[g.index]
+                first, hits, next_block = table.first, [], table.end
+            stale_at_end = g.first_needed_block(end) if scratch_ok and g.sliding else 0
+            fresh = [b < stale_at_end for b in range(next_block, g.num_blocks(end))]
+            need += sum(1 if scratch else g.num_layers for scratch in fresh)
+            reviving += sum(len(s.pages) for s in hits if self.cache.is_parked(s))
+            plan.append((first, hits, fresh))
+        if self.pool.num_free + self.cache.evictable_pages - reviving < need:
+            return False
+        for _, hits, _ in plan:
+            for slot in hits:
+                self._take(slot)
+        while self.pool.num_free < need:
+            self._destroy(self.cache.evict_oldest())
+        if new_seq:
+            seq = _Seq([_BlockTable(first, list(hits), start // g.tokens_per_page)
+                        for g, (first, hits, _) in zip(self._groups, plan)], start, chain)
+            self._seqs[seq_id] = seq
+            if self.enable_prefix_caching:
+                self._query_tokens += len(token_ids) - 1
+                self._hit_tokens += start
+        for g, (_, _, fresh) in zip(self._groups, plan):
+            for scratch in fresh:
+                slot = self.rows[g.index].add(g.index, self.pool.allocate(1 if scratch else g.num_layers), scratch)
+                slot.ref = 1
+                seq.tables[g.index].slots.append(slot)
+        return True
+
+    def _take(self, slot: Slot) -> None:
+        if slot.ref == 0:
+            self.cache.revive(slot)
+        slot.ref += 1
+
+    def _release(self, slot: Slot) -> None:
+        slot.ref -= 1
+        if slot.ref > 0:
+            return
+        if slot.key is not None and self.enable_prefix_caching:
+            self.cache.park(slot)
+        else:
+            self._destroy(slot)
+
+    def _destroy(self, slot: Slot) -> None:
+        self.rows[slot.group].remove(slot)
+        self.pool.free(list(slot.pages))
+
+    # -- after a step ---------------------------------------------------------------------------
+    def commit(self, seq_id, token_ids, num_computed) -> None:
+        seq = self._seqs[seq_id]
+        seq.num_computed = num_computed
+        if self.enable_prefix_caching:
+            extend_chain(seq.chain, token_ids[:num_computed], self._granularity, self._root)
+            for g in self._groups:
+                table = seq.tables[g.index]
+                full = num_computed // g.tokens_per_page
+                for b in range(max(table.registered, table.first), min(full, table.end)):
+                    slot = table.slots[b - table.first]
+                    if not slot.scratch and slot.key is None:
+                        self.cache.register(slot, self._block_key(seq.chain, g, b))
+                table.registered = max(table.registered, full)
+        for g in self._groups:
+            if not g.sliding:
+                continue
+            table = seq.tables[g.index]
+            drop = min(g.first_needed_block(num_computed), table.end) - table.first
+            if drop > 0:
+                for slot in table.slots[:drop]:
+                    self._release(slot)
+                del table.slots[:drop]
+                table.first += drop
+
+    def free(self, seq_id: str) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        for table in seq.tables:
+            for slot in reversed(table.slots):   # the tail is parked first, so it is evicted first
+                self._release(slot)
+
+    # -- views ----------------------------------------------------------------------------------
+    def group_tables(self, seq_ids: list[str]) -> list[GroupTables]:
+        seqs = [self._seqs[s] for s in seq_ids]
+        return [GroupTables(g, [s.tables[g.index].first for s in seqs],
+                            [[slot.row for slot in s.tables[g.index].slots] for s in seqs], self.rows[g.index].table)
+                for g in self._groups]
+
+    def held_blocks(self, seq_id: str) -> list[tuple[int, int]]:
+        """Per group: (first live block, number of live blocks) of a sequence."""
+        return [(t.first, len(t.slots)) for t in self._seqs[seq_id].tables]
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free + self.cache.evictable_pages
+
+    def stats(self) -> KVStats:
+        per_group = []
+        for g in self._groups:
+            used = cached = scratch = 0
+            for slot in self.rows[g.index].live.values():
+                if slot.ref > 0:
+                    used += len(slot.pages)
+                    scratch += len(slot.pages) if slot.scratch else 0
+                else:
+                    cached += len(slot.pages)
+            per_group.append(GroupStats(g.index, g.kind.value, g.window, g.num_layers, g.tokens_per_page,
+                                        used, cached, scratch))
+        used = sum(s.pages_used for s in per_group)
+        cached = sum(s.pages_cached for s in per_group)
+        return KVStats(self.num_pages, self.page_bytes, self.pool.num_free, used, cached,
+                       sum(s.scratch_pages for s in per_group), tuple(per_group), self._query_tokens,
+                       self._hit_tokens)
+
+    def check_integrity(self) -> None:
+        page_owner: dict[int, Slot] = {}
+        refs: dict[int, int] = {}
+        for g, rows in zip(self._groups, self.rows):
+            for row, slot in rows.live.items():
+                assert slot.row == row and slot.group == g.index, f"slot row/group mismatch at {g.index}:{row}"
+                assert len(slot.pages) == (1 if slot.scratch else g.num_layers), "slot page count"
+                for p in slot.pages:
+                    assert p not in page_owner, f"page {p} is in two slots"
+                    assert not self.pool.is_free(p), f"page {p} is in a slot and on the free list"
+                    page_owner[p] = slot
+                expect = list(slot.pages) * g.num_layers if slot.scratch else list(slot.pages)
+                assert rows.table[row].tolist() == expect, f"slot_pages row {row} of group {g.index} is stale"
+                assert slot.ref >= 0
+                if slot.ref == 0:
+                    assert slot.key is not None and self.cache.is_parked(slot), "unreferenced slot not cached"
+                    assert not slot.scratch, "a scratch slot outlived its step"
+        for seq_id, seq in self._seqs.items():
+            for g, table in zip(self._groups, seq.tables):
+                for slot in table.slots:
+                    assert slot.group == g.index and slot.row in self.rows[g.index].live, f"{seq_id}: dead slot"
+                    assert not slot.scratch, f"{seq_id}: scratch slot held between steps"
+                    refs[id(slot)] = refs.get(id(slot), 0) + 1
+                if g.sliding and table.slots:
+                    first_needed = g.first_needed_block(seq.num_computed)
+                    assert table.first >= first_needed, (
+                        f"{seq_id}: sliding group {g.index} holds block {table.first}, out of every window "
+                        f"(first needed {first_needed})")
+        for rows in self.rows:
+            for slot in rows.live.values():
+                assert slot.ref == refs.get(id(slot), 0), f"slot ref {slot.ref} != {refs.get(id(slot), 0)} holders"
+        for slot in self.cache.parked():
+            assert slot.ref == 0 and slot.row in self.rows[slot.group].live, "parked slot is referenced or dead"
+        for slot in self.cache.registered():
+            assert self.cache.get(slot.group, slot.key) is slot, "cache key map inconsistent"
+        assert self.cache.evictable_pages == sum(len(s.pages) for s in self.cache.parked())
+        assert len(page_owner) + self.pool.num_free == self.num_pages, (
+            f"{len(page_owner)} pages in slots + {self.pool.num_free} free != {self.num_pages}")

@@ -1,0 +1,49 @@
+"""Slots: one logical block of one sequence in one layer group, as one page per layer.
+
+A real slot has one page per layer of its group. A scratch slot maps every layer to the same page:
+layers run in order, so each overwrites the previous layer's data, which no later token reads.
+Each group keeps its slots as rows of a `slot_pages` table [rows, layers] that attention indexes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(eq=False)
+class Slot:
+    group: int
+    row: int                     # row in the group's slot_pages table
+    pages: tuple[int, ...]       # distinct pages this slot holds (one for a scratch slot)
+    scratch: bool = False
+    ref: int = 0                 # block tables that hold it
+    key: bytes | None = None     # content address once registered in the prefix cache
+
+
+class SlotRows:
+    """The slot -> page table of one group, grown by doubling."""
+
+    def __init__(self, num_layers: int, capacity: int = 64):
+        self.num_layers = num_layers
+        self.table = torch.full((capacity, num_layers), -1, dtype=torch.long)
+        self._free_rows = list(range(capacity - 1, -1, -1))
+        self.live: dict[int, Slot] = {}
+
+    def add(self, group: int, pages: list[int], scratch: bool) -> Slot:
+        if not self._free_rows:
+            old = self.table.shape[0]
+            self.table = torch.cat([self.table, torch.full_like(self.table, -1)])
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        row = self._free_rows.pop()
+        per_layer = pages * self.num_layers if scratch else pages
+        self.table[row] = torch.tensor(per_layer, dtype=torch.long)
+        slot = Slot(group, row, tuple(pages), scratch)
+        self.live[row] = slot
+        return slot
+
+    def remove(self, slot: Slot) -> None:
+        del self.live[slot.row]
+        self.table[slot.row] = -1
+        self._free_rows.append(slot.row)
