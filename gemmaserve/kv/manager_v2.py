@@ -13,9 +13,10 @@ Scratch reuse (chunked prefill): a block that no later query reads once the chun
 lives while each layer computes its own attention over the chunk. Such blocks get a *scratch slot*
 (every layer of the group -> one page) instead of one page per layer:
 
-    chunk [0, 32), W = 8, T = 4: blocks 0-5 are out of the window at position 32 -> 6 scratch pages
-    (shared by all layers of the group); blocks 6-7 are real (one page per layer). Peak for the
-    group: 6 + 2 x layers pages instead of 8 x layers.
+    chunk [0, 32), W = 8, T = 4: blocks 0-4 are out of the window at position 28 (the last block
+    edge before the chunk end, where a later request may hit) -> 5 scratch pages shared by all layers
+    of the group; blocks 5-7 are real (one page per layer). Peak for the group: 5 + 3 x layers pages
+    instead of 8 x layers.
 
 Prefix reuse: full blocks are registered under a hash chain of their tokens. A cache hit at m
 tokens needs every block of full groups below m, and for sliding groups only the blocks the query
@@ -143,6 +144,7 @@ class KVCacheManagerV2(KVCacheManager):
         elif not new_seq and start != seq.num_computed:
             raise ValueError(f"sequence {seq_id}: allocate from {start}, but {seq.num_computed} tokens are computed")
         scratch_ok = self.enable_scratch and prefill and end - start > 1
+        keep = (end - 1) // self._hit_step * self._hit_step
         # Per group: the blocks reused from the cache (new sequences only), then fresh blocks.
         plan: list[tuple[int, list[Slot], list[bool]]] = []    # (first block, hits, fresh-is-scratch)
         need = reviving = 0
@@ -156,7 +158,10 @@ class KVCacheManagerV2(KVCacheManager):
             else:
                 table = seq.tables[g.index]
                 first, hits, next_block = table.first, [], table.end
-            stale_at_end = g.first_needed_block(end) if scratch_ok and g.sliding else 0
+            # Scratch: blocks no query reads after this chunk. Blocks the window of the last hit point
+            # inside the chunk (`keep`) reads stay real, so the chunk end can be a prefix hit later
+            # (the last prompt token is always recomputed, so a repeated prompt hits just before it).
+            stale_at_end = g.first_needed_block(keep) if scratch_ok and g.sliding else 0
             fresh = [b < stale_at_end for b in range(next_block, g.num_blocks(end))]
             need += sum(1 if scratch else g.num_layers for scratch in fresh)
             reviving += sum(len(s.pages) for s in hits if self.cache.is_parked(s))
