@@ -28,9 +28,9 @@ class LLM:
         self.engine = LLMEngine(config)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
+    def from_config(cls, config: EngineConfig, reuse_weights_of: "LLM | None" = None) -> "LLM":
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
+        llm.engine = LLMEngine(config, reuse_weights_of.engine.loaded if reuse_weights_of else None)
         return llm
 
     @property

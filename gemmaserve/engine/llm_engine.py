@@ -18,7 +18,7 @@ from ..config.options import format_bytes
 from ..config.resolve import resolve_cache_options
 from ..errors import UserInputError
 from ..kv import create_kv_manager
-from ..models.loader import load_model
+from ..models.loader import LoadedModel, load_model
 from .model_runner import ModelRunner
 from .request import CompletionOutput, FinishReason, Request, RequestOutput
 from .sampler import sample
@@ -45,11 +45,15 @@ class EngineInfo:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        """`loaded`: reuse weights another engine already loaded (same model, dtype and device), e.g.
+        to compare cache configurations in one process."""
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        loaded = load_model(config.model, self.dtype, self.device)
+        if loaded is None:
+            loaded = load_model(config.model, self.dtype, self.device)
+        self.loaded = loaded
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         model_cfg = self.model.config
         limit = model_cfg.max_position_embeddings
