@@ -35,12 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run a benchmark and write JSON")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    from .bench import decode
+    from .bench import decode, memory
 
     dec = kinds.add_parser("decode", help="CPU/GPU decode tokens/s against Hugging Face generate")
     decode.add_arguments(dec)
     add_options(dec, EngineConfig, "engine")
     dec.set_defaults(handler=decode.run)
+    mem = kinds.add_parser("memory", help="KV bytes per sequence, prefill peaks and concurrency (V1 vs V2)")
+    memory.add_arguments(mem)
+    mem.set_defaults(handler=memory.run)
     return parser
 
 
@@ -54,6 +57,13 @@ def _generate(args: argparse.Namespace) -> int:
     params = from_namespace(SamplingParams, args)
     llm = LLM.from_config(engine_config)
     outputs = llm.generate(args.prompts, params)
+    if args.verbose:
+        st = llm.engine.kv.stats()
+        info = llm.engine.info
+        print(f"kv: manager {info.kv_manager}, scratch {'on' if info.swa_scratch_reuse else 'off'}, prefix caching "
+              f"{'on' if info.prefix_caching else 'off'}; pages {st.pages_used} used / {st.pages_cached} cached / "
+              f"{st.pages_free} free of {st.num_pages}; prefix hit rate {st.prefix_hit_rate:.1%}; "
+              f"preemptions {llm.engine.scheduler.num_preemptions}", file=sys.stderr)
     for i, out in enumerate(outputs):
         if args.json:
             print(json.dumps(out.to_dict(), ensure_ascii=False), flush=True)

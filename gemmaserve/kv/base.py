@@ -139,6 +139,11 @@ class KVCacheManager(ABC):
     def num_free_pages(self) -> int:
         """Pages a new allocation can get (free, or cached and evictable)."""
 
+    @property
+    def num_used_pages(self) -> int:
+        """Pages held by sequences (cheap; stats() has the breakdown)."""
+        return self.num_pages - self.num_free_pages
+
     @abstractmethod
     def stats(self) -> KVStats: ...
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -23,22 +24,25 @@ class Slot:
 
 
 class SlotRows:
-    """The slot -> page table of one group, grown by doubling."""
+    """The slot -> page table of one group (numpy, so a row update costs no tensor construction;
+    `tensor()` is a zero-copy torch view), grown by doubling."""
 
     def __init__(self, num_layers: int, capacity: int = 64):
         self.num_layers = num_layers
-        self.table = torch.full((capacity, num_layers), -1, dtype=torch.long)
+        self.table = np.full((capacity, num_layers), -1, dtype=np.int64)
         self._free_rows = list(range(capacity - 1, -1, -1))
         self.live: dict[int, Slot] = {}
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.table)
 
     def add(self, group: int, pages: list[int], scratch: bool) -> Slot:
         if not self._free_rows:
             old = self.table.shape[0]
-            self.table = torch.cat([self.table, torch.full_like(self.table, -1)])
+            self.table = np.concatenate([self.table, np.full_like(self.table, -1)])
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         row = self._free_rows.pop()
-        per_layer = pages * self.num_layers if scratch else pages
-        self.table[row] = torch.tensor(per_layer, dtype=torch.long)
+        self.table[row] = pages[0] if scratch else pages
         slot = Slot(group, row, tuple(pages), scratch)
         self.live[row] = slot
         return slot
