@@ -127,12 +127,20 @@ class KVCacheManagerV2(KVCacheManager):
         while changed and hit > 0:           # sliding groups: the window tail at the hit point
             changed = False
             for g in self._groups:
-                while g.sliding and hit > 0 and not all(
-                        self._cached(chain, g, b) is not None
-                        for b in range(g.first_needed_block(hit), hit // g.tokens_per_page)):
-                    hit -= self._hit_step
+                missing = self._last_missing(chain, g, hit) if g.sliding else None
+                while missing is not None and hit > 0:
+                    # No hit point whose window still covers the missing block can work: jump below it.
+                    hit = missing * g.tokens_per_page // self._hit_step * self._hit_step
+                    missing = self._last_missing(chain, g, hit)
                     changed = True
         return hit
+
+    def _last_missing(self, chain: list[bytes], g: KVGroup, hit: int) -> int | None:
+        """The last block a query at `hit` reads that is not cached, or None."""
+        for b in range(hit // g.tokens_per_page - 1, g.first_needed_block(hit) - 1, -1):
+            if self._cached(chain, g, b) is None:
+                return b
+        return None
 
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self, seq_id, token_ids, start, end, prefill) -> bool:
