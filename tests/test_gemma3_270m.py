@@ -67,8 +67,6 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm_270m):
 
 @pytest.mark.parametrize("max_num_batched_tokens", [16, 64])
 def test_chunked_prefill_gives_same_tokens(llm_270m, max_num_batched_tokens):
-    from gemmaserve import LLM
-
     prompt = _long_prompt(llm_270m.tokenizer)
     ref = llm_270m.generate([prompt], SamplingParams(max_tokens=8))[0].outputs[0].token_ids
     engine = llm_270m.engine
