@@ -56,7 +56,22 @@ def _generate(args: argparse.Namespace) -> int:
     engine_config = from_namespace(EngineConfig, args)
     params = from_namespace(SamplingParams, args)
     llm = LLM.from_config(engine_config)
-    outputs = llm.generate(args.prompts, params)
+    if len(args.prompts) == 1 and params.n == 1 and not args.json:
+        # One prompt: stream the continuation to the terminal as it is generated.
+        print(args.prompts[0], end="", flush=True)
+        for delta in llm.stream(args.prompts, params):
+            print(delta.outputs[0].delta_text, end="", flush=True)
+        print(flush=True)
+    else:
+        outputs = llm.generate(args.prompts, params)  # a progress bar on a terminal
+        for i, out in enumerate(outputs):
+            if args.json:
+                print(json.dumps(out.to_dict(), ensure_ascii=False), flush=True)
+                continue
+            for c in out.outputs:
+                if i or c.index:
+                    print()
+                print(out.prompt + c.text, flush=True)
     if args.verbose:
         st = llm.engine.kv.stats()
         info = llm.engine.info
@@ -64,13 +79,6 @@ def _generate(args: argparse.Namespace) -> int:
               f"{'on' if info.prefix_caching else 'off'}; pages {st.pages_used} used / {st.pages_cached} cached / "
               f"{st.pages_free} free of {st.num_pages}; prefix hit rate {st.prefix_hit_rate:.1%}; "
               f"preemptions {llm.engine.scheduler.num_preemptions}", file=sys.stderr)
-    for i, out in enumerate(outputs):
-        if args.json:
-            print(json.dumps(out.to_dict(), ensure_ascii=False), flush=True)
-        else:
-            if i:
-                print()
-            print(out.prompt + out.outputs[0].text, flush=True)
     return 0
 
 

@@ -94,7 +94,8 @@ def paged_logits(model: Gemma3ForCausalLM, seqs: list[list[int]], chunk: int | N
     kv = make_manager(manager, specs, page_size, total, enable_prefix_caching=False, enable_scratch=scratch)
     backend = TorchAttentionBackend()
     runner = ModelRunner(model, backend, kv, specs, torch.device("cpu"))
-    reqs = [Request(str(i), "", list(s), SamplingParams(), frozenset(), 10**9) for i, s in enumerate(seqs)]
+    reqs = [Request(str(i), str(i), 0, "", list(s), SamplingParams(), frozenset(), 10**9, detokenizer=None)
+            for i, s in enumerate(seqs)]
     outs: list[list[torch.Tensor]] = [[] for _ in seqs]
     step = 0
     while any(r.num_computed_tokens < r.num_tokens for r in reqs):

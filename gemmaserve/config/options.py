@@ -27,13 +27,15 @@ class OptionMeta:
     choices: Sequence[str] | None
     flag: str | None
     negatable: bool
+    multiple: bool
 
 
 def option(default: Any, *, help: str, parse: Callable[[str], Any] | None = None,
-           choices: Sequence[str] | None = None, flag: str | None = None, negatable: bool = False) -> Any:
+           choices: Sequence[str] | None = None, flag: str | None = None, negatable: bool = False,
+           multiple: bool = False) -> Any:
     """A dataclass field that is also a command-line option. bool fields (and `negatable` ones, whose
-    default None means "auto") get --x/--no-x."""
-    meta = OptionMeta(help, parse, choices, flag, negatable=negatable or isinstance(default, bool))
+    default None means "auto") get --x/--no-x; `multiple` ones collect repeated flags into a list."""
+    meta = OptionMeta(help, parse, choices, flag, negatable or isinstance(default, bool), multiple)
     return dataclasses.field(default=default, metadata={_META: meta})
 
 
@@ -51,6 +53,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
             continue
         if meta.parse is not None:
             kwargs["type"] = meta.parse
+        if meta.multiple:
+            kwargs["action"] = "append"
         if meta.choices is not None:
             kwargs["choices"] = list(meta.choices)
         group.add_argument(flag, help=meta.help + default_text, **kwargs)

@@ -1,20 +1,28 @@
-"""`LLM`: the offline Python API (the shape users know from vLLM).
+"""`LLM`: the offline Python API (the shape users know from vLLM), with streaming.
 
     from gemmaserve import LLM, SamplingParams
     llm = LLM()                       # the embedded Gemma 3 270M
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
     print(out[0].outputs[0].text)
+
+    for delta in llm.stream(["Once upon a time"]):          # text as it is generated
+        print(delta.outputs[0].delta_text, end="", flush=True)
+
+    async for delta in llm.astream(["Hi"]): ...               # the same from asyncio
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import dataclasses
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from ..config.engine import EngineConfig
 from ..errors import UserInputError
 from ..models.embedded import DEFAULT_MODEL
 from .llm_engine import LLMEngine
-from .request import RequestOutput
+from .request import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
 
@@ -26,21 +34,24 @@ class LLM:
         except TypeError as exc:  # an unknown keyword
             raise UserInputError(str(exc).replace("EngineConfig.__init__()", "LLM()")) from None
         self.engine = LLMEngine(config)
+        self._calls = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig, reuse_weights_of: "LLM | None" = None) -> "LLM":
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(config, reuse_weights_of.engine.loaded if reuse_weights_of else None)
+        llm._calls = 0
         return llm
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in prompt order. All prompts are checked before
-        any runs, so one bad prompt rejects the call without side effects."""
+    # -- submission ------------------------------------------------------------------------------
+    def _submit(self, prompts: str | Sequence[str],
+                params: SamplingParams | Sequence[SamplingParams] | None) -> list[tuple[str, int]]:
+        """Check every prompt, then queue them all. One bad prompt rejects the call before anything
+        runs. Returns (request id, n) per prompt."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -62,15 +73,80 @@ class LLM:
             except UserInputError as exc:
                 raise UserInputError(f"prompt {i}: {exc}") from None
             encoded.append(ids)
-        order = {engine.add_request(prompt, p, ids): i
-                 for i, (prompt, p, ids) in enumerate(zip(prompts, per_prompt, encoded))}
-        results: list[RequestOutput | None] = [None] * len(prompts)
+        self._calls += 1
+        return [(engine.add_request(prompt, p, ids, request_id=f"llm{self._calls}-{i}"), p.n)
+                for i, (prompt, p, ids) in enumerate(zip(prompts, per_prompt, encoded))]
+
+    def _abort(self, submitted: list[tuple[str, int]]) -> None:
+        for rid, _ in submitted:
+            self.engine.abort_request(rid)
+
+    # -- blocking ----------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[str],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in prompt order, each with its n completions.
+        A progress bar shows on a terminal for more than one prompt (`use_tqdm` forces it)."""
+        submitted = self._submit(prompts, params)
+        index = {rid: i for i, (rid, _) in enumerate(submitted)}
+        done: list[dict[int, CompletionOutput]] = [{} for _ in submitted]
+        firsts: list[RequestOutput | None] = [None] * len(submitted)
+        show = use_tqdm if use_tqdm is not None else (len(submitted) > 1 and sys.stderr.isatty())
+        bar = _progress(len(submitted)) if show else None
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    results[order[out.request_id]] = out
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if not out.finished:
+                        continue
+                    i = index[out.request_id]
+                    done[i][out.outputs[0].index] = out.outputs[0]
+                    firsts[i] = firsts[i] or out
+                    if bar is not None and len(done[i]) == submitted[i][1]:
+                        bar.update(1)
         except BaseException:
-            for rid in order:
-                engine.abort_request(rid)
+            self._abort(submitted)
             raise
-        return results  # type: ignore[return-value]
+        finally:
+            if bar is not None:
+                bar.close()
+        return [dataclasses.replace(firsts[i], outputs=[done[i][k] for k in range(n)], finished=True)
+                for i, (_, n) in enumerate(submitted)]
+
+    # -- streaming -------------------------------------------------------------------------------
+    def stream(self, prompts: str | Sequence[str],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Yield an output each time a completion has new text or finishes: `outputs[0]` is that
+        completion (its `delta_text` is what is new) and `prompt_index` says which prompt it is for.
+        Closing the iterator early aborts what is still running."""
+        submitted = self._submit(prompts, params)
+        index = {rid: i for i, (rid, _) in enumerate(submitted)}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id in index:
+                        out.prompt_index = index[out.request_id]
+                        yield out
+        finally:
+            self._abort(submitted)  # no-op for what finished
+
+    async def astream(self, prompts: str | Sequence[str],
+                      params: SamplingParams | Sequence[SamplingParams] | None = None
+                      ) -> AsyncIterator[RequestOutput]:
+        """`stream()` for asyncio: each engine step runs in a worker thread, so the event loop stays
+        free while the model computes."""
+        submitted = self._submit(prompts, params)
+        index = {rid: i for i, (rid, _) in enumerate(submitted)}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in await asyncio.to_thread(self.engine.step):
+                    if out.request_id in index:
+                        out.prompt_index = index[out.request_id]
+                        yield out
+        finally:
+            self._abort(submitted)
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)

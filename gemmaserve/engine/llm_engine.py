@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import secrets
@@ -20,7 +21,8 @@ from ..errors import UserInputError
 from ..kv import create_kv_manager
 from ..models.loader import LoadedModel, load_model
 from .model_runner import ModelRunner
-from .request import CompletionOutput, FinishReason, Request, RequestOutput
+from .detokenizer import IncrementalDetokenizer
+from .request import FinishReason, Request, RequestOutput
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -71,7 +73,8 @@ class LLMEngine:
                                     enable_scratch=self.cache_options.swa_scratch_reuse)
         self.runner = ModelRunner(self.model, self.backend, self.kv, specs, self.device)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}        # engine id -> unfinished request
+        self._groups: dict[str, list[Request]] = {}    # user id -> its n completions (until all finish)
         self._ids = itertools.count()
         self.info = EngineInfo(
             model=config.model, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
@@ -91,13 +94,55 @@ class LLMEngine:
             raise UserInputError("empty prompt")
         return self.tokenizer.encode(prompt)
 
+    def add_request(self, prompt: str, params: SamplingParams, prompt_ids: list[int] | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (`params.n` completions). Returns its id; outputs carry it."""
+        ids = self.tokenize(prompt) if prompt_ids is None else list(prompt_ids)
+        self.check_request(ids, params)
+        group_id = request_id if request_id is not None else str(next(self._ids))
+        if not isinstance(group_id, str) or not group_id:
+            raise UserInputError("request_id must be a non-empty string")
+        if group_id in self._groups:
+            raise UserInputError(f"request id {group_id!r} is already in use")
+        max_total = min(len(ids) + params.max_tokens, self.max_model_len)
+        group: list[Request] = []
+        for i in range(params.n):
+            seed = params.seed
+            if seed is None:
+                seed = secrets.randbits(63)
+            elif i > 0:  # siblings must differ, yet stay reproducible
+                seed = int.from_bytes(hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=8).digest(), "little") >> 1
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            req = Request(
+                request_id=group_id if params.n == 1 else f"{group_id}#{i}", group_id=group_id, index=i,
+                prompt=prompt, prompt_token_ids=ids, params=params, eos_token_ids=self.tokenizer.stop_token_ids,
+                max_total_tokens=max_total,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                generator=generator,
+                # Siblings wait for the first one's prompt, then share its pages via the prefix cache.
+                wait_for=group[0] if i and self.cache_options.enable_prefix_caching else None)
+            group.append(req)
+        self._groups[group_id] = group
+        for req in group:
+            self._requests[req.request_id] = req
+            self.scheduler.add(req)
+        return group_id
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise UserInputError if the request can never run (too long, or larger than the KV budget)."""
+        """Raise UserInputError if the request can never run (too long, larger than the KV budget,
+        or naming tokens the model does not have)."""
         params.validate()
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise UserInputError(f"prompt is {n} tokens long; max_model_len is {self.max_model_len}, "
                                  "which must leave room for at least one generated token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise UserInputError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab})")
+        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
+            raise UserInputError(f"prompt token ids must be in [0, {vocab})")
         peak = min(n + params.max_tokens, self.max_model_len)
         chunk = self.config.max_num_batched_tokens
         if not self.kv.fits_ever(peak, chunk):
@@ -106,61 +151,57 @@ class LLMEngine:
             raise UserInputError(f"request needs {format_bytes(need)} of KV cache for {peak} tokens, but the "
                                  f"KV cache has {format_bytes(have)}; raise --kv-cache-memory or lower max_tokens")
 
-    def add_request(self, prompt: str, params: SamplingParams, prompt_ids: list[int] | None = None,
-                    request_id: str | None = None) -> str:
-        ids = self.tokenize(prompt) if prompt_ids is None else list(prompt_ids)
-        self.check_request(ids, params)
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._requests:
-            raise UserInputError(f"request id {request_id!r} is already in use")
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        req = Request(request_id, prompt, ids, params, self.tokenizer.stop_token_ids,
-                      min(len(ids) + params.max_tokens, self.max_model_len), generator)
-        self._requests[request_id] = req
-        self.scheduler.add(req)
-        return request_id
-
     def request(self, request_id: str) -> Request:
-        """A request that has not finished yet (KeyError otherwise)."""
+        """An unfinished engine request by its engine id (a group of n > 1 has ids "<id>#<index>")."""
         return self._requests[request_id]
 
-    def abort_request(self, request_id: str) -> None:
-        req = self._requests.pop(request_id, None)
-        if req is not None and not req.is_finished:
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort every unfinished completion of a request, wherever it is (queued, prefilling,
+        decoding, preempted), freeing its pages at once. Returns their final outputs."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return []
+        outputs = []
+        for req in group:
+            if req.is_finished:
+                continue
             req.finish(FinishReason.ABORT)
             self.scheduler.finish(req)
+            del self._requests[req.request_id]
+            outputs.append(self._output(req))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward pass. Returns the outputs of requests that finished in it."""
+        """One forward pass. Returns an output for every completion that produced text or
+        finished in it (its `delta_*` fields hold what is new)."""
         sched = self.scheduler.schedule()
         if not sched.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress with an empty running set")  # a bug, never input
             return []
         logits = self.runner.execute(sched.seqs)
-        completing = [s for s in sched.seqs if s.completes]
-        tokens = sample(logits, [s.request for s in completing]) if completing else []
+        completing = [s.request for s in sched.seqs if s.completes]
+        tokens, logprobs = sample(logits, completing) if completing else ([], [])
         for s in sched.seqs:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
-        finished: list[RequestOutput] = []
-        for s, token in zip(completing, tokens):
-            req = s.request
-            req.append_token(token)
+        outputs: list[RequestOutput] = []
+        for req, token, lp in zip(completing, tokens, logprobs):
+            req.append_token(token, lp)
             if req.is_finished:
                 self.scheduler.finish(req)
                 del self._requests[req.request_id]
-                finished.append(self.make_output(req))
-        return finished
+                group = self._groups.get(req.group_id)
+                if group is not None and all(r.is_finished for r in group):
+                    del self._groups[req.group_id]
+            outputs.append(self._output(req))
+        return outputs
 
-    def make_output(self, req: Request) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
-        reason = req.finish_reason.value if req.finish_reason else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                             [CompletionOutput(0, text, list(req.output_token_ids), reason)], req.is_finished)
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(req.group_id, req.prompt, req.prompt_token_ids, [req.take_output()], req.is_finished,
+                             req.num_cached_tokens)

@@ -1,4 +1,9 @@
-"""A request's life: its tokens, progress, and the output users see."""
+"""A request's life: its tokens, progress, text, and the outputs users see.
+
+One user request with `n` completions is `n` engine requests (a *group*): they share the group id,
+the prompt and, through the prefix cache, the prompt's KV pages; each has its own index, tokens,
+random generator and text.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .detokenizer import IncrementalDetokenizer, StopStringFilter
 from .sampling_params import SamplingParams
 
 
@@ -17,26 +23,49 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"            # an end-of-sequence token
+    STOP = "stop"            # an end-of-sequence / stop token, or a stop string
     LENGTH = "length"        # max_tokens, or the model's length limit
     ABORT = "abort"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float                      # under the model's raw distribution (before sampling filters)
+    top: tuple[tuple[int, float], ...]  # the most likely alternatives, best first
+
+
 @dataclass
 class Request:
-    request_id: str
+    request_id: str                        # unique engine id ("<group id>" or "<group id>#<index>")
+    group_id: str                          # the id the user sees
+    index: int                             # which of the group's n completions
     prompt: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    stop_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]          # the tokenizer's end-of-sequence tokens
     max_total_tokens: int                  # prompt + output may not exceed this (max_model_len)
+    detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None
+    wait_for: "Request | None" = None      # admit only once this request's prompt is in the KV cache
     output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0           # tokens whose K/V sit in the cache
-    num_cached_tokens: int = 0             # of those, tokens served by the prefix cache (all admissions)
+    num_cached_tokens: int = 0             # tokens served by the prefix cache (over all admissions)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None   # the stop string or stop token id that ended it
     num_preemptions: int = 0
+    admitted_order: int = -1               # when it was (last) admitted: preemption picks the latest
+    last_served: int = -1                  # last step that ran it: fairness when the budget runs out
+    stop_filter: StopStringFilter = field(init=False)
+    _emitted_tokens: int = 0               # token ids already reported in an output
+    _emitted_chars: int = 0
+    _emitted_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        self.stop_filter = StopStringFilter(tuple(self.params.stop))
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -55,16 +84,54 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token: int) -> None:
-        self.output_token_ids.append(token)
-        if token in self.stop_token_ids and not self.params.ignore_eos:
-            self.finish(FinishReason.STOP)
-        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_total_tokens:
-            self.finish(FinishReason.LENGTH)
+    @property
+    def prompt_computed(self) -> bool:
+        return self.num_computed_tokens >= len(self.prompt_token_ids)
 
-    def finish(self, reason: FinishReason) -> None:
+    def append_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Record a sampled token: update text, and finish on a stop token, stop string or length."""
+        self.output_token_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if token in self.params.stop_token_ids:
+            self._finish_and_flush(FinishReason.STOP, token)
+            return
+        if token in self.eos_token_ids and not self.params.ignore_eos:
+            self._finish_and_flush(FinishReason.STOP, None)
+            return
+        self.output_text += self.stop_filter.feed(self.detokenizer.step([token]))
+        if self.stop_filter.matched is not None:
+            self.finish(FinishReason.STOP, self.stop_filter.matched)
+        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_total_tokens:
+            self._finish_and_flush(FinishReason.LENGTH, None)
+
+    def _finish_and_flush(self, reason: FinishReason, stop_reason: str | int | None) -> None:
+        self.output_text += self.stop_filter.feed(self.detokenizer.finish())
+        if self.stop_filter.matched is not None:   # the held-back text completed a stop string
+            reason, stop_reason = FinishReason.STOP, self.stop_filter.matched
+        else:
+            self.output_text += self.stop_filter.flush()
+        self.finish(reason, stop_reason)
+
+    def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def take_output(self) -> "CompletionOutput":
+        """This completion's state, with the tokens and text new since the last output."""
+        delta_ids = self.output_token_ids[self._emitted_tokens:]
+        delta_text = self.output_text[self._emitted_chars:]
+        delta_lp = self.logprobs[self._emitted_logprobs:]
+        self._emitted_tokens = len(self.output_token_ids)
+        self._emitted_chars = len(self.output_text)
+        self._emitted_logprobs = len(self.logprobs)
+        return CompletionOutput(
+            index=self.index, text=self.output_text, token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason.value if self.finish_reason else None, stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            delta_text=delta_text, delta_token_ids=delta_ids,
+            delta_logprobs=delta_lp if self.params.logprobs is not None else None)
 
 
 @dataclass
@@ -73,6 +140,15 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    delta_text: str = ""                   # streaming: what is new since this completion's last output
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -82,9 +158,25 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0          # prompt tokens served by the prefix cache
+    prompt_index: int | None = None     # set by LLM.stream(): which of the call's prompts it answers
 
     def to_dict(self) -> dict:
+        """JSON-ready summary (the CLI's --json line)."""
+        def completion(c: CompletionOutput) -> dict:
+            d = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+            if c.stop_reason is not None:
+                d["stop_reason"] = c.stop_reason
+            if c.logprobs is not None:
+                d["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
+                                  "top": [[t, p] for t, p in lp.top]} for lp in c.logprobs]
+            return d
+
         first = self.outputs[0]
-        return {"request_id": self.request_id, "prompt": self.prompt, "text": first.text,
-                "token_ids": first.token_ids, "finish_reason": first.finish_reason,
-                "prompt_tokens": len(self.prompt_token_ids), "completion_tokens": len(first.token_ids)}
+        out = {"request_id": self.request_id, "prompt": self.prompt, "text": first.text,
+               "token_ids": first.token_ids, "finish_reason": first.finish_reason,
+               "prompt_tokens": len(self.prompt_token_ids),
+               "completion_tokens": sum(len(c.token_ids) for c in self.outputs)}
+        if len(self.outputs) > 1 or first.stop_reason is not None or first.logprobs is not None:
+            out["completions"] = [completion(c) for c in self.outputs]
+        return out

@@ -2,11 +2,17 @@
 
 Every request catches its `num_computed_tokens` up to its `num_tokens`: a new prompt needs its whole
 prompt (chunked to the token budget) minus what the prefix cache already holds, a decoding request
-needs one token. Each step serves the
-running requests first (in admission order), then admits waiting ones while the token budget, the
-sequence limit and the KV pages allow. When pages run out, the most recently admitted running
-request is preempted: its pages are freed, its tokens kept, and it is recomputed later, ahead of new
-requests.
+needs one token. Each step, within `max_num_batched_tokens` and `max_num_seqs`:
+
+  1. running decodes, least recently served first (so none starves if the budget is short);
+  2. running prefills (chunks of prompts already admitted), in admission order;
+  3. waiting requests, first come first served: preempted ones first (they are at the front), then
+     new ones. A completion of an n > 1 group waits until its first sibling's prompt is cached, then
+     reuses those KV pages through the prefix cache.
+
+When pages run out, the most recently admitted running request is preempted: its pages are freed,
+its tokens kept, and it is recomputed later (mostly from prefix-cache hits). No request is admitted
+in a step that preempted one, so freed pages go back to the preempted, not to newcomers.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._step = 0
+        self._admissions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -55,43 +63,55 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self._step += 1
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_pending_tokens, budget)
-            if n == 0:  # cannot happen for an unfinished request; guard against a stall
-                i += 1
+        decodes = sorted((r for r in self.running if r.prompt_computed and r.num_pending_tokens == 1),
+                         key=lambda r: (r.last_served, r.admitted_order))
+        prefills = [r for r in self.running if not (r.prompt_computed and r.num_pending_tokens == 1)]
+        for req in decodes + prefills:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:   # preempted earlier in this loop
                 continue
+            n = min(req.num_pending_tokens, budget)
             if self._allocate_or_preempt(req, n, out):
                 out.seqs.append(ScheduledSeq(req, n))
-                budget -= n
-                i += 1
-        # New (or preempted) requests only when nobody was preempted this step: otherwise the
-        # pages just freed would go to a newcomer and the preempted request would starve.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            budget = self.max_num_batched_tokens - out.num_tokens
+        if not out.preempted:
+            self._admit(out, self.max_num_batched_tokens - out.num_tokens)
+        for s in out.seqs:
+            s.request.last_served = self._step
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            sibling = req.wait_for
+            if sibling is not None and not sibling.is_finished and not sibling.prompt_computed:
+                continue  # its first sibling has not cached the shared prompt yet
             tokens = req.all_token_ids
             hit = self.kv.lookup(req.request_id, tokens)
             n = min(req.num_tokens - hit, budget)
             if not self.kv.allocate(req.request_id, tokens, hit, hit + n, prefill=True):
-                break
+                return  # first come, first served: nobody overtakes a request that does not fit
+            self.waiting.remove(req)
             req.num_computed_tokens = hit
             req.num_cached_tokens += hit
-            self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.admitted_order = self._admissions
+            self._admissions += 1
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, n))
             budget -= n
-        return out
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        """Pages for `n` more tokens of `req`, preempting later requests as needed. False if `req`
-        itself had to be preempted."""
+        """Pages for `n` more tokens of `req`, preempting the most recently admitted requests as
+        needed. False if `req` itself had to be preempted."""
         start = req.num_computed_tokens
         while not self.kv.allocate(req.request_id, req.all_token_ids, start, start + n, prefill=n > 1):
-            victim = self.running[-1]
+            victim = max(self.running, key=lambda r: r.admitted_order)
             self._preempt(victim, out)
             if victim is req:
                 return False
@@ -99,6 +119,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        out.seqs = [s for s in out.seqs if s.request is not req]   # it may have been scheduled already
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING

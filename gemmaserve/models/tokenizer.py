@@ -35,6 +35,21 @@ class Tokenizer:
     eos_token_id: int
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     pad_token_id: int = 0
+    special_ids: frozenset[int] = field(default_factory=frozenset)
+    byte_ids: frozenset[int] = field(default_factory=frozenset)   # byte-fallback tokens <0xNN>
+
+    def __post_init__(self) -> None:
+        if not self.special_ids:
+            self.special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+        if not self.byte_ids:
+            self.byte_ids = frozenset(i for b in range(256)
+                                      if (i := self.backend.token_to_id(f"<0x{b:02X}>")) is not None)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_ids
+
+    def is_byte_token(self, token_id: int) -> bool:
+        return token_id in self.byte_ids
 
     @property
     def vocab_size(self) -> int:
