@@ -81,7 +81,8 @@ class IncrementalDetokenizer:
 @dataclass
 class StopStringFilter:
     """Holds back text that could be the start of a stop string, so a partial stop string never
-    reaches the stream; reports the first complete match. The stop string itself is not emitted."""
+    reaches the stream; reports the first stop string to complete. Neither it nor anything after it
+    is emitted."""
 
     stops: tuple[str, ...]
     held: str = ""
@@ -94,9 +95,11 @@ class StopStringFilter:
         if not self.stops:
             self.held = ""
             return buf
-        cut = min(((buf.find(s), s) for s in self.stops if s in buf), default=None)
+        # The stop string that completes first (earliest end; then earliest start), so the result
+        # does not depend on how the text was split into deltas.
+        cut = min(((buf.find(s) + len(s), buf.find(s), s) for s in self.stops if s in buf), default=None)
         if cut is not None:
-            pos, stop = cut
+            _, pos, stop = cut
             self.matched = stop
             self.held = ""
             return buf[:pos]

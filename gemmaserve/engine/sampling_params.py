@@ -38,8 +38,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self.stop = list(self.stop) if self.stop is not None else []
-        self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids is not None else []
+        # One string or id is accepted where a list is expected (as OpenAI's `stop` does).
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
+            self.stop_token_ids = [self.stop_token_ids]
+        self.stop = list(self.stop) if isinstance(self.stop, (list, tuple)) else ([] if self.stop is None else self.stop)
+        self.stop_token_ids = (list(self.stop_token_ids) if isinstance(self.stop_token_ids, (list, tuple))
+                               else ([] if self.stop_token_ids is None else self.stop_token_ids))
         self.validate()
 
     def validate(self) -> None:

@@ -4,7 +4,8 @@ Every request catches its `num_computed_tokens` up to its `num_tokens`: a new pr
 prompt (chunked to the token budget) minus what the prefix cache already holds, a decoding request
 needs one token. Each step, within `max_num_batched_tokens` and `max_num_seqs`:
 
-  1. running decodes, least recently served first (so none starves if the budget is short);
+  1. running decodes, least recently served first (so none starves if the budget is short), within
+     three quarters of the budget while prompts wait (so decodes cannot starve them either);
   2. running prefills (chunks of prompts already admitted), in admission order;
   3. waiting requests, first come first served: preempted ones first (they are at the front), then
      new ones. A completion of an n > 1 group waits until its first sibling's prompt is cached, then
@@ -69,11 +70,17 @@ class Scheduler:
         decodes = sorted((r for r in self.running if r.prompt_computed and r.num_pending_tokens == 1),
                          key=lambda r: (r.last_served, r.admitted_order))
         prefills = [r for r in self.running if not (r.prompt_computed and r.num_pending_tokens == 1)]
+        # Decodes go first but may not take the whole budget while prompts wait: a quarter stays
+        # for prefill, so many decodes cannot starve a prompt (and round robin keeps every decode moving).
+        reserve = max(1, self.max_num_batched_tokens // 4) if (prefills or self.waiting) else 0
+        decode_budget = max(1, self.max_num_batched_tokens - reserve)
         for req in decodes + prefills:
-            if budget <= 0:
-                break
             if req.status is not RequestStatus.RUNNING:   # preempted earlier in this loop
                 continue
+            if req in decodes and out.num_tokens >= decode_budget:
+                continue
+            if budget <= 0:
+                break
             n = min(req.num_pending_tokens, budget)
             if self._allocate_or_preempt(req, n, out):
                 out.seqs.append(ScheduledSeq(req, n))
