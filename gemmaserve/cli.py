@@ -35,12 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run a benchmark and write JSON")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    from .bench import decode, memory
+    from .bench import decode, memory, throughput
 
     dec = kinds.add_parser("decode", help="CPU/GPU decode tokens/s against Hugging Face generate")
     decode.add_arguments(dec)
     add_options(dec, EngineConfig, "engine")
     dec.set_defaults(handler=decode.run)
+    thr = kinds.add_parser("throughput", help="offline throughput of mixed prompts against Hugging Face generate")
+    throughput.add_arguments(thr)
+    add_options(thr, EngineConfig, "engine")
+    thr.set_defaults(handler=throughput.run)
     mem = kinds.add_parser("memory", help="KV bytes per sequence, prefill peaks and concurrency (V1 vs V2)")
     memory.add_arguments(mem)
     mem.set_defaults(handler=memory.run)
