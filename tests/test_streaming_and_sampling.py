@@ -165,3 +165,11 @@ def test_one_bad_request_does_not_affect_others(llm_270m):
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]
     assert [o.request_id for o in outs] == [good] and len(outs[0].outputs[0].token_ids) == 4
+
+
+def test_progress_bar_does_not_change_results(llm_270m, capsys):
+    params = SamplingParams(max_tokens=3)
+    plain = llm_270m.generate(PROMPTS[:2], params, use_tqdm=False)
+    shown = llm_270m.generate(PROMPTS[:2], params, use_tqdm=True)
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in shown]
+    assert "prompts" in capsys.readouterr().err
