@@ -1,6 +1,8 @@
-"""The engine: requests in, finished outputs out, one `step()` at a time.
+"""The engine: requests in, per-step outputs (text deltas, finished completions) out.
 
-    add_request -> Scheduler -> KV manager -> ModelRunner -> model -> sampler -> detokenize
+    add_request -> Scheduler -> KV manager -> ModelRunner -> model -> sampler -> detokenizer -> outputs
+
+Single-threaded: whoever owns the engine calls `step()` in a loop (LLM, or a server's background loop).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from ..config.resolve import resolve_cache_options
 from ..errors import UserInputError
 from ..kv import create_kv_manager
 from ..models.loader import LoadedModel, load_model
-from .model_runner import ModelRunner
 from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner
 from .request import FinishReason, Request, RequestOutput
 from .sampler import sample
 from .sampling_params import SamplingParams
