@@ -35,15 +35,25 @@ def _dense(q, k, v, q_pos, window, scale):
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
+def _backend(name: str):
+    if name == "torch":
+        return TorchAttentionBackend()
+    pytest.importorskip("triton")
+    from gemmaserve.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
 @pytest.mark.parametrize("manager, scratch", [("v1", False), ("v2", False), ("v2", True)])
-def test_paged_attention_matches_dense(manager, scratch):
+def test_paged_attention_matches_dense(manager, scratch, backend_name):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     lens = [37, 9, 23]
     page = 2
     kv = (KVCacheManagerV1(SPECS, page, 400) if manager == "v1"
           else KVCacheManagerV2(SPECS, page, 400, enable_prefix_caching=False, enable_scratch=scratch))
-    backend = TorchAttentionBackend()
+    backend = _backend(backend_name)
     cache = backend.allocate_kv_cache(SPECS, kv.layout, torch.device("cpu"))
     # Ground truth K/V per owning layer and position; queries per layer and position.
     K = {i: torch.randn(max(lens), s.num_kv_heads, s.head_dim, generator=gen) for i, s in enumerate(SPECS) if s.owns_kv}
@@ -71,7 +81,8 @@ def test_paged_attention_matches_dense(manager, scratch):
             for b, s, e in batch:
                 ref = _dense(Q[layer][s:e], K[src][:e], V[src][:e], torch.arange(s, e), spec.window, 0.3)
                 err = (out[row:row + e - s] - ref).abs().max().item()
-                assert err < 1e-5, f"seed={seed} {manager} scratch={scratch} step={step} layer={layer} seq={b}: {err}"
+                assert err < 1e-5, (f"seed={seed} {backend_name} {manager} scratch={scratch} step={step} "
+                                    f"layer={layer} seq={b}: {err}")
                 row += e - s
         for b, s, e in batch:
             kv.commit(str(b), toks[b], e)

@@ -144,6 +144,31 @@ class TorchBatchAttention(BatchAttention):
         return out
 
 
+def allocate_paged_kv(specs: list[LayerSpec], layout: KVLayout,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V) views [pages, T, Hkv, D]: one tensor per layer (V1), or views into one byte
+    arena where page p of every layer starts at byte p * page_bytes (V2)."""
+    caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # empty, not zeros: untouched pages cost no RAM on the CPU until first written.
+    arena = torch.empty(layout.num_pages * layout.page_bytes, dtype=torch.uint8, device=device) \
+        if layout.shared_arena else None
+    for i, spec in enumerate(specs):
+        if not spec.owns_kv:
+            caches.append(caches[spec.kv_source])
+            continue
+        t, h, d = layout.tokens_per_page[i], spec.num_kv_heads, spec.head_dim
+        if arena is None:
+            shape = (layout.num_pages, t, h, d)
+            caches.append((torch.empty(shape, dtype=spec.dtype, device=device),
+                           torch.empty(shape, dtype=spec.dtype, device=device)))
+            continue
+        # Page p of this layer: T tokens x (K, V) x Hkv x D at byte p * page_bytes of the arena.
+        page_elems = layout.page_bytes // torch.empty((), dtype=spec.dtype).element_size()
+        kv = arena.view(spec.dtype).as_strided((layout.num_pages, t, 2, h, d), (page_elems, 2 * h * d, h * d, d, 1))
+        caches.append((kv[:, :, 0], kv[:, :, 1]))
+    return caches
+
+
 class TorchAttentionBackend(AttentionBackend):
     capabilities = BackendCapabilities(name="torch", devices=frozenset({"cpu", "cuda"}), head_dims=None,
                                        scratch_pages=True, shared_arena=True)
@@ -153,27 +178,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def allocate_kv_cache(self, specs, layout: KVLayout, device):
         self._specs = list(specs)
-        caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # empty, not zeros: untouched pages cost no RAM on the CPU until first written.
-        arena = torch.empty(layout.num_pages * layout.page_bytes, dtype=torch.uint8, device=device) \
-            if layout.shared_arena else None
-        for i, spec in enumerate(specs):
-            if not spec.owns_kv:
-                caches.append(caches[spec.kv_source])
-                continue
-            t, h, d = layout.tokens_per_page[i], spec.num_kv_heads, spec.head_dim
-            if arena is None:
-                shape = (layout.num_pages, t, h, d)
-                caches.append((torch.empty(shape, dtype=spec.dtype, device=device),
-                               torch.empty(shape, dtype=spec.dtype, device=device)))
-                continue
-            # Page p of this layer: T tokens x (K, V) x Hkv x D at byte p * page_bytes of the arena.
-            esize = torch.empty((), dtype=spec.dtype).element_size()
-            page_elems = layout.page_bytes // esize
-            flat = arena.view(spec.dtype)
-            kv = flat.as_strided((layout.num_pages, t, 2, h, d), (page_elems, 2 * h * d, h * d, d, 1))
-            caches.append((kv[:, :, 0], kv[:, :, 1]))
-        return caches
+        return allocate_paged_kv(specs, layout, device)
 
     def begin_batch(self, metadata, kv_cache):
         return TorchBatchAttention(metadata, kv_cache, self._specs)

@@ -16,7 +16,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "fp32", "bf16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_MANAGERS = ("auto", "v1", "v2")
 SCRATCH_CHOICES = ("auto", "on", "off")
 
@@ -53,7 +53,7 @@ class EngineConfig:
                                                 help="reuse the KV of earlier prompts' common prefixes (default: on "
                                                      "where the KV manager supports it)")
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
-                                    help="attention implementation; auto = the best one for the device")
+                                    help="attention implementation; auto = triton on CUDA, torch on the CPU")
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():

@@ -18,6 +18,7 @@ Life of a sequence, one call each per engine step:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,9 @@ class GroupTables:
     first_block: list[int]          # per sequence: logical index of slot_ids[b][0]
     slot_ids: list[list[int]]       # per sequence: slot of each live block, in order
     slot_pages: torch.Tensor        # [slots, layers of the group]: the page of each layer (CPU, int64)
+    # Rows of slot_pages changed since a cursor: (rows, new cursor), or (None, cursor) if a full
+    # copy is needed. Lets a backend keep a device copy of slot_pages in sync cheaply.
+    changes_since: Callable[[int], tuple[list[int] | None, int]] = lambda cursor: ([], cursor)
 
 
 @dataclass(frozen=True)

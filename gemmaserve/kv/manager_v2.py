@@ -250,7 +250,8 @@ class KVCacheManagerV2(KVCacheManager):
     def group_tables(self, seq_ids: list[str]) -> list[GroupTables]:
         seqs = [self._seqs[s] for s in seq_ids]
         return [GroupTables(g, [s.tables[g.index].first for s in seqs],
-                            [[slot.row for slot in s.tables[g.index].slots] for s in seqs], self.rows[g.index].tensor())
+                            [[slot.row for slot in s.tables[g.index].slots] for s in seqs], self.rows[g.index].tensor(),
+                            self.rows[g.index].changes_since)
                 for g in self._groups]
 
     def held_blocks(self, seq_id: str) -> list[tuple[int, int]]:

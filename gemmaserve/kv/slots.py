@@ -32,6 +32,21 @@ class SlotRows:
         self.table = np.full((capacity, num_layers), -1, dtype=np.int64)
         self._free_rows = list(range(capacity - 1, -1, -1))
         self.live: dict[int, Slot] = {}
+        self._log: list[int] = []      # rows changed, in order; entries before _log_base were dropped
+        self._log_base = 0
+
+    def changes_since(self, cursor: int) -> tuple[list[int] | None, int]:
+        """Rows changed since `cursor` (None: the log was truncated or the table grew, copy it all)."""
+        end = self._log_base + len(self._log)
+        if cursor < self._log_base:
+            return None, end
+        return self._log[cursor - self._log_base:], end
+
+    def _changed(self, row: int) -> None:
+        self._log.append(row)
+        if len(self._log) > 4 * self.table.shape[0]:   # bounded: a consumer this far behind copies everything
+            self._log_base += len(self._log)
+            self._log = []
 
     def tensor(self) -> torch.Tensor:
         return torch.from_numpy(self.table)
@@ -41,8 +56,11 @@ class SlotRows:
             old = self.table.shape[0]
             self.table = np.concatenate([self.table, np.full_like(self.table, -1)])
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
+            self._log_base += len(self._log) + 1   # new shape: consumers copy the whole table
+            self._log = []
         row = self._free_rows.pop()
         self.table[row] = pages[0] if scratch else pages
+        self._changed(row)
         slot = Slot(group, row, tuple(pages), scratch)
         self.live[row] = slot
         return slot
@@ -50,4 +68,5 @@ class SlotRows:
     def remove(self, slot: Slot) -> None:
         del self.live[slot.row]
         self.table[slot.row] = -1
+        self._changed(slot.row)
         self._free_rows.append(slot.row)

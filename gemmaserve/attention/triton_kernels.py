@@ -1,0 +1,262 @@
+"""Triton kernels for paged attention.
+
+Storage per layer: K and V views [pages, T, Hkv, D] (T = the layer's tokens per page) with arbitrary
+strides (V2's shared arena interleaves K and V inside a page). A sequence's position p lives at page
+`pages[b, p // T - first_block[b]]`, offset `p % T`; `pages` holds only live blocks (a sliding layer's
+window), so the kernels never touch out-of-window pages.
+
+* `store_kv`: write new tokens' K/V at their (page, offset).
+* `decode_attention`: one query token per sequence; programs split the key range (split-K, for long
+  contexts), each handles all query heads of one KV head (GQA); a second kernel merges the splits.
+* `prefill_attention`: query tiles of several tokens per sequence (chunked prefill / extend over a
+  cached prefix); causal + sliding window masks; keys gathered through the page table.
+
+Numerics: scores and softmax in fp32 (exp2 with log2(e) folded into the scale), output in q's dtype.
+Visibility: key k is visible to query q iff k <= q and (no window, or k > q - window).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 attention must stay fp32 (tf32 would cost ~1e-3 relative error); bf16 is exact in any mode."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pages_ptr, offs_ptr,
+                     s_kt, s_kh, s_vt, s_vh,
+                     s_cp, s_co, s_ch, s_vp, s_vo, s_vch,
+                     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(pages_ptr + t).to(tl.int64)
+    off = tl.load(offs_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    k = tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=m)
+    v = tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=m)
+    tl.store(kc_ptr + page * s_cp + off * s_co + h * s_ch + d, k.to(kc_ptr.dtype.element_ty), mask=m)
+    tl.store(vc_ptr + page * s_vp + off * s_vo + h * s_vch + d, v.to(vc_ptr.dtype.element_ty), mask=m)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             pages: torch.Tensor, offsets: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D]; caches [P, T, Hkv, D] views; pages, offsets: [T] int."""
+    n, h, d = k.shape
+    if n == 0:
+        return
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    _store_kv_kernel[(n, h)](
+        k, v, k_cache, v_cache, pages, offsets,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H=h, D=d, BLOCK_D=triton.next_power_of_2(d))
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pages_ptr, first_ptr, lens_ptr,
+                         acc_ptr, m_ptr, l_ptr,
+                         s_qb, s_qh, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, s_pb,
+                         s_ab, s_ah, s_as, s_mb, s_mh, s_ms,
+                         scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         SPLIT_LEN: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    first_block = tl.load(first_ptr + b)
+    k_begin = 0
+    if WINDOW > 0:
+        k_begin = tl.maximum(seq_len - WINDOW, 0)
+    lo = k_begin + split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, seq_len)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gm = g < G
+    dm = d < D
+    q = tl.load(q_ptr + b * s_qb + (kvh * G + g)[:, None] * s_qh + d[None, :], mask=gm[:, None] & dm[None, :],
+                other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pm = pos < hi
+        page = tl.load(pages_ptr + b * s_pb + (pos // T - first_block), mask=pm, other=0).to(tl.int64)
+        off = (pos % T).to(tl.int64)
+        k = tl.load(kc_ptr + page[:, None] * s_kp + off[:, None] * s_ko + kvh * s_kh + d[None, :],
+                    mask=pm[:, None] & dm[None, :], other=0.0)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * qk_scale
+        s = tl.where(pm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + page[:, None] * s_vp + off[:, None] * s_vo + kvh * s_vh + d[None, :],
+                    mask=pm[:, None] & dm[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
+        m_i = m_new
+    heads = kvh * G + g
+    tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + split * s_as + d[None, :], acc,
+             mask=gm[:, None] & dm[None, :])
+    tl.store(m_ptr + b * s_mb + heads * s_mh + split * s_ms, m_i, mask=gm)
+    tl.store(l_ptr + b * s_mb + heads * s_mh + split * s_ms, l_i, mask=gm)
+
+
+@triton.jit
+def _decode_merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr,
+                         s_ab, s_ah, s_as, s_mb, s_mh, s_ms, s_ob, s_oh,
+                         NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_BLOCK)
+    d = tl.arange(0, BLOCK_D)
+    sm = s < NUM_SPLITS
+    m = tl.load(m_ptr + b * s_mb + h * s_mh + s * s_ms, mask=sm, other=float("-inf"))
+    l = tl.load(l_ptr + b * s_mb + h * s_mh + s * s_ms, mask=sm, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+    acc = tl.load(acc_ptr + b * s_ab + h * s_ah + s[:, None] * s_as + d[None, :],
+                  mask=sm[:, None] & (d < D)[None, :], other=0.0)
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(l * w, 0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+                     first_block: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None,
+                     max_keys: int, split_len: int = 512, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, Hq, D] (one token per sequence, at position seq_len - 1); pages: [B, W] page of each live
+    block; first_block, seq_lens: [B]. `max_keys` bounds the keys any sequence reads (sets the split
+    grid; it is static, so CUDA graphs can capture the launch)."""
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    t = k_cache.shape[1]
+    g = hq // hkv
+    num_splits = max(1, -(-max_keys // split_len))
+    acc = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
+    m = torch.empty(bsz, hq, num_splits, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_n = 32 if block_d >= 512 else 64
+    _decode_split_kernel[(bsz, hkv, num_splits)](
+        q, k_cache, v_cache, pages, first_block, seq_lens, acc, m, l,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), pages.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), m.stride(2),
+        scale, WINDOW=window or 0, T=t, G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
+        BLOCK_N=block_n, SPLIT_LEN=split_len, PRECISION=_precision(q.dtype))
+    if out is None:
+        out = torch.empty_like(q)
+    _decode_merge_kernel[(bsz, hq)](
+        acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), m.stride(2),
+        out.stride(0), out.stride(1), NUM_SPLITS=num_splits, S_BLOCK=max(2, triton.next_power_of_2(num_splits)),
+        D=d, BLOCK_D=block_d)
+    return out
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, pages_ptr, first_ptr, tile_seq_ptr, tile_q_ptr,
+                    qstart_ptr, qlen_ptr, lens_ptr,
+                    s_qt, s_qh, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, s_pb, s_ot, s_oh,
+                    scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // G
+    b = tl.load(tile_seq_ptr + tile)
+    q_off = tl.load(tile_q_ptr + tile)          # first query of the tile, relative to the sequence's chunk
+    q_row0 = tl.load(qstart_ptr + b)
+    q_len = tl.load(qlen_ptr + b)
+    seq_len = tl.load(lens_ptr + b)
+    first_block = tl.load(first_ptr + b)
+    ctx = seq_len - q_len                       # positions before the chunk (cached prefix)
+    i = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    qm = (q_off + i) < q_len
+    dm = d < D
+    q_pos = ctx + q_off + i
+    q = tl.load(q_ptr + (q_row0 + q_off + i)[:, None] * s_qt + h * s_qh + d[None, :],
+                mask=qm[:, None] & dm[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    last_q = ctx + tl.minimum(q_off + BLOCK_M, q_len) - 1
+    k_lo = 0
+    if WINDOW > 0:
+        k_lo = tl.maximum(ctx + q_off - WINDOW + 1, 0)
+    k_lo = (k_lo // BLOCK_N) * BLOCK_N
+    for start in range(k_lo, last_q + 1, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pm = pos <= last_q
+        if WINDOW > 0:
+            pm = pm & (pos > ctx + q_off - WINDOW)
+        page = tl.load(pages_ptr + b * s_pb + (pos // T - first_block), mask=pm, other=0).to(tl.int64)
+        off = (pos % T).to(tl.int64)
+        k = tl.load(kc_ptr + page[:, None] * s_kp + off[:, None] * s_ko + kvh * s_kh + d[None, :],
+                    mask=pm[:, None] & dm[None, :], other=0.0)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * qk_scale
+        diff = q_pos[:, None] - pos[None, :]
+        vis = (diff >= 0) & pm[None, :]
+        if WINDOW > 0:
+            vis = vis & (diff < WINDOW)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + page[:, None] * s_vp + off[:, None] * s_vo + kvh * s_vh + d[None, :],
+                    mask=pm[:, None] & dm[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_row0 + q_off + i)[:, None] * s_ot + h * s_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=qm[:, None] & dm[None, :])
+
+
+def prefill_tiles(query_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
+    """(sequence, first query) of every query tile."""
+    seqs, starts = [], []
+    for b, n in enumerate(query_lens):
+        for s in range(0, n, block_m):
+            seqs.append(b)
+            starts.append(s)
+    return seqs, starts
+
+
+def prefill_block_m(head_dim: int) -> int:
+    return 32 if head_dim >= 512 else 64
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+                      first_block: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
+                      seq_lens: torch.Tensor, tile_seq: torch.Tensor, tile_q: torch.Tensor, scale: float,
+                      window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] rows of all sequences' new tokens (sequence b at rows query_start[b]...);
+    tiles from `prefill_tiles(query_lens, prefill_block_m(D))`."""
+    ntok, hq, d = q.shape
+    hkv, t = k_cache.shape[2], k_cache.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_m = prefill_block_m(d)
+    block_n = 32 if block_d >= 256 else 64
+    _prefill_kernel[(tile_seq.shape[0], hq)](
+        q, k_cache, v_cache, out, pages, first_block, tile_seq, tile_q, query_start, query_lens, seq_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), pages.stride(0), out.stride(0), out.stride(1),
+        scale, WINDOW=window or 0, T=t, G=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=_precision(q.dtype))
+    return out
