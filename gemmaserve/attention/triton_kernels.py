@@ -24,6 +24,16 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
+def _block_n(head_dim: int, dtype: torch.dtype) -> int:
+    """Keys per tile: a K (and a V) tile of at most 32 KiB, 16..64 rows."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    return max(16, min(64, (32 << 10) // (triton.next_power_of_2(head_dim) * esize)))
+
+
+def _warps(head_dim: int) -> int:
+    return 8 if head_dim >= 256 else 4
+
+
 def _precision(dtype: torch.dtype) -> str:
     """fp32 attention must stay fp32 (tf32 would cost ~1e-3 relative error); bf16 is exact in any mode."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -148,14 +158,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     m = torch.empty(bsz, hq, num_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     block_d = max(16, triton.next_power_of_2(d))
-    block_n = 32 if block_d >= 512 else 64
+    block_n = _block_n(d, k_cache.dtype)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, pages, first_block, seq_lens, acc, m, l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), pages.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), m.stride(2),
         scale, WINDOW=window or 0, T=t, G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
-        BLOCK_N=block_n, SPLIT_LEN=split_len, PRECISION=_precision(q.dtype))
+        BLOCK_N=block_n, SPLIT_LEN=split_len, PRECISION=_precision(q.dtype), num_warps=_warps(d), num_stages=2)
     if out is None:
         out = torch.empty_like(q)
     _decode_merge_kernel[(bsz, hq)](
@@ -252,11 +262,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out = torch.empty_like(q)
     block_d = max(16, triton.next_power_of_2(d))
     block_m = prefill_block_m(d)
-    block_n = 32 if block_d >= 256 else 64
+    block_n = min(_block_n(d, k_cache.dtype), 32 if block_d >= 256 else 64)
     _prefill_kernel[(tile_seq.shape[0], hq)](
         q, k_cache, v_cache, out, pages, first_block, tile_seq, tile_q, query_start, query_lens, seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), pages.stride(0), out.stride(0), out.stride(1),
         scale, WINDOW=window or 0, T=t, G=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=_precision(q.dtype))
+        PRECISION=_precision(q.dtype), num_warps=_warps(d), num_stages=2)
     return out
