@@ -131,3 +131,48 @@ def test_cli_triton_on_cpu_matches_torch(tmp_path):
         return json.loads(res.stdout)["token_ids"]
 
     assert run("--attention-backend", "triton") == run("--attention-backend", "torch")
+
+
+def test_decode_graph_buffers_give_the_same_logits(tmp_path):
+    """The CUDA-graph path's fixed buffers (padded batch, null page, static split grid), run eagerly
+    on the CPU: same logits as the regular path, and padding rows touch only the null page."""
+    import dataclasses
+
+    from gemmaserve import LLM, SamplingParams
+    from gemmaserve.attention.triton_backend import DecodeGraphBuffers, TritonAttentionBackend
+
+    path = _tiny(tmp_path, 4)
+    llm = LLM(model=str(path), attention_backend="triton", page_size=4)
+    eng = llm.engine
+    for p in ("abc def ghi jkl", "mnop"):
+        eng.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    sched = eng.scheduler.schedule()
+    assert all(s.num_new_tokens == 1 for s in sched.seqs) and len(sched.seqs) == 2
+    runner = eng.runner
+    ids, pos, md = runner.build_metadata(sched.seqs)
+    backend: TritonAttentionBackend = runner.backend
+    model = eng.model
+    null = eng.kv.num_pages
+    snapshot = [(k.clone(), v.clone()) for k, v in runner.kv_cache[:1]]
+    with torch.inference_mode():
+        ref = model.compute_logits(model(ids, pos, backend.begin_batch(md, runner.kv_cache)))
+        geometry = [(g.num_layers, g.tokens_per_page, g.window) for g in eng.kv.groups]
+        buffers = DecodeGraphBuffers(4, geometry, 64, null, torch.device("cpu"))
+        buffers.fill(backend.prepare(md))
+        attn = backend.attention_for(buffers.batch, md.layer_slot, runner.kv_cache)
+        pad_ids = torch.cat([ids, torch.zeros(2, dtype=torch.long)])
+        pad_pos = torch.cat([pos, torch.zeros(2, dtype=torch.long)])
+        got = model.compute_logits(model(pad_ids, pad_pos, attn))[:2]
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    k_after = runner.kv_cache[0][0]
+    bits = lambda t: t.contiguous().view(torch.int32)  # noqa: E731  (bitwise: empty pages may hold NaNs)
+    changed = (bits(k_after) != bits(snapshot[0][0])).flatten(1).any(1).nonzero().flatten().tolist()
+    live_pages = set()   # every layer views every page of the arena: any layer's live page may change
+    for g in md.groups:
+        live_pages |= set(g.slot_pages[sum(g.slot_ids, [])].flatten().tolist())
+    assert set(changed) <= live_pages | {null}
+    assert dataclasses.is_dataclass(buffers.batch)
+    for s in sched.seqs:
+        eng.kv.free(s.request.request_id)

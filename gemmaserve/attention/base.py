@@ -23,6 +23,7 @@ class BackendCapabilities:
     head_dims: frozenset[int] | None    # None: any head dim
     scratch_pages: bool                 # honours per-layer page tables where layers alias one scratch page
     shared_arena: bool                  # can view one byte arena with per-layer page geometry (KV manager V2)
+    cuda_graphs: bool = False           # decode batches can be captured (DecodeGraphBuffers)
 
 
 @dataclass

@@ -4,16 +4,20 @@ Per batch and layer group, the block tables go to the device once: slot rows [B,
 layer of the group [L, B, W] by one gather from a device mirror of the group's slot -> page table
 (kept in sync row by row as slots come and go). Each layer then launches the store kernel and either
 the decode kernel (every sequence has one new token) or the prefill kernel.
+
+CUDA graphs (decode only): `DecodeGraphBuffers` holds the same tensors at fixed addresses and shapes
+for a padded batch size; padding rows read and write a reserved null page, and the split grid is sized
+for the longest possible sequence, so one captured graph serves every decode step of that size.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..kv.base import KVLayout
+from ..kv.base import GroupTables, KVLayout
 from .base import AttentionBackend, AttentionMetadata, BackendCapabilities, BatchAttention
 from .torch_backend import allocate_paged_kv
 
@@ -31,23 +35,14 @@ def triton_available(device: torch.device) -> str | None:
     return None
 
 
-@dataclass
-class _GroupBatch:
-    pages: torch.Tensor        # [L, B, W] page of each live block, per layer column
-    first_block: torch.Tensor  # [B]
-    write_pages: torch.Tensor  # [L, T] page of each new token, per layer column
-    write_offsets: torch.Tensor  # [T]
-    max_keys: dict             # window -> most keys any sequence reads
-
-
-class _Mirror:
+class SlotMirror:
     """Device copy of one group's slot -> page table, updated with the rows that changed."""
 
     def __init__(self) -> None:
         self.table: torch.Tensor | None = None
         self.cursor = -1
 
-    def sync(self, tables, device: torch.device) -> torch.Tensor:
+    def sync(self, tables: GroupTables, device: torch.device) -> torch.Tensor:
         host = tables.slot_pages
         rows, cursor = tables.changes_since(self.cursor)
         if self.table is None or self.table.shape != host.shape or rows is None:
@@ -59,86 +54,159 @@ class _Mirror:
         return self.table
 
 
+@dataclass
+class GroupBatch:
+    pages: torch.Tensor          # [L, B, W] page of each live block, per layer column
+    first_block: torch.Tensor    # [B]
+    write_pages: torch.Tensor    # [L, T] page of each new token, per layer column
+    write_offsets: torch.Tensor  # [T]
+
+
+@dataclass
+class DeviceBatch:
+    """Everything the kernels need for one forward pass, on the device."""
+
+    decode: bool
+    seq_lens: torch.Tensor                      # [B]
+    groups: list[GroupBatch]
+    max_keys: dict[tuple[int, int | None], int]  # (group, window) -> most keys a sequence reads
+    query_start: torch.Tensor | None = None     # prefill only
+    query_lens: torch.Tensor | None = None
+    tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _host_rows(tables: GroupTables, width: int) -> torch.Tensor:
+    rows = torch.zeros(len(tables.slot_ids), width, dtype=torch.long)
+    for b, r in enumerate(tables.slot_ids):
+        rows[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return rows
+
+
+def build_device_batch(md: AttentionMetadata, mirrors: list[SlotMirror], device: torch.device) -> DeviceBatch:
+    bsz = md.num_seqs
+    qlens = torch.tensor(md.query_lens, dtype=torch.int32)
+    seq_of = torch.repeat_interleave(torch.arange(bsz), qlens.long())
+    pos = torch.cat([torch.arange(s - n, s) for n, s in zip(md.query_lens, md.seq_lens)])
+    groups = []
+    max_keys: dict[tuple[int, int | None], int] = {}
+    for gi, (tables, mirror) in enumerate(zip(md.groups, mirrors)):
+        width = max(1, max(len(r) for r in tables.slot_ids))
+        table = mirror.sync(tables, device)
+        pages = table[_host_rows(tables, width).to(device)].permute(2, 0, 1).contiguous()   # [L, B, W]
+        first = torch.tensor(tables.first_block, dtype=torch.long)
+        t = tables.group.tokens_per_page
+        blk = (pos // t - first[seq_of]).to(device)
+        groups.append(GroupBatch(pages, first.to(device=device, dtype=torch.int32), pages[:, seq_of.to(device), blk],
+                                 (pos % t).to(device=device, dtype=torch.int32)))
+        window = tables.group.window
+        max_keys[(gi, window)] = max(min(s, window) if window else s for s in md.seq_lens)
+    batch = DeviceBatch(md.is_decode_only, torch.tensor(md.seq_lens, dtype=torch.int32, device=device), groups,
+                        max_keys)
+    if not batch.decode:
+        starts = torch.zeros(bsz, dtype=torch.int32)
+        starts[1:] = torch.cumsum(qlens, 0)[:-1]
+        batch.query_start = starts.to(device)
+        batch.query_lens = qlens.to(device)
+    return batch
+
+
+class DecodeGraphBuffers:
+    """Fixed-address inputs of a captured decode graph for `size` sequences (padded)."""
+
+    def __init__(self, size: int, groups_geometry: list[tuple[int, int, int | None]], max_model_len: int,
+                 null_page: int, device: torch.device):
+        """groups_geometry: per group (layers, tokens per page, window)."""
+        self.size = size
+        self.null_page = null_page
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.groups: list[GroupBatch] = []
+        max_keys = {}
+        for gi, (layers, t, window) in enumerate(groups_geometry):
+            width = -(-(window if window else max_model_len) // t) + 1
+            self.groups.append(GroupBatch(
+                torch.full((layers, size, width), null_page, dtype=torch.int32, device=device),
+                torch.zeros(size, dtype=torch.int32, device=device),
+                torch.full((layers, size), null_page, dtype=torch.int32, device=device),
+                torch.zeros(size, dtype=torch.int32, device=device)))
+            max_keys[(gi, window)] = min(window, max_model_len) if window else max_model_len
+        self.batch = DeviceBatch(True, self.seq_lens, self.groups, max_keys)
+
+    def fill(self, live: DeviceBatch) -> None:
+        """Copy a decode batch of B <= size sequences in; rows B.. read and write the null page."""
+        b = live.seq_lens.shape[0]
+        self.seq_lens[:b].copy_(live.seq_lens)
+        self.seq_lens[b:].fill_(1)
+        for dst, src in zip(self.groups, live.groups):
+            w = src.pages.shape[2]
+            dst.pages[:, :b, :w].copy_(src.pages)
+            dst.pages[:, b:, :].fill_(self.null_page)
+            dst.first_block[:b].copy_(src.first_block)
+            dst.first_block[b:].zero_()
+            dst.write_pages[:, :b].copy_(src.write_pages)
+            dst.write_pages[:, b:].fill_(self.null_page)
+            dst.write_offsets[:b].copy_(src.write_offsets)
+            dst.write_offsets[b:].zero_()
+
+
 class TritonBatchAttention(BatchAttention):
-    def __init__(self, md: AttentionMetadata, kv_cache, specs, mirrors: list[_Mirror]):
+    def __init__(self, batch: DeviceBatch, layer_slot, kv_cache, specs, query_lens: list[int] | None = None):
         from . import triton_kernels as K
 
         self.K = K
-        self.md = md
+        self.batch = batch
+        self.layer_slot = layer_slot
         self.kv_cache = kv_cache
         self.specs = specs
-        dev = kv_cache[0][0].device
-        self.device = dev
-        self.decode = md.is_decode_only
-        bsz = md.num_seqs
-        self.seq_lens = torch.tensor(md.seq_lens, dtype=torch.int32, device=dev)
-        qlens = torch.tensor(md.query_lens, dtype=torch.int32)
-        self.query_lens = qlens.to(dev)
-        starts = torch.zeros(bsz, dtype=torch.int32)
-        starts[1:] = torch.cumsum(qlens, 0)[:-1]
-        self.query_start = starts.to(dev)
-        # position of every new token, and its sequence
-        seq_of = torch.repeat_interleave(torch.arange(bsz), qlens.long())
-        pos = torch.cat([torch.arange(s - n, s) for n, s in zip(md.query_lens, md.seq_lens)])
-        self.groups: list[_GroupBatch] = []
-        for tables, mirror in zip(md.groups, mirrors):
-            width = max(1, max(len(r) for r in tables.slot_ids))
-            rows = torch.zeros(bsz, width, dtype=torch.long)
-            for b, r in enumerate(tables.slot_ids):
-                rows[b, :len(r)] = torch.tensor(r, dtype=torch.long)
-            table = mirror.sync(tables, dev)
-            pages = table[rows.to(dev)].permute(2, 0, 1).contiguous()             # [L, B, W]
-            first = torch.tensor(tables.first_block, dtype=torch.long)
-            t = tables.group.tokens_per_page
-            blk = (pos // t - first[seq_of]).to(dev)
-            write_pages = pages[:, seq_of.to(dev), blk]                            # [L, T]
-            self.groups.append(_GroupBatch(pages, first.to(device=dev, dtype=torch.int32), write_pages,
-                                           (pos % t).to(device=dev, dtype=torch.int32), {}))
-        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _max_keys(self, gb: _GroupBatch, window: int | None) -> int:
-        if window not in gb.max_keys:
-            gb.max_keys[window] = max(min(s, window) if window else s for s in self.md.seq_lens)
-        return gb.max_keys[window]
+        self._query_lens = query_lens
 
     def _tiles_for(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         bm = self.K.prefill_block_m(head_dim)
-        if bm not in self._tiles:
-            seqs, starts = self.K.prefill_tiles(self.md.query_lens, bm)
-            self._tiles[bm] = (torch.tensor(seqs, dtype=torch.int32, device=self.device),
-                               torch.tensor(starts, dtype=torch.int32, device=self.device))
-        return self._tiles[bm]
+        if bm not in self.batch.tiles:
+            seqs, starts = self.K.prefill_tiles(self._query_lens, bm)
+            dev = self.batch.seq_lens.device
+            self.batch.tiles[bm] = (torch.tensor(seqs, dtype=torch.int32, device=dev),
+                                    torch.tensor(starts, dtype=torch.int32, device=dev))
+        return self.batch.tiles[bm]
 
     def __call__(self, layer, q, k, v, *, scale, window, softcap=None):
         if softcap is not None:
             raise NotImplementedError("attention soft-capping is not used by Gemma 3/4 text models")
-        group, col = self.md.layer_slot[layer]
-        gb = self.groups[group]
+        group, col = self.layer_slot[layer]
+        gb = self.batch.groups[group]
         k_cache, v_cache = self.kv_cache[layer]
         if self.specs[layer].owns_kv:
             self.K.store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, gb.write_pages[col], gb.write_offsets)
         q = q.contiguous()
-        if self.decode:
-            return self.K.decode_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, self.seq_lens, scale,
-                                           window, self._max_keys(gb, window))
+        if self.batch.decode:
+            return self.K.decode_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, self.batch.seq_lens,
+                                           scale, window, self.batch.max_keys[(group, window)])
         tile_seq, tile_q = self._tiles_for(q.shape[-1])
-        return self.K.prefill_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, self.query_start,
-                                        self.query_lens, self.seq_lens, tile_seq, tile_q, scale, window)
+        return self.K.prefill_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, self.batch.query_start,
+                                        self.batch.query_lens, self.batch.seq_lens, tile_seq, tile_q, scale, window)
 
 
 class TritonAttentionBackend(AttentionBackend):
     capabilities = BackendCapabilities(name="triton", devices=frozenset({"cuda", "cpu"}), head_dims=None,
-                                       scratch_pages=True, shared_arena=True)
+                                       scratch_pages=True, shared_arena=True, cuda_graphs=True)
 
     def __init__(self) -> None:
         self._specs = []
-        self._mirrors: list[_Mirror] = []
+        self._mirrors: list[SlotMirror] = []
+        self.device: torch.device | None = None
 
     def allocate_kv_cache(self, specs, layout: KVLayout, device):
         self._specs = list(specs)
+        self.device = device
         return allocate_paged_kv(specs, layout, device)
 
-    def begin_batch(self, metadata, kv_cache):
+    def prepare(self, metadata: AttentionMetadata) -> DeviceBatch:
         while len(self._mirrors) < len(metadata.groups):
-            self._mirrors.append(_Mirror())
-        return TritonBatchAttention(metadata, kv_cache, self._specs, self._mirrors)
+            self._mirrors.append(SlotMirror())
+        return build_device_batch(metadata, self._mirrors, self.device)
+
+    def attention_for(self, batch: DeviceBatch, layer_slot, kv_cache,
+                      query_lens: list[int] | None = None) -> TritonBatchAttention:
+        return TritonBatchAttention(batch, layer_slot, kv_cache, self._specs, query_lens)
+
+    def begin_batch(self, metadata, kv_cache):
+        return self.attention_for(self.prepare(metadata), metadata.layer_slot, kv_cache, metadata.query_lens)

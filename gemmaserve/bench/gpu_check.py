@@ -144,17 +144,24 @@ def engine_checks() -> list[dict]:
     base = LLM(model=str(path), device="cuda", dtype="float32", attention_backend="torch", kv_cache_manager="v1",
                page_size=16, kv_cache_memory=1 << 30)
     ref = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
-    for name, opts in (("triton v2+scratch fp32", dict(attention_backend="triton")),
-                       ("triton v2 chunk 16 fp32", dict(attention_backend="triton", max_num_batched_tokens=16)),
+    for name, opts in (("triton graphs v2+scratch fp32", dict(attention_backend="triton")),
+                       ("triton eager v2+scratch fp32", dict(attention_backend="triton", enforce_eager=True)),
+                       ("triton graphs chunk 16 fp32", dict(attention_backend="triton", max_num_batched_tokens=16)),
                        ("torch v2+scratch fp32", dict(attention_backend="torch"))):
         llm = LLM.from_config(EngineConfig(model=str(path), device="cuda", dtype="float32", page_size=16,
                                            kv_cache_memory=1 << 30, **opts), base)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        rows.append({"engine": name, "tokens_equal": got == ref})
+        rows.append({"engine": name, "tokens_equal": got == ref, "cuda_graphs": llm.engine.info.cuda_graphs})
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["engine"]:   # just the engine checks
+        rows = engine_checks()
+        for r in rows:
+            print(f"  engine {r['engine']:<30} graphs={r['cuda_graphs']} tokens equal: {r['tokens_equal']}")
+        return 0 if all(r["tokens_equal"] for r in rows) else 1
     out_dir = Path(os.environ.get("OUT", "bench-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

@@ -52,6 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool | None = option(None, negatable=True,
                                                 help="reuse the KV of earlier prompts' common prefixes (default: on "
                                                      "where the KV manager supports it)")
+    enforce_eager: bool = option(False, help="never use CUDA graphs (decode steps are captured by default on CUDA)")
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
                                     help="attention implementation; auto = triton on CUDA, torch on the CPU")
 

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from ..config.engine import EngineConfig
 from ..errors import UserInputError
 from ..models.embedded import DEFAULT_MODEL
+from ..models.loader import LoadedModel
 from .llm_engine import LLMEngine
 from .request import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -37,9 +38,11 @@ class LLM:
         self._calls = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig, reuse_weights_of: "LLM | None" = None) -> "LLM":
+    def from_config(cls, config: EngineConfig, reuse_weights_of: "LLM | LoadedModel | None" = None) -> "LLM":
+        """An LLM for `config`; `reuse_weights_of` (another LLM, or a LoadedModel) skips loading."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config, reuse_weights_of.engine.loaded if reuse_weights_of else None)
+        loaded = reuse_weights_of.engine.loaded if isinstance(reuse_weights_of, LLM) else reuse_weights_of
+        llm.engine = LLMEngine(config, loaded)
         llm._calls = 0
         return llm
 

@@ -42,6 +42,7 @@ class EngineInfo:
     swa_scratch_reuse: bool
     prefix_caching: bool
     attention_backend: str
+    cuda_graphs: bool
     kv_pages: int
     kv_page_size: int
     kv_bytes: int
@@ -73,7 +74,10 @@ class LLMEngine:
                                     config.kv_budget_bytes(self.device),
                                     enable_prefix_caching=self.cache_options.enable_prefix_caching,
                                     enable_scratch=self.cache_options.swa_scratch_reuse)
-        self.runner = ModelRunner(self.model, self.backend, self.kv, specs, self.device)
+        use_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                      and self.backend.capabilities.cuda_graphs)
+        self.runner = ModelRunner(self.model, self.backend, self.kv, specs, self.device, cuda_graphs=use_graphs,
+                                  max_model_len=self.max_model_len, max_batch=config.max_num_seqs)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, Request] = {}        # engine id -> unfinished request
         self._groups: dict[str, list[Request]] = {}    # user id -> its n completions (until all finish)
@@ -83,7 +87,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, kv_manager=self.kv.name,
             swa_scratch_reuse=self.cache_options.swa_scratch_reuse,
             prefix_caching=self.cache_options.enable_prefix_caching,
-            attention_backend=self.backend.capabilities.name, kv_pages=self.kv.num_pages,
+            attention_backend=self.backend.capabilities.name, cuda_graphs=self.runner.graphs is not None,
+            kv_pages=self.kv.num_pages,
             kv_page_size=self.kv.page_size, kv_bytes=self.kv.num_pages * self.kv.page_bytes,
             load_seconds=loaded.load_seconds)
         log.info("engine ready: %s", self.info)

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -18,12 +20,20 @@ from .scheduler import ScheduledSeq
 
 class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv: KVCacheManager, specs: list[LayerSpec],
-                 device: torch.device):
+                 device: torch.device, cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0):
         self.model = model
         self.backend = backend
         self.kv = kv
         self.device = device
-        self.kv_cache = backend.allocate_kv_cache(specs, kv.layout, device)
+        # One page more than the manager hands out: the null page that CUDA-graph padding rows use.
+        layout = dataclasses.replace(kv.layout, num_pages=kv.layout.num_pages + 1)
+        self.kv_cache = backend.allocate_kv_cache(specs, layout, device)
+        self.graphs = None
+        if cuda_graphs:
+            from .cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, backend, self.kv_cache, kv.layer_slot, kv.groups, max_model_len,
+                                       kv.num_pages, max_batch, device)
 
     def build_metadata(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
@@ -45,6 +55,8 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """Run one step. Returns logits [N, V] for the N sequences with `completes` (in order)."""
         input_ids, positions, md = self.build_metadata(seqs)
+        if self.graphs is not None and md.is_decode_only and len(seqs) <= self.graphs.max_size:
+            return self.graphs.run(input_ids, positions, md)   # decode: every sequence samples
         attn = self.backend.begin_batch(md, self.kv_cache)
         hidden = self.model(input_ids, positions, attn)
         rows, end = [], 0

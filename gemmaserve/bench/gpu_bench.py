@@ -1,0 +1,230 @@
+"""GPU benchmark (`python -m gemmaserve.bench.gpu_bench [sections]`), random weights at real Gemma 3
+sizes, bf16. Sections (default: all):
+
+  roofline    decode step time at batch 1 for gemma3-1b/4b/27b shapes, against the roofline: bytes of
+              weights + KV read per step over the HBM copy bandwidth measured in the same run
+  throughput  gemma3-4b output tokens/s at batch 64 and 256 (prompt 1024, 128 new tokens) against
+              Hugging Face generate on the same weights (sdpa, bf16)
+  attention   decode attention bandwidth at contexts 4K..128K (from gpu_check)
+  prefill     prefill tokens/s of one 8K prompt (gemma3-4b)
+  pressure    KV budget capped, prompts of 8K-32K: throughput with V1, V2 and V2 + scratch
+
+Writes $OUT/gpu_bench.json after every section (so a timeout keeps what finished); a table last.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .gpu_check import copy_bandwidth, decode_bandwidth
+from .synthetic import random_gemma3
+
+GiB = 1 << 30
+
+
+def _engine(loaded, **opts):
+    from ..config.engine import EngineConfig
+    from ..engine.llm import LLM
+
+    opts.setdefault("kv_cache_memory", 24 * GiB)
+    opts.setdefault("max_num_seqs", 256)
+    opts.setdefault("max_num_batched_tokens", 8192)
+    return LLM.from_config(EngineConfig(model=loaded.source.name, device="cuda", dtype="bfloat16", **opts), loaded)
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[2] + [rng.randrange(3, vocab) for _ in range(length - 1)] for _ in range(n)]
+
+
+def _run_all(llm, prompts: list[list[int]], new_tokens: int) -> float:
+    """Wall seconds to complete every prompt (prefill included)."""
+    from ..engine.sampling_params import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for p in prompts:
+        eng.add_request("", params, prompt_ids=p)
+    while eng.has_unfinished_requests():
+        eng.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def section_roofline(res: dict, hbm: float) -> None:
+    rows = []
+    for name in ("gemma3-1b", "gemma3-4b", "gemma3-27b"):
+        loaded = random_gemma3(name, torch.bfloat16, torch.device("cuda"))
+        llm = _engine(loaded, kv_cache_memory=8 * GiB)
+        eng = llm.engine
+        cfg = loaded.model.config
+        prompt = _prompts(1, 1024, cfg.vocab_size)[0]
+        _run_all(llm, [prompt], 8)   # warm-up: compiles kernels, captures the batch-1 graph
+        from ..engine.sampling_params import SamplingParams
+
+        eng.add_request("", SamplingParams(max_tokens=200, ignore_eos=True), prompt_ids=prompt)
+        for _ in range(5):
+            eng.step()
+        torch.cuda.synchronize()
+        steps = 100
+        start = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) / steps * 1e3
+        # Pure GPU time of the captured decode graph.
+        graph = next(iter(g for (size, _), g in eng.runner.graphs._graphs.items() if size == 1))
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(steps):
+            graph.graph.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        graph_ms = t0.elapsed_time(t1) / steps
+        while eng.has_unfinished_requests():
+            eng.step()
+        ctx = 1024 + 105
+        kv_bytes = sum(s.bytes_per_token() * (min(ctx, s.window) if s.window else ctx)
+                       for s in loaded.model.kv_layer_specs(torch.bfloat16))
+        weights = _param_bytes(loaded.model)
+        roof_ms = (weights + kv_bytes) / (hbm * 1e9) * 1e3
+        rows.append({"shape": name, "weight_GB": round(weights / 1e9, 2), "kv_read_MB": round(kv_bytes / 1e6, 1),
+                     "roofline_ms": round(roof_ms, 3), "graph_ms": round(graph_ms, 3),
+                     "engine_step_ms": round(step_ms, 3), "graph_over_roofline": round(graph_ms / roof_ms, 2),
+                     "step_over_roofline": round(step_ms / roof_ms, 2)})
+        print("roofline", rows[-1], flush=True)
+        del llm, eng, loaded
+        gc.collect()
+        torch.cuda.empty_cache()
+    res["roofline"] = rows
+
+
+def section_throughput(res: dict) -> None:
+    from .hf_reference import build_hf_model
+
+    loaded = random_gemma3("gemma3-4b", torch.bfloat16, torch.device("cuda"))
+    vocab = loaded.model.config.vocab_size
+    rows = []
+    llm = _engine(loaded, kv_cache_memory=48 * GiB, max_num_seqs=256)
+    _run_all(llm, _prompts(4, 1024, vocab, seed=9), 16)   # warm-up
+    for batch in (64, 256):
+        secs = _run_all(llm, _prompts(batch, 1024, vocab, seed=batch), 128)
+        rows.append({"batch": batch, "ours_tok_s": round(batch * 128 / secs, 1), "ours_s": round(secs, 2)})
+        print("throughput ours", rows[-1], flush=True)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf = build_hf_model(loaded.model, dtype=torch.bfloat16, device="cuda")
+    for row in rows:
+        batch = row["batch"]
+        ids = torch.tensor(_prompts(batch, 1024, vocab, seed=batch), device="cuda")
+        hf.generate(ids[:2, :64], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128,
+                        do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - start
+        row.update(hf_tok_s=round(batch * 128 / secs, 1), hf_s=round(secs, 2),
+                   ratio=round(row["ours_tok_s"] / (batch * 128 / secs), 1))
+        print("throughput hf", row, flush=True)
+        del ids
+        torch.cuda.empty_cache()
+    res["throughput"] = rows
+    del hf, loaded
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def section_prefill(res: dict) -> None:
+    loaded = random_gemma3("gemma3-4b", torch.bfloat16, torch.device("cuda"))
+    llm = _engine(loaded, kv_cache_memory=16 * GiB, max_num_batched_tokens=8192, enable_prefix_caching=False)
+    vocab = loaded.model.config.vocab_size
+    _run_all(llm, _prompts(1, 8192, vocab, seed=1), 1)   # warm-up
+    times = [_run_all(llm, _prompts(1, 8192, vocab, seed=2 + i), 1) for i in range(3)]
+    secs = sorted(times)[1]
+    flops = 2 * sum(p.numel() for n, p in loaded.model.named_parameters() if "embed" not in n) * 8192
+    res["prefill"] = {"shape": "gemma3-4b", "tokens": 8192, "seconds": round(secs, 3),
+                      "tok_s": round(8192 / secs), "matmul_TFLOP_s": round(flops / secs / 1e12, 1)}
+    print("prefill", res["prefill"], flush=True)
+    del llm, loaded
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def section_pressure(res: dict) -> None:
+    loaded = random_gemma3("gemma3-4b", torch.bfloat16, torch.device("cuda"))
+    vocab = loaded.model.config.vocab_size
+    rng = random.Random(4)
+    prompts = [_prompts(1, rng.randrange(8192, 32768), vocab, seed=100 + i)[0] for i in range(16)]
+    rows = []
+    for name, opts in (("v1", dict(kv_cache_manager="v1")),
+                       ("v2", dict(kv_cache_manager="v2", swa_scratch_reuse="off")),
+                       ("v2+scratch", dict(kv_cache_manager="v2", swa_scratch_reuse="on"))):
+        llm = _engine(loaded, kv_cache_memory=6 * GiB, enable_prefix_caching=False, max_num_batched_tokens=8192,
+                      **opts)
+        _run_all(llm, _prompts(1, 512, vocab, seed=3), 4)   # warm-up
+        pre = llm.engine.scheduler.num_preemptions
+        secs = _run_all(llm, prompts, 64)
+        rows.append({"kv": name, "seconds": round(secs, 2), "out_tok_s": round(16 * 64 / secs, 1),
+                     "total_tok_s": round((sum(map(len, prompts)) + 16 * 64) / secs),
+                     "preemptions": llm.engine.scheduler.num_preemptions - pre})
+        print("pressure", rows[-1], flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    res["pressure"] = {"shape": "gemma3-4b", "kv_cache_GiB": 6, "prompts": len(prompts),
+                       "prompt_tokens": sum(map(len, prompts)), "new_tokens": 64, "rows": rows}
+
+
+def main(argv: list[str]) -> int:
+    sections = argv or ["roofline", "attention", "prefill", "throughput", "pressure"]
+    out = Path(os.environ.get("OUT", "bench-out")) / "gpu_bench.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    hbm = copy_bandwidth()
+    res["hbm_copy_GB_s"] = round(hbm)
+    print("HBM copy", res["hbm_copy_GB_s"], "GB/s", flush=True)
+    for name in sections:
+        t = time.perf_counter()
+        try:
+            if name == "roofline":
+                section_roofline(res, hbm)
+            elif name == "attention":
+                res["attention"] = decode_bandwidth(hbm)
+            elif name == "prefill":
+                section_prefill(res)
+            elif name == "throughput":
+                section_throughput(res)
+            elif name == "pressure":
+                section_pressure(res)
+            else:
+                raise ValueError(f"unknown section {name}")
+        except Exception as exc:  # keep the other sections' figures
+            import traceback
+
+            traceback.print_exc()
+            res[f"{name}_error"] = repr(exc)
+        res[f"{name}_seconds"] = round(time.perf_counter() - t, 1)
+        out.write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
