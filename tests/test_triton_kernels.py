@@ -176,3 +176,36 @@ def test_decode_graph_buffers_give_the_same_logits(tmp_path):
     assert dataclasses.is_dataclass(buffers.batch)
     for s in sched.seqs:
         eng.kv.free(s.request.request_id)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_kernels_match_the_torch_ops(dtype):
+    from gemmaserve.models import fused_kernels as FK
+    from gemmaserve.models import fused_ops as FO
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    x = (torch.randn(5, 96, generator=gen) * 3).to(dtype)
+    r = torch.randn(5, 96, generator=gen).to(dtype)
+    wp, wn = (torch.randn(96, generator=gen) * 0.3).to(dtype), (torch.randn(96, generator=gen) * 0.3).to(dtype)
+
+    def close(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item() < tol
+
+    assert close(FK.rms_norm(x, wp, 1e-6), FO._norm_ref(x, wp, 1e-6))
+    r1, h1 = FK.add_rms_norm(r, x, wp, wn, 1e-6)
+    r2 = r + FO._norm_ref(x, wp, 1e-6)
+    assert close(r1, r2) and close(h1, FO._norm_ref(r2, wn, 1e-6))
+    hq, hkv, d = 4, 2, 16
+    qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    wq, wk = (torch.randn(d, generator=gen) * 0.3).to(dtype), (torch.randn(d, generator=gen) * 0.3).to(dtype)
+    ang = torch.arange(3)[:, None].float() * torch.rand(d // 2, generator=gen)[None]
+    cos, sin = torch.cat([ang, ang], -1).cos().to(dtype), torch.cat([ang, ang], -1).sin().to(dtype)
+    q1, k1 = FK.qk_norm_rope(qkv, hq, hkv, d, wq, wk, 1e-6, cos, sin)
+    qs, ks, _ = qkv.split((hq * d, hkv * d, hkv * d), -1)
+    q2 = FO._rope_ref(FO._norm_ref(qs.reshape(3, hq, d), wq, 1e-6), cos, sin)
+    k2 = FO._rope_ref(FO._norm_ref(ks.reshape(3, hkv, d), wk, 1e-6), cos, sin)
+    assert close(q1, q2) and close(k1, k2)
+    gu = (torch.randn(4, 2 * 1500, generator=gen) * 3).to(dtype)
+    g, u = gu.split(1500, -1)
+    assert close(FK.gelu_mul(gu, 1500), torch.nn.functional.gelu(g.float(), approximate="tanh") * u.float())

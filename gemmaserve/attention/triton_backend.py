@@ -174,8 +174,8 @@ class TritonBatchAttention(BatchAttention):
         group, col = self.layer_slot[layer]
         gb = self.batch.groups[group]
         k_cache, v_cache = self.kv_cache[layer]
-        if self.specs[layer].owns_kv:
-            self.K.store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, gb.write_pages[col], gb.write_offsets)
+        if self.specs[layer].owns_kv:   # k, v may be strided views (rows of qkv): the kernel takes strides
+            self.K.store_kv(k, v, k_cache, v_cache, gb.write_pages[col], gb.write_offsets)
         q = q.contiguous()
         if self.batch.decode:
             return self.K.decode_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, self.batch.seq_lens,

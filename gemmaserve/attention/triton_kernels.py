@@ -62,7 +62,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     n, h, d = k.shape
     if n == 0:
         return
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     _store_kv_kernel[(n, h)](
         k, v, k_cache, v_cache, pages, offsets,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -22,7 +22,8 @@ from ..attention.base import BatchAttention
 from ..config.resolve import ModelPreferences
 from ..errors import UserInputError
 from ..kv.spec import AttentionKind, LayerSpec
-from .layers import GeGLU, GemmaRMSNorm, Linear, RopeParams, apply_rope, linear
+from .fused_ops import add_rms_norm, qk_norm_rope, rms_norm
+from .layers import GeGLU, GemmaRMSNorm, Linear, RopeParams, linear
 
 _FULL = "full_attention"
 _SLIDING = "sliding_attention"
@@ -205,12 +206,8 @@ class Gemma3Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 attn: BatchAttention) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = qk_norm_rope(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim,
+                               self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *cos_sin)
         o = attn(self.layer, q, k, v, scale=self.scale, window=self.window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -227,9 +224,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
 
-    def forward(self, x, cos_sin, attn):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, attn))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, residual: torch.Tensor, h: torch.Tensor, cos_sin, attn,
+                next_norm: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, its input-normed copy h) -> the same for the next layer (`next_norm` is
+        the next layer's input norm, or the final norm): each residual add is fused with the norm
+        that follows it."""
+        eps = self.input_layernorm.eps
+        residual, h = add_rms_norm(residual, self.self_attn(h, cos_sin, attn), self.post_attention_layernorm.weight,
+                                   self.pre_feedforward_layernorm.weight, eps)
+        return add_rms_norm(residual, self.mlp(h), self.post_feedforward_layernorm.weight, next_norm.weight, eps)
 
 
 class Gemma3TextModel(nn.Module):
@@ -284,9 +287,12 @@ class Gemma3ForCausalLM(nn.Module):
         dtype = x.dtype
         rope_global = self.config.rope_global.cos_sin(self._inv_freq_global, positions, dtype)
         rope_local = self.config.rope_local.cos_sin(self._inv_freq_local, positions, dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope_local if layer.is_sliding else rope_global, attn)
-        return self.model.norm(x)
+        layers = self.model.layers
+        h = rms_norm(x, layers[0].input_layernorm.weight, self.config.rms_norm_eps)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = layer(x, h, rope_local if layer.is_sliding else rope_global, attn, next_norm)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.model.embed_tokens.weight)

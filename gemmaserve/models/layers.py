@@ -58,8 +58,9 @@ class GeGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        from .fused_ops import gelu_mul
+
+        return self.down_proj(gelu_mul(self.gate_up_proj(x), self.intermediate))
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,3 @@ class RopeParams:
         angles = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, D]. Dimension i is paired with i + D/2."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
