@@ -47,7 +47,7 @@ def test_decode_kernel_split_k(d, hq, hkv, window):
     q = torch.randn(len(lens), hq, d, generator=gen)
     first = torch.zeros(len(lens), dtype=torch.int32)
     out = K.decode_attention(q, kc, vc, pages, first, torch.tensor(lens, dtype=torch.int32), 0.3, window,
-                             max_keys=max(lens), split_len=16)
+                             num_splits=5)
     for b, n in enumerate(lens):
         ref = _dense(q[b:b + 1], dk[b], dv[b], torch.tensor([n - 1]), window, 0.3)
         err = ((out[b:b + 1].double() - ref).norm() / ref.norm()).item()
@@ -159,9 +159,9 @@ def test_decode_graph_buffers_give_the_same_logits(tmp_path):
     with torch.inference_mode():
         ref = model.compute_logits(model(ids, pos, backend.begin_batch(md, runner.kv_cache)))
         geometry = [(g.num_layers, g.tokens_per_page, g.window) for g in eng.kv.groups]
-        buffers = DecodeGraphBuffers(4, geometry, 64, null, torch.device("cpu"))
-        buffers.fill(backend.prepare(md))
-        attn = backend.attention_for(buffers.batch, md.layer_slot, runner.kv_cache)
+        buffers = DecodeGraphBuffers(8, geometry, 64, null, torch.device("cpu"))
+        buffers.fill(backend.prepare(md), 4)
+        attn = backend.attention_for(buffers.view(4), md.layer_slot, runner.kv_cache)
         pad_ids = torch.cat([ids, torch.zeros(2, dtype=torch.long)])
         pad_pos = torch.cat([pos, torch.zeros(2, dtype=torch.long)])
         got = model.compute_logits(model(pad_ids, pad_pos, attn))[:2]
@@ -173,7 +173,7 @@ def test_decode_graph_buffers_give_the_same_logits(tmp_path):
     for g in md.groups:
         live_pages |= set(g.slot_pages[sum(g.slot_ids, [])].flatten().tolist())
     assert set(changed) <= live_pages | {null}
-    assert dataclasses.is_dataclass(buffers.batch)
+    assert dataclasses.is_dataclass(buffers.view(4))
     for s in sched.seqs:
         eng.kv.free(s.request.request_id)
 

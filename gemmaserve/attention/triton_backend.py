@@ -5,16 +5,18 @@ layer of the group [L, B, W] by one gather from a device mirror of the group's s
 (kept in sync row by row as slots come and go). Each layer then launches the store kernel and either
 the decode kernel (every sequence has one new token) or the prefill kernel.
 
-CUDA graphs (decode only): `DecodeGraphBuffers` holds the same tensors at fixed addresses and shapes
-for a padded batch size; padding rows read and write a reserved null page, and the split grid is sized
-for the longest possible sequence, so one captured graph serves every decode step of that size.
+CUDA graphs (decode only): `DecodeGraphBuffers` holds the same tensors at fixed addresses; a graph of
+padded batch size s uses the first s rows, padding rows read and write a reserved null page, and the
+split-K grid depends on the batch size only, so one graph per size serves every decode step.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..kv.base import GroupTables, KVLayout
@@ -75,77 +77,85 @@ class DeviceBatch:
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-def _host_rows(tables: GroupTables, width: int) -> torch.Tensor:
-    rows = torch.zeros(len(tables.slot_ids), width, dtype=torch.long)
-    for b, r in enumerate(tables.slot_ids):
-        rows[b, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return rows
+def _host_rows(tables: GroupTables) -> torch.Tensor:
+    """[B, W] slot rows of live blocks, padded with row 0 (never read: beyond each sequence's length)."""
+    lens = np.fromiter((len(r) for r in tables.slot_ids), dtype=np.int64, count=len(tables.slot_ids))
+    rows = np.zeros((len(lens), max(1, int(lens.max(initial=0)))), dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(tables.slot_ids), dtype=np.int64, count=int(lens.sum()))
+    seq = np.repeat(np.arange(len(lens)), lens)
+    col = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+    rows[seq, col] = flat
+    return torch.from_numpy(rows)
 
 
 def build_device_batch(md: AttentionMetadata, mirrors: list[SlotMirror], device: torch.device) -> DeviceBatch:
     bsz = md.num_seqs
-    qlens = torch.tensor(md.query_lens, dtype=torch.int32)
-    seq_of = torch.repeat_interleave(torch.arange(bsz), qlens.long())
-    pos = torch.cat([torch.arange(s - n, s) for n, s in zip(md.query_lens, md.seq_lens)])
+    qlens = np.asarray(md.query_lens, dtype=np.int64)
+    seq_lens = np.asarray(md.seq_lens, dtype=np.int64)
+    seq_of = np.repeat(np.arange(bsz), qlens)
+    pos = np.arange(int(qlens.sum())) - np.repeat(np.cumsum(qlens) - qlens, qlens) + np.repeat(seq_lens - qlens, qlens)
+    seq_of_dev = torch.from_numpy(seq_of).to(device)
     groups = []
     max_keys: dict[tuple[int, int | None], int] = {}
     for gi, (tables, mirror) in enumerate(zip(md.groups, mirrors)):
-        width = max(1, max(len(r) for r in tables.slot_ids))
         table = mirror.sync(tables, device)
-        pages = table[_host_rows(tables, width).to(device)].permute(2, 0, 1).contiguous()   # [L, B, W]
-        first = torch.tensor(tables.first_block, dtype=torch.long)
+        pages = table[_host_rows(tables).to(device)].permute(2, 0, 1).contiguous()   # [L, B, W]
+        first = np.asarray(tables.first_block, dtype=np.int64)
         t = tables.group.tokens_per_page
-        blk = (pos // t - first[seq_of]).to(device)
-        groups.append(GroupBatch(pages, first.to(device=device, dtype=torch.int32), pages[:, seq_of.to(device), blk],
-                                 (pos % t).to(device=device, dtype=torch.int32)))
+        blk = torch.from_numpy(pos // t - first[seq_of]).to(device)
+        groups.append(GroupBatch(pages, torch.from_numpy(first.astype(np.int32)).to(device), pages[:, seq_of_dev, blk],
+                                 torch.from_numpy((pos % t).astype(np.int32)).to(device)))
         window = tables.group.window
-        max_keys[(gi, window)] = max(min(s, window) if window else s for s in md.seq_lens)
-    batch = DeviceBatch(md.is_decode_only, torch.tensor(md.seq_lens, dtype=torch.int32, device=device), groups,
-                        max_keys)
+        max_keys[(gi, window)] = int(np.minimum(seq_lens, window).max() if window else seq_lens.max())
+    batch = DeviceBatch(md.is_decode_only, torch.from_numpy(seq_lens.astype(np.int32)).to(device), groups, max_keys)
     if not batch.decode:
-        starts = torch.zeros(bsz, dtype=torch.int32)
-        starts[1:] = torch.cumsum(qlens, 0)[:-1]
-        batch.query_start = starts.to(device)
-        batch.query_lens = qlens.to(device)
+        starts = np.cumsum(qlens) - qlens
+        batch.query_start = torch.from_numpy(starts.astype(np.int32)).to(device)
+        batch.query_lens = torch.from_numpy(qlens.astype(np.int32)).to(device)
     return batch
 
 
 class DecodeGraphBuffers:
-    """Fixed-address inputs of a captured decode graph for `size` sequences (padded)."""
+    """Fixed-address inputs of captured decode graphs: one set for the largest batch; the graph of a
+    smaller padded size uses the leading rows (`view(size)`). Keys are split a fixed number of ways
+    per sequence (set by batch size, not context), so graphs do not depend on context length."""
 
-    def __init__(self, size: int, groups_geometry: list[tuple[int, int, int | None]], max_model_len: int,
+    def __init__(self, max_size: int, groups_geometry: list[tuple[int, int, int | None]], max_model_len: int,
                  null_page: int, device: torch.device):
         """groups_geometry: per group (layers, tokens per page, window)."""
-        self.size = size
         self.null_page = null_page
-        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)
         self.groups: list[GroupBatch] = []
-        max_keys = {}
+        self.max_keys = {}
         for gi, (layers, t, window) in enumerate(groups_geometry):
-            width = -(-(window if window else max_model_len) // t) + 1
+            width = -(-(min(window, max_model_len) if window else max_model_len) // t) + 1
             self.groups.append(GroupBatch(
-                torch.full((layers, size, width), null_page, dtype=torch.int32, device=device),
-                torch.zeros(size, dtype=torch.int32, device=device),
-                torch.full((layers, size), null_page, dtype=torch.int32, device=device),
-                torch.zeros(size, dtype=torch.int32, device=device)))
-            max_keys[(gi, window)] = min(window, max_model_len) if window else max_model_len
-        self.batch = DeviceBatch(True, self.seq_lens, self.groups, max_keys)
+                torch.full((layers, max_size, width), null_page, dtype=torch.int32, device=device),
+                torch.zeros(max_size, dtype=torch.int32, device=device),
+                torch.full((layers, max_size), null_page, dtype=torch.int32, device=device),
+                torch.zeros(max_size, dtype=torch.int32, device=device)))
+            self.max_keys[(gi, window)] = min(window, max_model_len) if window else max_model_len
 
-    def fill(self, live: DeviceBatch) -> None:
-        """Copy a decode batch of B <= size sequences in; rows B.. read and write the null page."""
+    def view(self, size: int) -> DeviceBatch:
+        groups = [GroupBatch(g.pages[:, :size], g.first_block[:size], g.write_pages[:, :size], g.write_offsets[:size])
+                  for g in self.groups]
+        return DeviceBatch(True, self.seq_lens[:size], groups, dict(self.max_keys))
+
+    def fill(self, live: DeviceBatch, size: int) -> None:
+        """Copy a decode batch of B <= size sequences in; rows B..size read and write the null page."""
         b = live.seq_lens.shape[0]
         self.seq_lens[:b].copy_(live.seq_lens)
-        self.seq_lens[b:].fill_(1)
+        self.seq_lens[b:size].fill_(1)
         for dst, src in zip(self.groups, live.groups):
             w = src.pages.shape[2]
             dst.pages[:, :b, :w].copy_(src.pages)
-            dst.pages[:, b:, :].fill_(self.null_page)
+            dst.pages[:, b:size].fill_(self.null_page)
             dst.first_block[:b].copy_(src.first_block)
-            dst.first_block[b:].zero_()
+            dst.first_block[b:size].zero_()
             dst.write_pages[:, :b].copy_(src.write_pages)
-            dst.write_pages[:, b:].fill_(self.null_page)
+            dst.write_pages[:, b:size].fill_(self.null_page)
             dst.write_offsets[:b].copy_(src.write_offsets)
-            dst.write_offsets[b:].zero_()
+            dst.write_offsets[b:size].zero_()
 
 
 class TritonBatchAttention(BatchAttention):
@@ -178,8 +188,9 @@ class TritonBatchAttention(BatchAttention):
             self.K.store_kv(k, v, k_cache, v_cache, gb.write_pages[col], gb.write_offsets)
         q = q.contiguous()
         if self.batch.decode:
+            splits = self.K.decode_splits(q.shape[0], k_cache.shape[2], self.batch.max_keys[(group, window)])
             return self.K.decode_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, self.batch.seq_lens,
-                                           scale, window, self.batch.max_keys[(group, window)])
+                                           scale, window, splits)
         tile_seq, tile_q = self._tiles_for(q.shape[-1])
         return self.K.prefill_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, self.batch.query_start,
                                         self.batch.query_lens, self.batch.seq_lens, tile_seq, tile_q, scale, window)

@@ -82,7 +82,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pages_ptr, first_ptr, lens_ptr,
                          s_ab, s_ah, s_as, s_mb, s_mh, s_ms,
                          scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SPLIT_LEN: tl.constexpr, PRECISION: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -91,8 +91,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pages_ptr, first_ptr, lens_ptr,
     k_begin = 0
     if WINDOW > 0:
         k_begin = tl.maximum(seq_len - WINDOW, 0)
-    lo = k_begin + split * SPLIT_LEN
-    hi = tl.minimum(lo + SPLIT_LEN, seq_len)
+    # Each sequence's keys are cut into NUM_SPLITS parts (whole tiles), whatever its length: the grid
+    # does not depend on context length, so a captured graph serves every step.
+    per_split = tl.cdiv(tl.cdiv(seq_len - k_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = k_begin + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gm = g < G
@@ -147,17 +150,22 @@ def _decode_merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr,
     tl.store(out_ptr + b * s_ob + h * s_oh + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+def decode_splits(batch: int, kv_heads: int, max_keys: int, sm_count: int = 132) -> int:
+    """Splits per sequence: enough programs to fill the GPU twice over, none shorter than ~256 keys."""
+    want = -(-2 * sm_count // max(1, batch * kv_heads))
+    return max(1, min(want, -(-max_keys // 256), 64))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
                      first_block: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None,
-                     max_keys: int, split_len: int = 512, out: torch.Tensor | None = None) -> torch.Tensor:
+                     num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence, at position seq_len - 1); pages: [B, W] page of each live
-    block; first_block, seq_lens: [B]. `max_keys` bounds the keys any sequence reads (sets the split
-    grid; it is static, so CUDA graphs can capture the launch)."""
+    block; first_block, seq_lens: [B]. Each sequence's keys are split `num_splits` ways (static, so a
+    CUDA graph can capture the launch; see `decode_splits`)."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[1]
     g = hq // hkv
-    num_splits = max(1, -(-max_keys // split_len))
     acc = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
     m = torch.empty(bsz, hq, num_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
@@ -169,7 +177,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), pages.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), m.stride(2),
         scale, WINDOW=window or 0, T=t, G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
-        BLOCK_N=block_n, SPLIT_LEN=split_len, PRECISION=_precision(q.dtype), num_warps=_warps(d), num_stages=2)
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), num_warps=_warps(d), num_stages=2)
     if out is None:
         out = torch.empty_like(q)
     _decode_merge_kernel[(bsz, hq)](

@@ -74,7 +74,7 @@ def kernel_checks() -> list[dict]:
             first = torch.zeros(len(lens), dtype=torch.int32, device="cuda")
             q = torch.randn(len(lens), hq, d, generator=gen).to(dtype).cuda()
             out = K.decode_attention(q, kc, vc, pages, first, torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                     d ** -0.5, window, max_keys=max(lens))
+                                     d ** -0.5, window, K.decode_splits(len(lens), hkv, max(lens)))
             err = max(((out[b:b + 1].double().cpu() - _dense(q[b:b + 1], dk[b], dv[b], torch.tensor([n - 1]), window,
                                                               d ** -0.5)).norm()
                        / _dense(q[b:b + 1], dk[b], dv[b], torch.tensor([n - 1]), window, d ** -0.5).norm()).item()
@@ -116,7 +116,8 @@ def decode_bandwidth(hbm: float) -> list[dict]:
         q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
         lens = torch.full((bsz,), ctx, dtype=torch.int32, device="cuda")
         first = torch.zeros(bsz, dtype=torch.int32, device="cuda")
-        ms = _bench_ms(lambda: K.decode_attention(q, kc, vc, pages, first, lens, 0.0625, None, max_keys=ctx))
+        splits = K.decode_splits(bsz, hkv, ctx)
+        ms = _bench_ms(lambda: K.decode_attention(q, kc, vc, pages, first, lens, 0.0625, None, splits))
         nbytes = 2 * bsz * ctx * hkv * d * 2
         gbs = nbytes / (ms * 1e-3) / 1e9
         rows.append({"context": ctx, "batch": bsz, "ms": round(ms, 3), "GB_s": round(gbs), "of_hbm": round(gbs / hbm, 3)})

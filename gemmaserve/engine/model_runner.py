@@ -34,6 +34,7 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(model, backend, self.kv_cache, kv.layer_slot, kv.groups, max_model_len,
                                        kv.num_pages, max_batch, device)
+            self.graphs.capture_all()
 
     def build_metadata(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []

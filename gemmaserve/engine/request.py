@@ -35,7 +35,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]  # the most likely alternatives, best first
 
 
-@dataclass
+@dataclass(eq=False)   # identity: requests are compared in scheduler lists, never by value
 class Request:
     request_id: str                        # unique engine id ("<group id>" or "<group id>#<index>")
     group_id: str                          # the id the user sees
@@ -63,17 +63,20 @@ class Request:
     _emitted_tokens: int = 0               # token ids already reported in an output
     _emitted_chars: int = 0
     _emitted_logprobs: int = 0
+    _all: list[int] = field(init=False)     # prompt + output, grown in place (no copy per step)
 
     def __post_init__(self) -> None:
         self.stop_filter = StopStringFilter(tuple(self.params.stop))
+        self._all = list(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt and output tokens (a live list: do not modify)."""
+        return self._all
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._all)
 
     @property
     def num_pending_tokens(self) -> int:
@@ -91,6 +94,7 @@ class Request:
     def append_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
         """Record a sampled token: update text, and finish on a stop token, stop string or length."""
         self.output_token_ids.append(token)
+        self._all.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
         if token in self.params.stop_token_ids:

@@ -65,8 +65,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
     counts = torch.zeros(n, vocab, device=dev)
     for row, r in enumerate(requests):
-        if r.all_token_ids:
-            seen[row, torch.tensor(r.all_token_ids, device=dev)] = True
+        seen[row, torch.tensor(r.prompt_token_ids + r.output_token_ids, dtype=torch.long, device=dev)] = True
         if r.output_token_ids:
             out = torch.tensor(r.output_token_ids, device=dev)
             counts[row].index_add_(0, out, torch.ones(len(out), device=dev))

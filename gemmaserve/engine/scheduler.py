@@ -66,7 +66,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._step += 1
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         decodes = sorted((r for r in self.running if r.prompt_computed and r.num_pending_tokens == 1),
                          key=lambda r: (r.last_served, r.admitted_order))
         prefills = [r for r in self.running if not (r.prompt_computed and r.num_pending_tokens == 1)]
@@ -74,17 +73,23 @@ class Scheduler:
         # for prefill, so many decodes cannot starve a prompt (and round robin keeps every decode moving).
         reserve = max(1, self.max_num_batched_tokens // 4) if (prefills or self.waiting) else 0
         decode_budget = max(1, self.max_num_batched_tokens - reserve)
-        for req in decodes + prefills:
+        used = 0
+        for i, req in enumerate(decodes + prefills):
             if req.status is not RequestStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            if req in decodes and out.num_tokens >= decode_budget:
+            if i < len(decodes) and used >= decode_budget:
                 continue
-            if budget <= 0:
+            if used >= self.max_num_batched_tokens:
                 break
-            n = min(req.num_pending_tokens, budget)
-            if self._allocate_or_preempt(req, n, out):
+            n = min(req.num_pending_tokens, self.max_num_batched_tokens - used)
+            preemptions = len(out.preempted)
+            scheduled = self._allocate_or_preempt(req, n, out)
+            if scheduled:
                 out.seqs.append(ScheduledSeq(req, n))
-            budget = self.max_num_batched_tokens - out.num_tokens
+            if len(out.preempted) != preemptions:   # a victim may have been scheduled earlier this step
+                used = out.num_tokens
+            elif scheduled:
+                used += n
         if not out.preempted:
             self._admit(out, self.max_num_batched_tokens - out.num_tokens)
         for s in out.seqs:

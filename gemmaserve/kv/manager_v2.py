@@ -42,7 +42,19 @@ from .spec import LayerSpec
 class _BlockTable:
     first: int = 0                                   # logical block index of slots[0]
     slots: list[Slot] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)    # slots[i].row, kept in step (what attention reads)
     registered: int = 0                              # blocks below this were offered to the prefix cache
+
+    def append(self, slot: Slot) -> None:
+        self.slots.append(slot)
+        self.rows.append(slot.row)
+
+    def drop_front(self, n: int) -> list[Slot]:
+        dropped = self.slots[:n]
+        del self.slots[:n]
+        del self.rows[:n]
+        self.first += n
+        return dropped
 
     @property
     def end(self) -> int:
@@ -54,6 +66,8 @@ class _Seq:
     tables: list[_BlockTable]
     num_computed: int = 0
     chain: list[bytes] = field(default_factory=list)
+    room: int = 0        # tokens [0, room) have pages in every group: allocating below it is a no-op
+    next_event: int = 0  # the first position where a commit registers a block or drops a stale one
 
 
 class KVCacheManagerV2(KVCacheManager):
@@ -145,6 +159,8 @@ class KVCacheManagerV2(KVCacheManager):
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self, seq_id, token_ids, start, end, prefill) -> bool:
         seq = self._seqs.get(seq_id)
+        if seq is not None and end <= seq.room and start == seq.num_computed:
+            return True   # the common decode step: the current blocks still have room
         new_seq = seq is None
         chain: list[bytes] = []
         if new_seq and start:
@@ -182,7 +198,7 @@ class KVCacheManagerV2(KVCacheManager):
         while self.pool.num_free < need:
             self._destroy(self.cache.evict_oldest())
         if new_seq:
-            seq = _Seq([_BlockTable(first, list(hits), start // g.tokens_per_page)
+            seq = _Seq([_BlockTable(first, list(hits), [h.row for h in hits], start // g.tokens_per_page)
                         for g, (first, hits, _) in zip(self._groups, plan)], start, chain)
             self._seqs[seq_id] = seq
             if self.enable_prefix_caching:
@@ -192,7 +208,10 @@ class KVCacheManagerV2(KVCacheManager):
             for scratch in fresh:
                 slot = self.rows[g.index].add(g.index, self.pool.allocate(1 if scratch else g.num_layers), scratch)
                 slot.ref = 1
-                seq.tables[g.index].slots.append(slot)
+                seq.tables[g.index].append(slot)
+                if scratch:
+                    seq.next_event = 0   # the next commit must free it
+        seq.room = min(t.end * g.tokens_per_page for g, t in zip(self._groups, seq.tables))
         return True
 
     def _take(self, slot: Slot) -> None:
@@ -217,6 +236,11 @@ class KVCacheManagerV2(KVCacheManager):
     def commit(self, seq_id, token_ids, num_computed) -> None:
         seq = self._seqs[seq_id]
         seq.num_computed = num_computed
+        if num_computed < seq.next_event:
+            return   # no block filled up, none left every window, no scratch to free
+        self._commit(seq, token_ids, num_computed)
+
+    def _commit(self, seq: _Seq, token_ids: list[int], num_computed: int) -> None:
         if self.enable_prefix_caching:
             extend_chain(seq.chain, token_ids[:num_computed], self._granularity, self._root)
             for g in self._groups:
@@ -233,10 +257,20 @@ class KVCacheManagerV2(KVCacheManager):
             table = seq.tables[g.index]
             drop = min(g.first_needed_block(num_computed), table.end) - table.first
             if drop > 0:
-                for slot in table.slots[:drop]:
+                for slot in table.drop_front(drop):
                     self._release(slot)
-                del table.slots[:drop]
-                table.first += drop
+        seq.next_event = min(self._next_event(g, num_computed) for g in self._groups)
+
+    def _next_event(self, g: KVGroup, num_computed: int) -> int:
+        """The smallest position > num_computed where a block of `g` fills up (to register) or,
+        for a sliding group, the first block leaves the window."""
+        t = g.tokens_per_page
+        nxt = (num_computed // t + 1) * t if self.enable_prefix_caching else 1 << 62
+        if g.sliding:
+            # first_needed_block(p) grows when p - W + 1 reaches the next multiple of t
+            first = g.first_needed_block(num_computed)
+            nxt = min(nxt, (first + 1) * t + g.window - 1)
+        return nxt
 
     def free(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
@@ -250,7 +284,7 @@ class KVCacheManagerV2(KVCacheManager):
     def group_tables(self, seq_ids: list[str]) -> list[GroupTables]:
         seqs = [self._seqs[s] for s in seq_ids]
         return [GroupTables(g, [s.tables[g.index].first for s in seqs],
-                            [[slot.row for slot in s.tables[g.index].slots] for s in seqs], self.rows[g.index].tensor(),
+                            [s.tables[g.index].rows for s in seqs], self.rows[g.index].tensor(),
                             self.rows[g.index].changes_since)
                 for g in self._groups]
 
@@ -299,6 +333,7 @@ class KVCacheManagerV2(KVCacheManager):
                     assert not slot.scratch, "a scratch slot outlived its step"
         for seq_id, seq in self._seqs.items():
             for g, table in zip(self._groups, seq.tables):
+                assert table.rows == [slot.row for slot in table.slots], f"{seq_id}: row list out of step"
                 for slot in table.slots:
                     assert slot.group == g.index and slot.row in self.rows[g.index].live, f"{seq_id}: dead slot"
                     assert not slot.scratch, f"{seq_id}: scratch slot held between steps"
