@@ -49,7 +49,7 @@ def _backend(name: str):
 def test_paged_attention_matches_dense(manager, scratch, backend_name):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    lens = [37, 9, 23]
+    lens = [37, 9, 29]
     page = 2
     kv = (KVCacheManagerV1(SPECS, page, 400) if manager == "v1"
           else KVCacheManagerV2(SPECS, page, 400, enable_prefix_caching=False, enable_scratch=scratch))
@@ -62,8 +62,9 @@ def test_paged_attention_matches_dense(manager, scratch, backend_name):
     done = [0] * len(lens)
     step = 0
     while any(d < n for d, n in zip(done, lens)):
-        # Mixed batches: the first step prefills 11-token chunks, later steps mix chunks and decodes.
-        chunk = [11 if step == 0 else (1 if b % 2 else 7) for b in range(len(lens))]
+        # The first step prefills 11-token chunks, the next two mix chunks and decodes, then only decodes
+        # (a decode-only batch takes the split-K decode kernel).
+        chunk = [11 if step == 0 else (1 if b % 2 or step >= 3 else 7) for b in range(len(lens))]
         batch = [(b, done[b], min(lens[b], done[b] + chunk[b])) for b in range(len(lens)) if done[b] < lens[b]]
         toks = {b: list(range(lens[b])) for b in range(len(lens))}
         for b, s, e in batch:

@@ -71,7 +71,7 @@ class DeviceBatch:
     decode: bool
     seq_lens: torch.Tensor                      # [B]
     groups: list[GroupBatch]
-    max_keys: dict[tuple[int, int | None], int]  # (group, window) -> most keys a sequence reads
+    max_keys: list[int]                          # per group: most keys a sequence keeps (group window applied)
     query_start: torch.Tensor | None = None     # prefill only
     query_lens: torch.Tensor | None = None
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -96,8 +96,8 @@ def build_device_batch(md: AttentionMetadata, mirrors: list[SlotMirror], device:
     pos = np.arange(int(qlens.sum())) - np.repeat(np.cumsum(qlens) - qlens, qlens) + np.repeat(seq_lens - qlens, qlens)
     seq_of_dev = torch.from_numpy(seq_of).to(device)
     groups = []
-    max_keys: dict[tuple[int, int | None], int] = {}
-    for gi, (tables, mirror) in enumerate(zip(md.groups, mirrors)):
+    max_keys: list[int] = []
+    for tables, mirror in zip(md.groups, mirrors):
         table = mirror.sync(tables, device)
         pages = table[_host_rows(tables).to(device)].permute(2, 0, 1).contiguous()   # [L, B, W]
         first = np.asarray(tables.first_block, dtype=np.int64)
@@ -106,7 +106,7 @@ def build_device_batch(md: AttentionMetadata, mirrors: list[SlotMirror], device:
         groups.append(GroupBatch(pages, torch.from_numpy(first.astype(np.int32)).to(device), pages[:, seq_of_dev, blk],
                                  torch.from_numpy((pos % t).astype(np.int32)).to(device)))
         window = tables.group.window
-        max_keys[(gi, window)] = int(np.minimum(seq_lens, window).max() if window else seq_lens.max())
+        max_keys.append(int(np.minimum(seq_lens, window).max() if window else seq_lens.max()))
     batch = DeviceBatch(md.is_decode_only, torch.from_numpy(seq_lens.astype(np.int32)).to(device), groups, max_keys)
     if not batch.decode:
         starts = np.cumsum(qlens) - qlens
@@ -126,20 +126,20 @@ class DecodeGraphBuffers:
         self.null_page = null_page
         self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)
         self.groups: list[GroupBatch] = []
-        self.max_keys = {}
-        for gi, (layers, t, window) in enumerate(groups_geometry):
+        self.max_keys: list[int] = []
+        for layers, t, window in groups_geometry:
             width = -(-(min(window, max_model_len) if window else max_model_len) // t) + 1
             self.groups.append(GroupBatch(
                 torch.full((layers, max_size, width), null_page, dtype=torch.int32, device=device),
                 torch.zeros(max_size, dtype=torch.int32, device=device),
                 torch.full((layers, max_size), null_page, dtype=torch.int32, device=device),
                 torch.zeros(max_size, dtype=torch.int32, device=device)))
-            self.max_keys[(gi, window)] = min(window, max_model_len) if window else max_model_len
+            self.max_keys.append(min(window, max_model_len) if window else max_model_len)
 
     def view(self, size: int) -> DeviceBatch:
         groups = [GroupBatch(g.pages[:, :size], g.first_block[:size], g.write_pages[:, :size], g.write_offsets[:size])
                   for g in self.groups]
-        return DeviceBatch(True, self.seq_lens[:size], groups, dict(self.max_keys))
+        return DeviceBatch(True, self.seq_lens[:size], groups, list(self.max_keys))
 
     def fill(self, live: DeviceBatch, size: int) -> None:
         """Copy a decode batch of B <= size sequences in; rows B..size read and write the null page."""
@@ -159,10 +159,12 @@ class DecodeGraphBuffers:
 
 
 class TritonBatchAttention(BatchAttention):
-    def __init__(self, batch: DeviceBatch, layer_slot, kv_cache, specs, query_lens: list[int] | None = None):
+    def __init__(self, batch: DeviceBatch, layer_slot, kv_cache, specs, query_lens: list[int] | None = None,
+                 sm_count: int = 132):
         from . import triton_kernels as K
 
         self.K = K
+        self.sm_count = sm_count
         self.batch = batch
         self.layer_slot = layer_slot
         self.kv_cache = kv_cache
@@ -188,7 +190,9 @@ class TritonBatchAttention(BatchAttention):
             self.K.store_kv(k, v, k_cache, v_cache, gb.write_pages[col], gb.write_offsets)
         q = q.contiguous()
         if self.batch.decode:
-            splits = self.K.decode_splits(q.shape[0], k_cache.shape[2], self.batch.max_keys[(group, window)])
+            keys = self.batch.max_keys[group]   # a layer's own window can be narrower than its group's (V1)
+            splits = self.K.decode_splits(q.shape[0], k_cache.shape[2], min(keys, window) if window else keys,
+                                          self.sm_count)
             return self.K.decode_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, self.batch.seq_lens,
                                            scale, window, splits)
         tile_seq, tile_q = self._tiles_for(q.shape[-1])
@@ -204,10 +208,13 @@ class TritonAttentionBackend(AttentionBackend):
         self._specs = []
         self._mirrors: list[SlotMirror] = []
         self.device: torch.device | None = None
+        self.sm_count = 132   # decode split heuristic; the real count on CUDA
 
     def allocate_kv_cache(self, specs, layout: KVLayout, device):
         self._specs = list(specs)
         self.device = device
+        if device.type == "cuda":
+            self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         return allocate_paged_kv(specs, layout, device)
 
     def prepare(self, metadata: AttentionMetadata) -> DeviceBatch:
@@ -217,7 +224,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attention_for(self, batch: DeviceBatch, layer_slot, kv_cache,
                       query_lens: list[int] | None = None) -> TritonBatchAttention:
-        return TritonBatchAttention(batch, layer_slot, kv_cache, self._specs, query_lens)
+        return TritonBatchAttention(batch, layer_slot, kv_cache, self._specs, query_lens, self.sm_count)
 
     def begin_batch(self, metadata, kv_cache):
         return self.attention_for(self.prepare(metadata), metadata.layer_slot, kv_cache, metadata.query_lens)

@@ -151,9 +151,10 @@ def _decode_merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr,
 
 
 def decode_splits(batch: int, kv_heads: int, max_keys: int, sm_count: int = 132) -> int:
-    """Splits per sequence: enough programs to fill the GPU twice over, none shorter than ~256 keys."""
-    want = -(-2 * sm_count // max(1, batch * kv_heads))
-    return max(1, min(want, -(-max_keys // 256), 64))
+    """Splits per sequence. Enough programs (~8 per SM) that short batches are not latency-bound on a
+    few long loops and waves stay even at long context; no split shorter than ~64 keys."""
+    want = -(-8 * sm_count // max(1, batch * kv_heads))
+    return max(1, min(want, -(-max_keys // 64), 64))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,

@@ -8,6 +8,7 @@ sizes, bf16. Sections (default: all):
   attention   decode attention bandwidth at contexts 4K..128K (from gpu_check)
   prefill     prefill tokens/s of one 8K prompt (gemma3-4b)
   pressure    KV budget capped, prompts of 8K-32K: throughput with V1, V2 and V2 + scratch
+  profile     GPU time per kernel of one eager batch-1 decode step (gemma3-1b, 4b): where the time goes
 
 Writes $OUT/gpu_bench.json after every section (so a timeout keeps what finished); a table last.
 """
@@ -87,7 +88,7 @@ def section_roofline(res: dict, hbm: float) -> None:
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - start) / steps * 1e3
         # Pure GPU time of the captured decode graph.
-        graph = next(iter(g for (size, _), g in eng.runner.graphs._graphs.items() if size == 1))
+        graph = eng.runner.graphs._graphs[1]
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
         for _ in range(steps):
@@ -192,6 +193,91 @@ def section_pressure(res: dict) -> None:
                        "prompt_tokens": sum(map(len, prompts)), "new_tokens": 64, "rows": rows}
 
 
+def section_profile(res: dict) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..engine.sampling_params import SamplingParams
+
+    out = {}
+    for name in ("gemma3-1b", "gemma3-4b"):
+        loaded = random_gemma3(name, torch.bfloat16, torch.device("cuda"))
+        llm = _engine(loaded, kv_cache_memory=8 * GiB, enforce_eager=True)
+        eng = llm.engine
+        eng.add_request("", SamplingParams(max_tokens=64, ignore_eos=True),
+                        prompt_ids=_prompts(1, 1024, loaded.model.config.vocab_size)[0])
+        for _ in range(8):
+            eng.step()
+        torch.cuda.synchronize()
+        steps = 10
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+        kernels = [(e.key, e.device_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()
+                   if e.device_time_total > 0]
+        kernels.sort(key=lambda k: -k[1])
+        total = sum(k[1] for k in kernels)
+        out[name] = {"gpu_ms_per_step": round(total, 3),
+                     "top": [{"kernel": k[0][:90], "ms": round(k[1], 4), "calls": k[2]} for k in kernels[:14]]}
+        print("profile", name, json.dumps(out[name], indent=1), flush=True)
+        while eng.has_unfinished_requests():
+            eng.step()
+        del llm, eng, loaded
+        gc.collect()
+        torch.cuda.empty_cache()
+    out["gemma3-4b_batch64"] = _host_overhead(64)
+    res["profile"] = out
+
+
+def _host_overhead(batch: int) -> dict:
+    """Decode at `batch` (prompt 1024) with graphs: engine step time against graph replay alone, and
+    the host functions that take the difference."""
+    import cProfile
+    import io
+    import pstats
+
+    from ..engine.sampling_params import SamplingParams
+
+    loaded = random_gemma3("gemma3-4b", torch.bfloat16, torch.device("cuda"))
+    llm = _engine(loaded, kv_cache_memory=24 * GiB)
+    eng = llm.engine
+    for p in _prompts(batch, 1024, loaded.model.config.vocab_size, seed=5):
+        eng.add_request("", SamplingParams(max_tokens=200, ignore_eos=True), prompt_ids=p)
+    while eng.scheduler.waiting or not all(r.prompt_computed for r in eng.scheduler.running):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(50):
+        eng.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) / 50 * 1e3
+    graph = eng.runner.graphs._graphs[batch]
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(50):
+        graph.graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        eng.step()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+    print(text.getvalue(), flush=True)
+    row = {"batch": batch, "engine_step_ms": round(step_ms, 3), "graph_ms": round(t0.elapsed_time(t1) / 50, 3)}
+    print("host overhead", row, flush=True)
+    for r in list(eng.scheduler.running):
+        eng.abort_request(r.group_id)
+    del llm, eng, loaded
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
 def main(argv: list[str]) -> int:
     sections = argv or ["roofline", "attention", "prefill", "throughput", "pressure"]
     out = Path(os.environ.get("OUT", "bench-out")) / "gpu_bench.json"
@@ -213,6 +299,8 @@ def main(argv: list[str]) -> int:
                 section_throughput(res)
             elif name == "pressure":
                 section_pressure(res)
+            elif name == "profile":
+                section_profile(res)
             else:
                 raise ValueError(f"unknown section {name}")
         except Exception as exc:  # keep the other sections' figures

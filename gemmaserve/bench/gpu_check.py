@@ -105,9 +105,9 @@ def decode_bandwidth(hbm: float) -> list[dict]:
 
     rows = []
     hq, hkv, d, t = 8, 4, 256, 16
-    for ctx in (4096, 16384, 32768, 65536, 131072):
-        bsz = max(1, (8 << 30) // (ctx * hkv * d * 2 * 2))   # ~8 GiB of KV: far beyond L2
-        bsz = min(bsz, 64)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for ctx, bsz in [(c, min(64, max(1, (8 << 30) // (c * hkv * d * 2 * 2)))) for c in (4096, 16384, 32768, 65536, 131072)] \
+            + [(c, 1) for c in (4096, 32768, 131072)]:   # ~8 GiB of KV (far beyond L2), then one sequence
         blocks = ctx // t
         num_pages = bsz * blocks
         kc = torch.randn(num_pages, t, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -116,12 +116,12 @@ def decode_bandwidth(hbm: float) -> list[dict]:
         q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
         lens = torch.full((bsz,), ctx, dtype=torch.int32, device="cuda")
         first = torch.zeros(bsz, dtype=torch.int32, device="cuda")
-        splits = K.decode_splits(bsz, hkv, ctx)
+        splits = K.decode_splits(bsz, hkv, ctx, sms)
         ms = _bench_ms(lambda: K.decode_attention(q, kc, vc, pages, first, lens, 0.0625, None, splits))
         nbytes = 2 * bsz * ctx * hkv * d * 2
         gbs = nbytes / (ms * 1e-3) / 1e9
         rows.append({"context": ctx, "batch": bsz, "ms": round(ms, 3), "GB_s": round(gbs), "of_hbm": round(gbs / hbm, 3)})
-        del kc, vc
+        kc = vc = None   # free before the next size
         torch.cuda.empty_cache()
     return rows
 
