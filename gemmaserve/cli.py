@@ -33,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(gen, SamplingParams, "sampling")
     gen.set_defaults(handler=_generate)
 
+    srv = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    from .server.app import ServerConfig
+
+    add_options(srv, ServerConfig, "server")
+    add_options(srv, EngineConfig, "engine")
+    srv.set_defaults(handler=_serve)
+
     bench = commands.add_parser("bench", help="run a benchmark and write JSON")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     from .bench import decode, memory, throughput
@@ -83,6 +90,16 @@ def _generate(args: argparse.Namespace) -> int:
               f"{'on' if info.prefix_caching else 'off'}; pages {st.pages_used} used / {st.pages_cached} cached / "
               f"{st.pages_free} free of {st.num_pages}; prefix hit rate {st.prefix_hit_rate:.1%}; "
               f"preemptions {llm.engine.scheduler.num_preemptions}", file=sys.stderr)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .engine.llm_engine import LLMEngine
+    from .server.app import ServerConfig, serve
+
+    server_config = from_namespace(ServerConfig, args)
+    engine = LLMEngine(from_namespace(EngineConfig, args))
+    serve(engine, server_config)
     return 0
 
 

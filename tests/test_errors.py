@@ -144,3 +144,40 @@ def test_cli_prompt_longer_than_max_model_len():
     res = _cli("generate", "--max-model-len", "8", "one two three four five six seven eight nine ten")
     assert res.returncode == 2
     assert "max_model_len is 8" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_internal_failure_of_one_request_spares_the_others(tmp_path, monkeypatch):
+    """A forward pass that fails because of one sequence, and a detokenizer that fails on one request:
+    those requests finish with "error", the rest of their batch gives the tokens it gives alone."""
+    from helpers import fresh_seed, save_checkpoint, tiny_hf_model
+
+    path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "tiny")
+    llm = LLM(model=str(path), page_size=4)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = ["abc def", "poison runner", "ghi", "poison detok"]
+    expected = {p: llm.generate([p], params)[0].outputs[0].token_ids for p in prompts}
+    eng = llm.engine
+    execute = eng.runner.execute
+
+    def flaky_execute(seqs):
+        if any(s.request.prompt == "poison runner" for s in seqs):
+            raise RuntimeError("injected forward failure")
+        return execute(seqs)
+
+    monkeypatch.setattr(eng.runner, "execute", flaky_execute)
+    for p in prompts:
+        eng.add_request(p, params, request_id=p)
+    det = eng.request("poison detok").detokenizer
+    monkeypatch.setattr(det, "step", lambda ids: (_ for _ in ()).throw(ValueError("injected detokenizer failure")))
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0]
+    assert final["poison runner"].finish_reason == "error" and "injected forward" in final["poison runner"].error
+    assert final["poison detok"].finish_reason == "error" and "injected detokenizer" in final["poison detok"].error
+    for p in ("abc def", "ghi"):
+        assert final[p].finish_reason == "length" and final[p].token_ids == expected[p]
+    eng.kv.check_integrity()
+    st = eng.kv.stats()
+    assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages

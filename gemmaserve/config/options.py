@@ -96,6 +96,7 @@ def _float(text: str) -> float:
 positive_int = _argparse_type(lambda t: _checked(_int(t), lambda v: v >= 1, "must be >= 1"))
 any_int = _argparse_type(_int)
 number = _argparse_type(_float)
+port_number = _argparse_type(lambda t: _checked(_int(t), lambda v: 0 <= v <= 65535, "must be a port in [0, 65535]"))
 
 
 def _checked(value: Any, ok: Callable[[Any], bool], why: str) -> Any:

@@ -24,10 +24,10 @@ from ..kv import create_kv_manager
 from ..models.loader import LoadedModel, load_model
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
-from .request import FinishReason, Request, RequestOutput
+from .request import FinishReason, Request, RequestOutput, TokenLogprob
 from .sampler import sample
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledSeq, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -190,24 +190,59 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress with an empty running set")  # a bug, never input
             return []
-        logits = self.runner.execute(sched.seqs)
-        completing = [s.request for s in sched.seqs if s.completes]
-        tokens, logprobs = sample(logits, completing) if completing else ([], [])
-        for s in sched.seqs:
+        outputs: list[RequestOutput] = []
+        seqs, sampled = self._forward(sched.seqs, outputs)
+        for s in seqs:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
-        outputs: list[RequestOutput] = []
-        for req, token, lp in zip(completing, tokens, logprobs):
-            req.append_token(token, lp)
+        for req, (token, lp) in sampled.items():
+            try:
+                req.append_token(token, lp)
+            except Exception as exc:   # e.g. detokenizing: this request fails, the batch goes on
+                self._fail(req, exc)
             if req.is_finished:
-                self.scheduler.finish(req)
-                del self._requests[req.request_id]
-                group = self._groups.get(req.group_id)
-                if group is not None and all(r.is_finished for r in group):
-                    del self._groups[req.group_id]
+                self._retire(req)
             outputs.append(self._output(req))
         return outputs
+
+    def _run_batch(self, seqs: list[ScheduledSeq]) -> dict[Request, tuple[int, TokenLogprob | None]]:
+        logits = self.runner.execute(seqs)
+        completing = [s.request for s in seqs if s.completes]
+        tokens, logprobs = sample(logits, completing) if completing else ([], [])
+        return dict(zip(completing, zip(tokens, logprobs)))
+
+    def _forward(self, seqs: list[ScheduledSeq], failed: list[RequestOutput]):
+        """Run the batch. If it raises, rerun each sequence alone (re-writing a step's KV positions is
+        harmless) so that only the requests that fail by themselves are finished with an error."""
+        try:
+            return seqs, self._run_batch(seqs)
+        except Exception as exc:
+            if len(seqs) == 1:
+                self._fail(seqs[0].request, exc)
+                self._retire(seqs[0].request)
+                failed.append(self._output(seqs[0].request))
+                return [], {}
+            log.warning("a batch of %d sequences failed (%r); retrying them one by one", len(seqs), exc)
+        ok, sampled = [], {}
+        for s in seqs:
+            got, one = self._forward([s], failed)
+            ok += got
+            sampled.update(one)
+        return ok, sampled
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        log.error("request %s failed", req.request_id, exc_info=exc)
+        req.error = f"{type(exc).__name__}: {exc}"
+        req.finish(FinishReason.ERROR)
+
+    def _retire(self, req: Request) -> None:
+        """A finished request leaves the scheduler (pages freed) and the engine's tables."""
+        self.scheduler.finish(req)
+        del self._requests[req.request_id]
+        group = self._groups.get(req.group_id)
+        if group is not None and all(r.is_finished for r in group):
+            del self._groups[req.group_id]
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(req.group_id, req.prompt, req.prompt_token_ids, [req.take_output()], req.is_finished,

@@ -26,6 +26,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"            # an end-of-sequence / stop token, or a stop string
     LENGTH = "length"        # max_tokens, or the model's length limit
     ABORT = "abort"
+    ERROR = "error"          # an internal failure while running this request (a bug; see the log)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None   # the stop string or stop token id that ended it
+    error: str | None = None               # what failed, when finish_reason is ERROR
     num_preemptions: int = 0
     admitted_order: int = -1               # when it was (last) admitted: preemption picks the latest
     last_served: int = -1                  # last step that ran it: fairness when the budget runs out
@@ -135,7 +137,7 @@ class Request:
             finish_reason=self.finish_reason.value if self.finish_reason else None, stop_reason=self.stop_reason,
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
             delta_text=delta_text, delta_token_ids=delta_ids,
-            delta_logprobs=delta_lp if self.params.logprobs is not None else None)
+            delta_logprobs=delta_lp if self.params.logprobs is not None else None, error=self.error)
 
 
 @dataclass
@@ -149,6 +151,7 @@ class CompletionOutput:
     delta_text: str = ""                   # streaming: what is new since this completion's last output
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprob] | None = None
+    error: str | None = None               # finish_reason "error": what failed
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,7 @@ class Tokenizer:
     pad_token_id: int = 0
     special_ids: frozenset[int] = field(default_factory=frozenset)
     byte_ids: frozenset[int] = field(default_factory=frozenset)   # byte-fallback tokens <0xNN>
+    chat_template: str | None = None     # Jinja template of the checkpoint, if it ships one
 
     def __post_init__(self) -> None:
         if not self.special_ids:
@@ -55,9 +56,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with BOS when the model wants it (post-processor)."""
-        return self.backend.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with BOS when the model wants it (post-processor) unless told not to
+        (a rendered chat template that already starts with BOS)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (logprobs)."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def special_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -100,7 +109,14 @@ class Tokenizer:
         eos = token_id("eos_token", eos_list[0])
         if cfg.get("add_bos_token", True) and bos is not None and not _adds_bos(backend, bos):
             _set_bos_post_processor(backend, bos)
-        return cls.from_backend(backend, bos, eos, [int(e) for e in eos_list], token_id("pad_token", 0) or 0)
+        tok = cls.from_backend(backend, bos, eos, [int(e) for e in eos_list], token_id("pad_token", 0) or 0)
+        template = cfg.get("chat_template")
+        if (path / "chat_template.jinja").is_file():   # newer checkpoints keep it in its own file
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):   # [{"name": "default", "template": ...}, ...]
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        tok.chat_template = template if isinstance(template, str) and template.strip() else None
+        return tok
 
     @classmethod
     def from_gguf(cls, gguf, cache_file: Path | None = None) -> "Tokenizer":
@@ -121,7 +137,10 @@ class Tokenizer:
             )
             if cache_file is not None:
                 _atomic_save(backend, cache_file)
-        return cls.from_backend(backend, bos, eos, None, pad)
+        tok = cls.from_backend(backend, bos, eos, None, pad)
+        template = gguf.get("tokenizer.chat_template")
+        tok.chat_template = template if isinstance(template, str) and template.strip() else None
+        return tok
 
 
 def build_sentencepiece_bpe(tokens: list[str], token_types: list[int], unk_id: int,

@@ -1,0 +1,417 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`.
+
+    POST /v1/completions        POST /v1/chat/completions     (JSON, or server-sent events with stream)
+    GET  /v1/models             GET  /health                  GET  /metrics (Prometheus text)
+
+Every error is OpenAI's JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for a bad
+request, 401 for a missing or wrong API key, 404 for an unknown model, 413 for an oversized body.
+A handler validates everything it can (types, sampling values, prompt length, KV budget) before the
+request reaches the engine, so a stream that has started only fails for an internal error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config.options import option, port_number, size
+from ..engine.llm_engine import LLMEngine
+from ..engine.request import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from ..errors import UserInputError
+from .async_engine import AsyncEngine, EngineDeadError
+from .chat import ChatFormatter, parse_messages
+from .metrics import ServerMetrics
+from .protocol import (
+    ApiError, ChatRequest, CompletionRequest, chat_logprobs, completion_logprobs, now, parse, reject_unsupported,
+    sampling_params, usage,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_PROMPTS = 256            # prompts in one completions request
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+@dataclass
+class ServerConfig:
+    host: str = option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    port: int = option(8000, parse=port_number, help="TCP port (0: any free port, printed at startup)")
+    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    served_model_name: str | None = option(None, help="the model name clients send (default: --model)")
+    max_request_bytes: int = option(8 << 20, parse=size, help="largest request body accepted (413 above)")
+
+
+@dataclass
+class _Prompt:
+    text: str
+    ids: list[int]
+
+
+class OpenAIServer:
+    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None):
+        self.config = config or ServerConfig()
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.metrics = ServerMetrics()
+        self.async_engine = AsyncEngine(engine, self.metrics)
+        self.chat = ChatFormatter(engine.tokenizer)
+        self.model_name = self.config.served_model_name or engine.config.model
+        self.accepted_names = {self.model_name, engine.config.model}
+        self.created = now()
+        self.app = self._build_app()
+
+    # -- app -----------------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI):
+            self.async_engine.start()
+            log.info("serving %s (chat: %s)", self.model_name, self.chat.source)
+            try:
+                yield
+            finally:
+                await asyncio.to_thread(self.async_engine.shutdown)
+
+        app = FastAPI(title="gemmaserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        v1 = APIRouter(prefix="/v1", dependencies=[Depends(self._authorize)])
+        v1.add_api_route("/completions", self.completions, methods=["POST"])
+        v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
+        v1.add_api_route("/models", self.models, methods=["GET"])
+        app.include_router(v1)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_text, methods=["GET"])
+        app.add_exception_handler(ApiError, self._api_error)
+        app.add_exception_handler(StarletteHTTPException, self._http_error)
+        app.add_exception_handler(Exception, self._internal_error)
+        return app
+
+    def _error_response(self, err: ApiError) -> JSONResponse:
+        self.metrics.http_errors.labels(str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def _api_error(self, request: Request, exc: ApiError) -> JSONResponse:
+        return self._error_response(exc)
+
+    async def _http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                            str(exc.detail))
+        return self._error_response(ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404
+                                             else None))
+
+    async def _internal_error(self, request: Request, exc: Exception) -> JSONResponse:
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return self._error_response(ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+
+    async def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    # -- small routes ----------------------------------------------------------------------------------
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "gemmaserve", "root": self.engine.config.model,
+                                            "max_model_len": self.engine.max_model_len}]}
+
+    async def health(self) -> Response:
+        if not self.async_engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self) -> Response:
+        snap = await self._engine_call(self.async_engine.snapshot)
+        return Response(self.metrics.render(snap), media_type=CONTENT_TYPE_LATEST)
+
+    async def _engine_call(self, fn):
+        try:
+            return await self.async_engine.call(fn)
+        except EngineDeadError as exc:
+            raise ApiError(503, str(exc), code="engine_stopped") from None
+
+    # -- request checks --------------------------------------------------------------------------------
+    async def _json(self, request: Request) -> object:
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+        chunks, total = [], 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ApiError(400, f"invalid JSON body: {exc}", code="invalid_json") from None
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.accepted_names:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def _encode(self, text: str, param: str) -> _Prompt:
+        if not text.strip():
+            raise ApiError(400, f"{param} must not be empty", param=param)
+        return _Prompt(text, await asyncio.to_thread(self.tokenizer.encode, text))
+
+    async def _completion_prompts(self, prompt) -> list[_Prompt]:
+        """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+        if isinstance(prompt, str):
+            return [await self._encode(prompt, "prompt")]
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        if len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
+            raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                out.append(await self._encode(p, f"prompt[{i}]"))
+            elif not p:
+                raise ApiError(400, f"prompt[{i}] must not be empty", param="prompt")
+            else:
+                vocab = self.engine.model.config.vocab_size
+                if min(p) < 0 or max(p) >= vocab:
+                    raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+                out.append(_Prompt(self.tokenizer.decode(p, skip_special_tokens=False), list(p)))
+        return out
+
+    def _check_fits(self, prompts: list[_Prompt], params: SamplingParams, param: str) -> None:
+        limit = self.engine.max_model_len
+        for p in prompts:
+            if len(p.ids) + params.max_tokens > limit:
+                raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
+                                    f"{len(p.ids) + params.max_tokens} ({len(p.ids)} in the {param}, "
+                                    f"{params.max_tokens} to generate)", param=param, code="context_length_exceeded")
+            try:
+                self.engine.check_request(p.ids, params)   # pure: KV geometry and vocabulary
+            except UserInputError as exc:
+                raise ApiError(400, str(exc), param=param) from None
+
+    # -- completions -----------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = parse(CompletionRequest, await self._json(request))
+        self._check_model(req.model)
+        reject_unsupported(req)
+        prompts = await self._completion_prompts(req.prompt)
+        params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETIONS_MAX_TOKENS)
+        self._check_fits(prompts, params, "prompt")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        outputs = self.async_engine.generate(rid, [(p.text, p.ids) for p in prompts], params)
+        if req.stream:
+            return _sse(self._stream_completion(rid, req, prompts, params, outputs))
+        finals = await self._collect(request, outputs)
+        choices = []
+        for (pi, k), out in sorted(finals.items()):
+            c = out.outputs[0]
+            prefix = prompts[pi].text if req.echo else ""
+            choices.append({"index": pi * params.n + k, "text": prefix + c.text, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                            "logprobs": completion_logprobs(self.tokenizer, c.logprobs, len(prefix))
+                            if c.logprobs is not None else None})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
+                             "choices": choices, "usage": self._usage(prompts, finals)})
+
+    async def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[_Prompt],
+                                 params: SamplingParams, outputs) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = now()
+        offsets: dict[int, int] = {}
+        finals: dict[tuple[int, int], RequestOutput] = {}
+
+        def chunk(choices: list[dict], **extra) -> str:
+            body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": choices, **extra}
+            if include_usage and "usage" not in body:
+                body["usage"] = None
+            return _event(body)
+
+        async with contextlib.aclosing(outputs):
+            try:
+                async for pi, out in outputs:
+                    c = out.outputs[0]
+                    _raise_if_failed(c)
+                    idx = pi * params.n + c.index
+                    text = c.delta_text
+                    if req.echo and idx not in offsets:
+                        text = prompts[pi].text + text
+                    lp = None
+                    if c.delta_logprobs is not None:
+                        lp = completion_logprobs(self.tokenizer, c.delta_logprobs, offsets.get(idx, 0))
+                    offsets[idx] = offsets.get(idx, 0) + len(text)
+                    if c.finished:
+                        finals[(pi, c.index)] = out
+                    if text or c.finished or (lp and lp["tokens"]):
+                        yield chunk([{"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                                      "stop_reason": c.stop_reason}])
+            except (ApiError, EngineDeadError) as exc:
+                yield _event(_as_api_error(exc).body())
+                return
+        if include_usage:
+            yield chunk([], usage=self._usage(prompts, finals))
+        yield "data: [DONE]\n\n"
+
+    # -- chat ------------------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        req: ChatRequest = parse(ChatRequest, await self._json(request))
+        self._check_model(req.model)
+        reject_unsupported(req)
+        try:
+            messages = parse_messages(req.messages)
+            ids = await asyncio.to_thread(self.chat.encode, messages)
+        except UserInputError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        prompt = _Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids)
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise ApiError(400, f"this model's maximum context length is {limit} tokens; the messages take "
+                                f"{len(ids)}", param="messages", code="context_length_exceeded")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling_params(req, max_tokens if max_tokens is not None else limit - len(ids))
+        self._check_fits([prompt], params, "messages")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = self.async_engine.generate(rid, [(prompt.text, prompt.ids)], params)
+        if req.stream:
+            return _sse(self._stream_chat(rid, req, prompt, params, outputs))
+        finals = await self._collect(request, outputs)
+        choices = []
+        for (_, k), out in sorted(finals.items()):
+            c = out.outputs[0]
+            choices.append({"index": k, "message": {"role": "assistant", "content": c.text},
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if c.logprobs is not None else None})
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+                             "choices": choices, "usage": self._usage([prompt], finals)})
+
+    async def _stream_chat(self, rid: str, req: ChatRequest, prompt: _Prompt, params: SamplingParams,
+                           outputs) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = now()
+        finals: dict[tuple[int, int], RequestOutput] = {}
+
+        def chunk(choices: list[dict], **extra) -> str:
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                    "choices": choices, **extra}
+            if include_usage and "usage" not in body:
+                body["usage"] = None
+            return _event(body)
+
+        for k in range(params.n):
+            yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async with contextlib.aclosing(outputs):
+            try:
+                async for _, out in outputs:
+                    c = out.outputs[0]
+                    _raise_if_failed(c)
+                    lp = chat_logprobs(self.tokenizer, c.delta_logprobs) if c.delta_logprobs else None
+                    if c.delta_text or lp:
+                        yield chunk([{"index": c.index, "delta": {"content": c.delta_text}, "logprobs": lp,
+                                      "finish_reason": None}])
+                    if c.finished:
+                        finals[(0, c.index)] = out
+                        yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+            except (ApiError, EngineDeadError) as exc:
+                yield _event(_as_api_error(exc).body())
+                return
+        if include_usage:
+            yield chunk([], usage=self._usage([prompt], finals))
+        yield "data: [DONE]\n\n"
+
+    # -- shared ----------------------------------------------------------------------------------------
+    async def _collect(self, request: Request, outputs) -> dict[tuple[int, int], RequestOutput]:
+        """Every completion's final output, keyed (prompt index, completion index). Aborts the
+        request if the client goes away while it runs."""
+        finals: dict[tuple[int, int], RequestOutput] = {}
+
+        async def consume() -> None:
+            async with contextlib.aclosing(outputs):
+                async for pi, out in outputs:
+                    _raise_if_failed(out.outputs[0])
+                    if out.outputs[0].finished:
+                        finals[(pi, out.outputs[0].index)] = out
+
+        task = asyncio.create_task(consume())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    raise ApiError(499, "client closed the request", code="client_closed")
+            try:
+                task.result()
+            except EngineDeadError as exc:
+                raise _as_api_error(exc) from None
+        finally:
+            if not task.done():
+                task.cancel()
+        return finals
+
+    def _usage(self, prompts: list[_Prompt], finals: dict[tuple[int, int], RequestOutput]) -> dict:
+        completion = sum(len(o.outputs[0].token_ids) for o in finals.values())
+        cached = sum({pi: o.num_cached_tokens for (pi, _), o in finals.items()}.values())
+        return usage(sum(len(p.ids) for p in prompts), completion, cached)
+
+
+def _raise_if_failed(c) -> None:
+    if c.finish_reason == "error":
+        raise ApiError(500, f"internal error while generating: {c.error}", code="internal_error")
+
+
+def _as_api_error(exc: Exception) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    return ApiError(503, str(exc), code="engine_stopped")
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that always close their generator, so a client that disconnects aborts its
+    request at once (not when the generator is garbage-collected)."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return _EventStream(events, media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def serve(engine: LLMEngine, config: ServerConfig) -> None:
+    """Run the server until interrupted (the CLI's `serve`)."""
+    import uvicorn
+
+    server = OpenAIServer(engine, config)
+    uvicorn.run(server.app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+
+
+__all__ = ["OpenAIServer", "ServerConfig", "serve"]

@@ -1,0 +1,261 @@
+"""The engine on its own thread, for asyncio callers.
+
+    HTTP handlers ──commands──▶ [engine thread: add / abort / step / snapshot] ──outputs──▶ per-request queues
+         (event loop)           (a thread-safe queue, run between steps)           (call_soon_threadsafe)
+
+Handlers never touch the engine: they post commands and await their request's queue. The thread runs
+commands between steps, steps while anything is unfinished, and when it falls idle runs the KV
+integrity check once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.llm_engine import LLMEngine
+from ..engine.request import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from .metrics import EngineSnapshot, ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shutdown, or a bug outside any one request)."""
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    first: float | None = None
+    last: float | None = None
+
+
+@dataclass
+class _Sink:
+    """Where one HTTP request's outputs go: (prompt index, output) items, or an exception."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float
+    prompt_index: dict[str, int] = field(default_factory=dict)   # engine group id -> prompt index
+    unfinished: dict[str, int] = field(default_factory=dict)     # engine group id -> completions still running
+    timing: dict[tuple[str, int], _Timing] = field(default_factory=dict)
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:   # the event loop has closed: nobody is listening
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics):
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}          # engine group id -> sink
+        self._thread = threading.Thread(target=self._run, name="gemmaserve-engine", daemon=True)
+        self._integrity_ok = True
+        self._checked_idle = True
+        self.error: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- called from the event loop ------------------------------------------------------------------
+    async def generate(self, request_id: str, prompts: list[tuple[str, list[int]]],
+                       params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every prompt with `params`; yield (prompt index, output of one completion) as they
+        come. Leaving early (an error, a disconnect: the consumer is cancelled) aborts what is left."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self._commands.put(lambda: self._add(sink, ids, prompts, params))
+        remaining = len(prompts) * params.n
+        try:
+            while remaining:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item[1].outputs[0].finished:
+                    remaining -= 1
+                yield item
+        finally:
+            if remaining:
+                self._commands.put(lambda: self._abort(ids))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:   # handed to the caller
+                loop.call_soon_threadsafe(_set, fut, None, exc)
+            else:
+                loop.call_soon_threadsafe(_set, fut, result, None)
+
+        self._commands.put(run)
+        return await fut
+
+    def call_blocking(self, fn: Callable[[LLMEngine], Any], timeout: float = 60.0) -> Any:
+        """`call` for plain threads (tests, tools)."""
+        done = threading.Event()
+        box: list = [None, None]
+
+        def run() -> None:
+            try:
+                box[0] = fn(self.engine)
+            except BaseException as exc:
+                box[1] = exc
+            done.set()
+
+        self._commands.put(run)
+        if not done.wait(timeout):
+            raise TimeoutError("the engine thread did not answer")
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def snapshot(self, engine: LLMEngine) -> EngineSnapshot:
+        st = engine.kv.stats()
+        sched = engine.scheduler
+        return EngineSnapshot(len(sched.waiting), len(sched.running), st.num_pages, st.pages_used, st.pages_free,
+                              st.pages_cached, st.scratch_pages, sched.num_preemptions, st.prefix_query_tokens,
+                              st.prefix_hit_tokens, self._integrity_ok)
+
+    # -- the engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                busy = eng.has_unfinished_requests()
+                if not busy and not self._checked_idle:
+                    self._check_integrity()
+                try:   # idle: sleep until a command comes; busy: take what is there and step
+                    cmd = self._commands.get(block=not busy)
+                    while True:
+                        if cmd is None:
+                            return
+                        cmd()
+                        cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    pass
+                if eng.has_unfinished_requests():
+                    self._checked_idle = False
+                    try:
+                        outputs = eng.step()
+                    except Exception as exc:   # not one request's fault (the engine isolates those): fail all
+                        log.exception("engine step failed")
+                        self._fail_all(exc)
+                        continue
+                    self._dispatch(outputs)
+        except BaseException as exc:
+            log.exception("engine thread died")
+            self.error = exc
+            self._fail_all(exc)
+        finally:
+            self._fail_all(EngineDeadError("the engine stopped"))
+
+    def _add(self, sink: _Sink, ids: list[str], prompts: list[tuple[str, list[int]]],
+             params: SamplingParams) -> None:
+        added = []
+        try:
+            for i, (gid, (text, tokens)) in enumerate(zip(ids, prompts)):
+                self.engine.add_request(text, params, prompt_ids=tokens, request_id=gid)
+                added.append(gid)
+                sink.prompt_index[gid] = i
+                sink.unfinished[gid] = params.n
+                self._sinks[gid] = sink
+                self.metrics.prompt_tokens.inc(len(tokens))
+        except Exception as exc:   # normally caught by the handler's own checks first
+            self._abort(added)
+            sink.put(exc)
+
+    def _abort(self, ids: list[str]) -> None:
+        for gid in ids:
+            sink = self._sinks.pop(gid, None)
+            for out in self.engine.abort_request(gid):
+                if sink is not None:
+                    self._record(sink, out, time.perf_counter())
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            self._record(sink, out, now)
+            sink.put((sink.prompt_index[out.request_id], out))
+            if out.finished:
+                sink.unfinished[out.request_id] -= 1
+                if not sink.unfinished[out.request_id]:   # every completion of this prompt is done
+                    del self._sinks[out.request_id]
+
+    def _record(self, sink: _Sink, out: RequestOutput, now: float) -> None:
+        c = out.outputs[0]
+        m = self.metrics
+        t = sink.timing.setdefault((out.request_id, c.index), _Timing(sink.arrival))
+        new = len(c.delta_token_ids)
+        if new:
+            m.generation_tokens.inc(new)
+            if t.first is None:
+                t.first = now
+                m.ttft.observe(now - t.arrival)
+                new -= 1
+            if new and t.last is not None:
+                gap = (now - t.last) / new
+                for _ in range(new):
+                    m.itl.observe(gap)
+            t.last = now
+        if c.finished:
+            m.requests.labels(c.finish_reason).inc()
+            m.e2e.observe(now - t.arrival)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for gid in list(self._sinks):
+            sink = self._sinks.pop(gid)
+            try:
+                self.engine.abort_request(gid)
+            except Exception:   # the engine may be what is broken; the clients still get their error
+                log.exception("abort after failure")
+            sink.put(exc)
+
+    def _check_integrity(self) -> None:
+        self._checked_idle = True
+        try:
+            self.engine.kv.check_integrity()
+            self._integrity_ok = True
+        except AssertionError:
+            self._integrity_ok = False
+            log.exception("KV cache integrity check failed while idle")
+
+
+def _set(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():   # the caller gave up (cancelled)
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

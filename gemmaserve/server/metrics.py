@@ -1,0 +1,85 @@
+"""Prometheus metrics of one server (its own registry: two servers in a process do not mix).
+
+Counters and histograms are updated by the engine loop as outputs appear; gauges that describe the
+engine now (queue, KV pages, preemptions, prefix hits) are read from a snapshot taken on the engine
+loop when /metrics is scraped, so they are consistent with each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    waiting: int
+    running: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    pages_cached: int
+    pages_scratch: int
+    preemptions: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    integrity_ok: bool
+
+
+class _EngineCollector:
+    def __init__(self) -> None:
+        self.snapshot: EngineSnapshot | None = None
+
+    def collect(self):
+        s = self.snapshot
+        if s is None:
+            return
+        yield GaugeMetricFamily("gemmaserve_num_requests_waiting", "Completions queued (not admitted, or preempted)",
+                                value=s.waiting)
+        yield GaugeMetricFamily("gemmaserve_num_requests_running", "Completions holding KV pages", value=s.running)
+        pages = GaugeMetricFamily("gemmaserve_kv_pages", "KV cache pages by state", labels=["state"])
+        for state, value in (("used", s.pages_used), ("free", s.pages_free), ("cached", s.pages_cached)):
+            pages.add_metric([state], value)
+        yield pages
+        yield GaugeMetricFamily("gemmaserve_kv_pages_total", "KV cache pages in the pool", value=s.pages_total)
+        yield GaugeMetricFamily("gemmaserve_kv_scratch_pages", "Pages used as sliding-window scratch",
+                                value=s.pages_scratch)
+        yield CounterMetricFamily("gemmaserve_preemptions", "Completions preempted for lack of KV pages",
+                                  value=s.preemptions)
+        yield CounterMetricFamily("gemmaserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                  value=s.prefix_query_tokens)
+        yield CounterMetricFamily("gemmaserve_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache",
+                                  value=s.prefix_hit_tokens)
+        rate = s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0
+        yield GaugeMetricFamily("gemmaserve_prefix_cache_hit_rate", "Hit tokens / queried tokens since start",
+                                value=rate)
+        yield GaugeMetricFamily("gemmaserve_kv_integrity_ok", "1 if the last idle KV integrity check passed",
+                                value=1.0 if s.integrity_ok else 0.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("gemmaserve_requests", "Finished completions by finish reason",
+                                ["finish_reason"], registry=r)
+        self.http_errors = Counter("gemmaserve_http_errors", "Error responses by status code", ["status"], registry=r)
+        self.prompt_tokens = Counter("gemmaserve_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("gemmaserve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("gemmaserve_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("gemmaserve_inter_token_latency_seconds", "Time between generated tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("gemmaserve_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.engine = _EngineCollector()
+        r.register(self.engine)
+
+    def render(self, snapshot: EngineSnapshot) -> bytes:
+        self.engine.snapshot = snapshot
+        return generate_latest(self.registry)

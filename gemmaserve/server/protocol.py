@@ -1,0 +1,176 @@
+"""OpenAI request bodies (validated strictly: a string is not a number) and the response objects.
+
+Unknown fields are ignored, as OpenAI-compatible servers do; known fields that we cannot honour
+(tools, logit_bias, suffix, ...) are rejected with a 400 that names them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..engine.request import TokenLogprob
+from ..engine.sampling_params import SamplingParams
+from ..errors import UserInputError
+from ..models.tokenizer import Tokenizer
+
+
+class ApiError(Exception):
+    """An error response in OpenAI's format."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                             413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM-style extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[Any]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+def parse(cls: type[_Strict], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "union"))]
+        where = ".".join(loc) or "body"
+        missing = err["type"] == "missing"
+        msg = f"{where}: field required" if missing else f"{where}: {err['msg']} (got {err.get('input')!r:.80})"
+        raise ApiError(400, msg, param=loc[0] if loc else None) from None
+
+
+def reject_unsupported(req: CompletionRequest | ChatRequest) -> None:
+    def no(cond: bool, param: str, what: str) -> None:
+        if cond:
+            raise ApiError(400, f"{param}: {what} is not supported", param=param)
+
+    no(bool(req.logit_bias), "logit_bias", "biasing logits")
+    if isinstance(req, CompletionRequest):
+        no(req.suffix is not None, "suffix", "insertion (suffix)")
+        no(req.best_of is not None and req.best_of != req.n, "best_of", "best_of other than n")
+        no(req.echo and req.logprobs is not None, "echo", "echo with logprobs (prompt logprobs)")
+    else:
+        no(bool(req.tools), "tools", "tool calling")
+        no(req.response_format is not None and req.response_format.get("type") not in (None, "text"),
+           "response_format", "structured output")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+
+
+_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
+
+
+def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
+    if isinstance(req, ChatRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    values = dict(max_tokens=max_tokens, n=req.n, stop=req.stop, seed=req.seed, logprobs=logprobs,
+                  temperature=1.0 if req.temperature is None else req.temperature,
+                  top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                  min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+                  frequency_penalty=req.frequency_penalty or 0.0,
+                  repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                  ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids or [],
+                  skip_special_tokens=req.skip_special_tokens)
+    try:
+        return SamplingParams(**values)
+    except UserInputError as exc:
+        raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
+
+
+def _param_of(message: str) -> str | None:
+    word = message.split(" ", 1)[0]
+    return word if word in _FIELDS else None
+
+
+# -- responses ---------------------------------------------------------------------------------------
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
+    """The legacy completions format: parallel lists."""
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in lps:
+        text = tok.token_text(lp.token_id)
+        tokens.append(text)
+        values.append(lp.logprob)
+        tops.append({tok.token_text(t): p for t, p in lp.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tok.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
+                        for lp in lps]}
+
