@@ -1,0 +1,410 @@
+"""The HTTP server, started for real on loopback with the embedded 270M, driven by the official
+`openai` client (and raw HTTP for what a client library would refuse to send)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import socket
+import time
+
+import pytest
+
+from gemmaserve import SamplingParams
+
+openai = pytest.importorskip("openai")
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 512
+MAX_BODY = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server(llm_270m):
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm_engine import LLMEngine
+    from gemmaserve.server.app import ServerConfig
+    from gemmaserve.server.background import BackgroundServer
+
+    engine = LLMEngine(EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=32), llm_270m.engine.loaded)
+    with BackgroundServer(engine, ServerConfig(api_key=API_KEY, max_request_bytes=MAX_BODY)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def _engine(server, fn):
+    return server.server.async_engine.call_blocking(fn)
+
+
+def _wait_idle(server, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _engine(server, lambda e: e.has_unfinished_requests()):
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.05)
+
+
+def _assert_kv_clean(server) -> None:
+    def check(e):
+        e.kv.check_integrity()
+        return e.kv.stats()
+
+    st = _engine(server, check)
+    assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
+
+
+def _greedy(llm, prompt: str, max_tokens: int):
+    return llm.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].outputs[0]
+
+
+def _raw(server, method: str, path: str, body: bytes | str | dict | None = None,
+         headers: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    hdrs = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    hdrs.update(headers or {})
+    hdrs = {k: v for k, v in hdrs.items() if v is not None}
+    if isinstance(body, dict):
+        body = json.dumps(body)
+    conn.request(method, path, body=body, headers=hdrs)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, json.loads(data) if data else {}
+
+
+def _metrics(server) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return text
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+# -- the happy paths ------------------------------------------------------------------------------------
+def test_models_health_and_open_probes(server, client):
+    assert [m.id for m in client.models.list().data] == ["gemma3-270m"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/health")   # probes need no API key
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
+
+
+def test_completion_is_the_engines_greedy_output(server, client, llm_270m):
+    prompt = "The river runs past the old mill and"
+    ref = _greedy(llm_270m, prompt, 12)
+    r = client.completions.create(model="gemma3-270m", prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(llm_270m.tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == len(ref.token_ids) and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+
+
+def test_streamed_text_equals_non_streamed_text(client):
+    args = dict(model="gemma3-270m", prompt="Once upon a time, in a village by the sea,", max_tokens=24, temperature=0)
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=20, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_chat_uses_the_gemma_turn_format(client, llm_270m):
+    """The embedded 270M ships no chat template: the Gemma turn format is used (system text opens
+    the first user turn)."""
+    msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the sea?"}]
+    rendered = "<start_of_turn>user\nAnswer briefly.\n\nWhat is the sea?<end_of_turn>\n<start_of_turn>model\n"
+    ref = _greedy(llm_270m, rendered, 16)
+    r = client.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(llm_270m.tokenizer.encode(rendered))
+
+
+def test_checkpoint_chat_template_is_used_without_a_second_bos(llm_270m):
+    import dataclasses
+
+    from gemmaserve.server.chat import ChatFormatter, ChatMessage, gemma_turns
+
+    template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else "
+                "m.role }}\n{{ m.content | trim }}<end_of_turn>\n{% endfor %}"
+                "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    tok = dataclasses.replace(llm_270m.tokenizer, chat_template=template)
+    msgs = [ChatMessage("user", "Hi there"), ChatMessage("assistant", "Hello."), ChatMessage("user", "Bye")]
+    fmt = ChatFormatter(tok)
+    assert fmt.source == "checkpoint template"
+    ids = fmt.encode(msgs)
+    assert ids == llm_270m.tokenizer.encode(gemma_turns(msgs)) and ids.count(tok.bos_token_id) == 1
+
+
+def test_n_seed_stop_and_logprobs(client, llm_270m):
+    args = dict(model="gemma3-270m", prompt="My favourite food is", max_tokens=8, temperature=0.9, n=3, seed=11)
+    a = client.completions.create(**args)
+    b = client.completions.create(**args)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]   # same seed, same completions
+    assert len({c.text for c in a.choices}) > 1 and a.usage.completion_tokens == 24
+
+    two = client.completions.create(model="gemma3-270m", prompt=["Red", "Blue"], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert two.choices[0].text == two.choices[1].text == _greedy(llm_270m, "Red", 4).text
+    assert two.choices[2].text == _greedy(llm_270m, "Blue", 4).text
+
+    prompt = "The capital of France is"
+    ref = _greedy(llm_270m, prompt, 16).text
+    word = ref.split()[2]
+    r = client.completions.create(model="gemma3-270m", prompt=prompt, max_tokens=16, temperature=0, stop=[word])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == ref[:ref.index(word)]
+
+    r = client.completions.create(model="gemma3-270m", prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and 1 <= len(top) <= 2 and abs(max(top.values()) - chosen) < 1e-4   # greedy: the best
+
+    r = client.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
+    assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-4)
+
+
+def test_32_concurrent_requests(server, llm_270m):
+    prompts = [f"Story {i}: the {w} was" for i, w in enumerate(
+        ("farmer miller baker smith sailor tailor weaver hunter " * 4).split())]
+    refs = [o.outputs[0].text for o in llm_270m.generate(prompts, SamplingParams(max_tokens=8))]
+
+    async def run() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+        async def one(i: int, p: str) -> str:
+            if i % 2:
+                stream = await aclient.completions.create(model="gemma3-270m", prompt=p, max_tokens=8,
+                                                          temperature=0, stream=True)
+                return "".join([c.choices[0].text async for c in stream if c.choices])
+            r = await aclient.completions.create(model="gemma3-270m", prompt=p, max_tokens=8, temperature=0)
+            return r.choices[0].text
+
+        try:
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(run()) == refs
+    _wait_idle(server)
+    _assert_kv_clean(server)
+
+
+def _open_stream(server, body: dict) -> socket.socket:
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def test_a_client_that_disconnects_aborts_its_request(server):
+    before = _metric(_metrics(server), "gemmaserve_requests_total", '{finish_reason="abort"}')
+    body = dict(model="gemma3-270m", prompt="Tell me a long story about", max_tokens=400, ignore_eos=True,
+                temperature=0)
+    sock = _open_stream(server, {**body, "stream": True})   # streaming: leave after a few events
+    seen = b""
+    while seen.count(b"data: ") < 3:
+        seen += sock.recv(4096)
+    sock.close()
+    sock = _open_stream(server, body)   # not streaming: leave while it runs
+    time.sleep(0.5)
+    sock.close()
+    _wait_idle(server, timeout=30)
+    text = _metrics(server)
+    assert _metric(text, "gemmaserve_requests_total", '{finish_reason="abort"}') == before + 2
+    _assert_kv_clean(server)
+
+
+# -- bad input ----------------------------------------------------------------------------------------------
+GOOD = {"model": "gemma3-270m", "prompt": "Hello", "max_tokens": 2}
+CHAT = {"model": "gemma3-270m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, headers, status, param", [
+    ("/v1/completions", b"{not json", None, 400, None),
+    ("/v1/completions", b"[1, 2]", None, 400, None),
+    ("/v1/completions", {**GOOD, "max_tokens": "5"}, None, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "temperature": "hot"}, None, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "prompt": 5}, None, 400, "prompt"),
+    ("/v1/completions", {"model": "gemma3-270m"}, None, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": ""}, None, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": []}, None, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [1, 999999999]}, None, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": "word " * 600}, None, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "max_tokens": MAX_MODEL_LEN}, None, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "temperature": -1}, None, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "top_p": 0}, None, 400, "top_p"),
+    ("/v1/completions", {**GOOD, "top_p": 1.5}, None, 400, "top_p"),
+    ("/v1/completions", {**GOOD, "n": 0}, None, 400, "n"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, None, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "logprobs": 50}, None, 400, "logprobs"),
+    ("/v1/completions", {**GOOD, "presence_penalty": 5}, None, 400, "presence_penalty"),
+    ("/v1/completions", {**GOOD, "stop": [""]}, None, 400, "stop"),
+    ("/v1/completions", {**GOOD, "logit_bias": {"5": 1.0}}, None, 400, "logit_bias"),
+    ("/v1/chat/completions", {"model": "gemma3-270m"}, None, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, None, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 7}]}, None, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": "x"}]}, None, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, None, 400, "tools"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "go " * 600}]}, None, 400,
+     "messages"),
+    ("/v1/completions", {**GOOD, "model": "gpt-4"}, None, 404, "model"),
+    ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, None, 404, "model"),
+    ("/v1/completions", GOOD, {"Authorization": None}, 401, None),
+    ("/v1/completions", GOOD, {"Authorization": "Bearer wrong"}, 401, None),
+    ("/v1/models", None, {"Authorization": "Basic abc"}, 401, None),
+    ("/v1/completions", {**GOOD, "prompt": "x" * MAX_BODY}, None, 413, None),
+    ("/v1/nothing", GOOD, None, 404, None),
+])
+def test_bad_input_gets_an_openai_error(server, path, body, headers, status, param):
+    method = "GET" if path == "/v1/models" else "POST"
+    code, data = _raw(server, method, path, body, headers)
+    assert code == status, data
+    err = data["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+
+
+def test_oversized_chunked_body_is_413(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    chunks = (b"x" * 65536 for _ in range(MAX_BODY // 65536 + 2))   # no Content-Length: chunked
+    conn.request("POST", "/v1/completions", body=chunks, headers={"Authorization": f"Bearer {API_KEY}"},
+                 encode_chunked=True)
+    resp = conn.getresponse()
+    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
+
+
+def test_client_library_sees_typed_errors(server, client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="gemma3-270m", prompt="x", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    bad = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_an_internal_failure_fails_only_its_request(server, client, llm_270m):
+    engine = server.server.engine
+    execute = engine.runner.execute
+
+    def flaky(seqs):
+        if any("POISON" in s.request.prompt for s in seqs):
+            raise RuntimeError("injected failure")
+        return execute(seqs)
+
+    prompts = ["A quiet morning in", "POISON pill", "The harbour at night", "POISON stream"]
+    refs = {p: _greedy(llm_270m, p, 6).text for p in prompts[::2]}
+    engine.runner.execute = flaky
+    try:
+        async def run():
+            aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+
+            async def one(p: str):
+                try:
+                    if p == "POISON stream":
+                        s = await aclient.completions.create(model="gemma3-270m", prompt=p, max_tokens=6,
+                                                             temperature=0, stream=True)
+                        return "".join([c.choices[0].text async for c in s if c.choices])
+                    r = await aclient.completions.create(model="gemma3-270m", prompt=p, max_tokens=6, temperature=0)
+                    return r.choices[0].text
+                except openai.APIError as exc:
+                    return exc
+
+            try:
+                return await asyncio.gather(*(one(p) for p in prompts))
+            finally:
+                await aclient.close()
+
+        results = dict(zip(prompts, asyncio.run(run())))
+    finally:
+        engine.runner.execute = execute
+    assert isinstance(results["POISON pill"], openai.InternalServerError)
+    assert isinstance(results["POISON stream"], openai.APIError)
+    assert "injected failure" in str(results["POISON stream"])
+    for p, text in refs.items():
+        assert results[p] == text
+    assert client.completions.create(model="gemma3-270m", prompt="Still up?", max_tokens=2).usage.completion_tokens == 2
+    _wait_idle(server)
+    _assert_kv_clean(server)
+
+
+def test_metrics_report_the_traffic(server, client):
+    long_prompt = "The harbour master counted the ships that came in with the evening tide. " * 4
+    for _ in range(2):   # the second run finds the first one's full pages in the prefix cache
+        client.completions.create(model="gemma3-270m", prompt=long_prompt, max_tokens=3, temperature=0)
+    assert _raw(server, "POST", "/v1/completions", {**GOOD, "n": -1})[0] == 400
+    text = _metrics(server)
+    for name in ("gemmaserve_prompt_tokens_total", "gemmaserve_generation_tokens_total",
+                 "gemmaserve_time_to_first_token_seconds_count", "gemmaserve_inter_token_latency_seconds_count",
+                 "gemmaserve_e2e_request_latency_seconds_count", "gemmaserve_kv_pages_total"):
+        assert _metric(text, name) > 0, name
+    assert _metric(text, "gemmaserve_requests_total", '{finish_reason="length"}') > 0
+    assert _metric(text, "gemmaserve_kv_pages", '{state="free"}') > 0
+    for name in ("gemmaserve_num_requests_waiting", "gemmaserve_num_requests_running", "gemmaserve_preemptions_total",
+                 "gemmaserve_prefix_cache_hit_rate", 'gemmaserve_kv_pages{state="cached"}',
+                 'gemmaserve_http_errors_total{status="400"}'):
+        assert re.search(rf"^{re.escape(name)} ", text, re.M), name
+    assert _metric(text, "gemmaserve_prefix_cache_hit_tokens_total") >= 48
+
+
+def test_kv_is_clean_after_everything(server):
+    _wait_idle(server)
+    _assert_kv_clean(server)
+
+
+def test_serve_command(tmp_path):
+    """`gemmaserve serve` as users start it: any free port, a completion, a clean exit on Ctrl-C."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "gemmaserve", "serve", "--port", "0", "--max-model-len", "256"],
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        port = None
+        deadline = time.monotonic() + 120
+        while port is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "server exited"
+            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "no startup line"
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": "Hello", "max_tokens": 3}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        body = json.loads(urllib.request.urlopen(req, timeout=60).read())
+        assert body["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
