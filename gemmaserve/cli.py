@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run a benchmark and write JSON")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    from .bench import decode, memory, throughput
+    from .bench import decode, load, memory, throughput
 
     dec = kinds.add_parser("decode", help="CPU/GPU decode tokens/s against Hugging Face generate")
     decode.add_arguments(dec)
@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     mem = kinds.add_parser("memory", help="KV bytes per sequence, prefill peaks and concurrency (V1 vs V2)")
     memory.add_arguments(mem)
     mem.set_defaults(handler=memory.run)
+    ld = kinds.add_parser("load", help="HTTP server under concurrent streamed requests: TTFT, ITL, tokens/s vs offline")
+    load.add_arguments(ld)
+    add_options(ld, EngineConfig, "engine")
+    ld.set_defaults(handler=load.run)
     return parser
 
 
