@@ -263,7 +263,7 @@ class OpenAIServer:
                     if text or c.finished or (lp and lp["tokens"]):
                         yield chunk([{"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                                       "stop_reason": c.stop_reason}])
-            except (ApiError, EngineDeadError) as exc:
+            except (ApiError, EngineDeadError, UserInputError) as exc:
                 yield _event(_as_api_error(exc).body())
                 return
         if include_usage:
@@ -331,7 +331,7 @@ class OpenAIServer:
                         finals[(0, c.index)] = out
                         yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
-            except (ApiError, EngineDeadError) as exc:
+            except (ApiError, EngineDeadError, UserInputError) as exc:
                 yield _event(_as_api_error(exc).body())
                 return
         if include_usage:
@@ -362,7 +362,7 @@ class OpenAIServer:
                     raise ApiError(499, "client closed the request", code="client_closed")
             try:
                 task.result()
-            except EngineDeadError as exc:
+            except (EngineDeadError, UserInputError) as exc:
                 raise _as_api_error(exc) from None
         finally:
             if not task.done():
@@ -383,6 +383,8 @@ def _raise_if_failed(c) -> None:
 def _as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, UserInputError):   # the engine's own admission check (the handler's checks come first)
+        return ApiError(400, str(exc))
     return ApiError(503, str(exc), code="engine_stopped")
 
 
