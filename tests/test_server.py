@@ -126,6 +126,29 @@ def test_streamed_text_equals_non_streamed_text(client):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_streamed_choices_of_several_prompts_and_completions(client):
+    """n > 1 and a list of prompts, streamed: choice indices interleave, each assembles to its
+    non-streamed text (same seed); echo puts each prompt in front of its choices once."""
+    args = dict(model="gemma3-270m", prompt=["Red is", "Blue is"], n=2, max_tokens=4, temperature=0.8, seed=3,
+                echo=True)
+    whole = {c.index: c.text for c in client.completions.create(**args).choices}
+    streamed: dict[int, str] = {}
+    for ch in client.completions.create(**args, stream=True):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == whole and whole[0].startswith("Red is") and whole[3].startswith("Blue is")
+    chat = dict(model="gemma3-270m", messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=4,
+                temperature=0.8, seed=3)
+    whole = {c.index: c.message.content for c in client.chat.completions.create(**chat).choices}
+    streamed, finished = {}, set()
+    for ch in client.chat.completions.create(**chat, stream=True):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished.add(c.index)
+    assert streamed == whole and finished == {0, 1}
+
+
 def test_chat_uses_the_gemma_turn_format(client, llm_270m):
     """The embedded 270M ships no chat template: the Gemma turn format is used (system text opens
     the first user turn)."""

@@ -231,44 +231,25 @@ class OpenAIServer:
         return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
                              "choices": choices, "usage": self._usage(prompts, finals)})
 
-    async def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[_Prompt],
-                                 params: SamplingParams, outputs) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        created = now()
-        offsets: dict[int, int] = {}
-        finals: dict[tuple[int, int], RequestOutput] = {}
+    def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[_Prompt], params: SamplingParams,
+                           outputs) -> AsyncIterator[str]:
+        offsets: dict[int, int] = {}   # characters sent per choice (logprobs' text_offset)
 
-        def chunk(choices: list[dict], **extra) -> str:
-            body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                    "choices": choices, **extra}
-            if include_usage and "usage" not in body:
-                body["usage"] = None
-            return _event(body)
+        def choices(pi: int, c) -> list[dict]:
+            idx = pi * params.n + c.index
+            text = c.delta_text
+            if req.echo and idx not in offsets:
+                text = prompts[pi].text + text
+            lp = None
+            if c.delta_logprobs is not None:
+                lp = completion_logprobs(self.tokenizer, c.delta_logprobs, offsets.get(idx, 0))
+            offsets[idx] = offsets.get(idx, 0) + len(text)
+            if not (text or c.finished or (lp and lp["tokens"])):
+                return []
+            return [{"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                     "stop_reason": c.stop_reason}]
 
-        async with contextlib.aclosing(outputs):
-            try:
-                async for pi, out in outputs:
-                    c = out.outputs[0]
-                    _raise_if_failed(c)
-                    idx = pi * params.n + c.index
-                    text = c.delta_text
-                    if req.echo and idx not in offsets:
-                        text = prompts[pi].text + text
-                    lp = None
-                    if c.delta_logprobs is not None:
-                        lp = completion_logprobs(self.tokenizer, c.delta_logprobs, offsets.get(idx, 0))
-                    offsets[idx] = offsets.get(idx, 0) + len(text)
-                    if c.finished:
-                        finals[(pi, c.index)] = out
-                    if text or c.finished or (lp and lp["tokens"]):
-                        yield chunk([{"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                                      "stop_reason": c.stop_reason}])
-            except (ApiError, EngineDeadError, UserInputError) as exc:
-                yield _event(_as_api_error(exc).body())
-                return
-        if include_usage:
-            yield chunk([], usage=self._usage(prompts, finals))
-        yield "data: [DONE]\n\n"
+        return self._stream(rid, "text_completion", req, prompts, outputs, choices)
 
     # -- chat ------------------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -302,40 +283,54 @@ class OpenAIServer:
         return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
                              "choices": choices, "usage": self._usage([prompt], finals)})
 
-    async def _stream_chat(self, rid: str, req: ChatRequest, prompt: _Prompt, params: SamplingParams,
-                           outputs) -> AsyncIterator[str]:
+    def _stream_chat(self, rid: str, req: ChatRequest, prompt: _Prompt, params: SamplingParams,
+                     outputs) -> AsyncIterator[str]:
+        def choices(_: int, c) -> list[dict]:
+            out = []
+            lp = chat_logprobs(self.tokenizer, c.delta_logprobs) if c.delta_logprobs else None
+            if c.delta_text or lp:
+                out.append({"index": c.index, "delta": {"content": c.delta_text}, "logprobs": lp,
+                            "finish_reason": None})
+            if c.finished:   # OpenAI closes each choice with an empty delta
+                out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+            return out
+
+        opening = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for k in range(params.n)]
+        return self._stream(rid, "chat.completion.chunk", req, [prompt], outputs, choices, opening)
+
+    async def _stream(self, rid: str, kind: str, req: CompletionRequest | ChatRequest, prompts: list[_Prompt],
+                      outputs, choices, opening: list[dict] = ()) -> AsyncIterator[str]:
+        """Server-sent events: `opening` choices, then `choices(prompt index, completion output)` for
+        every output, an error event if generation fails, the usage chunk if asked, and [DONE]."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = now()
         finals: dict[tuple[int, int], RequestOutput] = {}
 
-        def chunk(choices: list[dict], **extra) -> str:
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                    "choices": choices, **extra}
+        def chunk(choice: list[dict], **extra) -> str:
+            body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": choice,
+                    **extra}
             if include_usage and "usage" not in body:
                 body["usage"] = None
             return _event(body)
 
-        for k in range(params.n):
-            yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+        for choice in opening:
+            yield chunk([choice])
         async with contextlib.aclosing(outputs):
             try:
-                async for _, out in outputs:
+                async for pi, out in outputs:
                     c = out.outputs[0]
                     _raise_if_failed(c)
-                    lp = chat_logprobs(self.tokenizer, c.delta_logprobs) if c.delta_logprobs else None
-                    if c.delta_text or lp:
-                        yield chunk([{"index": c.index, "delta": {"content": c.delta_text}, "logprobs": lp,
-                                      "finish_reason": None}])
                     if c.finished:
-                        finals[(0, c.index)] = out
-                        yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                        finals[(pi, c.index)] = out
+                    for choice in choices(pi, c):
+                        yield chunk([choice])
             except (ApiError, EngineDeadError, UserInputError) as exc:
                 yield _event(_as_api_error(exc).body())
                 return
         if include_usage:
-            yield chunk([], usage=self._usage([prompt], finals))
+            yield chunk([], usage=self._usage(prompts, finals))
         yield "data: [DONE]\n\n"
 
     # -- shared ----------------------------------------------------------------------------------------
