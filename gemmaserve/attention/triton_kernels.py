@@ -76,11 +76,31 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _attend_tile(q, kc_ptr, vc_ptr, page, off, kvh, d, load_mask, visible, m_i, l_i, acc,
+                 s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, qk_scale, PRECISION: tl.constexpr):
+    """One online-softmax step: load a tile of keys/values through its (page, offset) rows and fold the
+    `visible` ones into (running max m, running sum l, accumulator acc) of the query rows in q."""
+    k = tl.load(kc_ptr + page[:, None] * s_kp + off[:, None] * s_ko + kvh * s_kh + d[None, :],
+                mask=load_mask, other=0.0)
+    s = tl.dot(q.to(k.dtype), tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row that sees nothing yet stays at zero
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(vc_ptr + page[:, None] * s_vp + off[:, None] * s_vo + kvh * s_vh + d[None, :],
+                mask=load_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pages_ptr, first_ptr, lens_ptr,
                          acc_ptr, m_ptr, l_ptr,
                          s_qb, s_qh, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, s_pb,
                          s_ab, s_ah, s_as, s_mb, s_mh, s_ms,
-                         scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                         qk_scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
@@ -105,24 +125,13 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pages_ptr, first_ptr, lens_ptr,
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    qk_scale = scale * 1.4426950408889634
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pm = pos < hi
         page = tl.load(pages_ptr + b * s_pb + (pos // T - first_block), mask=pm, other=0).to(tl.int64)
         off = (pos % T).to(tl.int64)
-        k = tl.load(kc_ptr + page[:, None] * s_kp + off[:, None] * s_ko + kvh * s_kh + d[None, :],
-                    mask=pm[:, None] & dm[None, :], other=0.0)
-        s = tl.dot(q.to(k.dtype), tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * qk_scale
-        s = tl.where(pm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + page[:, None] * s_vp + off[:, None] * s_vo + kvh * s_vh + d[None, :],
-                    mask=pm[:, None] & dm[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, page, off, kvh, d, pm[:, None] & dm[None, :], pm[None, :],
+                                     m_i, l_i, acc, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, qk_scale, PRECISION)
     heads = kvh * G + g
     tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + split * s_as + d[None, :], acc,
              mask=gm[:, None] & dm[None, :])
@@ -177,7 +186,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), pages.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), m.stride(2),
-        scale, WINDOW=window or 0, T=t, G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
+        scale * LOG2E, WINDOW=window or 0, T=t, G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), num_warps=_warps(d), num_stages=2)
     if out is None:
         out = torch.empty_like(q)
@@ -192,7 +201,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, pages_ptr, first_ptr, tile_seq_ptr, tile_q_ptr,
                     qstart_ptr, qlen_ptr, lens_ptr,
                     s_qt, s_qh, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, s_pb, s_ot, s_oh,
-                    scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                    qk_scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -214,7 +223,6 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, pages_ptr, first_ptr, tile_s
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    qk_scale = scale * 1.4426950408889634
     last_q = ctx + tl.minimum(q_off + BLOCK_M, q_len) - 1
     k_lo = 0
     if WINDOW > 0:
@@ -227,23 +235,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, pages_ptr, first_ptr, tile_s
             pm = pm & (pos > ctx + q_off - WINDOW)
         page = tl.load(pages_ptr + b * s_pb + (pos // T - first_block), mask=pm, other=0).to(tl.int64)
         off = (pos % T).to(tl.int64)
-        k = tl.load(kc_ptr + page[:, None] * s_kp + off[:, None] * s_ko + kvh * s_kh + d[None, :],
-                    mask=pm[:, None] & dm[None, :], other=0.0)
-        s = tl.dot(q.to(k.dtype), tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * qk_scale
         diff = q_pos[:, None] - pos[None, :]
         vis = (diff >= 0) & pm[None, :]
         if WINDOW > 0:
             vis = vis & (diff < WINDOW)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + page[:, None] * s_vp + off[:, None] * s_vo + kvh * s_vh + d[None, :],
-                    mask=pm[:, None] & dm[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, page, off, kvh, d, pm[:, None] & dm[None, :], vis,
+                                     m_i, l_i, acc, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, qk_scale, PRECISION)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_row0 + q_off + i)[:, None] * s_ot + h * s_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=qm[:, None] & dm[None, :])
@@ -280,6 +277,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q, k_cache, v_cache, out, pages, first_block, tile_seq, tile_q, query_start, query_lens, seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), pages.stride(0), out.stride(0), out.stride(1),
-        scale, WINDOW=window or 0, T=t, G=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        scale * LOG2E, WINDOW=window or 0, T=t, G=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=_precision(q.dtype), num_warps=_warps(d), num_stages=2)
     return out

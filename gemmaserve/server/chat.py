@@ -58,7 +58,8 @@ class ChatFormatter:
         if tokenizer.chat_template:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(tokenizer.chat_template)
 

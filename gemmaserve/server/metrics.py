@@ -51,7 +51,8 @@ class _EngineCollector:
                                 value=s.pages_scratch)
         yield CounterMetricFamily("gemmaserve_preemptions", "Completions preempted for lack of KV pages",
                                   value=s.preemptions)
-        yield CounterMetricFamily("gemmaserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+        yield CounterMetricFamily("gemmaserve_prefix_cache_queried_tokens",
+                                  "Prompt tokens looked up in the prefix cache",
                                   value=s.prefix_query_tokens)
         yield CounterMetricFamily("gemmaserve_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache",
                                   value=s.prefix_hit_tokens)
