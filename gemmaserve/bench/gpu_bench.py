@@ -88,11 +88,11 @@ def section_roofline(res: dict, hbm: float) -> None:
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - start) / steps * 1e3
         # Pure GPU time of the captured decode graph.
-        graph = eng.runner.graphs._graphs[1]
+        graph = eng.runner.graphs.graph(1)
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
         for _ in range(steps):
-            graph.graph.replay()
+            graph.replay()
         t1.record()
         torch.cuda.synchronize()
         graph_ms = t0.elapsed_time(t1) / steps
@@ -255,11 +255,11 @@ def _host_overhead(batch: int) -> dict:
         eng.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) / 50 * 1e3
-    graph = eng.runner.graphs._graphs[batch]
+    graph = eng.runner.graphs.graph(batch)
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0.record()
     for _ in range(50):
-        graph.graph.replay()
+        graph.replay()
     t1.record()
     torch.cuda.synchronize()
     prof = cProfile.Profile()

@@ -53,6 +53,10 @@ class DecodeGraphs:
             self._capture(size)
         self.capture_seconds = time.perf_counter() - start
 
+    def graph(self, size: int) -> torch.cuda.CUDAGraph:
+        """The captured graph of a padded batch size (benchmarks replay it alone)."""
+        return self._graphs[size].graph
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
         b = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
@@ -70,7 +74,7 @@ class DecodeGraphs:
         ids, pos = self.input_ids[:size], self.positions[:size]
         ids.zero_()
         pos.zero_()
-        self.buffers.fill(_empty_batch(self.buffers), size)   # every row is padding: writes hit the null page
+        self.buffers.fill(self.buffers.view(0), size)   # every row is padding: writes hit the null page
         attn = self.backend.attention_for(self.buffers.view(size), self.layer_slot, self.kv_cache)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -83,9 +87,3 @@ class DecodeGraphs:
         g = _Graph(graph, logits)
         self._graphs[size] = g
         return g
-
-
-def _empty_batch(buffers: DecodeGraphBuffers):
-    """A live batch of zero sequences (so `fill` pads every row)."""
-    view = buffers.view(0)
-    return view
