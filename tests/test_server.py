@@ -401,6 +401,22 @@ def test_kv_is_clean_after_everything(server):
     _assert_kv_clean(server)
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--api-key", " "], "api_key must be a non-empty string"),
+    (["--port", "70000"], "must be a port in [0, 65535]"),
+    (["--max-request-bytes", "10"], "max_request_bytes must be at least 1KiB"),
+])
+def test_serve_rejects_bad_options(args, needle, capsys):
+    """Checked before the model loads: argparse's own check (exit 2) or the config's (status 2)."""
+    import contextlib
+
+    from gemmaserve.cli import main
+
+    with pytest.raises(SystemExit) if args[0] == "--port" else contextlib.nullcontext():
+        assert main(["serve", *args]) == 2
+    assert needle in capsys.readouterr().err
+
+
 def test_serve_command(tmp_path):
     """`gemmaserve serve` as users start it: any free port, a completion, a clean exit on Ctrl-C."""
     import os

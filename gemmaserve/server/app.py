@@ -52,6 +52,16 @@ class ServerConfig:
     served_model_name: str | None = option(None, help="the model name clients send (default: --model)")
     max_request_bytes: int = option(8 << 20, parse=size, help="largest request body accepted (413 above)")
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise UserInputError("host must be a non-empty address")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise UserInputError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
+            raise UserInputError("api_key must be a non-empty string (or unset for no authentication)")
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
+            raise UserInputError(f"max_request_bytes must be at least 1KiB, got {self.max_request_bytes!r}")
+
 
 @dataclass
 class _Prompt:
