@@ -15,6 +15,7 @@ from gemmaserve.engine.sampling_params import SamplingParams
 from gemmaserve.engine.scheduler import ScheduledSeq
 from gemmaserve.kv.manager_v1 import KVCacheManagerV1
 from gemmaserve.kv.manager_v2 import KVCacheManagerV2
+from gemmaserve.models.base import ModelInputs
 from gemmaserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 
 
@@ -46,8 +47,7 @@ def tiny_hf_model(seed: int, **overrides):
 def ours_from_hf(hf_model) -> Gemma3ForCausalLM:
     cfg = Gemma3Config.from_hf(hf_model.config.to_dict())
     model = Gemma3ForCausalLM(cfg, torch.float32)
-    model.load_weights((n, t) for n, t in hf_model.state_dict().items()
-                       if Gemma3ForCausalLM.checkpoint_name(n) is not None)
+    model.load_weights(model.map_checkpoint(hf_model.state_dict().items()))
     return model.eval()
 
 
@@ -111,7 +111,7 @@ def paged_logits(model: Gemma3ForCausalLM, seqs: list[list[int]], chunk: int | N
             batch.append(ScheduledSeq(r, n))
         ids, pos, md = runner.build_metadata(batch)
         with torch.inference_mode():
-            hidden = model(ids, pos, backend.begin_batch(md, runner.kv_cache))
+            hidden = model(ModelInputs(ids, pos, backend.begin_batch(md, runner.kv_cache)))
             logits = model.compute_logits(hidden)
         start = 0
         for s in batch:

@@ -79,8 +79,11 @@ def test_window_off_by_one_would_be_caught():
     hf = tiny_hf_model(seed, sliding_window=4)
     ours = ours_from_hf(hf)
     ids = _random_ids(seed, 30)
+    import dataclasses
+
     for layer in ours.model.layers:
-        if layer.self_attn.window is not None:
-            layer.self_attn.window += 1
+        attn = layer.self_attn
+        if attn.p.window is not None:
+            attn.p = dataclasses.replace(attn.p, window=attn.p.window + 1)
     err = (paged_logits(ours, [ids])[0] - _hf_logits(hf, ids)).abs().max().item()
     assert err > 100 * TOL

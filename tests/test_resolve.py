@@ -9,7 +9,8 @@ import torch
 from gemmaserve.attention.base import BackendCapabilities
 from gemmaserve.bench.shapes import SHAPES
 from gemmaserve.config.engine import EngineConfig
-from gemmaserve.config.resolve import ModelPreferences, resolve_cache_options
+from gemmaserve.config.resolve import resolve_cache_options
+from gemmaserve.models.base import ModelPreferences
 from gemmaserve.errors import UserInputError
 from gemmaserve.kv.spec import AttentionKind, LayerSpec
 

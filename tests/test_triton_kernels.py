@@ -9,6 +9,7 @@ from helpers import fresh_seed
 triton = pytest.importorskip("triton")
 from gemmaserve.attention import triton_kernels as K  # noqa: E402
 from gemmaserve.attention.torch_backend import visible  # noqa: E402
+from gemmaserve.models.base import ModelInputs  # noqa: E402
 
 
 def _paged(gen, lens, hkv, d, t, extra_pages=5):
@@ -157,14 +158,14 @@ def test_decode_graph_buffers_give_the_same_logits(tmp_path):
     null = eng.kv.num_pages
     snapshot = [(k.clone(), v.clone()) for k, v in runner.kv_cache[:1]]
     with torch.inference_mode():
-        ref = model.compute_logits(model(ids, pos, backend.begin_batch(md, runner.kv_cache)))
+        ref = model.compute_logits(model(ModelInputs(ids, pos, backend.begin_batch(md, runner.kv_cache))))
         geometry = [(g.num_layers, g.tokens_per_page, g.window) for g in eng.kv.groups]
         buffers = DecodeGraphBuffers(8, geometry, 64, null, torch.device("cpu"))
         buffers.fill(backend.prepare(md), 4)
         attn = backend.attention_for(buffers.view(4), md.layer_slot, runner.kv_cache)
         pad_ids = torch.cat([ids, torch.zeros(2, dtype=torch.long)])
         pad_pos = torch.cat([pos, torch.zeros(2, dtype=torch.long)])
-        got = model.compute_logits(model(pad_ids, pad_pos, attn))[:2]
+        got = model.compute_logits(model(ModelInputs(pad_ids, pad_pos, attn)))[:2]
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
     k_after = runner.kv_cache[0][0]
     bits = lambda t: t.contiguous().view(torch.int32)  # noqa: E731  (bitwise: empty pages may hold NaNs)
@@ -178,34 +179,56 @@ def test_decode_graph_buffers_give_the_same_logits(tmp_path):
         eng.kv.free(s.request.request_id)
 
 
+# Gemma 3 (1 + w norms, raw v), Gemma 4 sliding (w norms, value norm), full with K = V, a KV-sharing layer.
+QKV_LAYOUTS = {
+    "gemma3": dict(offset=1.0, value_norm=False, k_eq_v=False, owns_kv=True),
+    "gemma4": dict(offset=0.0, value_norm=True, k_eq_v=False, owns_kv=True),
+    "gemma4_k_eq_v": dict(offset=0.0, value_norm=True, k_eq_v=True, owns_kv=True),
+    "gemma4_shared_kv": dict(offset=0.0, value_norm=True, k_eq_v=False, owns_kv=False),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_elementwise_kernels_match_the_torch_ops(dtype):
+@pytest.mark.parametrize("layout", sorted(QKV_LAYOUTS))
+def test_fused_elementwise_kernels_match_the_torch_ops(dtype, layout):
     from gemmaserve.models import fused_kernels as FK
     from gemmaserve.models import fused_ops as FO
+    from gemmaserve.models.layers import AttentionParams, RopeKind, RopeParams
 
+    opts = QKV_LAYOUTS[layout]
+    kind = FO.NormKind(1e-6, opts["offset"])
     gen = torch.Generator().manual_seed(fresh_seed())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     x = (torch.randn(5, 96, generator=gen) * 3).to(dtype)
     r = torch.randn(5, 96, generator=gen).to(dtype)
     wp, wn = (torch.randn(96, generator=gen) * 0.3).to(dtype), (torch.randn(96, generator=gen) * 0.3).to(dtype)
+    scale = torch.tensor([0.7], dtype=dtype)
 
     def close(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm()).item() < tol
 
-    assert close(FK.rms_norm(x, wp, 1e-6), FO._norm_ref(x, wp, 1e-6))
-    r1, h1 = FK.add_rms_norm(r, x, wp, wn, 1e-6)
-    r2 = r + FO._norm_ref(x, wp, 1e-6)
-    assert close(r1, r2) and close(h1, FO._norm_ref(r2, wn, 1e-6))
+    assert close(FK.rms_norm(x, wp, kind), FO._norm_ref(x, wp, kind))
+    assert close(FK.rms_norm(x, None, kind), FO._norm_ref(x, None, kind))
+    for s in (None, scale):
+        r1, h1 = FK.add_rms_norm(r, x, wp, wn, kind, s)
+        r2, h2 = FO.add_rms_norm(r, x, wp, wn, kind, s)
+        assert close(r1, r2) and close(h1, h2)
+        r1, none = FK.add_rms_norm(r, x, wp, None, kind, s)
+        assert none is None and close(r1, r2)
     hq, hkv, d = 4, 2, 16
-    qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    p = AttentionParams(layer=0, hidden_size=96, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=1.0, window=None,
+                        norm=kind, value_norm=opts["value_norm"], k_eq_v=opts["k_eq_v"], owns_kv=opts["owns_kv"])
+    qkv = torch.randn(3, sum(p.qkv_sizes), generator=gen).to(dtype)
     wq, wk = (torch.randn(d, generator=gen) * 0.3).to(dtype), (torch.randn(d, generator=gen) * 0.3).to(dtype)
-    ang = torch.arange(3)[:, None].float() * torch.rand(d // 2, generator=gen)[None]
-    cos, sin = torch.cat([ang, ang], -1).cos().to(dtype), torch.cat([ang, ang], -1).sin().to(dtype)
-    q1, k1 = FK.qk_norm_rope(qkv, hq, hkv, d, wq, wk, 1e-6, cos, sin)
-    qs, ks, _ = qkv.split((hq * d, hkv * d, hkv * d), -1)
-    q2 = FO._rope_ref(FO._norm_ref(qs.reshape(3, hq, d), wq, 1e-6), cos, sin)
-    k2 = FO._rope_ref(FO._norm_ref(ks.reshape(3, hkv, d), wk, 1e-6), cos, sin)
-    assert close(q1, q2) and close(k1, k2)
+    rope = RopeParams(1e4, kind=RopeKind.PROPORTIONAL, partial_rotary_factor=0.5) if opts["k_eq_v"] else RopeParams(1e4)
+    cos, sin = RopeParams.cos_sin(rope.inv_freq(d), torch.arange(7, 10), dtype)
+    got = FK.qkv_norm_rope(qkv, p, wq, wk if p.owns_kv else None, cos, sin)
+    ref = FO.qkv_norm_rope(qkv, p, wq, wk if p.owns_kv else None, cos, sin)
+    for g, e in zip(got, ref):
+        assert (g is None) == (e is None) and (g is None or close(g, e))
+    if opts["k_eq_v"]:   # V is the value-normed raw k projection: neither RoPE nor k_norm
+        k_raw = qkv[:, hq * d:].reshape(3, hkv, d)
+        assert close(got[2], FO._norm_ref(k_raw, None, kind)) and not close(got[2], got[1])
     gu = (torch.randn(4, 2 * 1500, generator=gen) * 3).to(dtype)
     g, u = gu.split(1500, -1)
     assert close(FK.gelu_mul(gu, 1500), torch.nn.functional.gelu(g.float(), approximate="tanh") * u.float())

@@ -21,17 +21,10 @@ from ..attention.base import BackendCapabilities
 from ..errors import UserInputError
 from ..kv.groups import derive_groups
 from ..kv.spec import LayerSpec
+from ..models.base import ModelPreferences
 from .engine import EngineConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelPreferences:
-    """What a model class would like when the user leaves an option on "auto"."""
-
-    kv_cache_manager: Literal["v1", "v2"] = "v1"
-    swa_scratch_reuse: bool = False
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..attention.triton_backend import DecodeGraphBuffers
+from ..models.base import ModelInputs
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -79,11 +80,11 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):   # warm-up off the capture (compiles the kernels)
-            self.model.compute_logits(self.model(ids, pos, attn))
+            self.model.compute_logits(self.model(ModelInputs(ids, pos, attn)))
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.compute_logits(self.model(ids, pos, attn))
+            logits = self.model.compute_logits(self.model(ModelInputs(ids, pos, attn)))
         g = _Graph(graph, logits)
         self._graphs[size] = g
         return g

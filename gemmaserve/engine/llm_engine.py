@@ -17,7 +17,7 @@ import torch
 
 from ..attention import select_backend
 from ..config.engine import EngineConfig
-from ..config.options import format_bytes
+from ..units import format_bytes
 from ..config.resolve import resolve_cache_options
 from ..errors import UserInputError
 from ..kv import create_kv_manager

@@ -15,6 +15,7 @@ from torch import nn
 from ..attention.base import AttentionBackend, AttentionMetadata
 from ..kv.base import KVCacheManager
 from ..kv.spec import LayerSpec
+from ..models.base import ModelInputs
 from .scheduler import ScheduledSeq
 
 
@@ -59,7 +60,7 @@ class ModelRunner:
         if self.graphs is not None and md.is_decode_only and len(seqs) <= self.graphs.max_size:
             return self.graphs.run(input_ids, positions, md)   # decode: every sequence samples
         attn = self.backend.begin_batch(md, self.kv_cache)
-        hidden = self.model(input_ids, positions, attn)
+        hidden = self.model(ModelInputs(input_ids, positions, attn))
         rows, end = [], 0
         for s in seqs:
             end += s.num_new_tokens

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config.options import format_bytes
+from ..units import format_bytes
 from ..errors import UserInputError
 from .base import GroupTables, KVCacheManager, KVLayout, KVStats
 from .groups import derive_groups

@@ -1,23 +1,40 @@
 """Elementwise work of a Gemma layer, fused on the GPU.
 
-A decode step at small batch is a chain of tiny kernels; unfused, a Gemma 3 layer launched ~70 of
-them (each RMSNorm alone is ~7), which cost more than reading the weights. Three Triton kernels cover
-the elementwise work of a layer:
+A decode step at small batch is a chain of tiny kernels; unfused, a Gemma layer launched ~70 of
+them (each RMSNorm alone is ~7), which cost more than reading the weights. Triton kernels cover the
+elementwise work of a layer:
 
-* `add_rms_norm(r, x, w_post, w_next)`: r += RMSNorm_post(x); h = RMSNorm_next(r)  (the residual
-  add fused with the norm after it, across layer boundaries too);
-* `qk_norm_rope(qkv, ...)`: q/k RMSNorm and RoPE for every head of q and k in one launch;
+* `add_rms_norm(r, x, w_post, w_next)`: r += RMSNorm_post(x) (then r *= scale, Gemma 4's layer
+  scalar); h = RMSNorm_next(r): the residual add fused with the norm after it, across layers too;
+* `qkv_norm_rope(qkv, ...)`: q/k RMSNorm and RoPE, and Gemma 4's weightless value norm, for every
+  head of one layer in one launch (K = V layers read the raw k columns for v; layers that read
+  another layer's KV have only q columns);
 * `gelu_mul(gate_up)`: gelu_tanh(gate) * up.
 
-On the CPU (and whenever Triton cannot run) the same functions run as plain torch ops with HF's exact
-order of roundings; on the GPU the kernels compute in fp32 and round once, which differs from HF's
-bf16 chain only by bf16 rounding.
+Norm flavour is a parameter (`NormKind`: Gemma 3's (1 + w), Gemma 4's w; no weight at all for the
+value and router norms). On the CPU (and whenever Triton cannot run) the same functions run as plain
+torch ops with HF's exact order of roundings; on the GPU the kernels compute in fp32 and round once,
+which differs from HF's bf16 chain only by bf16 rounding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .layers import AttentionParams
+
+
+@dataclass(frozen=True)
+class NormKind:
+    """y = x * (mean(x^2) + eps)^-1/2 * (offset + w): offset 1 for Gemma 3, 0 for Gemma 4."""
+
+    eps: float
+    offset: float
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -25,10 +42,13 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 # -- torch reference (the CPU path; HF's roundings) ----------------------------------------------------
-def _norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm_ref(x: torch.Tensor, w: torch.Tensor | None, kind: NormKind) -> torch.Tensor:
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + w.float())).type_as(x)
+    if kind.offset == 0.0:   # Gemma 4 writes it as pow(-0.5) (matching JAX) and multiplies by w itself
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + kind.eps, -0.5)
+        return (h if w is None else h * w.float()).type_as(x)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + kind.eps)
+    return (h if w is None else h * (kind.offset + w.float())).type_as(x)
 
 
 def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -38,35 +58,45 @@ def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 
 # -- public ops -------------------------------------------------------------------------------------------
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, kind: NormKind) -> torch.Tensor:
+    """RMSNorm over the last dim; `w` None: no weight (Gemma 4's value and router norms)."""
     if _use_triton(x):
-        return _triton().rms_norm(x, w, eps)
-    return _norm_ref(x, w, eps)
+        return _triton().rms_norm(x, w, kind)
+    return _norm_ref(x, w, kind)
 
 
-def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, w_next: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + RMSNorm_post(x), RMSNorm_next(that))."""
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, w_next: torch.Tensor | None,
+                 kind: NormKind, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """r = residual + RMSNorm_post(x), then r *= scale (a 1-element tensor) if given; returns
+    (r, RMSNorm_next(r)), or (r, None) without `w_next`."""
     if _use_triton(x):
-        return _triton().add_rms_norm(residual, x, w_post, w_next, eps)
-    r = residual + _norm_ref(x, w_post, eps)
-    return r, _norm_ref(r, w_next, eps)
+        return _triton().add_rms_norm(residual, x, w_post, w_next, kind, scale)
+    r = residual + _norm_ref(x, w_post, kind)
+    if scale is not None:
+        r = r * scale
+    return r, (None if w_next is None else _norm_ref(r, w_next, kind))
 
 
-def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, wq: torch.Tensor,
-                 wk: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k [T, Hkv, D] (normed, rotated), v [T, Hkv, D] (a view)."""
+def qkv_norm_rope(qkv: torch.Tensor, p: "AttentionParams", wq: torch.Tensor, wk: torch.Tensor | None,
+                  cos: torch.Tensor, sin: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """qkv [T, sum(p.qkv_sizes)] -> q [T, Hq, D] (normed, rotated), k [T, Hkv, D] (normed, rotated) and
+    v [T, Hkv, D] (value-normed if p.value_norm; a view of qkv otherwise). k and v are None for a
+    layer that reads another layer's KV."""
     t = qkv.shape[0]
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    v = qkv[:, q_size + kv_size:].view(t, num_kv_heads, head_dim)
+    hq, hkv, d = p.num_heads, p.num_kv_heads, p.head_dim
     if _use_triton(qkv):
-        q, k = _triton().qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, wq, wk, eps, cos, sin)
-        return q, k, v
-    q, k, _ = qkv.split((q_size, kv_size, kv_size), dim=-1)
-    q = _norm_ref(q.view(t, num_heads, head_dim), wq, eps)
-    k = _norm_ref(k.view(t, num_kv_heads, head_dim), wk, eps)
-    return _rope_ref(q, cos, sin), _rope_ref(k, cos, sin), v
+        return _triton().qkv_norm_rope(qkv, p, wq, wk, cos, sin)
+    parts = qkv.split(p.qkv_sizes, dim=-1)
+    q = _rope_ref(_norm_ref(parts[0].view(t, hq, d), wq, p.norm), cos, sin)
+    if not p.owns_kv:
+        return q, None, None
+    k_raw = parts[1].view(t, hkv, d)
+    k = _rope_ref(_norm_ref(k_raw, wk, p.norm), cos, sin)
+    v = k_raw if p.k_eq_v else parts[2].view(t, hkv, d)
+    if p.value_norm:
+        v = _norm_ref(v, None, p.norm)
+    return q, k, v
 
 
 def gelu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:

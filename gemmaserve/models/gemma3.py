@@ -6,7 +6,7 @@
 
 Attention: q/k RMSNorm, then RoPE (sliding layers: local theta; full layers: global theta with
 linear scaling), scores scaled by query_pre_attn_scalar^-1/2, sliding layers see the last W tokens.
-The model knows nothing of pages: it hands q/k/v to the `BatchAttention` it is given.
+The model knows nothing of pages: it hands q/k/v to the `BatchAttention` in its inputs.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.base import BatchAttention
-from ..config.resolve import ModelPreferences
 from ..errors import UserInputError
 from ..kv.spec import AttentionKind, LayerSpec
-from .fused_ops import add_rms_norm, qk_norm_rope, rms_norm
-from .layers import GeGLU, GemmaRMSNorm, Linear, RopeParams, linear
+from .base import CausalLM, ModelInputs, ModelPreferences
+from .fused_ops import NormKind, add_rms_norm, rms_norm
+from .layers import Attention, AttentionParams, GeGLU, RMSNorm, RopeParams, linear
 
 _FULL = "full_attention"
 _SLIDING = "sliding_attention"
@@ -143,13 +142,7 @@ class Gemma3Config:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The equivalent transformers Gemma3TextConfig arguments (used by tests and benchmarks)."""
-        rope = {
-            _FULL: {"rope_type": "default", "rope_theta": self.rope_global.theta},
-            _SLIDING: {"rope_type": "default", "rope_theta": self.rope_local.theta},
-        }
-        if self.rope_global.linear_factor != 1.0:
-            rope[_FULL] = {"rope_type": "linear", "rope_theta": self.rope_global.theta,
-                           "factor": self.rope_global.linear_factor}
+        rope = {_FULL: self.rope_global.to_hf(), _SLIDING: self.rope_local.to_hf()}
         return dict(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
@@ -187,52 +180,31 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[RopeParams, RopeParams]:
     return RopeParams(float(theta_g), factor), RopeParams(float(theta_l))
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: Gemma3Config, layer: int, dtype: torch.dtype):
-        super().__init__()
-        self.layer = layer
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.scale = cfg.query_pre_attn_scalar ** -0.5
-        self.window = cfg.sliding_window if cfg.layer_types[layer] == _SLIDING else None
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = Linear(cfg.hidden_size, sum(self.split), dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, dtype)
-        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
-        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
-
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                attn: BatchAttention) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = qk_norm_rope(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim,
-                               self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *cos_sin)
-        o = attn(self.layer, q, k, v, scale=self.scale, window=self.window)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: Gemma3Config, layer: int, dtype: torch.dtype):
         super().__init__()
         self.is_sliding = cfg.layer_types[layer] == _SLIDING
-        self.self_attn = Gemma3Attention(cfg, layer, dtype)
+        norm = NormKind(cfg.rms_norm_eps, 1.0)
+        self.self_attn = Attention(AttentionParams(
+            layer=layer, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scale=cfg.query_pre_attn_scalar ** -0.5,
+            window=cfg.sliding_window if self.is_sliding else None, norm=norm), dtype)
         self.mlp = GeGLU(cfg.hidden_size, cfg.intermediate_size, dtype)
         eps, h = cfg.rms_norm_eps, cfg.hidden_size
-        self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.input_layernorm = RMSNorm(h, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, dtype)
 
     def forward(self, residual: torch.Tensor, h: torch.Tensor, cos_sin, attn,
-                next_norm: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, its input-normed copy h) -> the same for the next layer (`next_norm` is
         the next layer's input norm, or the final norm): each residual add is fused with the norm
         that follows it."""
-        eps = self.input_layernorm.eps
+        kind = self.input_layernorm.kind
         residual, h = add_rms_norm(residual, self.self_attn(h, cos_sin, attn), self.post_attention_layernorm.weight,
-                                   self.pre_feedforward_layernorm.weight, eps)
-        return add_rms_norm(residual, self.mlp(h), self.post_feedforward_layernorm.weight, next_norm.weight, eps)
+                                   self.pre_feedforward_layernorm.weight, kind)
+        return add_rms_norm(residual, self.mlp(h), self.post_feedforward_layernorm.weight, next_norm.weight, kind)
 
 
 class Gemma3TextModel(nn.Module):
@@ -241,15 +213,14 @@ class Gemma3TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _freeze=True, _weight=torch.empty(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """Entry point for the engine: forward() gives hidden states, compute_logits() the logits."""
+class Gemma3ForCausalLM(CausalLM):
+    """Gemma3ForCausalLM, and the text tower of Gemma3ForConditionalGeneration."""
 
     config_class = Gemma3Config
-    # Checkpoint names whose tensors are stacked into one of our fused weights: (ours, shard index).
-    _stacked = {
+    stacked = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
@@ -268,7 +239,6 @@ class Gemma3ForCausalLM(nn.Module):
         checkpoints (an image must never be split across prefill chunks, so multimodal keeps it off)."""
         return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not self.config.multimodal)
 
-    # -- KV description ------------------------------------------------------------------
     def kv_layer_specs(self, dtype: torch.dtype) -> list[LayerSpec]:
         cfg = self.config
         return [
@@ -279,19 +249,22 @@ class Gemma3ForCausalLM(nn.Module):
         ]
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: BatchAttention) -> torch.Tensor:
-        """input_ids, positions: [T] -> final-normed hidden states [T, H]."""
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """Token rows [T] -> final-normed hidden states [T, H]."""
         weight = self.model.embed_tokens.weight
-        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(weight.dtype)
-        x = self.model.embed_tokens(input_ids) * scale
-        dtype = x.dtype
-        rope_global = self.config.rope_global.cos_sin(self._inv_freq_global, positions, dtype)
-        rope_local = self.config.rope_local.cos_sin(self._inv_freq_local, positions, dtype)
+        if inputs.inputs_embeds is not None:
+            x = inputs.inputs_embeds
+        else:
+            scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(weight.dtype)
+            x = self.model.embed_tokens(inputs.input_ids) * scale
+        dtype, positions = x.dtype, inputs.positions
+        rope_global = RopeParams.cos_sin(self._inv_freq_global, positions, dtype)
+        rope_local = RopeParams.cos_sin(self._inv_freq_local, positions, dtype)
         layers = self.model.layers
-        h = rms_norm(x, layers[0].input_layernorm.weight, self.config.rms_norm_eps)
+        h = rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.kind)
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = layer(x, h, rope_local if layer.is_sliding else rope_global, attn, next_norm)
+            x, h = layer(x, h, rope_local if layer.is_sliding else rope_global, inputs.attention, next_norm)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -302,8 +275,7 @@ class Gemma3ForCausalLM(nn.Module):
         return logits
 
     # -- weights ----------------------------------------------------------------------------
-    @staticmethod
-    def checkpoint_name(name: str) -> str | None:
+    def checkpoint_name(self, name: str) -> str | None:
         """Map a checkpoint tensor name to ours (HF naming), or None to skip it (vision tower)."""
         for prefix in ("model.language_model.", "language_model.model."):
             if name.startswith(prefix):
@@ -315,8 +287,7 @@ class Gemma3ForCausalLM(nn.Module):
             return None  # tied to the embedding
         return name
 
-    @staticmethod
-    def gguf_name(name: str) -> tuple[str, bool]:
+    def gguf_name(self, name: str) -> tuple[str, bool]:
         """llama.cpp tensor name -> (our name, stored as 1+w norm)."""
         if name == "token_embd.weight":
             return "model.embed_tokens.weight", False
@@ -338,45 +309,9 @@ class Gemma3ForCausalLM(nn.Module):
             raise UserInputError(f"unexpected tensor {name!r} in a gemma3 GGUF file")
         return f"model.layers.{layer}.{table[rest]}", rest.endswith("norm.weight")
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into the model, stacking q/k/v and gate/up. Every
-        parameter must be filled exactly once."""
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
-        shards_seen: dict[str, set[int]] = {}
-        for name, tensor in weights:
-            parts = name.rsplit(".", 2)
-            stacked = self._stacked.get(parts[-2]) if len(parts) == 3 else None
-            if stacked is not None:
-                target_name = f"{parts[0]}.{stacked[0]}.{parts[-1]}"
-                target = params.get(target_name)
-                if target is None:
-                    raise UserInputError(f"checkpoint tensor {name!r} has no place in the model")
-                offset, size = self._shard_range(target_name, stacked[1])
-                if tensor.shape[0] != size or tensor.shape[1:] != target.shape[1:]:
-                    raise UserInputError(f"{name}: shape {tuple(tensor.shape)} does not match the config")
-                target.data[offset:offset + size].copy_(tensor)
-                shards_seen.setdefault(target_name, set()).add(stacked[1])
-                filled.add(target_name)
-                continue
-            target = params.get(name)
-            if target is None:
-                raise UserInputError(f"checkpoint tensor {name!r} has no place in the model")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise UserInputError(f"{name}: shape {tuple(tensor.shape)} does not match {tuple(target.shape)}")
-            target.data.copy_(tensor)
-            filled.add(name)
-        incomplete = sorted(n for n, s in shards_seen.items()
-                            if len(s) != (3 if n.endswith("qkv_proj.weight") else 2))
-        missing = sorted(set(params) - filled)
-        if missing or incomplete:
-            raise UserInputError(f"checkpoint is missing weights: {(missing + incomplete)[:5]}")
-
-    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
+    def shard_sizes(self, fused_name: str) -> tuple[int, ...]:
         cfg = self.config
         if "qkv_proj" in fused_name:
-            sizes = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
-                     cfg.num_key_value_heads * cfg.head_dim)
-        else:
-            sizes = (cfg.intermediate_size, cfg.intermediate_size)
-        return sum(sizes[:shard]), sizes[shard]
+            return (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
+                    cfg.num_key_value_heads * cfg.head_dim)
+        return (cfg.intermediate_size, cfg.intermediate_size)

@@ -1,26 +1,45 @@
-"""Building blocks shared by the Gemma models (numerics as in ../shared/reference/gemma-architecture.md)."""
+"""Building blocks shared by the Gemma models (numerics as in ../shared/reference/gemma-architecture.md).
+
+What differs between Gemma 3 and Gemma 4 is a parameter here, never a copy:
+
+    norm flavour   Gemma 3: x * rsqrt(ms + eps) * (1 + w)     Gemma 4: ... * w   (offset 1 / 0)
+    attention      scale (qpas^-1/2 or 1), head dim and KV heads per layer, value norm, K = V,
+                   layers that read another layer's KV and project no K/V of their own
+    RoPE           default, linear (positions / factor), proportional (Gemma 4 full layers)
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention.base import BatchAttention
+from ..errors import UserInputError
+from .fused_ops import NormKind, gelu_mul, qkv_norm_rope
 
-class GemmaRMSNorm(nn.Module):
-    """Gemma 3 RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back after the multiply."""
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+class RMSNorm(nn.Module):
+    """y = x * rsqrt(mean(x^2) + eps) * (offset + w), in fp32, cast back after the multiply.
+    Gemma 3 stores zero-centred weights (offset 1), Gemma 4 plain ones (offset 0)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, offset: float = 1.0):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False)
+        self.offset = offset
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset, dtype=dtype), requires_grad=False)
+
+    @property
+    def kind(self) -> NormKind:
+        return NormKind(self.eps, self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        from .fused_ops import rms_norm
+
+        return rms_norm(x, self.weight, self.kind)
 
 
 # On the CPU, MKL runs x @ W^T up to ~3x slower than (W @ x^T)^T when x has few rows (decode
@@ -58,25 +77,128 @@ class GeGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .fused_ops import gelu_mul
-
         return self.down_proj(gelu_mul(self.gate_up_proj(x), self.intermediate))
+
+
+class RopeKind(enum.Enum):
+    DEFAULT = "default"
+    LINEAR = "linear"              # inv_freq / factor
+    PROPORTIONAL = "proportional"  # Gemma 4 full layers: the first partial * D/2 frequencies, the rest 0
 
 
 @dataclass(frozen=True)
 class RopeParams:
-    """NeoX-layout rotary embedding: theta base, and a linear position-scaling factor (1 = none)."""
+    """NeoX-layout ("rotate_half") rotary embedding of one layer type.
+
+    Proportional RoPE keeps the denominator of the full head dim and zero-pads the table, so dims
+    [0, n) and [D/2, D/2 + n) rotate as pairs (i, i + D/2) and the rest pass through (cos 1, sin 0):
+    the same tables and kernels serve every kind.
+    """
 
     theta: float
-    linear_factor: float = 1.0
+    factor: float = 1.0
+    kind: RopeKind = RopeKind.DEFAULT
+    partial_rotary_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind is RopeKind.DEFAULT and self.factor != 1.0:
+            object.__setattr__(self, "kind", RopeKind.LINEAR)   # RopeParams(theta, factor) means linear
+        if self.theta <= 0 or self.factor <= 0:
+            raise UserInputError(f"RoPE theta and factor must be positive, got {self.theta}, {self.factor}")
+        if not 0.0 <= self.partial_rotary_factor <= 1.0:
+            raise UserInputError(f"partial_rotary_factor must be in [0, 1], got {self.partial_rotary_factor}")
+
+    @classmethod
+    def from_hf(cls, params: dict, where: str) -> "RopeParams":
+        """From one entry of a transformers `rope_parameters` dict."""
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        theta = float(params.get("rope_theta", 10_000.0))
+        if rope_type == "default":
+            return cls(theta)
+        if rope_type == "linear":
+            return cls(theta, float(params["factor"]), RopeKind.LINEAR)
+        if rope_type == "proportional":
+            return cls(theta, float(params.get("factor", 1.0)), RopeKind.PROPORTIONAL,
+                       float(params.get("partial_rotary_factor", 1.0)))
+        raise UserInputError(f"unsupported RoPE type {rope_type!r} on {where} (supported: default, linear, "
+                             "proportional)")
+
+    def to_hf(self) -> dict:
+        out: dict = {"rope_type": self.kind.value, "rope_theta": self.theta}
+        if self.kind is not RopeKind.DEFAULT:
+            out["factor"] = self.factor
+        if self.kind is RopeKind.PROPORTIONAL:
+            out["partial_rotary_factor"] = self.partial_rotary_factor
+        return out
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """[D/2] fp32 inverse frequencies, as transformers computes them."""
+        if self.kind is RopeKind.PROPORTIONAL:
+            rotated = int(self.partial_rotary_factor * head_dim // 2)
+            exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / head_dim
+            freq = torch.cat((1.0 / (self.theta ** exponents), torch.zeros(head_dim // 2 - rotated)))
+            return freq / self.factor
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (self.theta ** exponents) / self.linear_factor
+        return 1.0 / (self.theta ** exponents) / self.factor
 
-    def cos_sin(self, inv_freq: torch.Tensor, positions: torch.Tensor,
+    @staticmethod
+    def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, D], computed in fp32 and cast to the activation dtype."""
         angles = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """One attention layer's shape and numerics, derived from the model config."""
+
+    layer: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    window: int | None            # sliding window (keys > q - W), None for full attention
+    norm: NormKind                # q/k norms (weighted)
+    value_norm: bool = False      # Gemma 4: weightless RMSNorm over v
+    k_eq_v: bool = False          # V = v_norm(raw k_proj output); the layer has no v_proj
+    owns_kv: bool = True          # False: reads its KV source's cache, projects only q
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_sizes(self) -> tuple[int, ...]:
+        """Rows of each part of qkv_proj: (q, k, v), (q, k) with K = V, (q,) without own KV."""
+        if not self.owns_kv:
+            return (self.q_size,)
+        if self.k_eq_v:
+            return (self.q_size, self.kv_size)
+        return (self.q_size, self.kv_size, self.kv_size)
+
+
+class Attention(nn.Module):
+    """Projections, q/k (and v) norms and RoPE, then the batch's attention, then o_proj."""
+
+    def __init__(self, p: AttentionParams, dtype: torch.dtype):
+        super().__init__()
+        self.p = p
+        self.qkv_proj = Linear(p.hidden_size, sum(p.qkv_sizes), dtype)
+        self.o_proj = Linear(p.q_size, p.hidden_size, dtype)
+        self.q_norm = RMSNorm(p.head_dim, p.norm.eps, dtype, p.norm.offset)
+        self.k_norm = RMSNorm(p.head_dim, p.norm.eps, dtype, p.norm.offset) if p.owns_kv else None
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                attn: BatchAttention) -> torch.Tensor:
+        p = self.p
+        q, k, v = qkv_norm_rope(self.qkv_proj(x), p, self.q_norm.weight,
+                                self.k_norm.weight if self.k_norm is not None else None, *cos_sin)
+        o = attn(p.layer, q, k, v, scale=p.scale, window=p.window)
+        return self.o_proj(o.reshape(x.shape[0], p.q_size))

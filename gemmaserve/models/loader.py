@@ -6,14 +6,14 @@ import enum
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ..errors import UserInputError
+from .base import CausalLM
 from .embedded import EMBEDDED_MODELS, cache_dir, resolve_embedded
 from .registry import model_class_for_gguf, model_class_for_hf
 from .tokenizer import Tokenizer
@@ -33,7 +33,7 @@ class ModelSource:
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: CausalLM
     tokenizer: Tokenizer
     source: ModelSource
     load_seconds: float
@@ -66,36 +66,39 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device) -> LoadedMod
     return LoadedModel(model.eval(), tokenizer, source, time.perf_counter() - start)
 
 
-def build_model(model_class: type, config, weights: Iterator[tuple[str, torch.Tensor]],
-                dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Instantiate on the target device in the target dtype (no random init), then fill from `weights`."""
+def build_model(model_class: type[CausalLM], config, weights: Callable[[CausalLM], Iterator[tuple[str, torch.Tensor]]],
+                dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Instantiate on the target device in the target dtype (no random init), then fill it from
+    `weights(model)` (our tensor names: the model maps checkpoint names itself)."""
     with torch.device(device):
         model = model_class(config, dtype)
-    model.load_weights(weights)
+    model.load_weights(weights(model))
     return model
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Tokenizer]:
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, Tokenizer]:
     from .gguf_file import GGUFFile
 
     gguf = GGUFFile(path)
     model_class = model_class_for_gguf(gguf.get("general.architecture"))
     config = model_class.config_class.from_gguf(gguf)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         for t in gguf.tensors():
-            name, one_plus_w = model_class.gguf_name(t.name)
+            name, one_plus_w = model.gguf_name(t.name)
+            if name is None:
+                continue
             tensor = gguf.load(t.name)
-            yield name, tensor - 1.0 if one_plus_w else tensor  # GGUF stores Gemma norms as 1 + w
+            yield name, tensor - 1.0 if one_plus_w else tensor  # GGUF stores Gemma 3 norms as 1 + w
 
-    model = build_model(model_class, config, weights(), dtype, device)
+    model = build_model(model_class, config, weights, dtype, device)
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     tokenizer = Tokenizer.from_gguf(gguf, cache_dir() / "tokenizers" / f"{key}.json")
     return model, tokenizer
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Tokenizer]:
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, Tokenizer]:
     from safetensors import safe_open
 
     try:
@@ -108,13 +111,13 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[
     if not files:
         raise UserInputError(f"model directory {str(path)!r} has no *.safetensors files")
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(str(file), framework="pt") as fh:
                 for raw_name in fh.keys():
-                    name = model_class.checkpoint_name(raw_name)
+                    name = model.checkpoint_name(raw_name)
                     if name is not None:
                         yield name, fh.get_tensor(raw_name).to(torch.float32)
 
-    model = build_model(model_class, config, weights(), dtype, device)
+    model = build_model(model_class, config, weights, dtype, device)
     return model, Tokenizer.from_checkpoint_dir(path)

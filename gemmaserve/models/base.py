@@ -1,0 +1,146 @@
+"""The model interface: what the engine may ask of a model, and what a model gets from the engine.
+
+    runner --ModelInputs--> model.forward -> hidden [T, H] --> model.compute_logits(rows) -> [N, V]
+
+A model describes itself from its own config: the KV layer specs the cache manager groups
+(`kv_layer_specs`), what it would like for "auto" options (`engine_preferences`), and how checkpoint
+tensors map onto its parameters (`checkpoint_name`, `gguf_name`, `load_weights`). It knows nothing of
+pages, requests or scheduling: attention is the `BatchAttention` inside its inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
+
+import torch
+from torch import nn
+
+from ..attention.base import BatchAttention
+from ..errors import UserInputError
+from ..kv.spec import LayerSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelPreferences:
+    """What a model class would like when the user leaves an option on "auto"."""
+
+    kv_cache_manager: Literal["v1", "v2"] = "v1"
+    swa_scratch_reuse: bool = False
+
+
+@dataclass
+class ModelInputs:
+    """One forward pass: token rows of every sequence, flattened.
+
+    `inputs_embeds` (optional) replaces the token embedding of every row (soft tokens of images come
+    this way); models still read `input_ids` for what depends on the token id itself (Gemma 4's
+    per-layer embeddings look up id 0 there for such rows).
+    """
+
+    input_ids: torch.Tensor                 # [T] int64
+    positions: torch.Tensor                 # [T] int64
+    attention: BatchAttention
+    inputs_embeds: torch.Tensor | None = None
+
+
+class ModelConfig(Protocol):
+    vocab_size: int
+    max_position_embeddings: int
+    multimodal: bool
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder the engine serves. Subclasses set `config_class` and implement the abstract hooks."""
+
+    config_class: ClassVar[type]
+    # Checkpoint projections stacked into one of our fused weights: part -> (fused name, shard index).
+    stacked: ClassVar[dict[str, tuple[str, int]]] = {}
+    config: Any
+
+    # -- what the engine asks ------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    @abstractmethod
+    def kv_layer_specs(self, dtype: torch.dtype) -> list[LayerSpec]:
+        """One spec per layer, in order (layers that read another layer's KV name it as `kv_source`)."""
+
+    @abstractmethod
+    def engine_preferences(self) -> ModelPreferences: ...
+
+    @abstractmethod
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """Final-normed hidden states [T, H]."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    # -- weights ----------------------------------------------------------------------------------
+    def checkpoint_name(self, name: str) -> str | None:
+        """A Hugging Face checkpoint tensor name -> ours, or None to skip it."""
+        return name
+
+    def gguf_name(self, name: str) -> tuple[str | None, bool]:
+        """A GGUF tensor name -> (our name or None to skip it, stored as 1 + w)."""
+        raise UserInputError(f"{type(self).__name__} cannot load GGUF files")
+
+    def shard_sizes(self, fused_name: str) -> tuple[int, ...]:
+        """Rows of each part of a fused weight (`stacked`), in shard order."""
+        raise NotImplementedError
+
+    def map_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        for raw, tensor in tensors:
+            name = self.checkpoint_name(raw)
+            if name is not None:
+                yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors (our names) into the model, stacking fused parts. Every parameter must be
+        filled exactly once; an unknown tensor or a missing one is an error naming it."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        shards_seen: dict[str, set[int]] = {}
+        for name, tensor in weights:
+            parts = name.rsplit(".", 2)
+            stacked = self.stacked.get(parts[-2]) if len(parts) == 3 else None
+            if stacked is not None:
+                target_name = f"{parts[0]}.{stacked[0]}.{parts[-1]}"
+                target = params.get(target_name)
+                if target is None:
+                    raise UserInputError(f"checkpoint tensor {name!r} has no place in the model")
+                sizes = self.shard_sizes(target_name)
+                if stacked[1] >= len(sizes):
+                    raise UserInputError(f"checkpoint tensor {name!r} has no place in the model (this layer has "
+                                         f"no {parts[-2]} by its config)")
+                offset, size = sum(sizes[:stacked[1]]), sizes[stacked[1]]
+                if tensor.shape[0] != size or tensor.shape[1:] != target.shape[1:]:
+                    raise UserInputError(f"{name}: shape {tuple(tensor.shape)} does not match the config "
+                                         f"({size}, {', '.join(map(str, target.shape[1:]))})")
+                target.data[offset:offset + size].copy_(tensor)
+                shards_seen.setdefault(target_name, set()).add(stacked[1])
+                filled.add(target_name)
+                continue
+            target = params.get(name)
+            if target is None:
+                raise UserInputError(f"checkpoint tensor {name!r} has no place in the model")
+            if tensor.numel() == target.numel() and tensor.dim() <= 1 and target.dim() <= 1:
+                tensor = tensor.reshape(target.shape)   # scalars saved as [] or [1]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise UserInputError(f"{name}: shape {tuple(tensor.shape)} does not match {tuple(target.shape)}")
+            target.data.copy_(tensor)
+            filled.add(name)
+        incomplete = sorted(n for n, s in shards_seen.items() if len(s) != len(self.shard_sizes(n)))
+        missing = sorted(set(params) - filled)
+        if missing or incomplete:
+            raise UserInputError(f"checkpoint is missing weights: {(missing + incomplete)[:5]}")
