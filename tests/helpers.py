@@ -16,7 +16,6 @@ from gemmaserve.engine.scheduler import ScheduledSeq
 from gemmaserve.kv.manager_v1 import KVCacheManagerV1
 from gemmaserve.kv.manager_v2 import KVCacheManagerV2
 from gemmaserve.models.base import ModelInputs
-from gemmaserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 
 
 def fresh_seed() -> int:
@@ -44,9 +43,80 @@ def tiny_hf_model(seed: int, **overrides):
     return model
 
 
-def ours_from_hf(hf_model) -> Gemma3ForCausalLM:
-    cfg = Gemma3Config.from_hf(hf_model.config.to_dict())
-    model = Gemma3ForCausalLM(cfg, torch.float32)
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+
+
+def _pattern(n: int, every: int) -> list[str]:
+    return [_FULL if (i + 1) % every == 0 else _SLIDING for i in range(n)]
+
+
+# Tiny Gemma 4 configs, one per released variant (head dims 512/256 scaled to 32/16, windows to a few
+# tokens, so prompts span several windows).
+GEMMA4_BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16,
+                   global_head_dim=32, max_position_embeddings=4096, final_logit_softcapping=30.0,
+                   hidden_size_per_layer_input=0, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                   vocab_size_per_layer_input=300)
+GEMMA4_VARIANTS = {
+    # 31B: dense, K = V on full layers (16/4 KV heads -> 2/1), (5 + 1) pattern
+    "31b": dict(num_hidden_layers=8, layer_types=_pattern(8, 6)[:7] + [_FULL], num_key_value_heads=2,
+                num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=6),
+    # 26B-A4B: MoE (top-k of E experts) in parallel with a dense MLP, K = V
+    "26b_a4b": dict(num_hidden_layers=6, layer_types=_pattern(6, 3), num_key_value_heads=2,
+                    num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=5, intermediate_size=40,
+                    enable_moe_block=True, num_experts=8, top_k_experts=3, moe_intermediate_size=24),
+    # E2B: PLE, KV sharing (the last 4 of 9 layers), double-wide MLP on shared layers, (4 + 1) pattern
+    "e2b": dict(num_hidden_layers=9, layer_types=_pattern(9, 5)[:8] + [_FULL], num_key_value_heads=1,
+                sliding_window=4, hidden_size_per_layer_input=8, num_kv_shared_layers=4, use_double_wide_mlp=True),
+    # E4B: PLE, KV sharing, 2 KV heads everywhere, (5 + 1) pattern
+    "e4b": dict(num_hidden_layers=8, layer_types=_pattern(8, 3)[:7] + [_FULL], num_key_value_heads=2,
+                sliding_window=5, hidden_size_per_layer_input=8, num_kv_shared_layers=3),
+    # 12B gemma4_unified: K = V with 8/1 KV heads (-> 4/1), no PLE, no MoE
+    "12b_unified": dict(num_hidden_layers=7, layer_types=_pattern(7, 6)[:6] + [_FULL], num_key_value_heads=4,
+                        num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=6, unified=True),
+}
+
+
+def tiny_gemma4_hf(seed: int, variant: str, **overrides):
+    """A transformers Gemma 4 text model of `variant` with every weight random (norm weights, layer
+    scalars, router and per-expert scales around 1, so their flavour matters). q/k norm gains are
+    around D^-1/4, as trained ones are: with attention scale 1 they carry the temperature."""
+    import transformers
+
+    cfg = {**GEMMA4_BASE, **GEMMA4_VARIANTS[variant], **overrides}
+    unified = cfg.pop("unified", False)
+    if unified:
+        for key in ("hidden_size_per_layer_input", "vocab_size_per_layer_input"):
+            cfg.pop(key)
+        hf_cfg = transformers.Gemma4UnifiedTextConfig(**cfg)
+        cls = transformers.Gemma4UnifiedForCausalLM
+    else:
+        hf_cfg = transformers.Gemma4TextConfig(**cfg)
+        cls = transformers.Gemma4ForCausalLM
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(hf_cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("scale"):
+                gain = p.shape[-1] ** -0.25 if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0
+                p.copy_(gain * (1.0 + 0.3 * torch.randn(p.shape, generator=gen)))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
+    model.tie_weights()
+    return model
+
+
+def ours_from_hf(hf_model):
+    """Our model (the class the registry picks for this config) holding the HF model's weights."""
+    from gemmaserve.models.registry import model_class_for_hf
+
+    raw = hf_model.config.to_dict()
+    cls = model_class_for_hf([type(hf_model).__name__], raw.get("model_type"))
+    model = cls(cls.config_class.from_hf(raw), torch.float32)
     model.load_weights(model.map_checkpoint(hf_model.state_dict().items()))
     return model.eval()
 
@@ -83,7 +153,7 @@ def make_manager(kind: str, specs, page_size: int, num_pages: int, **kw):
     return KVCacheManagerV2(specs, page_size, num_pages, **kw)
 
 
-def paged_logits(model: Gemma3ForCausalLM, seqs: list[list[int]], chunk: int | None = None,
+def paged_logits(model, seqs: list[list[int]], chunk: int | None = None,
                  page_size: int = 4, first_chunk: int | None = None, manager: str = "v2",
                  scratch: bool = False) -> list[torch.Tensor]:
     """Run the sequences together through our paged engine pieces, `chunk` new tokens per sequence

@@ -60,8 +60,7 @@ class LLMEngine:
             loaded = load_model(config.model, self.dtype, self.device)
         self.loaded = loaded
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        model_cfg = self.model.config
-        limit = model_cfg.max_position_embeddings
+        limit = self.model.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise UserInputError(f"max_model_len {config.max_model_len} exceeds the model's context length {limit}")
         self.max_model_len = config.max_model_len or limit
@@ -144,7 +143,7 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise UserInputError(f"prompt is {n} tokens long; max_model_len is {self.max_model_len}, "
                                  "which must leave room for at least one generated token")
-        vocab = self.model.config.vocab_size
+        vocab = self.model.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise UserInputError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab})")

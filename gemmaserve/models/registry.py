@@ -8,16 +8,30 @@ from types import MappingProxyType
 
 from ..errors import UserInputError
 from .gemma3 import Gemma3ForCausalLM
+from .gemma4 import Gemma4ForCausalLM
 
-# Hugging Face `architectures` entries of config.json.
+# Hugging Face `architectures` entries of config.json. Multimodal classes serve their text tower
+# (image inputs come with the vision issue; the model logs it when built).
 HF_ARCHITECTURES = MappingProxyType({
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # text tower only; image inputs come later
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
+    "Gemma4UnifiedForCausalLM": Gemma4ForCausalLM,
+    "Gemma4UnifiedForConditionalGeneration": Gemma4ForCausalLM,
+})
+
+# `model_type` of configs that name no architecture.
+HF_MODEL_TYPES = MappingProxyType({
+    "gemma3": Gemma3ForCausalLM, "gemma3_text": Gemma3ForCausalLM,
+    "gemma4": Gemma4ForCausalLM, "gemma4_text": Gemma4ForCausalLM,
+    "gemma4_unified": Gemma4ForCausalLM, "gemma4_unified_text": Gemma4ForCausalLM,
 })
 
 # `general.architecture` of GGUF files.
 GGUF_ARCHITECTURES = MappingProxyType({
     "gemma3": Gemma3ForCausalLM,
+    "gemma4": Gemma4ForCausalLM,
 })
 
 
@@ -25,8 +39,8 @@ def model_class_for_hf(architectures: list[str] | None, model_type: str | None) 
     for arch in architectures or []:
         if arch in HF_ARCHITECTURES:
             return HF_ARCHITECTURES[arch]
-    if not architectures and model_type in ("gemma3_text", "gemma3"):
-        return Gemma3ForCausalLM
+    if not architectures and model_type in HF_MODEL_TYPES:
+        return HF_MODEL_TYPES[model_type]
     raise UserInputError(
         f"unsupported architecture {architectures or model_type!r}; supported: {', '.join(HF_ARCHITECTURES)}")
 

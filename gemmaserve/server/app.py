@@ -199,7 +199,7 @@ class OpenAIServer:
             elif not p:
                 raise ApiError(400, f"prompt[{i}] must not be empty", param="prompt")
             else:
-                vocab = self.engine.model.config.vocab_size
+                vocab = self.engine.model.vocab_size
                 if min(p) < 0 or max(p) >= vocab:
                     raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
                 out.append(_Prompt(self.tokenizer.decode(p, skip_special_tokens=False), list(p)))

@@ -1,0 +1,516 @@
+"""Gemma 4 text model: Gemma4ForCausalLM, the text tower of Gemma4ForConditionalGeneration, and the
+12B `gemma4_unified` text tower (../shared/reference/gemma-architecture.md §4, §7-§10).
+
+    x = E[ids] * sqrt(H)  (scale cast to the weight dtype);  ple = per-layer inputs (E2B/E4B)
+    for each layer l:
+        x = x + post_attn_norm(attn(in_norm(x)))                 q/k norms (w), value norm, scale 1
+        m = mlp(pre_ffw_norm(x))                                  double width on KV-shared layers (E2B)
+        [MoE]  m = post_ffw_norm_1(m) + post_ffw_norm_2(experts(pre_ffw_norm_2(x), router(x)))
+        x = x + post_ffw_norm(m)
+        [PLE]  x = x + post_ple_norm(proj(gelu(gate(x)) * ple[:, l]))
+        x = x * layer_scalar_l
+    logits = 30 * tanh((final_norm(x) @ E^T) / 30)
+
+Everything comes from the config: layer types (the last one is forced to full attention), head dim
+and KV heads per layer (global_head_dim / num_global_key_value_heads, or 5.x's per_layer_config),
+K = V on full layers, RoPE per layer type (sliding: default; full: proportional), KV sharing
+(consumers read the last layer of their type before the shared range and never use their own k/v
+weights), MoE and PLE.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UserInputError
+from ..kv.spec import AttentionKind, LayerSpec
+from .base import CausalLM, ModelInputs, ModelPreferences
+from .fused_ops import NormKind, add_rms_norm, rms_norm
+from .layers import Attention, AttentionParams, GeGLU, Linear, RMSNorm, RopeKind, RopeParams, linear
+from .moe import Experts, Router
+
+log = logging.getLogger(__name__)
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+# transformers' defaults for keys a config.json leaves out (Gemma4TextConfig, Gemma4UnifiedTextConfig).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma4_text": dict(
+        vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+        rms_norm_eps=1e-6, sliding_window=512, final_logit_softcapping=None, use_bidirectional_attention=None,
+        vocab_size_per_layer_input=262_144, hidden_size_per_layer_input=256, attention_k_eq_v=False,
+        num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False, num_experts=None,
+        top_k_experts=None, moe_intermediate_size=None, attention_bias=False, tie_word_embeddings=True),
+    "gemma4_unified_text": dict(
+        vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=262_144,
+        rms_norm_eps=1e-6, sliding_window=1024, final_logit_softcapping=None, use_bidirectional_attention="vision",
+        vocab_size_per_layer_input=262_144, hidden_size_per_layer_input=0, attention_k_eq_v=False,
+        num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False, num_experts=None,
+        top_k_experts=None, moe_intermediate_size=None, attention_bias=False, tie_word_embeddings=True),
+}
+_DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+
+
+@dataclass(frozen=True)
+class Gemma4Config:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    layer_types: tuple[str, ...]
+    head_dims: tuple[int, ...]              # per layer (sliding: head_dim, full: global_head_dim)
+    kv_heads: tuple[int, ...]               # per layer
+    kv_sources: tuple[int | None, ...]      # per layer: the producer a KV-shared layer reads, else None
+    mlp_sizes: tuple[int, ...]              # per layer (double width on KV-shared layers of E2B)
+    sliding_window: int
+    rope: dict[str, RopeParams]             # per layer type
+    attention_k_eq_v: bool = False
+    rms_norm_eps: float = 1e-6
+    final_logit_softcapping: float | None = None
+    max_position_embeddings: int = 131_072
+    hidden_size_per_layer_input: int = 0    # PLE width (0: no per-layer embeddings)
+    vocab_size_per_layer_input: int = 262_144
+    num_experts: int = 0                    # 0: no MoE block
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
+    bidirectional_vision: bool = False      # images attend bidirectionally on sliding layers (vision issue)
+    multimodal: bool = False                # the checkpoint has vision/audio towers (only the text tower runs)
+    architecture: str = "Gemma4ForCausalLM"
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        for name in ("layer_types", "head_dims", "kv_heads", "kv_sources", "mlp_sizes"):
+            if len(getattr(self, name)) != n:
+                raise UserInputError(f"config has {len(getattr(self, name))} {name} for {n} layers")
+        unknown = set(self.layer_types) - {FULL, SLIDING}
+        if unknown:
+            raise UserInputError(f"unsupported layer types {sorted(unknown)} (expected {FULL!r} or {SLIDING!r})")
+        for i, (heads, d) in enumerate(zip(self.kv_heads, self.head_dims)):
+            if heads < 1 or self.num_attention_heads % heads:
+                raise UserInputError(f"layer {i}: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                                     f"its {heads} KV heads")
+            if d < 2 or d & (d - 1):
+                raise UserInputError(f"layer {i}: head_dim {d} is not a power of two")
+        for i, src in enumerate(self.kv_sources):
+            if src is None:
+                continue
+            if not 0 <= src < i or self.kv_sources[src] is not None or self.layer_types[src] != self.layer_types[i]:
+                raise UserInputError(f"layer {i} cannot share the KV of layer {src}")
+            if (self.head_dims[src], self.kv_heads[src]) != (self.head_dims[i], self.kv_heads[i]):
+                raise UserInputError(f"layer {i} shares the KV of layer {src} but has another head shape")
+        if set(self.layer_types) - set(self.rope):
+            raise UserInputError(f"rope_parameters lack {sorted(set(self.layer_types) - set(self.rope))}")
+        if self.num_experts and not 0 < self.top_k_experts <= self.num_experts:
+            raise UserInputError(f"top_k_experts must be in [1, {self.num_experts}], got {self.top_k_experts}")
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    # -- parsing --------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "Gemma4Config":
+        """From a Hugging Face config.json: Gemma4ForCausalLM (gemma4_text), or the text_config of
+        Gemma4ForConditionalGeneration / gemma4_unified."""
+        top_type = cfg.get("model_type")
+        architecture = (cfg.get("architectures") or ["Gemma4ForCausalLM"])[0]
+        multimodal = bool(cfg.get("vision_config") or cfg.get("audio_config"))
+        text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+        text_type = text.get("model_type") or {"gemma4": "gemma4_text",
+                                               "gemma4_unified": "gemma4_unified_text"}.get(top_type, top_type)
+        if text_type not in _DEFAULTS:
+            text_type = "gemma4_unified_text" if "unified" in str(text_type) else "gemma4_text"
+        c = dict(_DEFAULTS[text_type])
+        c.update({k: v for k, v in text.items() if k in c or k in (
+            "layer_types", "rope_parameters", "per_layer_config", "global_head_dim", "num_global_key_value_heads")})
+        if c["hidden_activation"] != "gelu_pytorch_tanh":
+            raise UserInputError(f"unsupported hidden_activation {c['hidden_activation']!r} (Gemma 4 uses "
+                                 "gelu_pytorch_tanh)")
+        if c["attention_bias"]:
+            raise UserInputError("attention_bias is not supported (Gemma 4 has no attention biases)")
+        if not c["tie_word_embeddings"]:
+            raise UserInputError("an untied output head is not supported (Gemma 4 ties lm_head to the embedding)")
+        if c["use_bidirectional_attention"] == "all":
+            raise UserInputError("bidirectional (embedding) Gemma 4 models are not supported for generation")
+        n = int(c["num_hidden_layers"])
+        layer_types = list(c.get("layer_types") or [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)])
+        if len(layer_types) != n:
+            raise UserInputError(f"config lists {len(layer_types)} layer_types for {n} layers")
+        if layer_types[-1] != FULL:
+            log.warning("the last layer of a Gemma 4 model is always full attention; forcing layer %d to %s",
+                        n - 1, FULL)
+            layer_types[-1] = FULL
+        head_dims = [int(c["head_dim"])] * n
+        kv_heads = [int(c["num_key_value_heads"])] * n
+        k_eq_v = bool(c["attention_k_eq_v"])
+        overrides = c.get("per_layer_config")
+        if isinstance(overrides, dict):
+            for key, values in overrides.items():
+                layers = ([int(key)] if str(key).lstrip("-").isdigit()
+                          else [i for i, t in enumerate(layer_types) if t == key])
+                if not layers or not isinstance(values, dict):
+                    raise UserInputError(f"per_layer_config entry {key!r} names no layer")
+                for name, value in values.items():
+                    if name not in ("head_dim", "num_key_value_heads"):
+                        raise UserInputError(f"per_layer_config overrides {name!r}, which is not supported")
+                    for i in layers:
+                        (head_dims if name == "head_dim" else kv_heads)[i] = int(value)
+        else:
+            global_kv = c.get("num_global_key_value_heads")
+            for i, t in enumerate(layer_types):
+                if t == FULL:
+                    head_dims[i] = int(c.get("global_head_dim") or 512)
+                    if k_eq_v and global_kv is not None:
+                        kv_heads[i] = int(global_kv)
+        kv_sources = _kv_sources(layer_types, int(c["num_kv_shared_layers"]))
+        inter = c["intermediate_size"]
+        if isinstance(inter, list):
+            raise UserInputError("per-layer intermediate_size lists are not supported")
+        mlp_sizes = [int(inter) * (2 if c["use_double_wide_mlp"] and kv_sources[i] is not None else 1)
+                     for i in range(n)]
+        rope_params = c.get("rope_parameters") or _DEFAULT_ROPE
+        rope = {t: RopeParams.from_hf(rope_params[t], f"{t} layers") for t in set(layer_types) if t in rope_params}
+        moe = bool(c["enable_moe_block"])
+        if moe and not (c["num_experts"] and c["top_k_experts"] and c["moe_intermediate_size"]):
+            raise UserInputError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
+        return cls(
+            vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]), num_hidden_layers=n,
+            num_attention_heads=int(c["num_attention_heads"]), layer_types=tuple(layer_types),
+            head_dims=tuple(head_dims), kv_heads=tuple(kv_heads), kv_sources=tuple(kv_sources),
+            mlp_sizes=tuple(mlp_sizes), sliding_window=int(c["sliding_window"]), rope=rope,
+            attention_k_eq_v=k_eq_v, rms_norm_eps=float(c["rms_norm_eps"]),
+            final_logit_softcapping=c["final_logit_softcapping"],
+            max_position_embeddings=int(c["max_position_embeddings"]),
+            hidden_size_per_layer_input=int(c["hidden_size_per_layer_input"] or 0),
+            vocab_size_per_layer_input=int(c["vocab_size_per_layer_input"]),
+            num_experts=int(c["num_experts"] or 0) if moe else 0, top_k_experts=int(c["top_k_experts"] or 0) if moe else 0,
+            moe_intermediate_size=int(c["moe_intermediate_size"] or 0) if moe else 0,
+            bidirectional_vision=c["use_bidirectional_attention"] == "vision", multimodal=multimodal,
+            architecture=architecture)
+
+    @classmethod
+    def from_gguf(cls, gguf) -> "Gemma4Config":
+        """From llama.cpp's gemma4 metadata (per-layer arrays where the model varies by layer)."""
+        def key(name: str, default: Any = None, required: bool = True) -> Any:
+            value = gguf.get(f"gemma4.{name}", default)
+            if value is None and required:
+                raise UserInputError(f"GGUF file lacks gemma4.{name}")
+            return value
+
+        n = int(key("block_count"))
+
+        def per_layer(name: str, default: Any = None) -> list[int]:
+            value = key(name, default)
+            values = [int(v) for v in value] if hasattr(value, "__len__") else [int(value)] * n
+            if len(values) != n:
+                raise UserInputError(f"gemma4.{name} has {len(values)} entries for {n} layers")
+            return values
+
+        pattern = key("attention.sliding_window_pattern", None, required=False)
+        if pattern is None:
+            layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)]
+        elif hasattr(pattern, "__len__"):
+            layer_types = [SLIDING if bool(s) else FULL for s in pattern]
+        else:
+            layer_types = [FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n)]
+        layer_types[-1] = FULL
+        heads = int(key("attention.head_count"))
+        kv_heads = per_layer("attention.head_count_kv")
+        global_kv = key("attention.global_head_count_kv", None, required=False)
+        d_full, d_sliding = int(key("attention.key_length", 512)), int(key("attention.key_length_swa", 256))
+        head_dims = [d_full if t == FULL else d_sliding for t in layer_types]
+        tensors = gguf.tensors_by_name()
+        kv_sources = _kv_sources(layer_types, int(key("attention.shared_kv_layers", 0)))
+        first_full = next(i for i, t in enumerate(layer_types) if t == FULL)
+        k_eq_v = f"blk.{first_full}.attn_v.weight" not in tensors   # full layers without v_proj: V = K
+        if global_kv is not None and k_eq_v:
+            kv_heads = [int(global_kv) if t == FULL else h for t, h in zip(layer_types, kv_heads)]
+        partial = key("rope.partial_rotary_factor", None, required=False)
+        if partial is None:
+            partial = _partial_from_rope_freqs(gguf, d_full) if "rope_freqs.weight" in tensors else 0.25
+        embed = tensors.get("token_embd.weight")
+        ple = tensors.get("per_layer_token_embd.weight")
+        experts = int(key("expert_count", 0, required=False) or 0)
+        return cls(
+            vocab_size=embed.shape[0] if embed is not None else len(gguf.strings("tokenizer.ggml.tokens")),
+            hidden_size=int(key("embedding_length")), num_hidden_layers=n, num_attention_heads=heads,
+            layer_types=tuple(layer_types), head_dims=tuple(head_dims), kv_heads=tuple(kv_heads),
+            kv_sources=tuple(kv_sources), mlp_sizes=tuple(per_layer("feed_forward_length")),
+            sliding_window=int(key("attention.sliding_window")),
+            rope={SLIDING: RopeParams(float(key("rope.freq_base_swa", 1e4))),
+                  FULL: RopeParams(float(key("rope.freq_base", 1e6)), kind=RopeKind.PROPORTIONAL,
+                                   partial_rotary_factor=float(partial))},
+            attention_k_eq_v=k_eq_v, rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            final_logit_softcapping=key("final_logit_softcapping", None, required=False),
+            max_position_embeddings=int(key("context_length", 131072)),
+            hidden_size_per_layer_input=int(key("embedding_length_per_layer_input", 0, required=False) or 0),
+            vocab_size_per_layer_input=ple.shape[0] if ple is not None else 262_144,
+            num_experts=experts, top_k_experts=int(key("expert_used_count", 0, required=False) or 0),
+            moe_intermediate_size=int(key("expert_feed_forward_length", 0, required=False) or 0) if experts else 0)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The equivalent transformers Gemma4TextConfig arguments (hub format: global_head_dim and
+        num_global_key_value_heads, read by every transformers 5.x)."""
+        full = [i for i, t in enumerate(self.layer_types) if t == FULL]
+        sliding = [i for i, t in enumerate(self.layer_types) if t == SLIDING]
+        first = self.num_hidden_layers - sum(s is not None for s in self.kv_sources)
+        base_inter = self.mlp_sizes[0]
+        return dict(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=base_inter,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.kv_heads[sliding[0]] if sliding else self.kv_heads[0],
+            head_dim=self.head_dims[sliding[0]] if sliding else self.head_dims[0],
+            global_head_dim=self.head_dims[full[0]], num_global_key_value_heads=self.kv_heads[full[0]],
+            layer_types=list(self.layer_types), sliding_window=self.sliding_window,
+            rope_parameters={t: r.to_hf() for t, r in self.rope.items()}, attention_k_eq_v=self.attention_k_eq_v,
+            num_kv_shared_layers=self.num_hidden_layers - first,
+            use_double_wide_mlp=any(m != base_inter for m in self.mlp_sizes),
+            rms_norm_eps=self.rms_norm_eps, final_logit_softcapping=self.final_logit_softcapping,
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_size_per_layer_input=self.hidden_size_per_layer_input,
+            vocab_size_per_layer_input=self.vocab_size_per_layer_input,
+            enable_moe_block=self.moe, num_experts=self.num_experts or None, top_k_experts=self.top_k_experts or None,
+            moe_intermediate_size=self.moe_intermediate_size or None, tie_word_embeddings=True,
+            bos_token_id=2, eos_token_id=1, pad_token_id=0)
+
+
+def _kv_sources(layer_types: list[str], num_shared: int) -> list[int | None]:
+    """HF's rule: layers from n - num_shared on read the KV of the last earlier layer of their type."""
+    n = len(layer_types)
+    if num_shared == 0:
+        return [None] * n
+    first = n - num_shared
+    if not 0 < first < n:
+        raise UserInputError(f"num_kv_shared_layers {num_shared} leaves no layer that stores KV ({n} layers)")
+    producer = {t: max(i for i in range(first) if layer_types[i] == t)
+                for t in set(layer_types[:first])}
+    missing = set(layer_types[first:]) - set(producer)
+    if missing:
+        raise UserInputError(f"KV-shared layers of type {sorted(missing)} have no earlier layer to read from")
+    return [None if i < first else producer[layer_types[i]] for i in range(n)]
+
+
+def _partial_from_rope_freqs(gguf, head_dim: int) -> float:
+    """llama.cpp stores proportional RoPE as per-frequency divisors: 1 for rotated pairs, huge for
+    the pass-through ones."""
+    factors = gguf.load("rope_freqs.weight").flatten()
+    if factors.numel() != head_dim // 2:
+        raise UserInputError(f"rope_freqs has {factors.numel()} entries, expected {head_dim // 2}")
+    rotated = int((factors < 1e3).sum())
+    return 2 * rotated / head_dim
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma4Config, layer: int, dtype: torch.dtype):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.kind = NormKind(eps, 0.0)
+        self.layer_type = cfg.layer_types[layer]
+        full = self.layer_type == FULL
+        self.self_attn = Attention(AttentionParams(
+            layer=layer, hidden_size=h, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.kv_heads[layer],
+            head_dim=cfg.head_dims[layer], scale=1.0, window=None if full else cfg.sliding_window, norm=self.kind,
+            value_norm=True, k_eq_v=cfg.attention_k_eq_v and full, owns_kv=cfg.kv_sources[layer] is None), dtype)
+        self.mlp = GeGLU(h, cfg.mlp_sizes[layer], dtype)
+        self.input_layernorm = RMSNorm(h, eps, dtype, 0.0)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, 0.0)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype, 0.0)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, 0.0)
+        self.layer_scalar = nn.Parameter(torch.ones(1, dtype=dtype), requires_grad=False)
+        self.ple = cfg.hidden_size_per_layer_input > 0
+        if self.ple:
+            p = cfg.hidden_size_per_layer_input
+            self.per_layer_input_gate = Linear(h, p, dtype)
+            self.per_layer_projection = Linear(p, h, dtype)
+            self.post_per_layer_input_norm = RMSNorm(h, eps, dtype, 0.0)
+        self.moe = cfg.moe
+        if self.moe:
+            self.router = Router(h, cfg.num_experts, cfg.top_k_experts, eps, dtype)
+            self.experts = Experts(h, cfg.moe_intermediate_size, cfg.num_experts, dtype)
+            self.post_feedforward_layernorm_1 = RMSNorm(h, eps, dtype, 0.0)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, eps, dtype, 0.0)
+            self.pre_feedforward_layernorm_2 = RMSNorm(h, eps, dtype, 0.0)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cos_sin, attn, ple: torch.Tensor | None,
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, its input-normed copy) -> the same for the next layer."""
+        kind = self.kind
+        x, h = add_rms_norm(x, self.self_attn(h, cos_sin, attn), self.post_attention_layernorm.weight,
+                            self.pre_feedforward_layernorm.weight, kind)
+        m = self.mlp(h)
+        if self.moe:
+            weights, idx = self.router(x)
+            e = self.experts(rms_norm(x, self.pre_feedforward_layernorm_2.weight, kind), weights, idx)
+            m = (rms_norm(m, self.post_feedforward_layernorm_1.weight, kind)
+                 + rms_norm(e, self.post_feedforward_layernorm_2.weight, kind))
+        if not self.ple:
+            return add_rms_norm(x, m, self.post_feedforward_layernorm.weight, next_norm.weight, kind,
+                                self.layer_scalar)
+        x, _ = add_rms_norm(x, m, self.post_feedforward_layernorm.weight, None, kind)
+        g = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * ple
+        return add_rms_norm(x, self.per_layer_projection(g), self.post_per_layer_input_norm.weight, next_norm.weight,
+                            kind, self.layer_scalar)
+
+
+class Gemma4TextModel(nn.Module):
+    def __init__(self, cfg: Gemma4Config, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _freeze=True, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, 0.0)
+        p = cfg.hidden_size_per_layer_input
+        if p:
+            n = cfg.num_hidden_layers
+            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, n * p, _freeze=True,
+                                                       _weight=torch.empty(cfg.vocab_size_per_layer_input, n * p,
+                                                                           dtype=dtype))
+            self.per_layer_model_projection = Linear(cfg.hidden_size, n * p, dtype)
+            self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps, dtype, 0.0)
+
+
+class Gemma4ForCausalLM(CausalLM):
+    """Gemma4ForCausalLM and the text towers of Gemma4ForConditionalGeneration and gemma4_unified."""
+
+    config_class = Gemma4Config
+    stacked = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: Gemma4Config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = cfg
+        self.model = Gemma4TextModel(cfg, dtype)
+        if cfg.multimodal:
+            log.info("%s: serving the text tower only; image and audio inputs are not supported yet, their "
+                     "tower weights are skipped", cfg.architecture)
+        # One fp32 frequency table per distinct (RoPE, head dim); the model is never cast, so they stay fp32.
+        self._rope_of_layer: list[int] = []
+        keys: list[tuple[RopeParams, int]] = []
+        for t, d in zip(cfg.layer_types, cfg.head_dims):
+            if (cfg.rope[t], d) not in keys:
+                keys.append((cfg.rope[t], d))
+                self.register_buffer(f"_inv_freq_{len(keys) - 1}", cfg.rope[t].inv_freq(d), persistent=False)
+            self._rope_of_layer.append(keys.index((cfg.rope[t], d)))
+        self._num_ropes = len(keys)
+
+    # -- engine hooks ---------------------------------------------------------------------
+    def engine_preferences(self) -> ModelPreferences:
+        """V2 for this geometry (windows, 512-wide global heads, KV-less shared layers); scratch on for
+        text-only checkpoints, off for multimodal ones (an image must not be split across chunks)."""
+        return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not self.config.multimodal)
+
+    def kv_layer_specs(self, dtype: torch.dtype) -> list[LayerSpec]:
+        cfg = self.config
+        return [LayerSpec(kind=AttentionKind.FULL if t == FULL else AttentionKind.SLIDING, num_kv_heads=heads,
+                          head_dim=d, dtype=dtype, window=None if t == FULL else cfg.sliding_window, kv_source=src)
+                for t, heads, d, src in zip(cfg.layer_types, cfg.kv_heads, cfg.head_dims, cfg.kv_sources)]
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        cfg, m = self.config, self.model
+        weight = m.embed_tokens.weight
+        if inputs.inputs_embeds is not None:
+            x = inputs.inputs_embeds
+        else:
+            x = m.embed_tokens(inputs.input_ids) * torch.tensor(cfg.hidden_size ** 0.5).to(weight.dtype)
+        ple = self._per_layer_inputs(inputs.input_ids, x) if cfg.hidden_size_per_layer_input else None
+        tables = [RopeParams.cos_sin(getattr(self, f"_inv_freq_{j}"), inputs.positions, x.dtype)
+                  for j in range(self._num_ropes)]
+        layers = m.layers
+        h = rms_norm(x, layers[0].input_layernorm.weight, layers[0].kind)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.norm
+            x, h = layer(x, h, tables[self._rope_of_layer[i]], inputs.attention,
+                         None if ple is None else ple[:, i], next_norm)
+        return h
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[T, L, P]: (RMSNorm(embeds @ W^T * H^-1/2) + E_ple[ids] * sqrt(P)) * 2^-1/2, as HF scales it."""
+        cfg, m = self.config, self.model
+        p, n = cfg.hidden_size_per_layer_input, cfg.num_hidden_layers
+        w = m.embed_tokens_per_layer.weight
+        tok = (m.embed_tokens_per_layer(input_ids) * torch.tensor(p ** 0.5).to(w.dtype)).view(-1, n, p)
+        proj = m.per_layer_model_projection(embeds) * cfg.hidden_size ** -0.5
+        proj = rms_norm(proj.view(-1, n, p), m.per_layer_projection_norm.weight, NormKind(cfg.rms_norm_eps, 0.0))
+        return (proj + tok) * 2.0 ** -0.5
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = linear(hidden, self.model.embed_tokens.weight)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # -- weights ----------------------------------------------------------------------------
+    _SKIPPED_TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        elif name.startswith(self._SKIPPED_TOWERS):
+            return None   # served text-only (logged once when the model was built)
+        if name == "lm_head.weight":
+            return None   # tied to the embedding
+        parts = name.split(".")
+        if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[3] == "self_attn" \
+                and parts[4] in ("k_proj", "v_proj", "k_norm", "v_norm"):
+            layer = int(parts[2])
+            if 0 <= layer < self.config.num_hidden_layers and self.config.kv_sources[layer] is not None:
+                return None   # KV-shared layers never use their own k/v weights
+        return name
+
+    _GGUF_GLOBAL = {
+        "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+        "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+        "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+    }
+    _GGUF_LAYER = {
+        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+        "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+        "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+        "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+        "ffn_gate_inp.weight": "router.proj.weight", "ffn_gate_inp.scale": "router.scale",
+        "ffn_down_exps.scale": "router.per_expert_scale",
+        "ffn_gate_up_exps.weight": "experts.gate_up_proj", "ffn_down_exps.weight": "experts.down_proj",
+        "layer_output_scale.weight": "layer_scalar",
+        "inp_gate.weight": "per_layer_input_gate.weight", "proj.weight": "per_layer_projection.weight",
+        "post_norm.weight": "post_per_layer_input_norm.weight",
+    }
+
+    def gguf_name(self, name: str) -> tuple[str | None, bool]:
+        """llama.cpp gemma4 tensor name -> (our name, False): Gemma 4 norms are stored as w."""
+        if name == "rope_freqs.weight":
+            return None, False   # proportional RoPE, already in the config
+        if name in self._GGUF_GLOBAL:
+            return self._GGUF_GLOBAL[name], False
+        parts = name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in self._GGUF_LAYER:
+            raise UserInputError(f"unexpected tensor {name!r} in a gemma4 GGUF file")
+        return self.checkpoint_name(f"model.layers.{parts[1]}.{self._GGUF_LAYER[parts[2]]}"), False
+
+    def shard_sizes(self, fused_name: str) -> tuple[int, ...]:
+        layer = self.model.layers[int(fused_name.split(".")[2])]
+        if "qkv_proj" in fused_name:
+            return layer.self_attn.p.qkv_sizes
+        inter = layer.mlp.intermediate
+        return (inter, inter)

@@ -1,0 +1,84 @@
+"""Gemma 4's mixture of experts (26B-A4B): a router and grouped expert matmuls, no loop over experts.
+
+    z = RMSNorm_noweight(r) * scale * H^-1/2           router on the residual r
+    p = softmax(z @ proj^T) in fp32 over all experts;  w, idx = top-k(p);  w /= sum(w);  w *= per_expert_scale[idx]
+    y = sum_k w_k * down_e(gelu(gate_e(x)) * up_e(x))   x = pre_feedforward_layernorm_2(r)
+
+The T x k (token, expert) pairs are sorted by expert, so each expert's rows are contiguous; two
+grouped matmuls (`torch._grouped_mm` with per-expert row offsets) run every expert at once, and an
+index_add sums each token's k outputs. Nothing reads a count back to the host, so a CUDA graph can
+capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .fused_ops import NormKind, gelu_mul, rms_norm
+from .layers import Linear, linear
+
+
+def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    # CUDA: bf16 on Hopper and newer (the kernels torch ships); fp32 checks take the fallback.
+    return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+    """Rows of x sorted by expert ([M, K]; expert e owns rows [offsets[e-1], offsets[e])) times that
+    expert's w[e] ([E, K, N]) -> [M, N]."""
+    if _grouped_mm_supported(x):
+        return torch._grouped_mm(x, w, offs=offsets)
+    # Fallback (fp32 on the GPU, old torch): each row against its expert's matrix, in one batched matmul.
+    return torch.bmm(x.unsqueeze(1), w[expert_of_row]).squeeze(1)
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.top_k = top_k
+        self.norm = NormKind(eps, 0.0)
+        self.root = hidden ** -0.5
+        self.proj = Linear(hidden, num_experts, dtype)
+        self.scale = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts, dtype=dtype), requires_grad=False)
+
+    def forward(self, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, H] -> (weights [T, k] fp32, expert ids [T, k])."""
+        z = rms_norm(residual, None, self.norm) * self.scale * self.root
+        probs = torch.softmax(linear(z, self.proj.weight), dim=-1, dtype=torch.float32)
+        weights, idx = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[idx], idx
+
+
+class Experts(nn.Module):
+    """Expert weights as HF stores them: gate_up_proj [E, 2I, H] ([gate; up] rows), down_proj [E, H, I]."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, dtype: torch.dtype):
+        super().__init__()
+        self.intermediate = intermediate
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        t, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        expert_of_row = flat[order]
+        token_of_row = order // k
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows = x[token_of_row]
+        # w^T views: [E, H, 2I] and [E, I, H], column-major per expert, as grouped_mm wants them.
+        h = gelu_mul(grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets, expert_of_row), self.intermediate)
+        y = grouped_mm(h, self.down_proj.transpose(1, 2), offsets, expert_of_row)
+        y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of_row, y)
