@@ -107,3 +107,38 @@ def test_engine_reports_resolution(tmp_path):
     info = LLM(model=str(path)).engine.info
     assert (info.kv_manager, info.swa_scratch_reuse) == ("v2", False)
     assert LLM(model=str(path), swa_scratch_reuse="on").engine.info.swa_scratch_reuse is True
+
+
+def _gemma4_prefs(multimodal: bool):
+    from gemmaserve.bench.synthetic import GEMMA4_CONFIGS
+    from gemmaserve.models.gemma4 import Gemma4Config, Gemma4ForCausalLM
+
+    raw = GEMMA4_CONFIGS["gemma4-e2b"]
+    if multimodal:
+        raw = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": raw,
+               "vision_config": {"hidden_size": 768}}
+    cfg = Gemma4Config.from_hf(raw)
+    with torch.device("meta"):   # preferences and specs come from the config: no weights needed
+        model = Gemma4ForCausalLM(cfg, torch.bfloat16)
+    return model.engine_preferences(), model.kv_layer_specs(torch.bfloat16)
+
+
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_gemma4_prefers_v2_scratch_on_for_text_off_for_multimodal(multimodal, caplog):
+    prefs, specs = _gemma4_prefs(multimodal)
+    assert prefs == ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not multimodal)
+    r = _resolve(prefs=prefs, specs=specs)
+    assert (r.kv_cache_manager, r.swa_scratch_reuse, r.enable_prefix_caching, r.demotions) == (
+        "v2", not multimodal, True, ())
+    # An explicit value wins both ways.
+    assert _resolve(prefs=prefs, specs=specs, swa_scratch_reuse="on").swa_scratch_reuse is True
+    assert _resolve(prefs=prefs, specs=specs, swa_scratch_reuse="off").swa_scratch_reuse is False
+    assert _resolve(prefs=prefs, specs=specs, kv_cache_manager="v1").kv_cache_manager == "v1"
+    # Every demotion of an auto value is logged with its reason.
+    with caplog.at_level(logging.INFO, logger="gemmaserve.config.resolve"):
+        r = _resolve(caps=NO_ARENA, prefs=prefs, specs=specs)
+    assert r.kv_cache_manager == "v1" and any("kv_cache_manager auto -> v1" in d for d in r.demotions)
+    assert "because" in caplog.text
+    if not multimodal:   # scratch was wanted: the backend without scratch pages demotes it, and says so
+        r = _resolve(caps=NO_SCRATCH, prefs=prefs, specs=specs)
+        assert r.swa_scratch_reuse is False and any("swa_scratch_reuse auto -> off" in d for d in r.demotions)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .gpu_check import copy_bandwidth, decode_bandwidth
-from .synthetic import random_gemma3
+from .synthetic import random_model
 
 GiB = 1 << 30
 
@@ -69,7 +69,7 @@ def _param_bytes(model) -> int:
 def section_roofline(res: dict, hbm: float) -> None:
     rows = []
     for name in ("gemma3-1b", "gemma3-4b", "gemma3-27b"):
-        loaded = random_gemma3(name, torch.bfloat16, torch.device("cuda"))
+        loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
         llm = _engine(loaded, kv_cache_memory=8 * GiB)
         eng = llm.engine
         cfg = loaded.model.config
@@ -117,7 +117,7 @@ def section_roofline(res: dict, hbm: float) -> None:
 def section_throughput(res: dict) -> None:
     from .hf_reference import build_hf_model
 
-    loaded = random_gemma3("gemma3-4b", torch.bfloat16, torch.device("cuda"))
+    loaded = random_model("gemma3-4b", torch.bfloat16, torch.device("cuda"))
     vocab = loaded.model.config.vocab_size
     rows = []
     llm = _engine(loaded, kv_cache_memory=48 * GiB, max_num_seqs=256)
@@ -155,7 +155,7 @@ def section_throughput(res: dict) -> None:
 
 
 def section_prefill(res: dict) -> None:
-    loaded = random_gemma3("gemma3-4b", torch.bfloat16, torch.device("cuda"))
+    loaded = random_model("gemma3-4b", torch.bfloat16, torch.device("cuda"))
     llm = _engine(loaded, kv_cache_memory=16 * GiB, max_num_batched_tokens=8192, enable_prefix_caching=False)
     vocab = loaded.model.config.vocab_size
     _run_all(llm, _prompts(1, 8192, vocab, seed=1), 1)   # warm-up
@@ -171,7 +171,7 @@ def section_prefill(res: dict) -> None:
 
 
 def section_pressure(res: dict) -> None:
-    loaded = random_gemma3("gemma3-4b", torch.bfloat16, torch.device("cuda"))
+    loaded = random_model("gemma3-4b", torch.bfloat16, torch.device("cuda"))
     vocab = loaded.model.config.vocab_size
     rng = random.Random(4)
     prompts = [_prompts(1, rng.randrange(8192, 32768), vocab, seed=100 + i)[0] for i in range(16)]
@@ -202,7 +202,7 @@ def section_profile(res: dict) -> None:
 
     out = {}
     for name in ("gemma3-1b", "gemma3-4b"):
-        loaded = random_gemma3(name, torch.bfloat16, torch.device("cuda"))
+        loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
         llm = _engine(loaded, kv_cache_memory=8 * GiB, enforce_eager=True)
         eng = llm.engine
         eng.add_request("", SamplingParams(max_tokens=64, ignore_eos=True),
@@ -240,7 +240,7 @@ def _host_overhead(batch: int) -> dict:
 
     from ..engine.sampling_params import SamplingParams
 
-    loaded = random_gemma3("gemma3-4b", torch.bfloat16, torch.device("cuda"))
+    loaded = random_model("gemma3-4b", torch.bfloat16, torch.device("cuda"))
     llm = _engine(loaded, kv_cache_memory=24 * GiB)
     eng = llm.engine
     for p in _prompts(batch, 1024, loaded.model.config.vocab_size, seed=5):

@@ -1,6 +1,9 @@
-"""Hugging Face transformers as the reference: the same weights in HF's own Gemma3ForCausalLM.
+"""Hugging Face transformers as the reference: the same weights in HF's own Gemma3ForCausalLM /
+Gemma4ForCausalLM.
 
-Used by the tests (numerical parity) and the benchmarks (speed baseline); never by the engine.
+Used by the tests (numerical parity) and the benchmarks (speed baseline); never by the engine. The HF
+model can share our tensors instead of copying them (`share=True`: fused q/k/v and gate/up rows become
+views), so a 31B reference fits next to ours on one GPU.
 """
 
 from __future__ import annotations
@@ -8,45 +11,57 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.gemma3 import Gemma3Config
+from ..models.base import CausalLM
+from ..models.gemma3 import Gemma3ForCausalLM
 
 
-def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Our parameters under HF names: fused qkv / gate_up split back into their parts."""
-    cfg: Gemma3Config = model.config
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_key_value_heads * cfg.head_dim
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Our parameters (and buffers) under HF names: fused qkv / gate_up split back into their parts."""
     out: dict[str, torch.Tensor] = {}
-    for name, p in model.state_dict().items():
-        if name.endswith("qkv_proj.weight"):
-            base = name[: -len("qkv_proj.weight")]
-            for part, t in zip(("q_proj", "k_proj", "v_proj"), p.split((q, kv, kv))):
-                out[f"{base}{part}.weight"] = t
-        elif name.endswith("gate_up_proj.weight"):
-            base = name[: -len("gate_up_proj.weight")]
-            for part, t in zip(("gate_proj", "up_proj"), p.split(cfg.intermediate_size)):
-                out[f"{base}{part}.weight"] = t
+    for name, p in model.state_dict(keep_vars=False).items():
+        for fused, parts in (("qkv_proj.weight", ("q_proj", "k_proj", "v_proj")),
+                             ("gate_up_proj.weight", ("gate_proj", "up_proj"))):
+            if name.endswith(fused) and ".experts." not in name:
+                base = name[: -len(fused)]
+                for part, t in zip(parts, p.split(model.shard_sizes(name), dim=0)):
+                    out[f"{base}{part}.weight"] = t
+                break
         else:
             out[name] = p
     return out
 
 
-def build_hf_model(model: nn.Module, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
-                   device: str | torch.device = "cpu") -> nn.Module:
-    """A transformers Gemma3ForCausalLM holding exactly our model's weights."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+def build_hf_model(model: CausalLM, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
+                   device: str | torch.device = "cpu", share: bool = False) -> nn.Module:
+    """A transformers model holding exactly our model's weights (copies, or views with `share` when
+    dtype and device already match)."""
+    import transformers
 
-    hf_cfg = Gemma3TextConfig(**model.config.to_hf_dict())
+    if isinstance(model, Gemma3ForCausalLM):
+        hf_cfg = transformers.Gemma3TextConfig(**model.config.to_hf_dict())
+        cls = transformers.Gemma3ForCausalLM
+    else:
+        hf_cfg = transformers.Gemma4TextConfig(**model.config.to_hf_dict())
+        cls = transformers.Gemma4ForCausalLM   # the 12B unified text tower is this architecture without PLE/MoE
     hf_cfg._attn_implementation = attn_implementation
     hf_cfg.bos_token_id, hf_cfg.eos_token_id, hf_cfg.pad_token_id = 2, 1, 0
-    with _no_init():
-        hf = Gemma3ForCausalLM(hf_cfg)
+    if share:   # parameters on meta, then our tensors assigned; buffers (RoPE tables, scales) built for real
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            hf = cls(hf_cfg)
+    else:
+        with _no_init():
+            hf = cls(hf_cfg)
     sd = hf_state_dict(model)
     sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    missing = [m for m in missing if not m.endswith("inv_freq")]
+    missing, unexpected = hf.load_state_dict(sd, strict=False, assign=share)
+    missing = [m for m in missing if not m.endswith(("inv_freq", "embed_scale"))]
     if missing or unexpected:
         raise RuntimeError(f"HF reference weights do not line up: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if share:
+        hf.tie_weights()
+        return hf.to(device=device).eval()   # moves only the buffers: the parameters are ours, already there
     return hf.to(device=device, dtype=dtype).eval()
 
 

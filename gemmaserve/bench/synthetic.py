@@ -1,5 +1,6 @@
-"""Random-weight Gemma 3 models at real sizes, for speed measurements (speed does not depend on weight
-values). Shapes from the public configs (../shared/reference/gemma-architecture.md §7)."""
+"""Random-weight Gemma 3 / Gemma 4 models at real sizes, for speed and memory measurements (speed does
+not depend on weight values). Shapes from the public configs (../shared/reference/gemma-architecture.md
+§7); Gemma 4's are written as hub config.json dicts and parsed by the model's own config parser."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import time
 
 import torch
 
+from ..models.base import CausalLM
 from ..models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from ..models.gemma4 import Gemma4Config, Gemma4ForCausalLM
 from ..models.layers import RopeParams
 from ..models.loader import LoadedModel, ModelSource, SourceKind
 from ..models.tokenizer import Tokenizer
@@ -19,6 +22,41 @@ GEMMA3_CONFIGS = {
     "gemma3-12b": (48, 3840, 16, 8, 256, 15360, 1024, 256, 8.0),
     "gemma3-27b": (62, 5376, 32, 16, 128, 21504, 1024, 168, 8.0),
 }
+
+
+def _gemma4(layers: int, every: int, hidden: int, heads: int, kv: int, global_kv: int, inter: int, window: int,
+            **extra) -> dict:
+    types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
+    return {**dict(architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", num_hidden_layers=layers,
+                   layer_types=types, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+                   num_global_key_value_heads=global_kv, head_dim=256, global_head_dim=512, intermediate_size=inter,
+                   sliding_window=window, final_logit_softcapping=30.0, vocab_size=262144,
+                   hidden_size_per_layer_input=0), **extra}
+
+
+GEMMA4_CONFIGS = {
+    "gemma4-e2b": _gemma4(35, 5, 1536, 8, 1, 1, 6144, 512, hidden_size_per_layer_input=256,
+                          num_kv_shared_layers=20, use_double_wide_mlp=True),
+    "gemma4-e4b": _gemma4(42, 6, 2560, 8, 2, 2, 10240, 512, hidden_size_per_layer_input=256,
+                          num_kv_shared_layers=18),
+    "gemma4-12b": {**_gemma4(48, 6, 3840, 16, 8, 1, 15360, 1024, attention_k_eq_v=True,
+                             max_position_embeddings=262144),
+                   "architectures": ["Gemma4UnifiedForCausalLM"], "model_type": "gemma4_unified_text"},
+    "gemma4-26b-a4b": _gemma4(30, 6, 2816, 16, 8, 2, 2112, 1024, attention_k_eq_v=True, enable_moe_block=True,
+                              num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+                              max_position_embeddings=262144),
+    "gemma4-31b": _gemma4(60, 6, 5376, 32, 16, 4, 21504, 1024, attention_k_eq_v=True,
+                          max_position_embeddings=262144),
+}
+
+
+def model_config(name: str) -> Gemma3Config | Gemma4Config:
+    """The config of a real model shape by name (gemma3-*, gemma4-*)."""
+    if name in GEMMA3_CONFIGS:
+        return gemma3_config(name)
+    if name in GEMMA4_CONFIGS:
+        return Gemma4Config.from_hf(GEMMA4_CONFIGS[name])
+    raise KeyError(f"unknown model shape {name!r}; known: {', '.join([*GEMMA3_CONFIGS, *GEMMA4_CONFIGS])}")
 
 
 def gemma3_config(name: str, max_position_embeddings: int = 131072) -> Gemma3Config:
@@ -44,15 +82,24 @@ def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 @torch.inference_mode()
-def random_gemma3(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
+def random_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
+    """A real-size model of shape `name` with random weights (norm gains near their identity, so
+    activations stay in range in bf16)."""
     start = time.perf_counter()
-    cfg = gemma3_config(name)
+    cfg = model_config(name)
+    cls: type[CausalLM] = Gemma3ForCausalLM if isinstance(cfg, Gemma3Config) else Gemma4ForCausalLM
     with torch.device(device):
-        model = Gemma3ForCausalLM(cfg, dtype)
+        model = cls(cfg, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
+    identity = 0.0 if cls is Gemma3ForCausalLM else 1.0   # (1 + w) norms vs w norms
     for pname, p in model.named_parameters():
-        scale = 0.1 if "norm" in pname else p.shape[-1] ** -0.5
-        p.normal_(0.0, scale, generator=gen)
+        if "norm" in pname or pname.endswith(("scale", "layer_scalar")):
+            p.normal_(identity, 0.1, generator=gen)
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
     model.eval()
     return LoadedModel(model, synthetic_tokenizer(cfg.vocab_size), ModelSource(name, SourceKind.HF_DIR, None),
                        time.perf_counter() - start)
+
+
+random_gemma3 = random_model   # the GPU benchmarks' older name

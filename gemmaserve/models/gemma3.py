@@ -57,6 +57,15 @@ class Gemma3Config:
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserInputError("num_attention_heads must be a multiple of num_key_value_heads")
 
+    def kv_layer_specs(self, dtype: torch.dtype) -> list[LayerSpec]:
+        """What the KV cache needs of each layer (no weights needed: benchmarks size real shapes)."""
+        return [
+            LayerSpec(kind=AttentionKind.SLIDING if t == _SLIDING else AttentionKind.FULL,
+                      num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, dtype=dtype,
+                      window=self.sliding_window if t == _SLIDING else None)
+            for t in self.layer_types
+        ]
+
     # -- parsing --------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "Gemma3Config":
@@ -240,13 +249,7 @@ class Gemma3ForCausalLM(CausalLM):
         return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not self.config.multimodal)
 
     def kv_layer_specs(self, dtype: torch.dtype) -> list[LayerSpec]:
-        cfg = self.config
-        return [
-            LayerSpec(kind=AttentionKind.SLIDING if t == _SLIDING else AttentionKind.FULL,
-                      num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=dtype,
-                      window=cfg.sliding_window if t == _SLIDING else None)
-            for t in cfg.layer_types
-        ]
+        return self.config.kv_layer_specs(dtype)
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, inputs: ModelInputs) -> torch.Tensor:

@@ -117,6 +117,12 @@ class Gemma4Config:
     def moe(self) -> bool:
         return self.num_experts > 0
 
+    def kv_layer_specs(self, dtype: torch.dtype) -> list[LayerSpec]:
+        """What the KV cache needs of each layer (no weights needed: benchmarks size real shapes)."""
+        return [LayerSpec(kind=AttentionKind.FULL if t == FULL else AttentionKind.SLIDING, num_kv_heads=heads,
+                          head_dim=d, dtype=dtype, window=None if t == FULL else self.sliding_window, kv_source=src)
+                for t, heads, d, src in zip(self.layer_types, self.kv_heads, self.head_dims, self.kv_sources)]
+
     # -- parsing --------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "Gemma4Config":
@@ -412,10 +418,7 @@ class Gemma4ForCausalLM(CausalLM):
         return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not self.config.multimodal)
 
     def kv_layer_specs(self, dtype: torch.dtype) -> list[LayerSpec]:
-        cfg = self.config
-        return [LayerSpec(kind=AttentionKind.FULL if t == FULL else AttentionKind.SLIDING, num_kv_heads=heads,
-                          head_dim=d, dtype=dtype, window=None if t == FULL else cfg.sliding_window, kv_source=src)
-                for t, heads, d, src in zip(cfg.layer_types, cfg.kv_heads, cfg.head_dims, cfg.kv_sources)]
+        return self.config.kv_layer_specs(dtype)
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -506,6 +509,9 @@ class Gemma4ForCausalLM(CausalLM):
         parts = name.split(".", 2)
         if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in self._GGUF_LAYER:
             raise UserInputError(f"unexpected tensor {name!r} in a gemma4 GGUF file")
+        if int(parts[1]) >= self.config.num_hidden_layers:   # else the error would name our tensor, not the file's
+            raise UserInputError(f"unexpected tensor {name!r} in a gemma4 GGUF file of "
+                                 f"{self.config.num_hidden_layers} blocks")
         return self.checkpoint_name(f"model.layers.{parts[1]}.{self._GGUF_LAYER[parts[2]]}"), False
 
     def shard_sizes(self, fused_name: str) -> tuple[int, ...]:

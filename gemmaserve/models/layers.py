@@ -125,7 +125,7 @@ class RopeParams:
 
     def to_hf(self) -> dict:
         out: dict = {"rope_type": self.kind.value, "rope_theta": self.theta}
-        if self.kind is not RopeKind.DEFAULT:
+        if self.kind is RopeKind.LINEAR or self.factor != 1.0:
             out["factor"] = self.factor
         if self.kind is RopeKind.PROPORTIONAL:
             out["partial_rotary_factor"] = self.partial_rotary_factor

@@ -1,0 +1,289 @@
+"""Gemma 4 on the GPU (`python -m gemmaserve.bench.gpu_gemma4 [sections] [--shapes a,b]`): random bf16
+weights at the real shapes (E2B, E4B, 12B, 26B-A4B, 31B; bench/synthetic.py). Sections (default: all):
+
+  check       tiny random Gemma 4 variants through the engine on CUDA: fp32 greedy tokens of the Triton
+              backend (graphs and eager) equal the torch reference; bf16 graphs equal bf16 eager (MoE
+              through grouped matmuls), and bf16 Triton logits near the torch backend's
+  roofline    batch-1 decode step (graph replay and whole engine step) against the roofline: bytes read
+              per step (weights a token touches: the active experts only for MoE, no per-layer-embedding
+              table rows beyond one; KV of the context) over the HBM copy bandwidth measured in the run
+  throughput  batch 64 (prompt 1024, 128 new tokens) against Hugging Face `generate` on the same weights
+  pressure    seed 004's experiment: KV capped, long prompts; V1, V2, V2 + scratch, and V2 with the pool
+              split at a pinned sliding:global ratio (the recipe's expected input length 8K, and a mis-guessed
+              2K), scratch off and on
+
+Writes $OUT/gpu_gemma4.json after every section (a timeout keeps what finished); a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .gpu_bench import GiB, _engine, _prompts, _run_all
+from .gpu_check import copy_bandwidth
+from .synthetic import GEMMA4_CONFIGS, random_model
+
+SHAPES = tuple(GEMMA4_CONFIGS)
+
+
+def _free(*objs) -> None:
+    del objs
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def decode_weight_bytes(model) -> int:
+    """Weight bytes one decode token reads: every parameter once (the tied embedding as the output
+    head), except the per-layer-embedding table (one row per token) and, for MoE, the experts a token
+    is not routed to."""
+    total = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if name.endswith("embed_tokens_per_layer.weight"):
+            nbytes = p.shape[1] * p.element_size()
+        elif ".experts." in name:
+            cfg = model.config
+            nbytes = nbytes * cfg.top_k_experts // cfg.num_experts
+        total += nbytes
+    return total
+
+
+# -- check -------------------------------------------------------------------------------------------
+def section_check(res: dict) -> None:
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from helpers import save_checkpoint, tiny_gemma4_hf
+
+    from ..config.engine import EngineConfig
+    from ..engine.llm import LLM
+    from ..engine.sampling_params import SamplingParams
+
+    rows = []
+    prompts = ["abcdefghij klmnop qrstuv " * 6, "zyxw vuts " * 3, "hello"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for variant in ("31b", "26b_a4b", "e2b", "12b_unified"):
+        path = save_checkpoint(tiny_gemma4_hf(int(time.time()) % 10000, variant, hidden_size=256, head_dim=128,
+                                              global_head_dim=256), Path(tempfile.mkdtemp()) / variant)
+        common = dict(model=str(path), device="cuda", page_size=16, kv_cache_memory=1 << 30)
+        base = LLM(**common, dtype="float32", attention_backend="torch", kv_cache_manager="v1")
+        ref = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+        for name, opts in (("triton graphs v2+scratch", {}), ("triton eager", dict(enforce_eager=True)),
+                           ("triton graphs chunk 16", dict(max_num_batched_tokens=16))):
+            llm = LLM.from_config(EngineConfig(**common, dtype="float32", attention_backend="triton", **opts), base)
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            rows.append({"variant": variant, "engine": f"fp32 {name}", "tokens_equal": got == ref,
+                         "cuda_graphs": llm.engine.info.cuda_graphs})
+            _free(llm)
+        bf = {}
+        for name, opts in (("graphs", {}), ("eager", dict(enforce_eager=True))):
+            llm = LLM(**common, dtype="bfloat16", attention_backend="triton", **opts)
+            bf[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            if name == "eager":
+                bf["logit_rel_err"] = _bf16_backend_gap(llm, common)
+            _free(llm)
+        rows.append({"variant": variant, "engine": "bf16 graphs vs eager", "tokens_equal": bf["graphs"] == bf["eager"],
+                     "triton_vs_torch_logit_rel_err": bf["logit_rel_err"]})
+        _free(base)
+        for r in rows[-4:]:
+            print("check", r, flush=True)
+    res["check"] = rows
+
+
+def _bf16_backend_gap(llm, common) -> float:
+    """Relative difference of the first-step logits, bf16: Triton kernels against the torch backend."""
+    from ..config.engine import EngineConfig
+    from ..engine.llm import LLM
+
+    ids = _prompts(1, 200, 280, seed=9)[0]
+    out = {}
+    for backend in ("triton", "torch"):
+        other = llm if backend == "triton" else LLM.from_config(
+            EngineConfig(**common, dtype="bfloat16", attention_backend="torch"), llm)
+        eng = other.engine
+        from ..engine.sampling_params import SamplingParams
+
+        eng.add_request("", SamplingParams(max_tokens=1), prompt_ids=ids)
+        sched = eng.scheduler.schedule()
+        out[backend] = eng.runner.execute(sched.seqs).float()
+        for s in sched.seqs:
+            eng.abort_request(s.request.group_id)
+    return round(((out["triton"] - out["torch"]).norm() / out["torch"].norm()).item(), 5)
+
+
+# -- roofline ------------------------------------------------------------------------------------------
+def section_roofline(res: dict, hbm: float, shapes) -> None:
+    from ..engine.sampling_params import SamplingParams
+
+    rows = []
+    for name in shapes:
+        loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
+        llm = _engine(loaded, kv_cache_memory=8 * GiB, max_num_seqs=1)
+        eng = llm.engine
+        prompt = _prompts(1, 1024, loaded.model.vocab_size)[0]
+        _run_all(llm, [prompt], 8)   # compiles kernels
+        eng.add_request("", SamplingParams(max_tokens=200, ignore_eos=True), prompt_ids=prompt)
+        for _ in range(5):
+            eng.step()
+        torch.cuda.synchronize()
+        steps = 100
+        start = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) / steps * 1e3
+        graph = eng.runner.graphs.graph(1)
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(steps):
+            graph.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        graph_ms = t0.elapsed_time(t1) / steps
+        while eng.has_unfinished_requests():
+            eng.step()
+        ctx = 1024 + 105
+        kv_bytes = sum(s.bytes_per_token() * (min(ctx, s.window) if s.window else ctx)
+                       for s in loaded.model.kv_layer_specs(torch.bfloat16))
+        weights = decode_weight_bytes(loaded.model)
+        roof_ms = (weights + kv_bytes) / (hbm * 1e9) * 1e3
+        rows.append({"shape": name, "weight_read_GB": round(weights / 1e9, 2), "kv_read_MB": round(kv_bytes / 1e6, 1),
+                     "roofline_ms": round(roof_ms, 3), "graph_ms": round(graph_ms, 3),
+                     "engine_step_ms": round(step_ms, 3), "graph_over_roofline": round(graph_ms / roof_ms, 2),
+                     "step_over_roofline": round(step_ms / roof_ms, 2)})
+        print("roofline", rows[-1], flush=True)
+        _free(llm, eng, loaded)
+    res["roofline"] = rows
+
+
+# -- throughput -----------------------------------------------------------------------------------------
+def section_throughput(res: dict, shapes, batch: int = 64) -> None:
+    from .hf_reference import build_hf_model
+
+    rows = []
+    for name in shapes:
+        loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
+        vocab = loaded.model.vocab_size
+        llm = _engine(loaded, kv_cache_memory=32 * GiB, max_num_seqs=batch)
+        _run_all(llm, _prompts(batch, 1024, vocab, seed=batch + 1), 8)   # compile at the measured shapes
+        secs = _run_all(llm, _prompts(batch, 1024, vocab, seed=batch), 128)
+        row = {"shape": name, "batch": batch, "ours_tok_s": round(batch * 128 / secs, 1), "ours_s": round(secs, 2)}
+        _free(llm)
+        hf = build_hf_model(loaded.model, dtype=torch.bfloat16, device="cuda", share=True)
+        ids = torch.tensor(_prompts(batch, 1024, vocab, seed=batch), device="cuda")
+        with torch.no_grad():
+            hf.generate(ids[:2, :64], max_new_tokens=4, do_sample=False, pad_token_id=0)   # warm-up
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128,
+                        do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+        hf_secs = time.perf_counter() - start
+        row.update(hf_tok_s=round(batch * 128 / hf_secs, 1), hf_s=round(hf_secs, 2),
+                   ratio=round(secs and hf_secs / secs, 2))
+        rows.append(row)
+        print("throughput", row, flush=True)
+        _free(hf, ids, loaded)
+    res["throughput"] = rows
+
+
+# -- pressure (seed 004) ---------------------------------------------------------------------------------
+PRESSURE_RUNS = (
+    ("v1", dict(kv_cache_manager="v1")),
+    ("v2", dict(kv_cache_manager="v2", swa_scratch_reuse="off")),
+    ("v2+scratch", dict(kv_cache_manager="v2", swa_scratch_reuse="on")),
+    ("pinned 8K", dict(kv_cache_manager="v2", swa_scratch_reuse="off", pin=8192)),
+    ("pinned 8K+scratch", dict(kv_cache_manager="v2", swa_scratch_reuse="on", pin=8192)),
+    ("pinned 2K+scratch", dict(kv_cache_manager="v2", swa_scratch_reuse="on", pin=2048)),
+)
+
+
+def pressure_budget(specs, tokens: int, seqs: int) -> int:
+    """KV bytes for `seqs` sequences of `tokens` at the theoretical minimum (full layers every token,
+    sliding layers their window): V2 fits about that many, V1 far fewer."""
+    per_seq = sum(s.bytes_per_token() * (min(tokens, s.window) if s.window else tokens) for s in specs)
+    return per_seq * seqs
+
+
+def section_pressure(res: dict, shapes, num_prompts: int = 8, new_tokens: int = 32) -> None:
+    from ..kv.manager_v2 import pinned_pool_split
+
+    out = {}
+    for name in shapes:
+        loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
+        vocab = loaded.model.vocab_size
+        rng = random.Random(4)
+        prompts = [_prompts(1, rng.randrange(8192, 16384), vocab, seed=100 + i)[0] for i in range(num_prompts)]
+        specs = loaded.model.kv_layer_specs(torch.bfloat16)
+        budget = pressure_budget(specs, 16384, 3)
+        rows = []
+        for run, opts in PRESSURE_RUNS:
+            opts = dict(opts)
+            pin = opts.pop("pin", None)
+            if pin is not None:
+                opts["kv_pool_split"] = round(pinned_pool_split(specs, 16, pin), 4)
+            llm = _engine(loaded, kv_cache_memory=budget, enable_prefix_caching=False, max_num_batched_tokens=8192,
+                          max_num_seqs=16, **opts)
+            _run_all(llm, _prompts(1, 512, vocab, seed=3), 4)   # warm-up
+            pre = llm.engine.scheduler.num_preemptions
+            secs = _run_all(llm, prompts, new_tokens)
+            rows.append({"kv": run, "pool_split": opts.get("kv_pool_split"), "seconds": round(secs, 2),
+                         "out_tok_s": round(num_prompts * new_tokens / secs, 1),
+                         "total_tok_s": round((sum(map(len, prompts)) + num_prompts * new_tokens) / secs),
+                         "preemptions": llm.engine.scheduler.num_preemptions - pre})
+            print("pressure", name, rows[-1], flush=True)
+            _free(llm)
+        best_pinned = max(r["total_tok_s"] for r in rows if r["kv"].startswith("pinned"))
+        ours = next(r["total_tok_s"] for r in rows if r["kv"] == "v2+scratch")
+        out[name] = {"kv_cache_bytes": budget, "prompts": num_prompts, "prompt_tokens": sum(map(len, prompts)),
+                     "new_tokens": new_tokens, "rows": rows, "ours_over_best_pinned": round(ours / best_pinned, 3)}
+        _free(loaded)
+    res["pressure"] = out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("sections", nargs="*", default=["check", "roofline", "throughput", "pressure"])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    args = parser.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    out = Path(os.environ.get("OUT", "bench-out")) / "gpu_gemma4.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    hbm = copy_bandwidth()
+    res["hbm_copy_GB_s"] = round(hbm)
+    for name in args.sections:
+        t = time.perf_counter()
+        try:
+            if name == "check":
+                section_check(res)
+            elif name == "roofline":
+                section_roofline(res, hbm, shapes)
+            elif name == "throughput":
+                section_throughput(res, shapes)
+            elif name == "pressure":
+                section_pressure(res, shapes)
+            else:
+                raise ValueError(f"unknown section {name}")
+        except Exception as exc:   # keep the other sections' figures
+            import traceback
+
+            traceback.print_exc()
+            res[f"{name}_error"] = repr(exc)
+        res[f"{name}_seconds"] = round(time.perf_counter() - t, 1)
+        out.write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
