@@ -30,7 +30,8 @@ def variant(request, tmp_path_factory):
 
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                          eos_token_id=[])   # never stop, like ignore_eos (min_new_tokens would forbid EOS)
     return out[0, len(ids):].tolist()
 
 

@@ -13,7 +13,8 @@ from helpers import fresh_seed, save_checkpoint, tiny_hf_model
 
 def _hf_greedy(hf, ids, n):
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                          eos_token_id=[])   # never stop, like ignore_eos (min_new_tokens would forbid EOS)
     return out[0, len(ids):].tolist()
 
 

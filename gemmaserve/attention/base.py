@@ -8,6 +8,7 @@ and states what it can do (`BackendCapabilities`); the rest of the engine asks, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,15 +50,28 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens)
 
+    def last_tokens(self, seqs: list[int]) -> "AttentionMetadata":
+        """The same KV, queried only by the last new token of each of `seqs` (a decode-shaped batch):
+        what layers that write no KV need once only the sampled rows matter."""
+        groups = [dataclasses.replace(g, first_block=[g.first_block[b] for b in seqs],
+                                      slot_ids=[g.slot_ids[b] for b in seqs]) for g in self.groups]
+        return AttentionMetadata([1] * len(seqs), [self.seq_lens[b] for b in seqs], groups, self.layer_slot)
+
 
 class BatchAttention(ABC):
     """Attention for one batch: writes the new K/V of a layer into its pages, then attends."""
 
     @abstractmethod
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                 window: int | None, softcap: float | None = None) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
+                 scale: float, window: int | None, softcap: float | None = None) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. Key k is visible to query q iff
-        k <= q and (window is None or k > q - window)."""
+        k <= q and (window is None or k > q - window). A layer that reads another layer's KV passes
+        no k/v (None): it writes nothing."""
+
+    def last_tokens(self, seqs: list[int]) -> "BatchAttention":
+        """Attention over the same KV for the last new token of each sequence in `seqs` only (see
+        AttentionMetadata.last_tokens); only for layers that write no KV."""
+        raise NotImplementedError(f"{type(self).__name__} cannot narrow its batch")
 
 
 class AttentionBackend(ABC):

@@ -116,6 +116,9 @@ class TorchBatchAttention(BatchAttention):
         self._plans[(group, window)] = plan
         return plan
 
+    def last_tokens(self, seqs):
+        return TorchBatchAttention(self.md.last_tokens(seqs), self.kv_cache, self.specs)
+
     def __call__(self, layer, q, k, v, *, scale, window, softcap=None):
         if softcap is not None:
             raise NotImplementedError("attention soft-capping is not used by Gemma 3/4 text models")

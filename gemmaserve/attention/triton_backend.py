@@ -160,7 +160,8 @@ class DecodeGraphBuffers:
 
 class TritonBatchAttention(BatchAttention):
     def __init__(self, batch: DeviceBatch, layer_slot, kv_cache, specs, query_lens: list[int] | None = None,
-                 sm_count: int = 132):
+                 sm_count: int = 132, metadata: AttentionMetadata | None = None,
+                 backend: "TritonAttentionBackend | None" = None):
         from . import triton_kernels as K
 
         self.K = K
@@ -170,6 +171,13 @@ class TritonBatchAttention(BatchAttention):
         self.kv_cache = kv_cache
         self.specs = specs
         self._query_lens = query_lens
+        self._metadata = metadata
+        self._backend = backend
+
+    def last_tokens(self, seqs):
+        if self._metadata is None or self._backend is None:
+            raise NotImplementedError("a captured decode batch cannot be narrowed")
+        return self._backend.begin_batch(self._metadata.last_tokens(seqs), self.kv_cache)
 
     def _tiles_for(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         bm = self.K.prefill_block_m(head_dim)
@@ -222,9 +230,11 @@ class TritonAttentionBackend(AttentionBackend):
             self._mirrors.append(SlotMirror())
         return build_device_batch(metadata, self._mirrors, self.device)
 
-    def attention_for(self, batch: DeviceBatch, layer_slot, kv_cache,
-                      query_lens: list[int] | None = None) -> TritonBatchAttention:
-        return TritonBatchAttention(batch, layer_slot, kv_cache, self._specs, query_lens, self.sm_count)
+    def attention_for(self, batch: DeviceBatch, layer_slot, kv_cache, query_lens: list[int] | None = None,
+                      metadata: AttentionMetadata | None = None) -> TritonBatchAttention:
+        return TritonBatchAttention(batch, layer_slot, kv_cache, self._specs, query_lens, self.sm_count, metadata,
+                                    self if metadata is not None else None)
 
     def begin_batch(self, metadata, kv_cache):
-        return self.attention_for(self.prepare(metadata), metadata.layer_slot, kv_cache, metadata.query_lens)
+        return self.attention_for(self.prepare(metadata), metadata.layer_slot, kv_cache, metadata.query_lens,
+                                  metadata)

@@ -60,12 +60,17 @@ class ModelRunner:
         if self.graphs is not None and md.is_decode_only and len(seqs) <= self.graphs.max_size:
             return self.graphs.run(input_ids, positions, md)   # decode: every sequence samples
         attn = self.backend.begin_batch(md, self.kv_cache)
-        hidden = self.model(ModelInputs(input_ids, positions, attn))
-        rows, end = [], 0
-        for s in seqs:
+        rows, sampled, end = [], [], 0
+        for b, s in enumerate(seqs):
             end += s.num_new_tokens
             if s.completes:
                 rows.append(end - 1)
+                sampled.append(b)
+        inputs = ModelInputs(input_ids, positions, attn)
+        if len(rows) != end:   # prefill chunks: only the last row of completing sequences is sampled
+            inputs.sample_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+            inputs.sample_seqs = sampled
+        hidden = self.model(inputs)
         if not rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return self.model.compute_logits(hidden)

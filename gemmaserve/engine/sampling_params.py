@@ -34,7 +34,7 @@ class SamplingParams:
     stop_token_ids: list[int] = option(None, parse=any_int, multiple=True, help="extra token ids that end a completion")
     logprobs: int | None = option(None, parse=any_int, help="report the chosen token's log-probability and this many "
                                                             "alternatives (0-20)")
-    ignore_eos: bool = False
+    ignore_eos: bool = option(False, help="keep generating after an end-of-sequence token (until max_tokens)")
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:

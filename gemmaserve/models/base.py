@@ -41,12 +41,18 @@ class ModelInputs:
     `inputs_embeds` (optional) replaces the token embedding of every row (soft tokens of images come
     this way); models still read `input_ids` for what depends on the token id itself (Gemma 4's
     per-layer embeddings look up id 0 there for such rows).
+
+    `sample_rows` (optional): the only rows whose hidden states are wanted, the last new token of each
+    sequence in `sample_seqs` (batch indices). The model returns just those rows, and may skip every
+    other row in layers that write no KV (Gemma 4's KV-shared tail, half of E2B's layers).
     """
 
     input_ids: torch.Tensor                 # [T] int64
     positions: torch.Tensor                 # [T] int64
     attention: BatchAttention
     inputs_embeds: torch.Tensor | None = None
+    sample_rows: torch.Tensor | None = None    # [N] int64 rows of the T, one per sequence in sample_seqs
+    sample_seqs: list[int] | None = None
 
 
 class ModelConfig(Protocol):
@@ -81,7 +87,7 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """Final-normed hidden states [T, H]."""
+        """Final-normed hidden states: [T, H], or [N, H] for `inputs.sample_rows`."""
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

@@ -268,7 +268,7 @@ class Gemma3ForCausalLM(CausalLM):
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, h = layer(x, h, rope_local if layer.is_sliding else rope_global, inputs.attention, next_norm)
-        return h
+        return h if inputs.sample_rows is None else h[inputs.sample_rows]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.model.embed_tokens.weight)

@@ -410,6 +410,8 @@ class Gemma4ForCausalLM(CausalLM):
                 self.register_buffer(f"_inv_freq_{len(keys) - 1}", cfg.rope[t].inv_freq(d), persistent=False)
             self._rope_of_layer.append(keys.index((cfg.rope[t], d)))
         self._num_ropes = len(keys)
+        shared = [i for i, src in enumerate(cfg.kv_sources) if src is not None]
+        self._first_kv_shared = shared[0] if shared else cfg.num_hidden_layers
 
     # -- engine hooks ---------------------------------------------------------------------
     def engine_preferences(self) -> ModelPreferences:
@@ -431,13 +433,20 @@ class Gemma4ForCausalLM(CausalLM):
         ple = self._per_layer_inputs(inputs.input_ids, x) if cfg.hidden_size_per_layer_input else None
         tables = [RopeParams.cos_sin(getattr(self, f"_inv_freq_{j}"), inputs.positions, x.dtype)
                   for j in range(self._num_ropes)]
-        layers = m.layers
+        layers, attn, rows = m.layers, inputs.attention, inputs.sample_rows
         h = rms_norm(x, layers[0].input_layernorm.weight, layers[0].kind)
         for i, layer in enumerate(layers):
+            if rows is not None and i == self._first_kv_shared:
+                # From here no layer writes KV, so rows nobody samples are dead: keep only the sampled ones.
+                if rows.numel() == 0:
+                    return h[rows]
+                x, h = x[rows], h[rows]
+                ple = None if ple is None else ple[rows]
+                tables = [(c[rows], s[rows]) for c, s in tables]
+                attn, rows = attn.last_tokens(inputs.sample_seqs), None
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.norm
-            x, h = layer(x, h, tables[self._rope_of_layer[i]], inputs.attention,
-                         None if ple is None else ple[:, i], next_norm)
-        return h
+            x, h = layer(x, h, tables[self._rope_of_layer[i]], attn, None if ple is None else ple[:, i], next_norm)
+        return h if rows is None else h[rows]
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[T, L, P]: (RMSNorm(embeds @ W^T * H^-1/2) + E_ple[ids] * sqrt(P)) * 2^-1/2, as HF scales it."""
