@@ -55,6 +55,8 @@ class EngineConfig:
     enforce_eager: bool = option(False, help="never use CUDA graphs (decode steps are captured by default on CUDA)")
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
                                     help="attention implementation; auto = triton on CUDA, torch on the CPU")
+    # Benchmark only, no flag: pin V2's pool split at this sliding share (emulates per-life-cycle pools).
+    kv_pool_split: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -78,6 +80,9 @@ class EngineConfig:
             raise UserInputError(f"swa_scratch_reuse must be one of {', '.join(SCRATCH_CHOICES)}")
         if self.enable_prefix_caching not in (None, True, False):
             raise UserInputError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}")
+        if self.kv_pool_split is not None and not (isinstance(self.kv_pool_split, float)
+                                                   and 0.0 < self.kv_pool_split < 1.0):
+            raise UserInputError(f"kv_pool_split must be a float in (0, 1), got {self.kv_pool_split!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
 

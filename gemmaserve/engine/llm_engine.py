@@ -72,7 +72,8 @@ class LLMEngine:
         self.kv = create_kv_manager(self.cache_options.kv_cache_manager, specs, config.page_size,
                                     config.kv_budget_bytes(self.device),
                                     enable_prefix_caching=self.cache_options.enable_prefix_caching,
-                                    enable_scratch=self.cache_options.swa_scratch_reuse)
+                                    enable_scratch=self.cache_options.swa_scratch_reuse,
+                                    sliding_share=config.kv_pool_split)
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                       and self.backend.capabilities.cuda_graphs)
         self.runner = ModelRunner(self.model, self.backend, self.kv, specs, self.device, cuda_graphs=use_graphs,
@@ -104,7 +105,7 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queue a request (`params.n` completions). Returns its id; outputs carry it."""
         ids = self.tokenize(prompt) if prompt_ids is None else list(prompt_ids)
-        self.check_request(ids, params)
+        max_chunk = self.check_request(ids, params)
         group_id = request_id if request_id is not None else str(next(self._ids))
         if not isinstance(group_id, str) or not group_id:
             raise UserInputError("request_id must be a non-empty string")
@@ -125,7 +126,7 @@ class LLMEngine:
                 prompt=prompt, prompt_token_ids=ids, params=params, eos_token_ids=self.tokenizer.stop_token_ids,
                 max_total_tokens=max_total,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                generator=generator,
+                generator=generator, max_chunk_tokens=max_chunk,
                 # Siblings wait for the first one's prompt, then share its pages via the prefix cache.
                 wait_for=group[0] if i and self.cache_options.enable_prefix_caching else None)
             group.append(req)
@@ -135,9 +136,10 @@ class LLMEngine:
             self.scheduler.add(req)
         return group_id
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int | None:
         """Raise UserInputError if the request can never run (too long, larger than the KV budget,
-        or naming tokens the model does not have)."""
+        or naming tokens the model does not have). Returns the most prompt tokens it may prefill in
+        one step when it fits only in chunks smaller than `max_num_batched_tokens`, else None."""
         params.validate()
         n = len(prompt_ids)
         if n >= self.max_model_len:
@@ -151,11 +153,17 @@ class LLMEngine:
             raise UserInputError(f"prompt token ids must be in [0, {vocab})")
         peak = min(n + params.max_tokens, self.max_model_len)
         chunk = self.config.max_num_batched_tokens
-        if not self.kv.fits_ever(peak, chunk):
-            need = self.kv.peak_pages(peak, chunk) * self.kv.page_bytes
-            have = self.kv.num_pages * self.kv.page_bytes
-            raise UserInputError(f"request needs {format_bytes(need)} of KV cache for {peak} tokens, but the "
-                                 f"KV cache has {format_bytes(have)}; raise --kv-cache-memory or lower max_tokens")
+        fitting = self.kv.max_chunk(peak, chunk)
+        if fitting == chunk:
+            return None
+        if fitting:
+            log.info("a request of %d tokens fits the KV cache only in prefill chunks of %d tokens", peak, fitting)
+            return fitting
+        need = self.kv.peak_pages(peak, 1)
+        why = " (its pinned pool split leaves one side too small)" if need <= self.kv.num_pages else ""
+        raise UserInputError(f"request needs {format_bytes(need * self.kv.page_bytes)} of KV cache for {peak} tokens, "
+                             f"but the KV cache has {format_bytes(self.kv.num_pages * self.kv.page_bytes)}{why}; "
+                             "raise --kv-cache-memory or lower max_tokens")
 
     def request(self, request_id: str) -> Request:
         """An unfinished engine request by its engine id (a group of n > 1 has ids "<id>#<index>")."""

@@ -49,6 +49,7 @@ class Request:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None
     wait_for: "Request | None" = None      # admit only once this request's prompt is in the KV cache
+    max_chunk_tokens: int | None = None    # prefill at most this many tokens a step (it fits only so)
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)

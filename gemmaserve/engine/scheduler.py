@@ -11,9 +11,13 @@ needs one token. Each step, within `max_num_batched_tokens` and `max_num_seqs`:
      new ones. A completion of an n > 1 group waits until its first sibling's prompt is cached, then
      reuses those KV pages through the prefix cache.
 
-When pages run out, the most recently admitted running request is preempted: its pages are freed,
-its tokens kept, and it is recomputed later (mostly from prefix-cache hits). No request is admitted
-in a step that preempted one, so freed pages go back to the preempted, not to newcomers.
+Admission looks ahead: a request is admitted only if the pages free after its first step still
+cover what every admitted prompt needs to finish its prefill (and this one's own), so prompts are
+not admitted only to be preempted half-way (with scratch a first chunk is cheap, the rest of the
+prompt is not; a preempted prompt is computed again). Decodes still grow into the free pages: when
+pages run out, the most recently admitted running request is preempted: its pages are freed, its
+tokens kept, and it is recomputed later (mostly from prefix-cache hits). No request is admitted in
+a step that preempted one, so freed pages go back to the preempted, not to newcomers.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ class Scheduler:
                 continue
             if used >= self.max_num_batched_tokens:
                 break
-            n = min(req.num_pending_tokens, self.max_num_batched_tokens - used)
+            n = self._chunk(req, req.num_pending_tokens, self.max_num_batched_tokens - used)
             preemptions = len(out.preempted)
             scheduled = self._allocate_or_preempt(req, n, out)
             if scheduled:
@@ -97,6 +101,11 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_tokens - 1]
+        owed = sum(self._prefill_growth(r) for r in prefilling)
+        # One step's worth of transient pages on top (a chunk's sliding blocks before its commit
+        # drops them): the token budget bounds what all of a step's chunks hold together.
+        transient = max((self._step_transient(r) for r in prefilling), default=0)
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
@@ -105,9 +114,13 @@ class Scheduler:
                 continue  # its first sibling has not cached the shared prompt yet
             tokens = req.all_token_ids
             hit = self.kv.lookup(req.request_id, tokens)
-            n = min(req.num_tokens - hit, budget)
+            transient = max(transient, self._step_transient(req, hit))
+            if self.running and self.kv.num_free_pages < owed + transient + self.kv.pages_at(req.num_tokens):
+                return  # its prompt would later take pages an admitted prompt needs (or lack its own)
+            n = self._chunk(req, req.num_tokens - hit, budget)
             if not self.kv.allocate(req.request_id, tokens, hit, hit + n, prefill=True):
                 return  # first come, first served: nobody overtakes a request that does not fit
+            owed += self._prefill_growth(req, hit + n)
             self.waiting.remove(req)
             req.num_computed_tokens = hit
             req.num_cached_tokens += hit
@@ -117,6 +130,29 @@ class Scheduler:
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, n))
             budget -= n
+
+    def _prefill_growth(self, req: Request, computed: int | None = None) -> int:
+        """Pages `req` still needs to hold its whole prompt (its tokens so far, for a preempted
+        one) beyond what it holds, while fewer than all of them (`computed`) are computed."""
+        if computed is None:
+            computed = req.num_computed_tokens
+        if computed >= req.num_tokens:
+            return 0
+        return max(0, self.kv.pages_at(req.num_tokens) - self.kv.pages_held(req.request_id))
+
+    def _step_transient(self, req: Request, computed: int | None = None) -> int:
+        """Pages a prefill step of `req` holds beyond what the sequence keeps between steps (its
+        remaining steps are no longer than what is left of its prompt)."""
+        left = req.num_tokens - (req.num_computed_tokens if computed is None else computed)
+        chunk = min(left, req.max_chunk_tokens or self.max_num_batched_tokens)
+        return max(0, self.kv.peak_pages(req.num_tokens, chunk) - self.kv.pages_at(req.num_tokens))
+
+    @staticmethod
+    def _chunk(req: Request, pending: int, budget: int) -> int:
+        """Tokens to run for `req` this step: within the budget, and within its own chunk limit (a
+        request that fits the KV cache only when prefilled in smaller chunks)."""
+        n = min(pending, budget)
+        return n if req.max_chunk_tokens is None else min(n, req.max_chunk_tokens)
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Pages for `n` more tokens of `req`, preempting the most recently admitted requests as

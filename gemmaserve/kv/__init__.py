@@ -18,8 +18,10 @@ def page_bytes_for(manager: str, specs: list[LayerSpec], page_size: int) -> int:
 
 
 def create_kv_manager(manager: str, specs: list[LayerSpec], page_size: int, budget_bytes: int, *,
-                      enable_prefix_caching: bool = False, enable_scratch: bool = False) -> KVCacheManager:
-    """A manager whose pool fits in `budget_bytes`. Fails if the budget cannot hold even one token."""
+                      enable_prefix_caching: bool = False, enable_scratch: bool = False,
+                      sliding_share: float | None = None) -> KVCacheManager:
+    """A manager whose pool fits in `budget_bytes`. Fails if the budget cannot hold even one token.
+    `sliding_share` pins V2's pool split between sliding and full groups (benchmarks only)."""
     page_bytes = page_bytes_for(manager, specs, page_size)
     num_pages = budget_bytes // page_bytes
     if manager == "v1":
@@ -32,10 +34,12 @@ def create_kv_manager(manager: str, specs: list[LayerSpec], page_size: int, budg
             f"needs {minimum} pages of {format_bytes(page_bytes)} ({format_bytes(minimum * page_bytes)}); "
             "raise --kv-cache-memory or lower --page-size")
     if manager == "v1":
+        if sliding_share is not None:
+            raise UserInputError("a pinned pool split needs KV cache manager v2")
         return KVCacheManagerV1(specs, page_size, num_pages)
     if manager == "v2":
         return KVCacheManagerV2(specs, page_size, num_pages, enable_prefix_caching=enable_prefix_caching,
-                                enable_scratch=enable_scratch)
+                                enable_scratch=enable_scratch, sliding_share=sliding_share)
     raise UserInputError(f"unknown KV cache manager {manager!r} (v1 or v2)")
 
 

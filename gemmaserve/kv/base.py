@@ -118,6 +118,27 @@ class KVCacheManager(ABC):
     def fits_ever(self, num_tokens: int, chunk: int) -> bool:
         return self.peak_pages(num_tokens, chunk) <= self.num_pages
 
+    def max_chunk(self, num_tokens: int, chunk: int) -> int:
+        """The largest step size <= `chunk` with which a sequence of `num_tokens` tokens fits the pool
+        (the peak grows with the step size), or 0 if none does."""
+        if self.fits_ever(num_tokens, chunk):
+            return chunk
+        if not self.fits_ever(num_tokens, 1):
+            return 0
+        lo, hi = 1, chunk
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits_ever(num_tokens, mid) else (lo, mid)
+        return lo
+
+    @abstractmethod
+    def pages_at(self, num_tokens: int) -> int:
+        """Pages a sequence holds between steps once `num_tokens` tokens are computed."""
+
+    @abstractmethod
+    def pages_held(self, seq_id: str) -> int:
+        """Pages a sequence holds now (0 if unknown)."""
+
     # -- life cycle ----------------------------------------------------------------------------
     def lookup(self, seq_id: str, token_ids: list[int]) -> int:
         """Tokens at the start of `token_ids` whose KV can be reused (never the last one)."""

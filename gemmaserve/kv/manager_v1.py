@@ -54,6 +54,12 @@ class KVCacheManagerV1(KVCacheManager):
     def peak_pages(self, num_tokens: int, chunk: int) -> int:
         return self._group.num_blocks(num_tokens)
 
+    def pages_at(self, num_tokens: int) -> int:
+        return self._group.num_blocks(num_tokens)
+
+    def pages_held(self, seq_id: str) -> int:
+        return len(self._tables.get(seq_id, ()))
+
     def allocate(self, seq_id, token_ids, start, end, prefill) -> bool:
         table = self._tables.setdefault(seq_id, [])
         missing = self._group.num_blocks(end) - len(table)

@@ -18,6 +18,10 @@ lives while each layer computes its own attention over the chunk. Such blocks ge
     of the group; blocks 5-7 are real (one page per layer). Peak for the group: 5 + 3 x layers pages
     instead of 8 x layers.
 
+Pinned split (a benchmark knob, `sliding_share`): sliding groups may hold at most that share of the
+pool and full groups the rest, as engines with one pool per life cycle do. It emulates the pinned
+pool ratios seed 004 measures; the engine itself never sets it (one pool, no ratio to guess).
+
 Prefix reuse: full blocks are registered under a hash chain of their tokens. A cache hit at m
 tokens needs every block of full groups below m, and for sliding groups only the blocks the query
 at m reads (the window tail). Scratch blocks have no pages to keep, but the window at every chunk
@@ -67,6 +71,7 @@ class _Seq:
     num_computed: int = 0
     chain: list[bytes] = field(default_factory=list)
     room: int = 0        # tokens [0, room) have pages in every group: allocating below it is a no-op
+    pages: int = 0       # pages of the slots in its tables (shared prefix hits included)
     next_event: int = 0  # the first position where a commit registers a block or drops a stale one
 
 
@@ -74,7 +79,8 @@ class KVCacheManagerV2(KVCacheManager):
     name = "v2"
 
     def __init__(self, specs: list[LayerSpec], page_size: int, num_pages: int, *,
-                 enable_prefix_caching: bool = True, enable_scratch: bool = False, salt: bytes | str = b""):
+                 enable_prefix_caching: bool = True, enable_scratch: bool = False, salt: bytes | str = b"",
+                 sliding_share: float | None = None):
         super().__init__(specs, page_size)
         geo = derive_groups(specs, page_size)
         self._groups = geo.groups
@@ -92,6 +98,21 @@ class KVCacheManagerV2(KVCacheManager):
         self._root = chain_root(salt)
         self._query_tokens = 0
         self._hit_tokens = 0
+        self._caps: dict[bool, int] | None = None      # pinned split: most pages per side (sliding?)
+        self._held = {True: 0, False: 0}               # pages in slots per side
+        self._peak_memo: dict[tuple[int, int, tuple[bool, ...]], int] = {}
+        if sliding_share is not None:
+            self._caps = self._pinned_caps(sliding_share)
+
+    def _pinned_caps(self, share: float) -> dict[bool, int]:
+        if not 0.0 < share < 1.0:
+            raise ValueError(f"sliding share of the pool must be in (0, 1), got {share}")
+        if self.enable_prefix_caching:
+            raise ValueError("a pinned pool split is a benchmark knob that needs prefix caching off")
+        if {g.sliding for g in self._groups} != {True, False}:
+            raise ValueError("a pinned pool split needs both sliding and full groups")
+        sliding = int(self.pool.num_pages * share)
+        return {True: sliding, False: self.pool.num_pages - sliding}
 
     # -- geometry -----------------------------------------------------------------------------
     @property
@@ -107,13 +128,69 @@ class KVCacheManagerV2(KVCacheManager):
         return self._layer_slot
 
     def peak_pages(self, num_tokens: int, chunk: int) -> int:
+        """The most pages one sequence holds during any step, for every way the scheduler may cut it
+        into steps of at most `chunk` tokens (starts anywhere, prefix hits included)."""
+        return self._peak(num_tokens, chunk, (True, False))
+
+    def pages_at(self, num_tokens: int) -> int:
         total = 0
         for g in self._groups:
-            blocks = g.num_blocks(num_tokens)
-            if g.sliding:  # window + one chunk resident (scratch only lowers this)
-                blocks = min(blocks, g.num_blocks(g.window - 1 + min(chunk, num_tokens)) + 1)
-            total += blocks * g.num_layers
+            total += (g.num_blocks(num_tokens) - g.first_needed_block(num_tokens)) * g.num_layers
         return total
+
+    def pages_held(self, seq_id: str) -> int:
+        seq = self._seqs.get(seq_id)
+        return 0 if seq is None else seq.pages
+
+    def fits_ever(self, num_tokens: int, chunk: int) -> bool:
+        if self._caps is None:
+            return super().fits_ever(num_tokens, chunk)
+        return all(self._peak(num_tokens, chunk, (side,)) <= cap for side, cap in self._caps.items())
+
+    def _peak(self, num_tokens: int, chunk: int, sides: tuple[bool, ...]) -> int:
+        span = min(chunk, num_tokens)
+        key = (num_tokens, span, sides)
+        if key not in self._peak_memo:
+            if len(self._peak_memo) > 4096:
+                self._peak_memo.clear()
+            groups = [g for g in self._groups if g.sliding in sides]
+            windows = [g.window for g in groups if g.sliding]
+            if not windows:   # full groups only: every block, at the end
+                peak = sum(g.num_blocks(num_tokens) * g.num_layers for g in groups)
+            else:
+                peak = max(sum(self._step_pages(g, s, min(s + span, num_tokens)) for g in groups)
+                           for s in self._step_starts(max(windows), num_tokens, span))
+            self._peak_memo[key] = peak
+        return self._peak_memo[key]
+
+    def _step_pages(self, g: KVGroup, start: int, end: int) -> int:
+        """Pages group `g` holds while a step computes [start, end), as `allocate` plans it. Full
+        groups: every block up to `end`. Sliding groups: the real blocks the query at `start` reads,
+        then the new blocks, scratch where stale by the step's last hit point. A longer step never
+        holds fewer pages, so steps of the most tokens from each start are the worst case."""
+        end_block = g.num_blocks(end)
+        if not g.sliding:
+            return end_block * g.num_layers
+        first_new = g.num_blocks(start)
+        behind = first_new - g.first_needed_block(start)
+        stale = 0
+        if self.enable_scratch and end - start > 1:
+            stale = max(0, min(g.first_needed_block((end - 1) // self._hit_step * self._hit_step), end_block)
+                        - first_new)
+        return (behind + end_block - first_new - stale) * g.num_layers + stale
+
+    def _step_starts(self, window: int, num_tokens: int, span: int) -> list[int]:
+        """Step starts that cover the maximum of the pages held. Once the window is full
+        (start >= W - 1) and the step ends before the sequence does, sliding groups hold a number
+        that is periodic in the start with period H (the hit step: every block edge, window edge and
+        hit point moves by whole blocks) while full groups only grow, so the first W + 2H starts and
+        the period before the last full-length step cover those; where steps end at the sequence's
+        end, a later start only trades new blocks for nothing, so one period past it covers the rest."""
+        h = self._hit_step
+        head = range(0, min(num_tokens, window + 2 * h))
+        tail = range(max(head.stop, num_tokens - span - h),
+                     min(num_tokens, num_tokens - span + 2 * h + max(g.tokens_per_page for g in self._groups)))
+        return [*head, *tail]
 
     # -- prefix lookup --------------------------------------------------------------------------
     def _block_key(self, chain: list[bytes], g: KVGroup, block: int) -> bytes:
@@ -172,6 +249,7 @@ class KVCacheManagerV2(KVCacheManager):
         # Per group: the blocks reused from the cache (new sequences only), then fresh blocks.
         plan: list[tuple[int, list[Slot], list[bool]]] = []    # (first block, hits, fresh-is-scratch)
         need = reviving = 0
+        side_need = {True: 0, False: 0}
         for g in self._groups:
             if new_seq:
                 first = g.first_needed_block(start)
@@ -187,10 +265,14 @@ class KVCacheManagerV2(KVCacheManager):
             # (the last prompt token is always recomputed, so a repeated prompt hits just before it).
             stale_at_end = g.first_needed_block(keep) if scratch_ok and g.sliding else 0
             fresh = [b < stale_at_end for b in range(next_block, g.num_blocks(end))]
-            need += sum(1 if scratch else g.num_layers for scratch in fresh)
+            pages = sum(1 if scratch else g.num_layers for scratch in fresh)
+            need += pages
+            side_need[g.sliding] += pages
             reviving += sum(len(s.pages) for s in hits if self.cache.is_parked(s))
             plan.append((first, hits, fresh))
         if self.pool.num_free + self.cache.evictable_pages - reviving < need:
+            return False
+        if self._caps is not None and any(self._held[side] + side_need[side] > cap for side, cap in self._caps.items()):
             return False
         for _, hits, _ in plan:
             for slot in hits:
@@ -200,6 +282,7 @@ class KVCacheManagerV2(KVCacheManager):
         if new_seq:
             seq = _Seq([_BlockTable(first, list(hits), [h.row for h in hits], start // g.tokens_per_page)
                         for g, (first, hits, _) in zip(self._groups, plan)], start, chain)
+            seq.pages = sum(len(s.pages) for _, hits, _ in plan for s in hits)
             self._seqs[seq_id] = seq
             if self.enable_prefix_caching:
                 self._query_tokens += len(token_ids) - 1
@@ -207,6 +290,8 @@ class KVCacheManagerV2(KVCacheManager):
         for g, (_, _, fresh) in zip(self._groups, plan):
             for scratch in fresh:
                 slot = self.rows[g.index].add(g.index, self.pool.allocate(1 if scratch else g.num_layers), scratch)
+                self._held[g.sliding] += len(slot.pages)
+                seq.pages += len(slot.pages)
                 slot.ref = 1
                 seq.tables[g.index].append(slot)
                 if scratch:
@@ -230,6 +315,7 @@ class KVCacheManagerV2(KVCacheManager):
 
     def _destroy(self, slot: Slot) -> None:
         self.rows[slot.group].remove(slot)
+        self._held[self._groups[slot.group].sliding] -= len(slot.pages)
         self.pool.free(list(slot.pages))
 
     # -- after a step ---------------------------------------------------------------------------
@@ -258,6 +344,7 @@ class KVCacheManagerV2(KVCacheManager):
             drop = min(g.first_needed_block(num_computed), table.end) - table.first
             if drop > 0:
                 for slot in table.drop_front(drop):
+                    seq.pages -= len(slot.pages)
                     self._release(slot)
         seq.next_event = min(self._next_event(g, num_computed) for g in self._groups)
 
@@ -343,6 +430,7 @@ class KVCacheManagerV2(KVCacheManager):
                     assert table.first >= first_needed, (
                         f"{seq_id}: sliding group {g.index} holds block {table.first}, out of every window "
                         f"(first needed {first_needed})")
+            assert seq.pages == sum(len(s.pages) for t in seq.tables for s in t.slots), f"{seq_id}: page count"
         for rows in self.rows:
             for slot in rows.live.values():
                 assert slot.ref == refs.get(id(slot), 0), f"slot ref {slot.ref} != {refs.get(id(slot), 0)} holders"
@@ -351,5 +439,21 @@ class KVCacheManagerV2(KVCacheManager):
         for slot in self.cache.registered():
             assert self.cache.get(slot.group, slot.key) is slot, "cache key map inconsistent"
         assert self.cache.evictable_pages == sum(len(s.pages) for s in self.cache.parked())
+        for side in (True, False):
+            held = sum(self._groups[s.group].sliding == side for s in page_owner.values())   # one entry per page
+            assert self._held[side] == held, f"{self._held[side]} pages counted on one side, {held} held"
+            assert self._caps is None or held <= self._caps[side], "a pinned side exceeds its share"
         assert len(page_owner) + self.pool.num_free == self.num_pages, (
             f"{len(page_owner)} pages in slots + {self.pool.num_free} free != {self.num_pages}")
+
+
+def pinned_pool_split(specs: list[LayerSpec], page_size: int, expected_len: int) -> float:
+    """The sliding groups' share of the pages that sequences of `expected_len` tokens hold (the
+    live blocks of each group at that length): the ratio a per-life-cycle pool sizing recipe pins
+    for that expected input length."""
+    geo = derive_groups(specs, page_size)
+    pages = {True: 0, False: 0}
+    for g in geo.groups:
+        live = g.num_blocks(expected_len + 1) - g.first_needed_block(expected_len)
+        pages[g.sliding] += live * g.num_layers
+    return pages[True] / (pages[True] + pages[False])
