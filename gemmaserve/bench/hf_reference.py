@@ -53,6 +53,7 @@ def build_hf_model(model: CausalLM, dtype: torch.dtype = torch.float32, attn_imp
     else:
         with _no_init():
             hf = cls(hf_cfg)
+    hf.requires_grad_(False)   # assigned parameters keep this flag: ours may be inference tensors
     sd = hf_state_dict(model)
     sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     missing, unexpected = hf.load_state_dict(sd, strict=False, assign=share)
