@@ -110,6 +110,25 @@ def tiny_gemma4_hf(seed: int, variant: str, **overrides):
     return model
 
 
+def routing_margin(hf_model, ids: list[int]) -> float:
+    """The smallest gap, over every layer and token of `ids`, between the k-th and (k+1)-th router
+    probabilities of an HF Gemma 4 MoE model (inf for dense models). Below ~1e-5 a ~1e-6 difference
+    in the router's input can swap an expert: at such a near tie either choice is right."""
+    routers = [layer.router for layer in hf_model.model.layers if hasattr(layer, "router")]
+    if not routers:
+        return float("inf")
+    k = hf_model.config.top_k_experts
+    gaps: list[float] = []
+    hooks = [r.register_forward_hook(
+        lambda m, a, out: gaps.append((lambda p: (p[..., k - 1] - p[..., k]).min().item())(
+            out[0].sort(dim=-1, descending=True).values))) for r in routers]
+    with torch.no_grad():
+        hf_model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return min(gaps)
+
+
 def ours_from_hf(hf_model):
     """Our model (the class the registry picks for this config) holding the HF model's weights."""
     from gemmaserve.models.registry import model_class_for_hf

@@ -22,7 +22,7 @@ from gemmaserve import LLM, SamplingParams
 from gemmaserve.models.gemma4 import Gemma4Config
 from gemmaserve.models.tokenizer import Tokenizer
 
-from helpers import fresh_seed, save_checkpoint, tiny_gemma4_hf
+from helpers import fresh_seed, routing_margin, save_checkpoint, tiny_gemma4_hf
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 PROMPT = "hello world this is a test of sliding windows"   # ~45 tokens: many windows of 4-6
@@ -52,6 +52,8 @@ def _assert_greedy_like_hf(hf, ids: list[int], got: list[int], n: int, what: str
     with torch.no_grad():
         logits = hf(torch.tensor([ids + expected[:j]])).logits[0, -1]
     gap = (logits[expected[j]] - logits[got[j]]).item()
+    if gap >= 1e-4 and routing_margin(hf, ids + expected[:j]) < 1e-5:
+        return   # an MoE router's top-k was a near tie on the way: either expert set is right
     assert gap < 1e-4, f"{what}: token {j} is {got[j]}, transformers' is {expected[j]} (logit gap {gap:.3g})"
 
 

@@ -83,14 +83,15 @@ def _run(llm: LLM, params: SamplingParams, check_each_step: bool = True):
 
 @pytest.mark.parametrize("manager, scratch", [("v1", "off"), ("v2", "off"), ("v2", "on")])
 def test_preemption_under_small_budget_gives_identical_greedy_output(tiny_dir, manager, scratch):
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
     opts = dict(page_size=4, kv_cache_manager=manager, swa_scratch_reuse=scratch, max_num_batched_tokens=64)
     roomy = LLM(model=str(tiny_dir), **opts)
     ref = _run(roomy, params)
-    # Room for the longest request at its peak, but far less than all six together.
+    # Room for the longest request at its peak, but far less than all six together. Admission keeps
+    # room for admitted prompts, so it is the long decodes growing together that preempt.
     kv = roomy.engine.kv
     longest = max(len(roomy.tokenizer.encode(p)) for p in PROMPTS) + params.max_tokens
-    budget = int(1.3 * kv.peak_pages(longest, 64)) * kv.page_bytes
+    budget = int(2.0 * kv.peak_pages(longest, 64)) * kv.page_bytes
     tight = LLM(model=str(tiny_dir), kv_cache_memory=budget, **opts)
     got = _run(tight, params)
     assert tight.engine.scheduler.num_preemptions > 0
