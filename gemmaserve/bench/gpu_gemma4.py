@@ -10,7 +10,7 @@ weights at the real shapes (E2B, E4B, 12B, 26B-A4B, 31B; bench/synthetic.py). Se
   throughput  batch 64 (prompt 1024, 128 new tokens) against Hugging Face `generate` on the same weights
   pressure    seed 004's experiment: KV capped, long prompts; V1, V2, V2 + scratch, and V2 with the pool
               split at a pinned sliding:global ratio (the recipe's expected input length 8K, and a mis-guessed
-              2K), scratch off and on
+              2K), scratch off and on; `--repeats N` times each (median)
 
 Writes $OUT/gpu_gemma4.json after every section (a timeout keeps what finished); a table last.
 """
@@ -222,7 +222,7 @@ def pressure_budget(specs, tokens: int, seqs: int) -> int:
     return per_seq * seqs
 
 
-def section_pressure(res: dict, shapes, num_prompts: int = 8, new_tokens: int = 32) -> None:
+def section_pressure(res: dict, shapes, num_prompts: int = 8, new_tokens: int = 32, repeats: int = 1) -> None:
     from ..engine.sampling_params import SamplingParams
     from ..errors import UserInputError
     from ..kv.manager_v2 import pinned_pool_split
@@ -255,10 +255,12 @@ def section_pressure(res: dict, shapes, num_prompts: int = 8, new_tokens: int = 
                 continue
             _run_all(llm, _prompts(1, 512, vocab, seed=3), 4)   # warm-up
             pre = llm.engine.scheduler.num_preemptions
-            secs = _run_all(llm, prompts, new_tokens)
+            runs = sorted(_run_all(llm, prompts, new_tokens) for _ in range(repeats))
+            secs = runs[len(runs) // 2]   # the median run; all of them in "runs_s"
             rows.append({**row, "seconds": round(secs, 2), "out_tok_s": round(num_prompts * new_tokens / secs, 1),
                          "total_tok_s": round((sum(map(len, prompts)) + num_prompts * new_tokens) / secs),
-                         "preemptions": llm.engine.scheduler.num_preemptions - pre})
+                         "preemptions": (llm.engine.scheduler.num_preemptions - pre) // repeats,
+                         "runs_s": [round(r, 3) for r in runs]})
             print("pressure", name, rows[-1], flush=True)
             del llm
             _free()
@@ -270,12 +272,12 @@ def section_pressure(res: dict, shapes, num_prompts: int = 8, new_tokens: int = 
         _free()
 
 
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("sections", nargs="*", default=["check", "roofline", "throughput", "pressure"])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--variants", default="31b,26b_a4b,e2b,12b_unified", help="tiny variants the check runs")
+    parser.add_argument("--repeats", type=int, default=1, help="pressure: timed runs per configuration (median)")
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     out = Path(os.environ.get("OUT", "bench-out")) / "gpu_gemma4.json"
@@ -293,7 +295,7 @@ def main(argv: list[str]) -> int:
             elif name == "throughput":
                 section_throughput(res, shapes)
             elif name == "pressure":
-                section_pressure(res, shapes)
+                section_pressure(res, shapes, repeats=args.repeats)
             else:
                 raise ValueError(f"unknown section {name}")
         except Exception as exc:   # keep the other sections' figures
