@@ -144,7 +144,9 @@ class Scheduler:
         """Pages a prefill step of `req` holds beyond what the sequence keeps between steps (its
         remaining steps are no longer than what is left of its prompt)."""
         left = req.num_tokens - (req.num_computed_tokens if computed is None else computed)
-        chunk = min(left, req.max_chunk_tokens or self.max_num_batched_tokens)
+        # Rounded up to a power of two (a larger step never holds fewer pages): a handful of distinct
+        # (length, step) pairs per request, so the manager's memoised peak is not recomputed every step.
+        chunk = min(1 << max(0, left - 1).bit_length(), req.max_chunk_tokens or self.max_num_batched_tokens)
         return max(0, self.kv.peak_pages(req.num_tokens, chunk) - self.kv.pages_at(req.num_tokens))
 
     @staticmethod
