@@ -57,15 +57,19 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """Run one step. Returns logits [N, V] for the N sequences with `completes` (in order)."""
         input_ids, positions, md = self.build_metadata(seqs)
-        if self.graphs is not None and md.is_decode_only and len(seqs) <= self.graphs.max_size:
-            return self.graphs.run(input_ids, positions, md)   # decode: every sequence samples
-        attn = self.backend.begin_batch(md, self.kv_cache)
         rows, sampled, end = [], [], 0
         for b, s in enumerate(seqs):
             end += s.num_new_tokens
             if s.completes:
                 rows.append(end - 1)
                 sampled.append(b)
+        if self.graphs is not None and md.is_decode_only and len(seqs) <= self.graphs.max_size:
+            logits = self.graphs.run(input_ids, positions, md)   # a logit row per sequence
+            if len(sampled) == len(seqs):
+                return logits
+            # A one-token row can be a prefill chunk that does not complete its prompt: no sample.
+            return logits[torch.tensor(sampled, dtype=torch.long, device=logits.device)] if sampled else None
+        attn = self.backend.begin_batch(md, self.kv_cache)
         inputs = ModelInputs(input_ids, positions, attn)
         if len(rows) != end:   # prefill chunks: only the last row of completing sequences is sampled
             inputs.sample_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
