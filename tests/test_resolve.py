@@ -87,6 +87,19 @@ def test_kv_sharing_must_read_the_last_writer_for_scratch():
         _resolve(specs=bad, swa_scratch_reuse="on")
 
 
+def test_scratch_guard_groups_layers_at_the_real_page_size():
+    """Layer 0 (3 KV heads) and layer 1 (2 KV heads) share a window. At page size 16 they hold 16 and
+    24 tokens per page: two groups, layer 0 the last writer of its own, so its reader (layer 3) is safe.
+    The guard used to group at page size 1 (1 token per page each: one group, layer 1 last) and
+    turned scratch off for nothing; at page size 1 that is the real geometry, and it still does."""
+    f32 = torch.float32
+    specs = [LayerSpec(AttentionKind.SLIDING, 3, 8, f32, window=4), LayerSpec(AttentionKind.SLIDING, 2, 8, f32, window=4),
+             LayerSpec(AttentionKind.FULL, 1, 8, f32), LayerSpec(AttentionKind.SLIDING, 3, 8, f32, window=4, kv_source=0)]
+    assert _resolve(specs=specs, page_size=16).swa_scratch_reuse is True
+    r = _resolve(specs=specs, page_size=1)
+    assert r.swa_scratch_reuse is False and any("not the last layer" in d for d in r.demotions)
+
+
 def test_engine_reports_resolution(tmp_path):
     import json
 

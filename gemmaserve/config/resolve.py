@@ -56,7 +56,7 @@ def resolve_cache_options(config: EngineConfig, prefs: ModelPreferences, backend
     explicit_scratch = config.swa_scratch_reuse != "auto"
     scratch = config.swa_scratch_reuse == "on" if explicit_scratch else prefs.swa_scratch_reuse
     if scratch:
-        why = _scratch_blocker(manager, backend, specs)
+        why = _scratch_blocker(manager, backend, specs, config.page_size)
         if why is not None:
             if explicit_scratch:
                 raise UserInputError(f"--swa-scratch-reuse on is not possible: {why}")
@@ -74,13 +74,15 @@ def resolve_cache_options(config: EngineConfig, prefs: ModelPreferences, backend
     return CacheOptions(manager, scratch, caching, tuple(demotions))
 
 
-def _scratch_blocker(manager: str, backend: BackendCapabilities, specs: list[LayerSpec]) -> str | None:
-    """Why scratch reuse cannot run with this setup, or None."""
+def _scratch_blocker(manager: str, backend: BackendCapabilities, specs: list[LayerSpec],
+                     page_size: int) -> str | None:
+    """Why scratch reuse cannot run with this setup, or None. Groups depend on the page size (it
+    sets each layer's tokens per page), so they are derived as the KV manager will derive them."""
     if manager != "v2":
         return "it needs KV manager v2 (v1 has no per-layer page tables)"
     if not backend.scratch_pages:
         return f"attention backend {backend.name!r} does not support scratch pages"
-    groups = derive_groups(specs, 1).groups
+    groups = derive_groups(specs, page_size).groups
     last_writer = {layer: g.layers[-1] for g in groups for layer in g.layers}
     for i, s in enumerate(specs):
         if not s.owns_kv and last_writer[s.kv_source] != s.kv_source:
