@@ -163,8 +163,10 @@ def test_hit_allocation_shares_pages_and_counts_rate():
     kv = KVCacheManagerV2(specs, 16, 200_000, enable_prefix_caching=True)
     prompt = _tokens(3000, seed=4)
     _prefill(kv, "a", prompt, 1000)
+    kv.record_prefix_query(len(prompt) - 1, 0)   # as the scheduler does at each first admission
     hit = kv.lookup("b", prompt)
     assert hit == (len(prompt) - 1) // 32 * 32   # the lcm of both groups' tokens per page (16, 32)
+    kv.record_prefix_query(len(prompt) - 1, hit)
     used_before = kv.stats().pages_used
     assert kv.allocate("b", prompt, hit, len(prompt), prefill=True)
     kv.commit("b", prompt, len(prompt))

@@ -144,3 +144,24 @@ def test_heavy_preemption_keeps_outputs_identical(tiny_dir):
         assert [(c.text, c.token_ids, c.finish_reason) for c in r.outputs] == \
                [(c.text, c.token_ids, c.finish_reason) for c in g.outputs]
     tight.engine.kv.check_integrity()
+
+
+def test_recomputation_after_preemption_is_no_cache_hit(tiny_dir):
+    """Four unrelated prompts under a budget their decodes outgrow: requests are preempted and, on
+    resuming, find their own recomputed blocks in the prefix cache. Those are no hits: usage's cached
+    tokens and the hit rate stay 0 (they read 224 tokens and 46.5% before)."""
+    roomy = LLM(model=str(tiny_dir), page_size=4)
+    kv = roomy.engine.kv
+    llm = LLM(model=str(tiny_dir), page_size=4, max_num_batched_tokens=16,
+              kv_cache_memory=kv.peak_pages(120, 16) * kv.page_bytes)
+    prompts = [_words(200 + i, 8) for i in range(4)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=100, ignore_eos=True))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 0]
+    st = llm.engine.kv.stats()
+    assert st.prefix_hit_tokens == 0 and st.prefix_hit_rate == 0.0
+    assert st.prefix_query_tokens == sum(len(o.prompt_token_ids) - 1 for o in outs)
+    # A genuine hit still counts: the same prompt again, with room to keep its blocks cached.
+    roomy.generate([prompts[0]], SamplingParams(max_tokens=1))
+    again = roomy.generate([prompts[0]], SamplingParams(max_tokens=1))[0]
+    assert again.num_cached_tokens > 0 and roomy.engine.kv.stats().prefix_hit_tokens == again.num_cached_tokens

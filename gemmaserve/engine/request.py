@@ -54,7 +54,7 @@ class Request:
     output_text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0           # tokens whose K/V sit in the cache
-    num_cached_tokens: int = 0             # tokens served by the prefix cache (over all admissions)
+    num_cached_tokens: int = 0             # prompt tokens the prefix cache served at its first admission
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None   # the stop string or stop token id that ended it

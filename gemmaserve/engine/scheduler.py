@@ -123,7 +123,9 @@ class Scheduler:
             owed += self._prefill_growth(req, hit + n)
             self.waiting.remove(req)
             req.num_computed_tokens = hit
-            req.num_cached_tokens += hit
+            if req.num_preemptions == 0:   # a resumed request's hits are its own recomputed blocks
+                req.num_cached_tokens = hit
+                self.kv.record_prefix_query(len(tokens) - 1, hit)
             req.status = RequestStatus.RUNNING
             req.admitted_order = self._admissions
             self._admissions += 1

@@ -144,6 +144,10 @@ class KVCacheManager(ABC):
         """Tokens at the start of `token_ids` whose KV can be reused (never the last one)."""
         return 0
 
+    def record_prefix_query(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count a request's first lookup in the hit-rate statistics (the scheduler calls it once per
+        request: a preempted request finding its own recomputed blocks is no hit)."""
+
     @abstractmethod
     def allocate(self, seq_id: str, token_ids: list[int], start: int, end: int, prefill: bool) -> bool:
         """Make room to compute tokens [start, end) with [0, start) already cached (or hit). Atomic:

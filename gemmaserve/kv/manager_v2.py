@@ -284,9 +284,6 @@ class KVCacheManagerV2(KVCacheManager):
                         for g, (first, hits, _) in zip(self._groups, plan)], start, chain)
             seq.pages = sum(len(s.pages) for _, hits, _ in plan for s in hits)
             self._seqs[seq_id] = seq
-            if self.enable_prefix_caching:
-                self._query_tokens += len(token_ids) - 1
-                self._hit_tokens += start
         for g, (_, _, fresh) in zip(self._groups, plan):
             for scratch in fresh:
                 slot = self.rows[g.index].add(g.index, self.pool.allocate(1 if scratch else g.num_layers), scratch)
@@ -298,6 +295,11 @@ class KVCacheManagerV2(KVCacheManager):
                     seq.next_event = 0   # the next commit must free it
         seq.room = min(t.end * g.tokens_per_page for g, t in zip(self._groups, seq.tables))
         return True
+
+    def record_prefix_query(self, query_tokens: int, hit_tokens: int) -> None:
+        if self.enable_prefix_caching:
+            self._query_tokens += query_tokens
+            self._hit_tokens += hit_tokens
 
     def _take(self, slot: Slot) -> None:
         if slot.ref == 0:
