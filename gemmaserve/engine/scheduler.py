@@ -112,11 +112,13 @@ class Scheduler:
             sibling = req.wait_for
             if sibling is not None and not sibling.is_finished and not sibling.prompt_computed:
                 continue  # its first sibling has not cached the shared prompt yet
-            tokens = req.all_token_ids
-            hit = self.kv.lookup(req.request_id, tokens)
-            transient = max(transient, self._step_transient(req, hit))
+            # Checked before the prefix lookup (which hashes the prompt): a blocked head of the queue
+            # costs no hashing per step.
+            transient = max(transient, self._step_transient(req))
             if self.running and self.kv.num_free_pages < owed + transient + self.kv.pages_at(req.num_tokens):
                 return  # its prompt would later take pages an admitted prompt needs (or lack its own)
+            tokens = req.all_token_ids
+            hit = self.kv.lookup(req.request_id, tokens)
             n = self._chunk(req, req.num_tokens - hit, budget)
             if not self.kv.allocate(req.request_id, tokens, hit, hit + n, prefill=True):
                 return  # first come, first served: nobody overtakes a request that does not fit
@@ -142,10 +144,10 @@ class Scheduler:
             return 0
         return max(0, self.kv.pages_at(req.num_tokens) - self.kv.pages_held(req.request_id))
 
-    def _step_transient(self, req: Request, computed: int | None = None) -> int:
+    def _step_transient(self, req: Request) -> int:
         """Pages a prefill step of `req` holds beyond what the sequence keeps between steps (its
         remaining steps are no longer than what is left of its prompt)."""
-        left = req.num_tokens - (req.num_computed_tokens if computed is None else computed)
+        left = req.num_tokens - req.num_computed_tokens
         # Rounded up to a power of two (a larger step never holds fewer pages): a handful of distinct
         # (length, step) pairs per request, so the manager's memoised peak is not recomputed every step.
         chunk = min(1 << max(0, left - 1).bit_length(), req.max_chunk_tokens or self.max_num_batched_tokens)
