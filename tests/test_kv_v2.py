@@ -220,6 +220,20 @@ def test_integrity_check_catches_corruption():
     seq.tables[0].slots.pop(0)
     seq.tables[0].first += 1
     kv.check_integrity()
+    # A cached block registered under another block's key (content and key disagree).
+    full = seq.tables[1]
+    full.slots[0].key, full.slots[1].key = full.slots[1].key, full.slots[0].key
+    with pytest.raises(AssertionError, match="another's key"):
+        kv.check_integrity()
+    full.slots[0].key, full.slots[1].key = full.slots[1].key, full.slots[0].key
+    kv.check_integrity()
+    # A table that lost its last block (the next query would read a page nobody holds).
+    tail = full.slots.pop()
+    full.rows.pop()
+    with pytest.raises(AssertionError, match="misses its tail"):
+        kv.check_integrity()
+    full.append(tail)
+    kv.check_integrity()
     # A page both in a slot and on the free list.
     kv.pool._free.append(seq.tables[1].slots[0].pages[0])
     with pytest.raises(AssertionError, match="free"):

@@ -432,6 +432,13 @@ class KVCacheManagerV2(KVCacheManager):
                     assert table.first >= first_needed, (
                         f"{seq_id}: sliding group {g.index} holds block {table.first}, out of every window "
                         f"(first needed {first_needed})")
+                # Complete: every block the next query reads is there.
+                assert table.first <= g.first_needed_block(seq.num_computed), f"{seq_id}: group {g.index} lost blocks"
+                assert table.end >= g.num_blocks(seq.num_computed), f"{seq_id}: group {g.index} misses its tail"
+                # A cached block's key is the hash of this sequence's tokens up to it.
+                for b, slot in enumerate(table.slots, table.first):
+                    if slot.key is not None and (b + 1) * g.tokens_per_page // self._granularity <= len(seq.chain):
+                        assert slot.key == self._block_key(seq.chain, g, b), f"{seq_id}: block {b} has another's key"
             assert seq.pages == sum(len(s.pages) for t in seq.tables for s in t.slots), f"{seq_id}: page count"
         for rows in self.rows:
             for slot in rows.live.values():
