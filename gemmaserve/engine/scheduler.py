@@ -11,10 +11,10 @@ needs one token. Each step, within `max_num_batched_tokens` and `max_num_seqs`:
      new ones. A completion of an n > 1 group waits until its first sibling's prompt is cached, then
      reuses those KV pages through the prefix cache.
 
-Admission looks ahead: a request is admitted only if the pages free after its first step still
-cover what every admitted prompt needs to finish its prefill (and this one's own), so prompts are
-not admitted only to be preempted half-way (with scratch a first chunk is cheap, the rest of the
-prompt is not; a preempted prompt is computed again). Decodes still grow into the free pages: when
+Admission looks ahead: while anything runs, a request is admitted only if the free pages cover what
+the admitted prompts still need to finish their prefill, one step's transient pages, and its own
+whole prompt, so prompts are not admitted only to be preempted half-way (with scratch a first chunk
+is cheap, the rest of the prompt is not, and a preempted prompt is computed again). Decodes still grow into the free pages: when
 pages run out, the most recently admitted running request is preempted: its pages are freed, its
 tokens kept, and it is recomputed later (mostly from prefix-cache hits). No request is admitted in
 a step that preempted one, so freed pages go back to the preempted, not to newcomers.
@@ -136,8 +136,8 @@ class Scheduler:
             budget -= n
 
     def _prefill_growth(self, req: Request, computed: int | None = None) -> int:
-        """Pages `req` still needs to hold its whole prompt (its tokens so far, for a preempted
-        one) beyond what it holds, while fewer than all of them (`computed`) are computed."""
+        """Pages `req` will still take until its prompt (all its tokens so far, for a resumed one)
+        is computed: 0 once `computed` (default: its computed tokens) covers it."""
         if computed is None:
             computed = req.num_computed_tokens
         if computed >= req.num_tokens:
