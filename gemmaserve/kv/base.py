@@ -18,7 +18,7 @@ Life of a sequence, one call each per engine step:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -179,3 +179,8 @@ class KVCacheManager(ABC):
     @abstractmethod
     def check_integrity(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent."""
+
+    def integrity_steps(self) -> Iterator[None]:
+        """The same check in slices (a generator; managers with large state yield between slices)."""
+        self.check_integrity()
+        yield from ()

@@ -31,6 +31,7 @@ end and at the end of the prompt is real, so a repeated or extended prompt hits 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .base import GroupStats, GroupTables, KVCacheManager, KVLayout, KVStats
@@ -404,10 +405,20 @@ class KVCacheManagerV2(KVCacheManager):
                        self._hit_tokens)
 
     def check_integrity(self) -> None:
+        for _ in self.integrity_steps():
+            pass
+
+    def integrity_steps(self) -> Iterator[None]:
+        """check_integrity() in slices: it yields every few hundred slots, so an idle engine can stop
+        checking the moment work arrives (and start over at the next idle)."""
         page_owner: dict[int, Slot] = {}
         refs: dict[int, int] = {}
+        done = 0
         for g, rows in zip(self._groups, self.rows):
             for row, slot in rows.live.items():
+                done += 1
+                if done % 256 == 0:
+                    yield
                 assert slot.row == row and slot.group == g.index, f"slot row/group mismatch at {g.index}:{row}"
                 assert len(slot.pages) == (1 if slot.scratch else g.num_layers), "slot page count"
                 for p in slot.pages:
@@ -440,9 +451,11 @@ class KVCacheManagerV2(KVCacheManager):
                     if slot.key is not None and (b + 1) * g.tokens_per_page // self._granularity <= len(seq.chain):
                         assert slot.key == self._block_key(seq.chain, g, b), f"{seq_id}: block {b} has another's key"
             assert seq.pages == sum(len(s.pages) for t in seq.tables for s in t.slots), f"{seq_id}: page count"
+            yield
         for rows in self.rows:
             for slot in rows.live.values():
                 assert slot.ref == refs.get(id(slot), 0), f"slot ref {slot.ref} != {refs.get(id(slot), 0)} holders"
+            yield
         for slot in self.cache.parked():
             assert slot.ref == 0 and slot.row in self.rows[slot.group].live, "parked slot is referenced or dead"
         for slot in self.cache.registered():

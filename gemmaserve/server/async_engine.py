@@ -5,7 +5,8 @@
 
 Handlers never touch the engine: they post commands and await their request's queue. The thread runs
 commands between steps, steps while anything is unfinished, and when it falls idle runs the KV
-integrity check once.
+integrity check once, in slices of a few milliseconds between looks at the command queue: a request
+that arrives meanwhile stops the check (it starts over at the next idle), so it never waits for it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="gemmaserve-engine", daemon=True)
         self._integrity_ok = True
         self._checked_idle = True
+        self._idle_check: Iterator[None] | None = None   # the idle check in progress
         self.error: BaseException | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -151,10 +153,10 @@ class AsyncEngine:
         try:
             while True:
                 busy = eng.has_unfinished_requests()
-                if not busy and not self._checked_idle:
-                    self._check_integrity()
-                try:   # idle: sleep until a command comes; busy: take what is there and step
-                    cmd = self._commands.get(block=not busy)
+                checking = not busy and not self._checked_idle and self._advance_idle_check()
+                try:   # idle: sleep until a command comes; busy or checking: take what is there
+                    cmd = self._commands.get(block=not (busy or checking))
+                    self._idle_check = None   # a command may change the state: the check starts over
                     while True:
                         if cmd is None:
                             return
@@ -242,14 +244,24 @@ class AsyncEngine:
                 log.exception("abort after failure")
             sink.put(exc)
 
-    def _check_integrity(self) -> None:
-        self._checked_idle = True
+    def _advance_idle_check(self, slice_s: float = 0.005) -> bool:
+        """Run the KV integrity check for about `slice_s`; True while it is unfinished. In slices, so
+        a request that arrives while the engine checks waits milliseconds, not the whole check."""
+        if self._idle_check is None:
+            self._idle_check = self.engine.kv.integrity_steps()
+        deadline = time.perf_counter() + slice_s
         try:
-            self.engine.kv.check_integrity()
+            while time.perf_counter() < deadline:
+                next(self._idle_check)
+            return True
+        except StopIteration:
             self._integrity_ok = True
         except AssertionError:
             self._integrity_ok = False
             log.exception("KV cache integrity check failed while idle")
+        self._idle_check = None
+        self._checked_idle = True
+        return False
 
 
 def _set(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
