@@ -254,3 +254,31 @@ def test_bf16_and_fp32_layers_use_bytes_not_counts():
     specs = SHAPES["gemma3-4b"].layer_specs(torch.float32)
     geo = derive_groups(specs, 16)
     assert geo.page_bytes == 16 * 2 * 4 * 256 * 4
+
+
+def test_block_hashes_live_with_the_sequence_and_are_never_recomputed(monkeypatch):
+    """A request's hash chain is hashed once: looking it up again (a blocked head of the queue, every
+    step), admitting it, committing and resuming it after a preemption only hash new blocks."""
+    import gemmaserve.kv.block_hash as bh
+
+    specs = SHAPES["gemma3-1b"].layer_specs()
+    kv = KVCacheManagerV2(specs, 16, 100_000, enable_prefix_caching=True, enable_scratch=True)
+    calls = []
+    digest = bh._digest
+    monkeypatch.setattr(bh, "_digest", lambda data: calls.append(1) or digest(data))
+    prompt, chain = _tokens(1008, seed=5), []
+    kv.lookup("a", prompt, chain)
+    first = len(calls)
+    assert first == len(chain) == (1008 - 1) // 16
+    for _ in range(3):
+        assert kv.lookup("a", prompt, chain) == 0 and len(calls) == first   # nothing cached yet, nothing rehashed
+    assert kv.allocate("a", prompt, 0, 1008, prefill=True, chain=chain)
+    kv.commit("a", prompt, 1008)
+    assert len(calls) == first + 1 and len(chain) == 1008 // 16            # one block more: the last one
+    kv.free("a")                                                          # preempted: chain stays with it
+    hit = kv.lookup("a", prompt, chain)
+    assert hit == (1008 - 1) // 16 * 16 and len(calls) == first + 1
+    # The chain is the one a fresh computation gives.
+    fresh: list[bytes] = []
+    bh.extend_chain(fresh, prompt, 16, kv._root)
+    assert fresh == chain

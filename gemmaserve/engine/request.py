@@ -50,6 +50,7 @@ class Request:
     generator: torch.Generator | None = None
     wait_for: "Request | None" = None      # admit only once this request's prompt is in the KV cache
     max_chunk_tokens: int | None = None    # prefill at most this many tokens a step (it fits only so)
+    block_hashes: list[bytes] = field(default_factory=list)   # prefix-cache chain, grown by the KV manager
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)

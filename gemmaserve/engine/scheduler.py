@@ -118,9 +118,9 @@ class Scheduler:
             if self.running and self.kv.num_free_pages < owed + transient + self.kv.pages_at(req.num_tokens):
                 return  # its prompt would later take pages an admitted prompt needs (or lack its own)
             tokens = req.all_token_ids
-            hit = self.kv.lookup(req.request_id, tokens)
+            hit = self.kv.lookup(req.request_id, tokens, req.block_hashes)
             n = self._chunk(req, req.num_tokens - hit, budget)
-            if not self.kv.allocate(req.request_id, tokens, hit, hit + n, prefill=True):
+            if not self.kv.allocate(req.request_id, tokens, hit, hit + n, prefill=True, chain=req.block_hashes):
                 return  # first come, first served: nobody overtakes a request that does not fit
             owed += self._prefill_growth(req, hit + n)
             self.waiting.remove(req)

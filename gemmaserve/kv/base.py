@@ -140,8 +140,9 @@ class KVCacheManager(ABC):
         """Pages a sequence holds now (0 if unknown)."""
 
     # -- life cycle ----------------------------------------------------------------------------
-    def lookup(self, seq_id: str, token_ids: list[int]) -> int:
-        """Tokens at the start of `token_ids` whose KV can be reused (never the last one)."""
+    def lookup(self, seq_id: str, token_ids: list[int], chain: list[bytes] | None = None) -> int:
+        """Tokens at the start of `token_ids` whose KV can be reused (never the last one). `chain`:
+        the sequence's own block hashes (see block_hash.py), extended in place, never recomputed."""
         return 0
 
     def record_prefix_query(self, query_tokens: int, hit_tokens: int) -> None:
@@ -149,9 +150,11 @@ class KVCacheManager(ABC):
         request: a preempted request finding its own recomputed blocks is no hit)."""
 
     @abstractmethod
-    def allocate(self, seq_id: str, token_ids: list[int], start: int, end: int, prefill: bool) -> bool:
+    def allocate(self, seq_id: str, token_ids: list[int], start: int, end: int, prefill: bool,
+                 chain: list[bytes] | None = None) -> bool:
         """Make room to compute tokens [start, end) with [0, start) already cached (or hit). Atomic:
-        False and no change when the pool cannot supply the pages."""
+        False and no change when the pool cannot supply the pages. A new sequence adopts `chain`
+        (its block hashes, as for `lookup`) and keeps extending it."""
 
     def commit(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         """After a forward pass computed tokens up to `num_computed`."""

@@ -21,11 +21,15 @@ def chain_root(salt: str | bytes = b"") -> bytes:
     return _digest(b"gemmaserve-prefix\x00" + (salt.encode() if isinstance(salt, str) else salt))
 
 
-def extend_chain(chain: list[bytes], token_ids: list[int], granularity: int, root: bytes) -> None:
-    """Append h_k for every full step of `granularity` tokens not yet in `chain` (chain[k-1] = h_k)."""
+def extend_chain(chain: list[bytes], token_ids: list[int], granularity: int, root: bytes,
+                 limit: int | None = None) -> None:
+    """Append h_k for every full step of `granularity` tokens (of the first `limit`, default all) not
+    yet in `chain` (chain[k-1] = h_k). Only new steps are hashed: a chain kept with its sequence
+    grows with it and is never rebuilt."""
+    n = len(token_ids) if limit is None else min(limit, len(token_ids))
     k = len(chain)
     prev = chain[-1] if chain else root
-    while (k + 1) * granularity <= len(token_ids):
+    while (k + 1) * granularity <= n:
         block = array("q", token_ids[k * granularity:(k + 1) * granularity]).tobytes()
         prev = _digest(prev + block)
         chain.append(prev)

@@ -60,7 +60,7 @@ class KVCacheManagerV1(KVCacheManager):
     def pages_held(self, seq_id: str) -> int:
         return len(self._tables.get(seq_id, ()))
 
-    def allocate(self, seq_id, token_ids, start, end, prefill) -> bool:
+    def allocate(self, seq_id, token_ids, start, end, prefill, chain=None) -> bool:
         table = self._tables.setdefault(seq_id, [])
         missing = self._group.num_blocks(end) - len(table)
         if missing <= 0:

@@ -200,12 +200,12 @@ class KVCacheManagerV2(KVCacheManager):
     def _cached(self, chain: list[bytes], g: KVGroup, block: int) -> Slot | None:
         return self.cache.get(g.index, self._block_key(chain, g, block))
 
-    def lookup(self, seq_id: str, token_ids: list[int]) -> int:
+    def lookup(self, seq_id: str, token_ids: list[int], chain: list[bytes] | None = None) -> int:
         if not self.enable_prefix_caching or seq_id in self._seqs or len(token_ids) < 2:
             return 0
         limit = len(token_ids) - 1           # the last prompt token is always recomputed
-        chain: list[bytes] = []
-        extend_chain(chain, token_ids[:limit], self._granularity, self._root)
+        chain = [] if chain is None else chain
+        extend_chain(chain, token_ids, self._granularity, self._root, limit)
         hit = limit - limit % self._hit_step
         for g in self._groups:               # full groups: every block below the hit point
             if g.sliding:
@@ -235,14 +235,14 @@ class KVCacheManagerV2(KVCacheManager):
         return None
 
     # -- allocation -----------------------------------------------------------------------------
-    def allocate(self, seq_id, token_ids, start, end, prefill) -> bool:
+    def allocate(self, seq_id, token_ids, start, end, prefill, chain=None) -> bool:
         seq = self._seqs.get(seq_id)
         if seq is not None and end <= seq.room and start == seq.num_computed:
             return True   # the common decode step: the current blocks still have room
         new_seq = seq is None
-        chain: list[bytes] = []
+        chain = [] if chain is None else chain   # a new sequence keeps it (and grows it) from here on
         if new_seq and start:
-            extend_chain(chain, token_ids[:start], self._granularity, self._root)
+            extend_chain(chain, token_ids, self._granularity, self._root, start)
         elif not new_seq and start != seq.num_computed:
             raise ValueError(f"sequence {seq_id}: allocate from {start}, but {seq.num_computed} tokens are computed")
         scratch_ok = self.enable_scratch and prefill and end - start > 1
@@ -331,7 +331,7 @@ class KVCacheManagerV2(KVCacheManager):
 
     def _commit(self, seq: _Seq, token_ids: list[int], num_computed: int) -> None:
         if self.enable_prefix_caching:
-            extend_chain(seq.chain, token_ids[:num_computed], self._granularity, self._root)
+            extend_chain(seq.chain, token_ids, self._granularity, self._root, num_computed)
             for g in self._groups:
                 table = seq.tables[g.index]
                 full = num_computed // g.tokens_per_page
