@@ -8,6 +8,7 @@ import random
 
 import hypothesis.strategies as st
 import pytest
+import torch
 from hypothesis import given, settings
 
 from gemmaserve.bench.shapes import SHAPES
@@ -23,8 +24,6 @@ F32 = "float32"
 
 
 def _specs(window: int, kv_heads_full: int = 1):
-    import torch
-
     sl = LayerSpec(AttentionKind.SLIDING, 2, 8, torch.float32, window=window)
     fu = LayerSpec(AttentionKind.FULL, kv_heads_full, 8, torch.float32)
     return [sl, sl, fu, sl, LayerSpec(AttentionKind.SLIDING, 2, 8, torch.float32, window=window, kv_source=1)]
@@ -100,8 +99,6 @@ def test_bound_counts_scratch():
     with 2048-token steps was refused as needing 59 MiB (scratch ignored). With scratch, one step from
     0 holds under 30 MiB; the worst schedule of steps up to 2048 tokens (a short first step, then a
     long one that keeps the first step's window) still exceeds 40 MiB, so it fits in smaller chunks."""
-    import torch
-
     specs = [LayerSpec(AttentionKind.FULL if (i + 1) % 6 == 0 else AttentionKind.SLIDING, 1, 256, torch.float32,
                        window=None if (i + 1) % 6 == 0 else 512) for i in range(18)]
     on = KVCacheManagerV2(specs, 16, 1280, enable_prefix_caching=True, enable_scratch=True)
@@ -182,6 +179,12 @@ def test_pinned_split_caps_each_side():
     full_used = sum(g.pages_used for g in st_.groups if g.window is None)
     assert full_used <= caps[False] and st_.pages_free > 0
     assert not kv.fits_ever(10 * 8192, 2048)   # the full side alone cannot hold 80K tokens
+    from gemmaserve.config.engine import EngineConfig
+
+    with pytest.raises(UserInputError, match="enable_prefix_caching=False"):
+        EngineConfig(kv_pool_split=0.5)
+    with pytest.raises(UserInputError, match="float in"):
+        EngineConfig(kv_pool_split=1, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="prefix caching"):
         KVCacheManagerV2(specs, 16, 1000, enable_prefix_caching=True, sliding_share=0.5)
     with pytest.raises(ValueError, match="share"):

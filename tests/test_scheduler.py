@@ -101,6 +101,7 @@ def test_abort_in_every_state_frees_everything(tiny_dir, state):
     others = [eng.add_request(_words(30 + i, 10), SamplingParams(max_tokens=100, ignore_eos=True)) for i in range(3)]
     target = eng.add_request(_words(40, 60), params)
     reqs = [r for r in eng._groups[target]]
+    every = [r for g in (*others, target) for r in eng._groups[g]]
     cond = {
         "queued": lambda: True,
         "prefilling": lambda: 0 < reqs[0].num_computed_tokens < len(reqs[0].prompt_token_ids),
@@ -127,6 +128,12 @@ def test_abort_in_every_state_frees_everything(tiny_dir, state):
     st = eng.kv.stats()
     assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
     assert eng.abort_request(target) == []      # aborting twice is harmless
+    # The counters users read: each admitted request queried the prefix cache once (never again on
+    # resuming after a preemption, nor for being aborted); only n > 1 siblings share a prompt.
+    admitted = [r for r in every if r.admitted_order >= 0]
+    assert st.prefix_query_tokens == sum(len(r.prompt_token_ids) - 1 for r in admitted)
+    assert st.prefix_hit_tokens == sum(r.num_cached_tokens for r in admitted)
+    assert (st.prefix_hit_tokens > 0) == (state == "half_of_n" and reqs[1].admitted_order >= 0)
 
 
 def test_heavy_preemption_keeps_outputs_identical(tiny_dir):

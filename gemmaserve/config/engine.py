@@ -83,6 +83,8 @@ class EngineConfig:
         if self.kv_pool_split is not None and not (isinstance(self.kv_pool_split, float)
                                                    and 0.0 < self.kv_pool_split < 1.0):
             raise UserInputError(f"kv_pool_split must be a float in (0, 1), got {self.kv_pool_split!r}")
+        if self.kv_pool_split is not None and self.enable_prefix_caching is not False:
+            raise UserInputError("kv_pool_split (a benchmark knob) needs enable_prefix_caching=False")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
 
