@@ -5,9 +5,10 @@
     y = sum_k w_k * down_e(gelu(gate_e(x)) * up_e(x))   x = pre_feedforward_layernorm_2(r)
 
 The T x k (token, expert) pairs are sorted by expert, so each expert's rows are contiguous; two
-grouped matmuls (`torch._grouped_mm` with per-expert row offsets) run every expert at once, and an
-index_add sums each token's k outputs. Nothing reads a count back to the host, so a CUDA graph can
-capture it.
+grouped matmuls (`torch._grouped_mm` with per-expert row offsets) run every expert at once. The
+outputs go back to (token, k) order and each token's k outputs are summed in fp32 in a fixed order:
+no atomics, so the same batch gives the same bits every run (an index_add would not, on the GPU).
+Nothing reads a count back to the host, so a CUDA graph can capture it.
 """
 
 from __future__ import annotations
@@ -80,5 +81,7 @@ class Experts(nn.Module):
         # w^T views: [E, H, 2I] and [E, I, H], column-major per expert, as grouped_mm wants them.
         h = gelu_mul(grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets, expert_of_row), self.intermediate)
         y = grouped_mm(h, self.down_proj.transpose(1, 2), offsets, expert_of_row)
-        y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of_row, y)
+        y = y.float() * weights.reshape(-1)[order, None]
+        # Unsort (each row has one destination, so this copy is deterministic), then sum over k.
+        per_pair = torch.empty_like(y).index_copy_(0, order, y)
+        return per_pair.view(t, k, -1).sum(dim=1).to(x.dtype)
