@@ -8,11 +8,8 @@ from pathlib import Path
 
 import torch
 
+from gemmaserve.attention.base import AttentionMetadata
 from gemmaserve.attention.torch_backend import TorchAttentionBackend
-from gemmaserve.engine.model_runner import ModelRunner
-from gemmaserve.engine.request import Request
-from gemmaserve.engine.sampling_params import SamplingParams
-from gemmaserve.engine.scheduler import ScheduledSeq
 from gemmaserve.kv.manager_v1 import KVCacheManagerV1
 from gemmaserve.kv.manager_v2 import KVCacheManagerV2
 from gemmaserve.models.base import ModelInputs
@@ -182,32 +179,32 @@ def paged_logits(model, seqs: list[list[int]], chunk: int | None = None,
     total = sum(len(s) for s in seqs) * len(specs) + 64
     kv = make_manager(manager, specs, page_size, total, enable_prefix_caching=False, enable_scratch=scratch)
     backend = TorchAttentionBackend()
-    runner = ModelRunner(model, backend, kv, specs, torch.device("cpu"))
-    reqs = [Request(str(i), str(i), 0, "", list(s), SamplingParams(), frozenset(), 10**9, detokenizer=None)
-            for i, s in enumerate(seqs)]
+    cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
+    done = [0] * len(seqs)
     outs: list[list[torch.Tensor]] = [[] for _ in seqs]
     step = 0
-    while any(r.num_computed_tokens < r.num_tokens for r in reqs):
-        batch = []
-        for r in reqs:
-            left = r.num_tokens - r.num_computed_tokens
+    while any(d < len(s) for d, s in zip(done, seqs)):
+        batch = []   # (sequence, start, end)
+        for b, s in enumerate(seqs):
+            left = len(s) - done[b]
             if left == 0:
                 continue
-            n = first_chunk if (step == 0 and first_chunk) else (chunk or left)
-            n = min(n, left)
-            start = r.num_computed_tokens
-            assert kv.allocate(r.request_id, r.all_token_ids, start, start + n, prefill=n > 1)
-            batch.append(ScheduledSeq(r, n))
-        ids, pos, md = runner.build_metadata(batch)
+            n = min(first_chunk if (step == 0 and first_chunk) else (chunk or left), left)
+            assert kv.allocate(str(b), list(s), done[b], done[b] + n, prefill=n > 1)
+            batch.append((b, done[b], done[b] + n))
+        ids = torch.tensor([t for b, st, e in batch for t in seqs[b][st:e]], dtype=torch.long)
+        pos = torch.tensor([p for _, st, e in batch for p in range(st, e)], dtype=torch.long)
+        md = AttentionMetadata([e - st for _, st, e in batch], [e for _, _, e in batch],
+                               kv.group_tables([str(b) for b, _, _ in batch]), kv.layer_slot)
         with torch.inference_mode():
-            hidden = model(ModelInputs(ids, pos, backend.begin_batch(md, runner.kv_cache)))
+            hidden = model(ModelInputs(ids, pos, backend.begin_batch(md, cache)))
             logits = model.compute_logits(hidden)
-        start = 0
-        for s in batch:
-            outs[int(s.request.request_id)].append(logits[start:start + s.num_new_tokens])
-            start += s.num_new_tokens
-            s.request.num_computed_tokens += s.num_new_tokens
-            kv.commit(s.request.request_id, s.request.all_token_ids, s.request.num_computed_tokens)
+        row = 0
+        for b, st, e in batch:
+            outs[b].append(logits[row:row + e - st])
+            row += e - st
+            done[b] = e
+            kv.commit(str(b), list(seqs[b]), e)
         kv.check_integrity()
         step += 1
     return [torch.cat(o) for o in outs]

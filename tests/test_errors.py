@@ -157,14 +157,15 @@ def test_internal_failure_of_one_request_spares_the_others(tmp_path, monkeypatch
     prompts = ["abc def", "poison runner", "ghi", "poison detok"]
     expected = {p: llm.generate([p], params)[0].outputs[0].token_ids for p in prompts}
     eng = llm.engine
-    execute = eng.runner.execute
+    launch = eng.runner.launch
 
-    def flaky_execute(seqs):
-        if any(s.request.prompt == "poison runner" for s in seqs):
+    def flaky_launch(plan, only=None):
+        seqs = plan.seqs if only is None else [plan.seqs[i] for i in only]
+        if any(s.req_id == "poison runner" for s in seqs):
             raise RuntimeError("injected forward failure")
-        return execute(seqs)
+        return launch(plan, only)
 
-    monkeypatch.setattr(eng.runner, "execute", flaky_execute)
+    monkeypatch.setattr(eng.runner, "launch", flaky_launch)
     for p in prompts:
         eng.add_request(p, params, request_id=p)
     det = eng.request("poison detok").detokenizer

@@ -204,6 +204,7 @@ def _schedule_only(kv, lens: list[int], new_tokens: int, chunk: int) -> tuple[in
     preemptions) for prompts of the given lengths."""
     from gemmaserve.engine.request import Request
     from gemmaserve.engine.scheduler import Scheduler
+    from gemmaserve.engine.step import StepResult
 
     sched = Scheduler(kv, 16, chunk)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
@@ -214,17 +215,11 @@ def _schedule_only(kv, lens: list[int], new_tokens: int, chunk: int) -> tuple[in
                           _SilentDetokenizer(), max_chunk_tokens=None if limit == chunk else limit))
     computed = 0
     while sched.has_unfinished():
-        out = sched.schedule()
-        assert out.seqs
-        for s in out.seqs:
-            s.request.num_computed_tokens += s.num_new_tokens
-            computed += s.num_new_tokens
-            kv.commit(s.request.request_id, s.request.all_token_ids, s.request.num_computed_tokens)
-        for s in out.seqs:
-            if s.completes:
-                s.request.append_token(7)
-                if s.request.is_finished:
-                    sched.finish(s.request)
+        plan = sched.schedule()
+        assert plan.seqs
+        computed += plan.num_tokens
+        ids = [s.req_id for s in plan.seqs if s.sample]
+        sched.update_from_output(plan, StepResult(ids, [7] * len(ids), [None] * len(ids)))
         kv.check_integrity()
     return computed, sched.num_preemptions
 

@@ -55,10 +55,11 @@ class KVMachine(RuleBasedStateMachine):
     # -- helpers --------------------------------------------------------------------------------
     def _page(self, sid: str, layer: int, pos: int) -> tuple[int, int]:
         g_idx, col = self.kv.layer_slot[layer]
-        tables = self.kv.group_tables([sid])[g_idx]
-        t = tables.group.tokens_per_page
-        row = tables.slot_ids[0][pos // t - tables.first_block[0]]
-        return int(tables.slot_pages[row, col]), pos % t
+        t = self.kv.groups[g_idx].tokens_per_page
+        first, rows = self.kv.block_table(sid, g_idx)
+        row = rows[pos // t - first]
+        page = row if self.kv.layout.identity_slots else self.kv.slot_rows(g_idx, [row])[1][0][col]
+        return page, pos % t
 
     def _forward(self, sid: str, start: int, end: int) -> None:
         """What the model does between allocate and commit: each layer in order writes its new K/V,

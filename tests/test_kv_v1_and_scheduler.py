@@ -25,7 +25,7 @@ def test_page_pool_is_all_or_nothing():
 
 
 def _table(kv, seq):
-    return kv.group_tables([seq])[0].slot_ids[0]
+    return kv.block_table(seq, 0)[1]
 
 
 def test_v1_allocate_grows_tables_atomically():

@@ -54,3 +54,22 @@ def test_one_token_prefill_rows_in_a_graph_batch_are_not_sampled(tiny_dir):
     graphs = LLM.from_config(eager.engine.config, eager)
     graphs.engine.runner.graphs = _EagerAsGraphs(graphs.engine.runner)
     assert _generate(graphs, prompts) == want
+
+
+def test_warm_up_leaves_nothing_behind(tmp_path):
+    """The startup warm-up (run on CUDA) frees its pages, forgets its cached blocks and hit counts,
+    and leaves later outputs and request ids as if it never ran."""
+    path = save_checkpoint(tiny_hf_model(fresh_seed(), sliding_window=8), tmp_path / "tiny")
+    fresh = LLM(model=str(path), page_size=4, max_num_batched_tokens=40)
+    warm = LLM(model=str(path), page_size=4, max_num_batched_tokens=40)
+    assert warm.engine._warm_up() > 0
+    eng = warm.engine
+    assert not eng.has_unfinished_requests() and eng.kv.num_used_pages == 0
+    st = eng.kv.stats()
+    assert st.pages_cached == 0 and st.prefix_query_tokens == 0 and st.prefix_hit_tokens == 0
+    prompts = ["abc def ghi", "jkl mno"]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    got, ref = warm.generate(prompts, params), fresh.generate(prompts, params)
+    assert [o.request_id for o in got] == [o.request_id for o in ref]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert [o.num_cached_tokens for o in got] == [o.num_cached_tokens for o in ref]

@@ -334,16 +334,17 @@ def test_client_library_sees_typed_errors(server, client):
 
 def test_an_internal_failure_fails_only_its_request(server, client, llm_270m):
     engine = server.server.engine
-    execute = engine.runner.execute
+    launch = engine.runner.launch
 
-    def flaky(seqs):
-        if any("POISON" in s.request.prompt for s in seqs):
+    def flaky(plan, only=None):
+        seqs = plan.seqs if only is None else [plan.seqs[i] for i in only]
+        if any("POISON" in engine.request(s.req_id).prompt for s in seqs):
             raise RuntimeError("injected failure")
-        return execute(seqs)
+        return launch(plan, only)
 
     prompts = ["A quiet morning in", "POISON pill", "The harbour at night", "POISON stream"]
     refs = {p: _greedy(llm_270m, p, 6).text for p in prompts[::2]}
-    engine.runner.execute = flaky
+    engine.runner.launch = flaky
     try:
         async def run():
             aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
@@ -366,7 +367,7 @@ def test_an_internal_failure_fails_only_its_request(server, client, llm_270m):
 
         results = dict(zip(prompts, asyncio.run(run())))
     finally:
-        engine.runner.execute = execute
+        engine.runner.launch = launch
     assert isinstance(results["POISON pill"], openai.InternalServerError)
     assert isinstance(results["POISON stream"], openai.APIError)
     assert "injected failure" in str(results["POISON stream"])

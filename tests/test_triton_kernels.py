@@ -140,29 +140,28 @@ def test_decode_graph_buffers_give_the_same_logits(tmp_path):
     import dataclasses
 
     from gemmaserve import LLM, SamplingParams
-    from gemmaserve.attention.triton_backend import DecodeGraphBuffers, TritonAttentionBackend
+    from gemmaserve.attention.triton_backend import TritonAttentionBackend
 
     path = _tiny(tmp_path, 4)
     llm = LLM(model=str(path), attention_backend="triton", page_size=4)
     eng = llm.engine
-    for p in ("abc def ghi jkl", "mnop"):
-        eng.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True))
+    rids = [eng.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in ("abc def ghi jkl", "mnop")]
     for _ in range(4):
         eng.step()
-    sched = eng.scheduler.schedule()
-    assert all(s.num_new_tokens == 1 for s in sched.seqs) and len(sched.seqs) == 2
+    plan = eng.scheduler.schedule()
+    assert all(s.num_new_tokens == 1 for s in plan.seqs) and len(plan.seqs) == 2
     runner = eng.runner
-    ids, pos, md = runner.build_metadata(sched.seqs)
+    runner.apply(plan)
+    ids, pos, md = runner.build_inputs(plan.seqs)
     backend: TritonAttentionBackend = runner.backend
     model = eng.model
     null = eng.kv.num_pages
     snapshot = [(k.clone(), v.clone()) for k, v in runner.kv_cache[:1]]
     with torch.inference_mode():
         ref = model.compute_logits(model(ModelInputs(ids, pos, backend.begin_batch(md, runner.kv_cache))))
-        geometry = [(g.num_layers, g.tokens_per_page, g.window) for g in eng.kv.groups]
-        buffers = DecodeGraphBuffers(8, geometry, 64, null, torch.device("cpu"))
-        buffers.fill(backend.prepare(md), 4)
-        attn = backend.attention_for(buffers.view(4), md.layer_slot, runner.kv_cache)
+        inputs = backend.graph_inputs(8, eng.kv.groups, 64, null, torch.device("cpu"))
+        inputs.fill(md, 4)
+        attn = inputs.attention(4, md.layer_slot, runner.kv_cache)
         pad_ids = torch.cat([ids, torch.zeros(2, dtype=torch.long)])
         pad_pos = torch.cat([pos, torch.zeros(2, dtype=torch.long)])
         got = model.compute_logits(model(ModelInputs(pad_ids, pad_pos, attn)))[:2]
@@ -172,11 +171,12 @@ def test_decode_graph_buffers_give_the_same_logits(tmp_path):
     changed = (bits(k_after) != bits(snapshot[0][0])).flatten(1).any(1).nonzero().flatten().tolist()
     live_pages = set()   # every layer views every page of the arena: any layer's live page may change
     for g in md.groups:
-        live_pages |= set(g.slot_pages[sum(g.slot_ids, [])].flatten().tolist())
+        for b, n in enumerate(g.num_blocks):
+            live_pages |= set(g.slot_pages[g.block_rows[b, :n]].flatten().tolist())
     assert set(changed) <= live_pages | {null}
-    assert dataclasses.is_dataclass(buffers.view(4))
-    for s in sched.seqs:
-        eng.kv.free(s.request.request_id)
+    assert dataclasses.is_dataclass(inputs.buffers.view(4))
+    for rid in rids:
+        eng.abort_request(rid)
 
 
 # Gemma 3 (1 + w norms, raw v), Gemma 4 sliding (w norms, value norm), full with K = V, a KV-sharing layer.

@@ -8,7 +8,6 @@ and states what it can do (`BackendCapabilities`); the rest of the engine asks, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ class BackendCapabilities:
     head_dims: frozenset[int] | None    # None: any head dim
     scratch_pages: bool                 # honours per-layer page tables where layers alias one scratch page
     shared_arena: bool                  # can view one byte arena with per-layer page geometry (KV manager V2)
-    cuda_graphs: bool = False           # decode batches can be captured (DecodeGraphBuffers)
+    cuda_graphs: bool = False           # decode batches can be captured (graph_inputs)
 
 
 @dataclass
@@ -53,8 +52,7 @@ class AttentionMetadata:
     def last_tokens(self, seqs: list[int]) -> "AttentionMetadata":
         """The same KV, queried only by the last new token of each of `seqs` (a decode-shaped batch):
         what layers that write no KV need once only the sampled rows matter."""
-        groups = [dataclasses.replace(g, first_block=[g.first_block[b] for b in seqs],
-                                      slot_ids=[g.slot_ids[b] for b in seqs]) for g in self.groups]
+        groups = [g.select(seqs) for g in self.groups]
         return AttentionMetadata([1] * len(seqs), [self.seq_lens[b] for b in seqs], groups, self.layer_slot)
 
 
@@ -74,6 +72,20 @@ class BatchAttention(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot narrow its batch")
 
 
+class GraphInputs(ABC):
+    """Fixed-address inputs of captured decode graphs: one set for the largest batch; the graph of
+    a smaller padded size uses the leading rows, and padding rows read and write the null page."""
+
+    @abstractmethod
+    def fill(self, metadata: AttentionMetadata | None, size: int) -> None:
+        """Copy a decode batch of B <= size sequences in (None: every row is padding)."""
+
+    @abstractmethod
+    def attention(self, size: int, layer_slot: tuple[tuple[int, int], ...],
+                  kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> BatchAttention:
+        """Attention that reads the first `size` rows (what a graph of that size captures)."""
+
+
 class AttentionBackend(ABC):
     capabilities: BackendCapabilities
 
@@ -82,6 +94,11 @@ class AttentionBackend(ABC):
                           device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, (K, V) views of shape [pages, tokens per page, Hkv, D]. Layers that read another
         layer's KV get that layer's views."""
+
+    def graph_inputs(self, max_batch: int, groups, max_model_len: int, null_page: int,
+                     device: torch.device) -> GraphInputs:
+        """Inputs for CUDA-graph decode (backends whose capabilities say `cuda_graphs`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     @abstractmethod
     def begin_batch(self, metadata: AttentionMetadata,

@@ -65,8 +65,8 @@ class TorchBatchAttention(BatchAttention):
 
     def _where(self, tables: GroupTables, seq: int, pos: torch.Tensor) -> _Where:
         t = tables.group.tokens_per_page
-        rows = torch.tensor(tables.slot_ids[seq], dtype=torch.long)[pos // t - tables.first_block[seq]]
-        return _Where(tables.slot_pages[rows].movedim(-1, 0), pos % t)
+        rows = tables.block_rows[seq][(pos // t - tables.first_block[seq]).to(tables.block_rows.device)]
+        return _Where(tables.slot_pages[rows].long().movedim(-1, 0).cpu(), pos % t)
 
     def _to_device(self, w: _Where) -> _Where:
         return _Where(w.pages.to(self.device), w.offsets.to(self.device))

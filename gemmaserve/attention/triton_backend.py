@@ -1,8 +1,8 @@
 """Attention through our Triton kernels (CUDA; on the CPU only under TRITON_INTERPRET=1, for tests).
 
-Per batch and layer group, the block tables go to the device once: slot rows [B, W] -> pages of every
-layer of the group [L, B, W] by one gather from a device mirror of the group's slot -> page table
-(kept in sync row by row as slots come and go). Each layer then launches the store kernel and either
+Per batch and layer group, the block tables arrive on the device (the runner keeps them there):
+slot rows [B, W] -> pages of every layer of the group [L, B, W] by one gather from the group's
+slot -> page table. Each layer then launches the store kernel and either
 the decode kernel (every sequence has one new token) or the prefill kernel.
 
 CUDA graphs (decode only): `DecodeGraphBuffers` holds the same tensors at fixed addresses; a graph of
@@ -12,15 +12,15 @@ split-K grid depends on the batch size only, so one graph per size serves every 
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ..kv.base import GroupTables, KVLayout
-from .base import AttentionBackend, AttentionMetadata, BackendCapabilities, BatchAttention
+from ..device import to_device
+from ..kv.base import KVLayout
+from .base import AttentionBackend, AttentionMetadata, BackendCapabilities, BatchAttention, GraphInputs
 from .torch_backend import allocate_paged_kv
 
 
@@ -35,25 +35,6 @@ def triton_available(device: torch.device) -> str | None:
     if device.type not in ("cpu", "cuda"):
         return f"Triton does not run on {device.type}"
     return None
-
-
-class SlotMirror:
-    """Device copy of one group's slot -> page table, updated with the rows that changed."""
-
-    def __init__(self) -> None:
-        self.table: torch.Tensor | None = None
-        self.cursor = -1
-
-    def sync(self, tables: GroupTables, device: torch.device) -> torch.Tensor:
-        host = tables.slot_pages
-        rows, cursor = tables.changes_since(self.cursor)
-        if self.table is None or self.table.shape != host.shape or rows is None:
-            self.table = host.to(device=device, dtype=torch.int32).clone()
-        elif rows:
-            idx = torch.tensor(sorted(set(rows)), dtype=torch.long)
-            self.table[idx.to(device)] = host[idx].to(device=device, dtype=torch.int32)
-        self.cursor = cursor
-        return self.table
 
 
 @dataclass
@@ -77,41 +58,29 @@ class DeviceBatch:
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-def _host_rows(tables: GroupTables) -> torch.Tensor:
-    """[B, W] slot rows of live blocks, padded with row 0 (never read: beyond each sequence's length)."""
-    lens = np.fromiter((len(r) for r in tables.slot_ids), dtype=np.int64, count=len(tables.slot_ids))
-    rows = np.zeros((len(lens), max(1, int(lens.max(initial=0)))), dtype=np.int64)
-    flat = np.fromiter(itertools.chain.from_iterable(tables.slot_ids), dtype=np.int64, count=int(lens.sum()))
-    seq = np.repeat(np.arange(len(lens)), lens)
-    col = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
-    rows[seq, col] = flat
-    return torch.from_numpy(rows)
-
-
-def build_device_batch(md: AttentionMetadata, mirrors: list[SlotMirror], device: torch.device) -> DeviceBatch:
+def build_device_batch(md: AttentionMetadata, device: torch.device) -> DeviceBatch:
     bsz = md.num_seqs
     qlens = np.asarray(md.query_lens, dtype=np.int64)
     seq_lens = np.asarray(md.seq_lens, dtype=np.int64)
     seq_of = np.repeat(np.arange(bsz), qlens)
     pos = np.arange(int(qlens.sum())) - np.repeat(np.cumsum(qlens) - qlens, qlens) + np.repeat(seq_lens - qlens, qlens)
-    seq_of_dev = torch.from_numpy(seq_of).to(device)
+    seq_of_dev = to_device(seq_of, torch.long, device)
     groups = []
     max_keys: list[int] = []
-    for tables, mirror in zip(md.groups, mirrors):
-        table = mirror.sync(tables, device)
-        pages = table[_host_rows(tables).to(device)].permute(2, 0, 1).contiguous()   # [L, B, W]
+    for tables in md.groups:
+        pages = tables.slot_pages[tables.block_rows].permute(2, 0, 1).contiguous()   # [L, B, W]
         first = np.asarray(tables.first_block, dtype=np.int64)
         t = tables.group.tokens_per_page
-        blk = torch.from_numpy(pos // t - first[seq_of]).to(device)
-        groups.append(GroupBatch(pages, torch.from_numpy(first.astype(np.int32)).to(device), pages[:, seq_of_dev, blk],
-                                 torch.from_numpy((pos % t).astype(np.int32)).to(device)))
+        blk = to_device(pos // t - first[seq_of], torch.long, device)
+        groups.append(GroupBatch(pages, to_device(first, torch.int32, device), pages[:, seq_of_dev, blk],
+                                 to_device(pos % t, torch.int32, device)))
         window = tables.group.window
         max_keys.append(int(np.minimum(seq_lens, window).max() if window else seq_lens.max()))
-    batch = DeviceBatch(md.is_decode_only, torch.from_numpy(seq_lens.astype(np.int32)).to(device), groups, max_keys)
+    batch = DeviceBatch(md.is_decode_only, to_device(seq_lens, torch.int32, device), groups, max_keys)
     if not batch.decode:
         starts = np.cumsum(qlens) - qlens
-        batch.query_start = torch.from_numpy(starts.astype(np.int32)).to(device)
-        batch.query_lens = torch.from_numpy(qlens.astype(np.int32)).to(device)
+        batch.query_start = to_device(starts, torch.int32, device)
+        batch.query_lens = to_device(qlens, torch.int32, device)
     return batch
 
 
@@ -158,6 +127,18 @@ class DecodeGraphBuffers:
             dst.write_offsets[b:size].zero_()
 
 
+class TritonGraphInputs(GraphInputs):
+    def __init__(self, backend: "TritonAttentionBackend", buffers: DecodeGraphBuffers):
+        self.backend = backend
+        self.buffers = buffers
+
+    def fill(self, metadata: AttentionMetadata | None, size: int) -> None:
+        self.buffers.fill(self.buffers.view(0) if metadata is None else self.backend.prepare(metadata), size)
+
+    def attention(self, size, layer_slot, kv_cache):
+        return self.backend.attention_for(self.buffers.view(size), layer_slot, kv_cache)
+
+
 class TritonBatchAttention(BatchAttention):
     def __init__(self, batch: DeviceBatch, layer_slot, kv_cache, specs, query_lens: list[int] | None = None,
                  sm_count: int = 132, metadata: AttentionMetadata | None = None,
@@ -184,8 +165,7 @@ class TritonBatchAttention(BatchAttention):
         if bm not in self.batch.tiles:
             seqs, starts = self.K.prefill_tiles(self._query_lens, bm)
             dev = self.batch.seq_lens.device
-            self.batch.tiles[bm] = (torch.tensor(seqs, dtype=torch.int32, device=dev),
-                                    torch.tensor(starts, dtype=torch.int32, device=dev))
+            self.batch.tiles[bm] = (to_device(seqs, torch.int32, dev), to_device(starts, torch.int32, dev))
         return self.batch.tiles[bm]
 
     def __call__(self, layer, q, k, v, *, scale, window, softcap=None):
@@ -214,7 +194,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._specs = []
-        self._mirrors: list[SlotMirror] = []
         self.device: torch.device | None = None
         self.sm_count = 132   # decode split heuristic; the real count on CUDA
 
@@ -226,14 +205,16 @@ class TritonAttentionBackend(AttentionBackend):
         return allocate_paged_kv(specs, layout, device)
 
     def prepare(self, metadata: AttentionMetadata) -> DeviceBatch:
-        while len(self._mirrors) < len(metadata.groups):
-            self._mirrors.append(SlotMirror())
-        return build_device_batch(metadata, self._mirrors, self.device)
+        return build_device_batch(metadata, self.device)
 
     def attention_for(self, batch: DeviceBatch, layer_slot, kv_cache, query_lens: list[int] | None = None,
                       metadata: AttentionMetadata | None = None) -> TritonBatchAttention:
         return TritonBatchAttention(batch, layer_slot, kv_cache, self._specs, query_lens, self.sm_count, metadata,
                                     self if metadata is not None else None)
+
+    def graph_inputs(self, max_batch, groups, max_model_len, null_page, device) -> TritonGraphInputs:
+        geometry = [(g.num_layers, g.tokens_per_page, g.window) for g in groups]
+        return TritonGraphInputs(self, DecodeGraphBuffers(max_batch, geometry, max_model_len, null_page, device))
 
     def begin_batch(self, metadata, kv_cache):
         return self.attention_for(self.prepare(metadata), metadata.layer_slot, kv_cache, metadata.query_lens,

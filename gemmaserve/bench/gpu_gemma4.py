@@ -117,11 +117,11 @@ def _bf16_backend_gap(llm, common) -> float:
         eng = other.engine
         from ..engine.sampling_params import SamplingParams
 
-        eng.add_request("", SamplingParams(max_tokens=1), prompt_ids=ids)
-        sched = eng.scheduler.schedule()
-        out[backend] = eng.runner.execute(sched.seqs).float()
-        for s in sched.seqs:
-            eng.abort_request(s.request.group_id)
+        rid = eng.add_request("", SamplingParams(max_tokens=1), prompt_ids=ids)
+        plan = eng.scheduler.schedule()
+        eng.runner.apply(plan)
+        out[backend] = eng.runner.forward(plan.seqs).float()
+        eng.abort_request(rid)
     return round(((out["triton"] - out["torch"]).norm() / out["torch"].norm()).item(), 5)
 
 

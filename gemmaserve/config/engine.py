@@ -52,6 +52,9 @@ class EngineConfig:
     enable_prefix_caching: bool | None = option(None, negatable=True,
                                                 help="reuse the KV of earlier prompts' common prefixes (default: on "
                                                      "where the KV manager supports it)")
+    async_scheduling: str = option("auto", choices=SCRATCH_CHOICES,
+                                   help="schedule and prepare step N+1 on the host while step N runs on the device "
+                                        "(sampled ids stay on the device); auto = on for CUDA, off on the CPU")
     enforce_eager: bool = option(False, help="never use CUDA graphs (decode steps are captured by default on CUDA)")
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
                                     help="attention implementation; auto = triton on CUDA, torch on the CPU")
@@ -78,6 +81,8 @@ class EngineConfig:
             raise UserInputError(f"kv_cache_manager must be one of {', '.join(KV_MANAGERS)}")
         if self.swa_scratch_reuse not in SCRATCH_CHOICES:
             raise UserInputError(f"swa_scratch_reuse must be one of {', '.join(SCRATCH_CHOICES)}")
+        if self.async_scheduling not in SCRATCH_CHOICES:
+            raise UserInputError(f"async_scheduling must be one of {', '.join(SCRATCH_CHOICES)}")
         if self.enable_prefix_caching not in (None, True, False):
             raise UserInputError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}")
         if self.kv_pool_split is not None and not (isinstance(self.kv_pool_split, float)

@@ -1,9 +1,9 @@
 """CUDA graphs for decode steps: one graph per padded batch size, captured when the engine starts.
 
 A decode step launches ~12 kernels per layer; at small batches launch overhead, not the GPU, sets the
-pace. Replaying a captured graph issues them all at once. Inputs live at fixed addresses
-(`DecodeGraphBuffers`, shared by all sizes): each step copies the live batch in (padding rows read and
-write a reserved null page) and replays the graph of the smallest size that fits.
+pace. Replaying a captured graph issues them all at once. Inputs live at fixed addresses (the
+backend's `GraphInputs`, shared by all sizes): each step copies the live batch in (padding rows read
+and write a reserved null page) and replays the graph of the smallest size that fits.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..attention.triton_backend import DecodeGraphBuffers
+from ..attention.base import AttentionBackend
 from ..models.base import ModelInputs
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
@@ -28,15 +28,14 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, backend, kv_cache, layer_slot, groups, max_model_len: int,
+    def __init__(self, model: nn.Module, backend: AttentionBackend, kv_cache, layer_slot, groups, max_model_len: int,
                  null_page: int, max_batch: int, device: torch.device):
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
         self.layer_slot = layer_slot
         self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [max_batch]
-        self.buffers = DecodeGraphBuffers(max_batch, [(g.num_layers, g.tokens_per_page, g.window) for g in groups],
-                                          max_model_len, null_page, device)
+        self.inputs = backend.graph_inputs(max_batch, groups, max_model_len, null_page, device)
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.device = device
@@ -62,7 +61,7 @@ class DecodeGraphs:
         b = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
         g = self._graphs.get(size) or self._capture(size)
-        self.buffers.fill(self.backend.prepare(metadata), size)
+        self.inputs.fill(metadata, size)
         self.input_ids[:b].copy_(input_ids)
         self.input_ids[b:size].zero_()
         self.positions[:b].copy_(positions)
@@ -75,8 +74,8 @@ class DecodeGraphs:
         ids, pos = self.input_ids[:size], self.positions[:size]
         ids.zero_()
         pos.zero_()
-        self.buffers.fill(self.buffers.view(0), size)   # every row is padding: writes hit the null page
-        attn = self.backend.attention_for(self.buffers.view(size), self.layer_slot, self.kv_cache)
+        self.inputs.fill(None, size)   # every row is padding: writes hit the null page
+        attn = self.inputs.attention(size, self.layer_slot, self.kv_cache)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):   # warm-up off the capture (compiles the kernels)

@@ -7,13 +7,16 @@ Single-threaded: whoever owns the engine calls `step()` in a loop (LLM, or a ser
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 
 import torch
+
 
 from ..attention import select_backend
 from ..config.engine import EngineConfig
@@ -23,11 +26,11 @@ from ..errors import UserInputError
 from ..kv import create_kv_manager
 from ..models.loader import LoadedModel, load_model
 from .detokenizer import IncrementalDetokenizer
-from .model_runner import ModelRunner
-from .request import FinishReason, Request, RequestOutput, TokenLogprob
-from .sampler import sample
+from .model_runner import ModelRunner, PendingStep
+from .request import FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledSeq, Scheduler
+from .scheduler import Scheduler
+from .step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,12 @@ class EngineInfo:
     prefix_caching: bool
     attention_backend: str
     cuda_graphs: bool
+    async_scheduling: bool
     kv_pages: int
     kv_page_size: int
     kv_bytes: int
     load_seconds: float
+    warmup_seconds: float = 0.0
 
 
 class LLMEngine:
@@ -76,9 +81,13 @@ class LLMEngine:
                                     sliding_share=config.kv_pool_split)
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                       and self.backend.capabilities.cuda_graphs)
-        self.runner = ModelRunner(self.model, self.backend, self.kv, specs, self.device, cuda_graphs=use_graphs,
-                                  max_model_len=self.max_model_len, max_batch=config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.backend, self.kv.layout, self.kv.groups, self.kv.layer_slot, specs,
+                                  self.device, cuda_graphs=use_graphs, max_model_len=self.max_model_len,
+                                  max_batch=config.max_num_seqs)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.async_scheduling = (config.async_scheduling == "on"
+                                 or (config.async_scheduling == "auto" and self.device.type == "cuda"))
+        self._inflight: tuple[StepPlan, PendingStep] | None = None   # launched, result not taken yet
         self._requests: dict[str, Request] = {}        # engine id -> unfinished request
         self._groups: dict[str, list[Request]] = {}    # user id -> its n completions (until all finish)
         self._ids = itertools.count()
@@ -88,10 +97,36 @@ class LLMEngine:
             swa_scratch_reuse=self.cache_options.swa_scratch_reuse,
             prefix_caching=self.cache_options.enable_prefix_caching,
             attention_backend=self.backend.capabilities.name, cuda_graphs=self.runner.graphs is not None,
+            async_scheduling=self.async_scheduling,
             kv_pages=self.kv.num_pages,
             kv_page_size=self.kv.page_size, kv_bytes=self.kv.num_pages * self.kv.page_bytes,
             load_seconds=loaded.load_seconds)
+        if self.device.type == "cuda":
+            self.info = dataclasses.replace(self.info, warmup_seconds=self._warm_up())
         log.info("engine ready: %s", self.info)
+
+    def _warm_up(self) -> float:
+        """Run a full-budget prefill step (two sequences, lengths not multiples of 16) and a few decode
+        steps on dummy tokens, so the first request pays for no kernel compilation or allocator
+        growth. It leaves nothing behind: pages freed, prefix cache and its statistics reset."""
+        start = time.perf_counter()
+        budget = min(self.config.max_num_batched_tokens, self.max_model_len - 4)
+        lengths = [n for n in (budget - 17, 17) if n > 1] or [2]
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        vocab = self.model.vocab_size
+        for i, n in enumerate(lengths):
+            prompt = [(7 + 31 * (j + 101 * i)) % vocab for j in range(n)]
+            try:
+                self.check_request(prompt, params)
+            except UserInputError:
+                continue   # a KV cache too small for the full budget: warm up what fits
+            self.add_request("", params, prompt_ids=prompt, request_id=f"__warmup__{i}")
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv.reset_prefix_cache()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return round(time.perf_counter() - start, 3)
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -119,14 +154,12 @@ class LLMEngine:
                 seed = secrets.randbits(63)
             elif i > 0:  # siblings must differ, yet stay reproducible
                 seed = int.from_bytes(hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=8).digest(), "little") >> 1
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
             req = Request(
                 request_id=group_id if params.n == 1 else f"{group_id}#{i}", group_id=group_id, index=i,
                 prompt=prompt, prompt_token_ids=ids, params=params, eos_token_ids=self.tokenizer.stop_token_ids,
                 max_total_tokens=max_total,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                generator=generator, max_chunk_tokens=max_chunk,
+                seed=seed, max_chunk_tokens=max_chunk,
                 # Siblings wait for the first one's prompt, then share its pages via the prefix cache.
                 wait_for=group[0] if i and self.cache_options.enable_prefix_caching else None)
             group.append(req)
@@ -186,65 +219,77 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One forward pass. Returns an output for every completion that produced text or
-        finished in it (its `delta_*` fields hold what is new)."""
-        sched = self.scheduler.schedule()
-        if not sched.seqs:
-            if self.scheduler.waiting and not self.scheduler.running:
+        finished in it (its `delta_*` fields hold what is new).
+
+        Asynchronous scheduling: step N+1 is scheduled and launched before step N's sampled ids are
+        read back, so the device never waits for the host; the outputs returned are step N's (one
+        step behind), and a final call with nothing left to schedule collects the last one."""
+        plan = self.scheduler.schedule()
+        launched = None
+        if plan.seqs:
+            launched = self._launch(plan)
+        else:
+            self.runner.apply(plan)   # requests may still have left
+            if self.scheduler.waiting and not self.scheduler.running and self._inflight is None:
                 raise RuntimeError("scheduler made no progress with an empty running set")  # a bug, never input
-            return []
+        if not self.async_scheduling and launched is not None:
+            return self._update(plan, launched.resolve())
         outputs: list[RequestOutput] = []
-        seqs, sampled = self._forward(sched.seqs, outputs)
-        for s in seqs:
-            req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
-        for req, (token, lp) in sampled.items():
-            try:
-                req.append_token(token, lp)
-            except Exception as exc:   # e.g. detokenizing: this request fails, the batch goes on
-                self._fail(req, exc)
+        if self._inflight is not None:
+            outputs = self._update(*self._take_inflight())
+        if launched is not None:
+            self._inflight = (plan, launched)
+        return outputs
+
+    def _take_inflight(self) -> tuple[StepPlan, StepResult]:
+        plan, pending = self._inflight
+        self._inflight = None
+        try:
+            return plan, pending.resolve()
+        except Exception as exc:   # the device failed running it: rerun its sequences one by one
+            log.warning("a launched step of %d sequences failed (%r); retrying them one by one", len(plan.seqs), exc)
+            return plan, self._one_by_one(plan)
+
+    def _update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        outputs = []
+        for req in self.scheduler.update_from_output(plan, result):
             if req.is_finished:
                 self._retire(req)
             outputs.append(self._output(req))
         return outputs
 
-    def _run_batch(self, seqs: list[ScheduledSeq]) -> dict[Request, tuple[int, TokenLogprob | None]]:
-        logits = self.runner.execute(seqs)
-        completing = [s.request for s in seqs if s.completes]
-        tokens, logprobs = sample(logits, completing) if completing else ([], [])
-        return dict(zip(completing, zip(tokens, logprobs)))
-
-    def _forward(self, seqs: list[ScheduledSeq], failed: list[RequestOutput]):
-        """Run the batch. If it raises, rerun each sequence alone (re-writing a step's KV positions is
-        harmless) so that only the requests that fail by themselves are finished with an error."""
+    def _launch(self, plan: StepPlan) -> "PendingStep | _Done":
+        """Queue the plan. If that raises, rerun each sequence alone (re-writing a step's KV positions
+        is harmless), so that only the requests that fail by themselves fail."""
         try:
-            return seqs, self._run_batch(seqs)
+            return self.runner.launch(plan)
         except Exception as exc:
-            if len(seqs) == 1:
-                self._fail(seqs[0].request, exc)
-                self._retire(seqs[0].request)
-                failed.append(self._output(seqs[0].request))
-                return [], {}
-            log.warning("a batch of %d sequences failed (%r); retrying them one by one", len(seqs), exc)
-        ok, sampled = [], {}
-        for s in seqs:
-            got, one = self._forward([s], failed)
-            ok += got
-            sampled.update(one)
-        return ok, sampled
+            if len(plan.seqs) == 1:
+                return _Done(self._failed(plan.seqs[0].req_id, exc))
+            log.warning("a batch of %d sequences failed (%r); retrying them one by one", len(plan.seqs), exc)
+        return _Done(self._one_by_one(plan))
 
-    def _fail(self, req: Request, exc: Exception) -> None:
-        log.error("request %s failed", req.request_id, exc_info=exc)
-        req.error = f"{type(exc).__name__}: {exc}"
-        req.finish(FinishReason.ERROR)
+    def _one_by_one(self, plan: StepPlan) -> StepResult:
+        result = StepResult()
+        for i, s in enumerate(plan.seqs):
+            try:
+                result.merge(self.runner.execute(plan, only=[i]))
+            except Exception as exc:
+                result.merge(self._failed(s.req_id, exc))
+        return result
+
+    @staticmethod
+    def _failed(req_id: str, exc: Exception) -> StepResult:
+        log.error("request %s failed", req_id, exc_info=exc)
+        return StepResult(failed={req_id: f"{type(exc).__name__}: {exc}"})
 
     def _retire(self, req: Request) -> None:
-        """A finished request leaves the scheduler (pages freed) and the engine's tables."""
+        """A finished request leaves the engine's tables (the scheduler already freed its pages)."""
         self.scheduler.finish(req)
         del self._requests[req.request_id]
         group = self._groups.get(req.group_id)
@@ -254,3 +299,13 @@ class LLMEngine:
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(req.group_id, req.prompt, req.prompt_token_ids, [req.take_output()], req.is_finished,
                              req.num_cached_tokens)
+
+
+@dataclass
+class _Done:
+    """A step that already has its result (it failed and was rerun one sequence at a time)."""
+
+    result: StepResult
+
+    def resolve(self) -> StepResult:
+        return self.result

@@ -1,66 +1,111 @@
-"""Turns a scheduled batch into tensors, runs the model, returns logits of the rows to sample.
+"""Runs one step description (`StepPlan`) on the device and samples: the only place tensors are built.
 
     seqs   a: 5 new tokens (prefill)   b: 1 (decode)   c: 1 (decode)
     input  [a0 a1 a2 a3 a4 | b7 | c3]        positions [0..4 | 7 | 3]
-    sample rows: last token of every sequence that this step brings up to date
+    sample rows: last token of every sequence the plan marks `sample`
+
+The runner sees only plans: it keeps its own block tables (updated by the plan's deltas) and a
+sampling state per request (from its `NewRequest` until it is `finished`), never a live Request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..attention.base import AttentionBackend, AttentionMetadata
-from ..kv.base import KVCacheManager
+from ..kv.base import KVLayout
+from ..kv.groups import KVGroup
 from ..kv.spec import LayerSpec
 from ..models.base import ModelInputs
-from .scheduler import ScheduledSeq
+from .block_tables import BlockTables
+from ..device import to_device
+from .sampler import Sampled, SamplingState, sample
+from .step import DEVICE_TOKEN, SeqStep, StepPlan, StepResult
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, backend: AttentionBackend, kv: KVCacheManager, specs: list[LayerSpec],
-                 device: torch.device, cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0):
+    def __init__(self, model: nn.Module, backend: AttentionBackend, layout: KVLayout, groups: tuple[KVGroup, ...],
+                 layer_slot: tuple[tuple[int, int], ...], specs: list[LayerSpec], device: torch.device,
+                 cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0):
         self.model = model
         self.backend = backend
-        self.kv = kv
         self.device = device
+        self.layer_slot = layer_slot
         # One page more than the manager hands out: the null page that CUDA-graph padding rows use.
-        layout = dataclasses.replace(kv.layout, num_pages=kv.layout.num_pages + 1)
-        self.kv_cache = backend.allocate_kv_cache(specs, layout, device)
+        self.kv_cache = backend.allocate_kv_cache(specs, dataclasses.replace(layout, num_pages=layout.num_pages + 1),
+                                                  device)
+        self.tables = BlockTables(groups, max(1, max_batch), max_model_len or 1,
+                                  layout.num_pages + 1 if layout.identity_slots else None, device)
+        self.sampling: dict[str, SamplingState] = {}
+        self._last_sampled: dict[str, tuple[torch.Tensor, int]] = {}   # request -> (ids of its last step, row)
+        self._applied_step = -1
         self.graphs = None
         if cuda_graphs:
             from .cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, backend, self.kv_cache, kv.layer_slot, kv.groups, max_model_len,
-                                       kv.num_pages, max_batch, device)
+            self.graphs = DecodeGraphs(model, backend, self.kv_cache, layer_slot, groups, max_model_len,
+                                       layout.num_pages, max_batch, device)
             self.graphs.capture_all()
 
-    def build_metadata(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    # -- state the plans keep ---------------------------------------------------------------
+    @torch.inference_mode()
+    def apply(self, plan: StepPlan) -> None:
+        """Take the plan's table and request changes (once per plan, however often it is executed)."""
+        if plan.step == self._applied_step:
+            return
+        self._applied_step = plan.step
+        for req_id in plan.released + plan.finished:
+            self.tables.release(req_id)
+        for req_id in plan.finished:
+            self.sampling.pop(req_id, None)
+            self._last_sampled.pop(req_id, None)
+        for new in plan.new_requests:
+            self.sampling[new.req_id] = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.device)
+        self.tables.update_slots(plan.slot_updates)
+        for s in plan.seqs:
+            self.tables.apply(s.req_id, s.deltas, s.new_table)
+
+    # -- one step -----------------------------------------------------------------------------
+    def build_inputs(self, seqs: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
         positions: list[int] = []
+        from_device: list[tuple[int, str]] = []   # (row of input_ids, request): last step's sample
         for s in seqs:
-            start = s.request.num_computed_tokens
-            ids.extend(s.request.all_token_ids[start:start + s.num_new_tokens])
-            positions.extend(range(start, start + s.num_new_tokens))
+            for j, t in enumerate(s.token_ids):
+                if t == DEVICE_TOKEN:
+                    from_device.append((len(ids) + j, s.req_id))
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.start + s.num_new_tokens))
         md = AttentionMetadata(
             query_lens=[s.num_new_tokens for s in seqs],
-            seq_lens=[s.request.num_computed_tokens + s.num_new_tokens for s in seqs],
-            groups=self.kv.group_tables([s.request.request_id for s in seqs]),
-            layer_slot=self.kv.layer_slot,
+            seq_lens=[s.start + s.num_new_tokens for s in seqs],
+            groups=self.tables.tables([s.req_id for s in seqs]),
+            layer_slot=self.layer_slot,
         )
-        return (torch.tensor(ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device), md)
+        input_ids = to_device(ids, torch.long, self.device)
+        if from_device:   # sampled ids never went to the host: gather them on the device
+            by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+            for row, req_id in from_device:
+                tokens, index = self._last_sampled[req_id]
+                _, rows, idx = by_tensor.setdefault(id(tokens), (tokens, [], []))
+                rows.append(row)
+                idx.append(index)
+            for tokens, rows, idx in by_tensor.values():
+                input_ids[to_device(rows, torch.long, self.device)] = tokens[to_device(idx, torch.long, self.device)]
+        return input_ids, to_device(positions, torch.long, self.device), md
 
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
-        """Run one step. Returns logits [N, V] for the N sequences with `completes` (in order)."""
-        input_ids, positions, md = self.build_metadata(seqs)
+    def forward(self, seqs: list[SeqStep]) -> torch.Tensor | None:
+        """Logits [N, V] for the N sequences with `sample` (in order), or None."""
+        input_ids, positions, md = self.build_inputs(seqs)
         rows, sampled, end = [], [], 0
         for b, s in enumerate(seqs):
             end += s.num_new_tokens
-            if s.completes:
+            if s.sample:
                 rows.append(end - 1)
                 sampled.append(b)
         if self.graphs is not None and md.is_decode_only and len(seqs) <= self.graphs.max_size:
@@ -68,13 +113,47 @@ class ModelRunner:
             if len(sampled) == len(seqs):
                 return logits
             # A one-token row can be a prefill chunk that does not complete its prompt: no sample.
-            return logits[torch.tensor(sampled, dtype=torch.long, device=logits.device)] if sampled else None
+            return logits[to_device(sampled, torch.long, self.device)] if sampled else None
         attn = self.backend.begin_batch(md, self.kv_cache)
         inputs = ModelInputs(input_ids, positions, attn)
         if len(rows) != end:   # prefill chunks: only the last row of completing sequences is sampled
-            inputs.sample_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+            inputs.sample_rows = to_device(rows, torch.long, self.device)
             inputs.sample_seqs = sampled
         hidden = self.model(inputs)
         if not rows:
             return None
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, only: list[int] | None = None) -> "PendingStep":
+        """Queue the plan (or the sequences `only` of it) and its sampling on the device; nothing
+        waits for the device. The ids reach the host when the result is resolved."""
+        self.apply(plan)
+        seqs = plan.seqs if only is None else [plan.seqs[i] for i in only]
+        logits = self.forward(seqs)
+        ids = [s.req_id for s in seqs if s.sample]
+        if not ids:
+            return PendingStep([], None)
+        sampled = sample(logits, [self.sampling[i] for i in ids])
+        for i, req_id in enumerate(ids):   # the next step may read these on the device
+            self._last_sampled[req_id] = (sampled.tokens, i)
+        sampled.to_host()
+        return PendingStep(ids, sampled)
+
+    def execute(self, plan: StepPlan, only: list[int] | None = None) -> StepResult:
+        """Run the plan (or the sequences `only` of it) and sample. Returns a token per `sample` row."""
+        return self.launch(plan, only).resolve()
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled ids are still on their way to the host."""
+
+    req_ids: list[str]
+    sampled: Sampled | None
+
+    def resolve(self) -> StepResult:
+        if self.sampled is None:
+            return StepResult()
+        tokens, records = self.sampled.resolve()
+        return StepResult(self.req_ids, tokens, records)

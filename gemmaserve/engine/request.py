@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from .detokenizer import IncrementalDetokenizer, StopStringFilter
 from .sampling_params import SamplingParams
 
@@ -47,14 +45,15 @@ class Request:
     eos_token_ids: frozenset[int]          # the tokenizer's end-of-sequence tokens
     max_total_tokens: int                  # prompt + output may not exceed this (max_model_len)
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None = None
+    seed: int = 0                          # of its random generator (the runner holds the generator)
     wait_for: "Request | None" = None      # admit only once this request's prompt is in the KV cache
     max_chunk_tokens: int | None = None    # prefill at most this many tokens a step (it fits only so)
     block_hashes: list[bytes] = field(default_factory=list)   # prefix-cache chain, grown by the KV manager
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    num_computed_tokens: int = 0           # tokens whose K/V sit in the cache
+    num_computed_tokens: int = 0           # tokens whose K/V sit in the cache or are being computed
+    num_pending_samples: int = 0           # sampled by a step in flight, not appended yet
     num_cached_tokens: int = 0             # prompt tokens the prefix cache served at its first admission
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -63,6 +62,8 @@ class Request:
     num_preemptions: int = 0
     admitted_order: int = -1               # when it was (last) admitted: preemption picks the latest
     last_served: int = -1                  # last step that ran it: fairness when the budget runs out
+    sent_tables: list[tuple[int, int]] | None = None   # per group: (first, end) block the runner holds
+    sampling_sent: bool = False            # the runner holds its sampling state
     stop_filter: StopStringFilter = field(init=False)
     _emitted_tokens: int = 0               # token ids already reported in an output
     _emitted_chars: int = 0
@@ -80,7 +81,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self._all)
+        """Tokens known, plus those sampled by a step in flight (asynchronous scheduling)."""
+        return len(self._all) + self.num_pending_samples
 
     @property
     def num_pending_tokens(self) -> int:
@@ -110,7 +112,7 @@ class Request:
         self.output_text += self.stop_filter.feed(self.detokenizer.step([token]))
         if self.stop_filter.matched is not None:
             self.finish(FinishReason.STOP, self.stop_filter.matched)
-        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_total_tokens:
+        elif len(self.output_token_ids) >= self.params.max_tokens or len(self._all) >= self.max_total_tokens:
             self._finish_and_flush(FinishReason.LENGTH, None)
 
     def _finish_and_flush(self, reason: FinishReason, stop_reason: str | int | None) -> None:
@@ -127,17 +129,20 @@ class Request:
         self.stop_reason = stop_reason
 
     def take_output(self) -> "CompletionOutput":
-        """This completion's state, with the tokens and text new since the last output."""
+        """What is new since the last output (`delta_*`); the whole text, tokens and logprobs only
+        once it finishes (copying them into every streamed output would cost O(n) per token)."""
         delta_ids = self.output_token_ids[self._emitted_tokens:]
         delta_text = self.output_text[self._emitted_chars:]
         delta_lp = self.logprobs[self._emitted_logprobs:]
         self._emitted_tokens = len(self.output_token_ids)
         self._emitted_chars = len(self.output_text)
         self._emitted_logprobs = len(self.logprobs)
+        done = self.is_finished
         return CompletionOutput(
-            index=self.index, text=self.output_text, token_ids=list(self.output_token_ids),
+            index=self.index, text=self.output_text if done else "",
+            token_ids=list(self.output_token_ids) if done else [],
             finish_reason=self.finish_reason.value if self.finish_reason else None, stop_reason=self.stop_reason,
-            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            logprobs=list(self.logprobs) if done and self.params.logprobs is not None else None,
             delta_text=delta_text, delta_token_ids=delta_ids,
             delta_logprobs=delta_lp if self.params.logprobs is not None else None, error=self.error)
 
@@ -145,8 +150,8 @@ class Request:
 @dataclass
 class CompletionOutput:
     index: int
-    text: str
-    token_ids: list[int]
+    text: str                              # the whole text: on the final output only ("" before)
+    token_ids: list[int]                   # likewise
     finish_reason: str | None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None

@@ -1,90 +1,163 @@
-"""Next-token choice from logits.
+"""Next-token choice from logits, on the device.
 
     raw logits -> log-probabilities reported to the user (logprobs)
                -> penalties (repetition: HF semantics; presence / frequency: OpenAI semantics)
                -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw
 
-Filtering is batched; the draw runs per request with that request's own generator, so a seeded
-request gives the same tokens whatever else is in the batch.
+The runner keeps a `SamplingState` per request (its parameters, its seeded generator, token counts
+for penalties, all on the device) from its first step until it finishes. Filtering is batched; the
+draw runs per request with that request's own generator, so a seeded request gives the same tokens
+whatever else is in the batch. Nothing here reads a value back to the host: `Sampled` holds device
+tensors until someone asks for the ids (`Sampled.resolve`), so the next step can be queued first.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .request import Request, TokenLogprob
+from ..device import to_device
+from .request import TokenLogprob
+from .sampling_params import SamplingParams
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [N, V] for N requests -> one token id (and its logprob record, if asked) each."""
+@dataclass(eq=False)
+class SamplingState:
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_token_ids: list[int]
+    prompt_seen: torch.Tensor | None = None   # [V] bool: tokens of the prompt (repetition penalty)
+    counts: torch.Tensor | None = None        # [V] float: times each token was generated
+
+    @classmethod
+    def create(cls, params: SamplingParams, seed: int, prompt_token_ids: list[int], device: torch.device):
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        return cls(params, generator, list(prompt_token_ids))
+
+    def penalty_tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.counts is None:
+            self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self.prompt_seen[to_device(self.prompt_token_ids, torch.long, device)] = True
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        return self.prompt_seen, self.counts
+
+
+@dataclass
+class Sampled:
+    """One step's draws, still on the device."""
+
+    tokens: torch.Tensor                        # [N] int64
+    logprob_rows: list[int]                     # rows that asked for logprobs
+    picked: torch.Tensor | None = None          # [len(logprob_rows)] logprob of the chosen token
+    top_v: torch.Tensor | None = None           # [len(logprob_rows), k]
+    top_i: torch.Tensor | None = None
+    top_n: list[int] | None = None              # per logprob row: alternatives asked for
+
+    done: torch.cuda.Event | None = None      # recorded after the copies to the host below
+    host: list[torch.Tensor] | None = None     # pinned copies of tokens, picked, top_v, top_i
+
+    def to_host(self) -> None:
+        """Queue the copies to (pinned) host memory behind the step; `resolve` waits for them only,
+        not for whatever is queued later (the next step)."""
+        if self.tokens.device.type != "cuda":
+            return
+        parts = [self.tokens] + ([self.picked, self.top_v, self.top_i] if self.logprob_rows else [])
+        self.host = []
+        for t in parts:
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            pinned.copy_(t, non_blocking=True)
+            self.host.append(pinned)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def resolve(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The ids (and logprob records) on the host: waits for the step that produced them."""
+        if self.host is not None:
+            self.done.synchronize()
+            self.tokens = self.host[0]
+            if self.logprob_rows:
+                self.picked, self.top_v, self.top_i = self.host[1:]
+        chosen = self.tokens.tolist()
+        records: list[TokenLogprob | None] = [None] * len(chosen)
+        if self.logprob_rows:
+            picked, top_v, top_i = self.picked.tolist(), self.top_v.tolist(), self.top_i.tolist()
+            for j, i in enumerate(self.logprob_rows):
+                n = self.top_n[j]
+                records[i] = TokenLogprob(chosen[i], picked[j], tuple(zip(top_i[j][:n], top_v[j][:n])))
+        return chosen, records
+
+
+def sample(logits: torch.Tensor, states: list[SamplingState]) -> Sampled:
+    """logits: [N, V] for N requests -> one token each (and logprob records where asked)."""
     raw = logits.float()
     logits = raw
     dev = raw.device
-    penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
+    penalized = [i for i, s in enumerate(states) if s.params.has_penalties]
     if penalized:
         logits = raw.clone()
-        rows = torch.tensor(penalized, device=dev)
-        logits[rows] = apply_penalties(logits[rows], [requests[i] for i in penalized])
+        rows = to_device(penalized, torch.long, dev)
+        logits[rows] = apply_penalties(logits[rows], [states[i] for i in penalized])
     tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows, device=dev)
-        params = [requests[i].params for i in random_rows]
+        rows = to_device(random_rows, torch.long, dev)
+        params = [states[i].params for i in random_rows]
         probs = filtered_probs(
             logits[rows],
-            torch.tensor([p.temperature for p in params], device=dev),
+            to_device([p.temperature for p in params], torch.float32, dev),
             [p.top_k for p in params],
-            torch.tensor([p.top_p for p in params], device=dev),
-            torch.tensor([p.min_p for p in params], device=dev),
+            to_device([p.top_p for p in params], torch.float32, dev),
+            to_device([p.min_p for p in params], torch.float32, dev),
+            any_top_p=any(p.top_p < 1.0 for p in params), any_min_p=any(p.min_p > 0 for p in params),
         )
         for j, i in enumerate(random_rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=requests[i].generator)[0]
-    chosen = tokens.tolist()
-    records: list[TokenLogprob | None] = [None] * len(requests)
-    want = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    if want:
-        logp = torch.log_softmax(raw[torch.tensor(want, device=dev)], dim=-1)
-        k = max(requests[i].params.logprobs for i in want)
-        top_v, top_i = logp.topk(max(k, 1), dim=-1)
-        picked = logp.gather(1, torch.tensor([[chosen[i]] for i in want], device=dev))[:, 0].tolist()
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(want):
-            n = requests[i].params.logprobs
-            records[i] = TokenLogprob(chosen[i], picked[j], tuple(zip(top_i[j][:n], top_v[j][:n])))
-    return chosen, records
+            tokens[i] = torch.multinomial(probs[j], 1, generator=states[i].generator)[0]
+    one = None
+    for i in penalized:   # the drawn token counts from the next step on
+        if one is None:
+            one = torch.ones(1, device=dev)
+        states[i].counts.index_add_(0, tokens[i:i + 1], one)
+    out = Sampled(tokens, [i for i, s in enumerate(states) if s.params.logprobs is not None])
+    if out.logprob_rows:
+        want = to_device(out.logprob_rows, torch.long, dev)
+        logp = torch.log_softmax(raw[want], dim=-1)
+        out.top_n = [states[i].params.logprobs for i in out.logprob_rows]
+        out.top_v, out.top_i = logp.topk(max(1, max(out.top_n)), dim=-1)
+        out.picked = logp.gather(1, tokens[want][:, None])[:, 0]
+    return out
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """Repetition penalty over prompt + output tokens (divide positive logits, multiply negative
     ones); presence and frequency penalties over output tokens (subtract p * [count > 0] + f * count)."""
     n, vocab = logits.shape
     dev = logits.device
-    rep = torch.tensor([r.params.repetition_penalty for r in requests], device=dev)[:, None]
-    presence = torch.tensor([r.params.presence_penalty for r in requests], device=dev)[:, None]
-    frequency = torch.tensor([r.params.frequency_penalty for r in requests], device=dev)[:, None]
-    seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
-    counts = torch.zeros(n, vocab, device=dev)
-    for row, r in enumerate(requests):
-        seen[row, torch.tensor(r.prompt_token_ids + r.output_token_ids, dtype=torch.long, device=dev)] = True
-        if r.output_token_ids:
-            out = torch.tensor(r.output_token_ids, device=dev)
-            counts[row].index_add_(0, out, torch.ones(len(out), device=dev))
+    rep = to_device([s.params.repetition_penalty for s in states], torch.float32, dev)[:, None]
+    presence = to_device([s.params.presence_penalty for s in states], torch.float32, dev)[:, None]
+    frequency = to_device([s.params.frequency_penalty for s in states], torch.float32, dev)[:, None]
+    tensors = [s.penalty_tensors(vocab, dev) for s in states]
+    counts = torch.stack([c for _, c in tensors])
+    seen = torch.stack([p for p, _ in tensors]) | (counts > 0)
     penalized = torch.where(logits < 0, logits * rep, logits / rep)
     logits = torch.where(seen, penalized, logits)
     return logits - presence * (counts > 0) - frequency * counts
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int],
-                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+                   top_p: torch.Tensor, min_p: torch.Tensor | None = None, *, any_top_p: bool | None = None,
+                   any_min_p: bool | None = None) -> torch.Tensor:
     """Temperature, then top-k, then top-p (smallest set whose probability reaches top_p; the most
-    likely token always stays), then min-p. Returns probabilities [N, V]."""
+    likely token always stays), then min-p. Returns probabilities [N, V]. `any_top_p` / `any_min_p`:
+    whether some row filters that way, when the caller knows (else read back from the tensors)."""
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
     if any(0 < k < vocab for k in top_k):
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
-        kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
+        ks = [k if 0 < k < vocab else vocab for k in top_k]
+        kth = logits.topk(max(ks), dim=-1).values.gather(1, to_device(ks, torch.long, logits.device)[:, None] - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if bool((top_p < 1.0).any()):
+    if any_top_p if any_top_p is not None else bool((top_p < 1.0).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -92,7 +165,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
-    if min_p is not None and bool((min_p > 0).any()):
+    if min_p is not None and (any_min_p if any_min_p is not None else bool((min_p > 0).any())):
         keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(dim=-1, keepdim=True)

@@ -18,15 +18,23 @@ is cheap, the rest of the prompt is not, and a preempted prompt is computed agai
 pages run out, the most recently admitted running request is preempted: its pages are freed, its
 tokens kept, and it is recomputed later (mostly from prefix-cache hits). No request is admitted in
 a step that preempted one, so freed pages go back to the preempted, not to newcomers.
+
+The scheduler owns request and KV state: `schedule()` decides and allocates, then describes the step
+as plain data (`StepPlan`: tokens per request, block-table deltas, new slots, requests gone), and
+`update_from_output()` alone commits the step (KV commit, sampled tokens, stop checks, finishing).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv.base import KVCacheManager
-from .request import Request, RequestStatus
+from .request import FinishReason, Request, RequestStatus
+from .step import DEVICE_TOKEN, NewRequest, SeqStep, SlotUpdate, StepPlan, StepResult, TableDelta
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,7 +49,7 @@ class ScheduledSeq:
 
 
 @dataclass
-class SchedulerOutput:
+class _Decision:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
@@ -60,19 +68,28 @@ class Scheduler:
         self.num_preemptions = 0
         self._step = 0
         self._admissions = 0
+        self._by_id: dict[str, Request] = {}
+        self._released: list[str] = []     # preempted since the last plan: the runner drops their tables
+        self._finished: list[str] = []     # finished since the last plan: and their sampling state
+        self._slot_cursors = [-1] * len(kv.groups)
+        self._uncommitted: list[tuple[Request, int]] = []   # (request, end) scheduled, KV not committed yet
 
     def add(self, request: Request) -> None:
+        if request.request_id in self._by_id:
+            raise ValueError(f"request {request.request_id} is already scheduled")
+        self._by_id[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepPlan:
         self._step += 1
-        out = SchedulerOutput()
-        decodes = sorted((r for r in self.running if r.prompt_computed and r.num_pending_tokens == 1),
-                         key=lambda r: (r.last_served, r.admitted_order))
-        prefills = [r for r in self.running if not (r.prompt_computed and r.num_pending_tokens == 1)]
+        self._commit_ready()   # the step in flight (asynchronous scheduling) frees its stale blocks first
+        out = _Decision()
+        decodes = sorted((r for r in self.running if r.prompt_computed and r.num_pending_tokens == 1
+                          and not self._finishing(r)), key=lambda r: (r.last_served, r.admitted_order))
+        prefills = [r for r in self.running if not (r.prompt_computed and r.num_pending_tokens <= 1)]
         # Decodes go first but may not take the whole budget while prompts wait: a quarter stays
         # for prefill, so many decodes cannot starve a prompt (and round robin keeps every decode moving).
         reserve = max(1, self.max_num_batched_tokens // 4) if (prefills or self.waiting) else 0
@@ -98,9 +115,100 @@ class Scheduler:
             self._admit(out, self.max_num_batched_tokens - out.num_tokens)
         for s in out.seqs:
             s.request.last_served = self._step
-        return out
+        return self._describe(out)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    # -- the step as data ----------------------------------------------------------------------
+    def _describe(self, out: _Decision) -> StepPlan:
+        plan = StepPlan(self._step, released=self._released, finished=self._finished)
+        self._released, self._finished = [], []
+        for s in out.seqs:
+            req = s.request
+            if not req.sampling_sent:
+                plan.new_requests.append(NewRequest(req.request_id, req.params, req.seed, req.prompt_token_ids))
+                req.sampling_sent = True
+            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            deltas, new_table = self._table_deltas(req)
+            known = req.all_token_ids[start:end]   # beyond: sampled by the step in flight, still on the device
+            plan.seqs.append(SeqStep(req.request_id, start, known + [DEVICE_TOKEN] * (end - start - len(known)),
+                                     s.completes, deltas, new_table))
+            if s.completes:
+                req.num_pending_samples += 1
+            req.num_computed_tokens = end
+            self._uncommitted.append((req, end))
+        for g, cursor in enumerate(self._slot_cursors):
+            rows, self._slot_cursors[g] = self.kv.slot_changes(g, cursor)
+            if rows is None or rows:   # None: the log moved on without us; resend every live row
+                rows, pages = self.kv.slot_rows(g, None if rows is None else sorted(set(rows)))
+                if rows:
+                    plan.slot_updates.append(SlotUpdate(g, rows, pages))
+        return plan
+
+    def _table_deltas(self, req: Request) -> tuple[list[TableDelta] | None, bool]:
+        """What changed in `req`'s block tables since the runner last saw them (all of them if it
+        holds none): tables only drop blocks at the front and append at the end."""
+        current = [self.kv.block_table(req.request_id, g) for g in range(len(self._slot_cursors))]
+        sent = req.sent_tables
+        req.sent_tables = [(first, first + len(rows)) for first, rows in current]
+        if sent is None:
+            return [TableDelta(first, list(rows)) for first, rows in current], True
+        if req.sent_tables == sent:
+            return None, False
+        return [TableDelta(first, rows[max(0, end - first):]) for (first, rows), (_, end) in zip(current, sent)], False
+
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Commit a step: its KV (blocks cached, stale blocks freed), sampled tokens (stop checks,
+        text), finished requests (pages freed). Returns the requests that sampled, failed or finished,
+        in plan order. With asynchronous scheduling the next plan is already out: a request it
+        scheduled that finishes here simply ignores that step's result."""
+        self._commit_ready()
+        sampled = dict(zip(result.req_ids, zip(result.token_ids, result.logprobs)))
+        touched = []
+        for s in plan.seqs:
+            req = self._by_id.get(s.req_id)
+            if req is None:
+                continue   # finished or aborted meanwhile
+            if s.sample:
+                req.num_pending_samples -= 1
+            error = result.failed.get(s.req_id)
+            if error is not None:
+                req.error = error
+                req.finish(FinishReason.ERROR)
+            elif s.req_id in sampled:   # a request preempted since still keeps the token
+                token, logprob = sampled[s.req_id]
+                try:
+                    req.append_token(token, logprob)
+                except Exception as exc:   # e.g. detokenizing: this request fails, the batch goes on
+                    log.error("request %s failed", req.request_id, exc_info=exc)
+                    req.error = f"{type(exc).__name__}: {exc}"
+                    req.finish(FinishReason.ERROR)
+            else:
+                continue
+            if req.is_finished:
+                self.finish(req)
+            touched.append(req)
+        return touched
+
+    def _commit_ready(self) -> None:
+        """Commit the KV of scheduled steps whose tokens are all known on the host (a decode step's
+        input sampled by the step before is known once that step's output is in)."""
+        waiting = []
+        for req, end in self._uncommitted:
+            if self._by_id.get(req.request_id) is not req or req.status is not RequestStatus.RUNNING:
+                continue   # finished or preempted: its pages are gone
+            if end > len(req.all_token_ids):
+                waiting.append((req, end))
+            else:
+                self.kv.commit(req.request_id, req.all_token_ids, end)
+        self._uncommitted = waiting
+
+    @staticmethod
+    def _finishing(req: Request) -> bool:
+        """A sample in flight will reach the request's length limit: another step would be wasted."""
+        return req.num_pending_samples > 0 and (
+            len(req.output_token_ids) + req.num_pending_samples >= req.params.max_tokens
+            or req.num_tokens >= req.max_total_tokens)
+
+    def _admit(self, out: _Decision, budget: int) -> None:
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_tokens - 1]
         owed = sum(self._prefill_growth(r) for r in prefilling)
         # One step's worth of transient pages on top (a chunk's sliding blocks before its commit
@@ -112,6 +220,8 @@ class Scheduler:
             sibling = req.wait_for
             if sibling is not None and not sibling.is_finished and not sibling.prompt_computed:
                 continue  # its first sibling has not cached the shared prompt yet
+            if req.num_pending_samples:
+                return    # preempted with a sample in flight: its tokens are not all known yet
             # Checked before the prefix lookup (which hashes the prompt): a blocked head of the queue
             # costs no hashing per step.
             transient = max(transient, self._step_transient(req))
@@ -160,7 +270,7 @@ class Scheduler:
         n = min(pending, budget)
         return n if req.max_chunk_tokens is None else min(n, req.max_chunk_tokens)
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, req: Request, n: int, out: _Decision) -> bool:
         """Pages for `n` more tokens of `req`, preempting the most recently admitted requests as
         needed. False if `req` itself had to be preempted."""
         start = req.num_computed_tokens
@@ -171,10 +281,14 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: _Decision) -> None:
         self.running.remove(req)
         out.seqs = [s for s in out.seqs if s.request is not req]   # it may have been scheduled already
         self.kv.free(req.request_id)
+        self._uncommitted = [(r, end) for r, end in self._uncommitted if r is not req]
+        if req.sent_tables is not None:
+            self._released.append(req.request_id)
+            req.sent_tables = None
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -184,8 +298,13 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """Remove a finished or aborted request and free its pages."""
+        if self._by_id.pop(req.request_id, None) is None:
+            return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        if req.sampling_sent or req.sent_tables is not None:
+            self._finished.append(req.request_id)
+            req.sent_tables = None

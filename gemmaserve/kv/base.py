@@ -18,11 +18,12 @@ Life of a sequence, one call each per engine step:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from ..device import to_device
 from .groups import KVGroup
 from .spec import LayerSpec
 
@@ -35,19 +36,28 @@ class KVLayout:
     page_bytes: int
     shared_arena: bool                # True: one byte arena, every layer views every page (V2)
     tokens_per_page: tuple[int, ...]  # per model layer (a KV-sharing layer: its source's)
+    identity_slots: bool = False      # slot s is page s in every layer (V1): no slot table travels
 
 
 @dataclass
 class GroupTables:
-    """One group's block tables for the sequences of a batch (live blocks only)."""
+    """One group's block tables for the sequences of a batch (live blocks only), as tensors.
+
+    Block i of sequence b (logical index first_block[b] + i, i < num_blocks[b]) is slot row
+    block_rows[b, i]; layer column c of the group reads and writes page slot_pages[row, c]. Columns
+    beyond num_blocks[b] hold row 0 (a valid index that no visible key reaches).
+    """
 
     group: KVGroup
-    first_block: list[int]          # per sequence: logical index of slot_ids[b][0]
-    slot_ids: list[list[int]]       # per sequence: slot of each live block, in order
-    slot_pages: torch.Tensor        # [slots, layers of the group]: the page of each layer (CPU, int64)
-    # Rows of slot_pages changed since a cursor: (rows, new cursor), or (None, cursor) if a full
-    # copy is needed. Lets a backend keep a device copy of slot_pages in sync cheaply.
-    changes_since: Callable[[int], tuple[list[int] | None, int]] = lambda cursor: ([], cursor)
+    first_block: list[int]          # per sequence
+    num_blocks: list[int]           # per sequence: live blocks
+    block_rows: torch.Tensor        # [B, W] (int64, the runner's device)
+    slot_pages: torch.Tensor        # [slots, layers of the group] (int32, the runner's device)
+
+    def select(self, seqs: list[int]) -> "GroupTables":
+        idx = to_device(seqs, torch.long, self.block_rows.device)
+        return GroupTables(self.group, [self.first_block[b] for b in seqs], [self.num_blocks[b] for b in seqs],
+                           self.block_rows[idx], self.slot_pages)
 
 
 @dataclass(frozen=True)
@@ -149,6 +159,9 @@ class KVCacheManager(ABC):
         """Count a request's first lookup in the hit-rate statistics (the scheduler calls it once per
         request: a preempted request finding its own recomputed blocks is no hit)."""
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no sequence holds, and the hit statistics (after the warm-up)."""
+
     @abstractmethod
     def allocate(self, seq_id: str, token_ids: list[int], start: int, end: int, prefill: bool,
                  chain: list[bytes] | None = None) -> bool:
@@ -162,8 +175,41 @@ class KVCacheManager(ABC):
     @abstractmethod
     def free(self, seq_id: str) -> None: ...
 
+    # -- block tables (what the scheduler sends the runner as deltas) -------------------------------
     @abstractmethod
-    def group_tables(self, seq_ids: list[str]) -> list[GroupTables]: ...
+    def block_table(self, seq_id: str, group: int) -> tuple[int, list[int]]:
+        """(logical index of the first live block, slot row of each live block) of a sequence in a
+        group. The list is the manager's own: read it, do not keep or change it."""
+
+    def slot_changes(self, group: int, cursor: int) -> tuple[list[int] | None, int]:
+        """Slot rows of a group created or removed since `cursor` (start at -1), and the new cursor;
+        None: too far behind, resend every live row. Identity layouts never change."""
+        return [], cursor
+
+    def slot_rows(self, group: int, rows: list[int] | None) -> tuple[list[int], list[list[int]]]:
+        """(rows, pages of each layer per row) for `rows`, or for every live row if None."""
+        return [], []
+
+    def group_tables(self, seq_ids: list[str], device: torch.device | str = "cpu") -> list[GroupTables]:
+        """The batch's block tables built from scratch (tests and tools; the runner keeps its own
+        from the scheduler's deltas)."""
+        out = []
+        for g in self.groups:
+            tables = [self.block_table(s, g.index) for s in seq_ids]
+            width = max([1] + [len(rows) for _, rows in tables])
+            block_rows = torch.zeros(len(seq_ids), width, dtype=torch.long)
+            for b, (_, rows) in enumerate(tables):
+                block_rows[b, :len(rows)] = torch.tensor(rows, dtype=torch.long)
+            if self.layout.identity_slots:
+                slot_pages = torch.arange(self.num_pages + 1, dtype=torch.int32)[:, None].expand(-1, g.num_layers)
+            else:
+                live, pages = self.slot_rows(g.index, None)
+                slot_pages = torch.full((max(live, default=-1) + 1 or 1, g.num_layers), 0, dtype=torch.int32)
+                if live:
+                    slot_pages[torch.tensor(live)] = torch.tensor(pages, dtype=torch.int32)
+            out.append(GroupTables(g, [f for f, _ in tables], [len(r) for _, r in tables], block_rows.to(device),
+                                   slot_pages.to(device)))
+        return out
 
     # -- observability -------------------------------------------------------------------------
     @property

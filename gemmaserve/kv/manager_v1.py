@@ -11,9 +11,7 @@ layer's own storage, so a page costs T x (sum over layers of bytes per token).
 
 from __future__ import annotations
 
-import torch
-
-from .base import GroupStats, GroupTables, KVCacheManager, KVLayout, KVStats
+from .base import GroupStats, KVCacheManager, KVLayout, KVStats
 from .groups import KVGroup
 from .page_pool import PagePool
 from .spec import AttentionKind, LayerSpec
@@ -29,11 +27,9 @@ class KVCacheManagerV1(KVCacheManager):
         col = {layer: c for c, layer in enumerate(owners)}
         self._layer_slot = tuple((0, col[i if s.owns_kv else s.kv_source]) for i, s in enumerate(specs))
         self._layout = KVLayout(num_pages, self.page_bytes_for(specs, page_size), False,
-                                tuple(page_size for _ in specs))
+                                tuple(page_size for _ in specs), identity_slots=True)
         self.pool = PagePool(num_pages)
         self._tables: dict[str, list[int]] = {}
-        # A slot is a page id, the same in every layer's storage.
-        self._slot_pages = torch.arange(num_pages).unsqueeze(1).expand(num_pages, len(owners))
 
     @staticmethod
     def page_bytes_for(specs: list[LayerSpec], page_size: int) -> int:
@@ -78,8 +74,8 @@ class KVCacheManagerV1(KVCacheManager):
         if table:
             self.pool.free(table)
 
-    def group_tables(self, seq_ids: list[str]) -> list[GroupTables]:
-        return [GroupTables(self._group, [0] * len(seq_ids), [self._tables[s] for s in seq_ids], self._slot_pages)]
+    def block_table(self, seq_id: str, group: int) -> tuple[int, list[int]]:
+        return 0, self._tables[seq_id]
 
     @property
     def num_free_pages(self) -> int:

@@ -34,7 +34,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .base import GroupStats, GroupTables, KVCacheManager, KVLayout, KVStats
+from .base import GroupStats, KVCacheManager, KVLayout, KVStats
 from .block_hash import chain_root, extend_chain
 from .groups import KVGroup, derive_groups
 from .page_pool import PagePool
@@ -302,6 +302,11 @@ class KVCacheManagerV2(KVCacheManager):
             self._query_tokens += query_tokens
             self._hit_tokens += hit_tokens
 
+    def reset_prefix_cache(self) -> None:
+        while self.cache.evictable_pages:
+            self._destroy(self.cache.evict_oldest())
+        self._query_tokens = self._hit_tokens = 0
+
     def _take(self, slot: Slot) -> None:
         if slot.ref == 0:
             self.cache.revive(slot)
@@ -371,12 +376,17 @@ class KVCacheManagerV2(KVCacheManager):
                 self._release(slot)
 
     # -- views ----------------------------------------------------------------------------------
-    def group_tables(self, seq_ids: list[str]) -> list[GroupTables]:
-        seqs = [self._seqs[s] for s in seq_ids]
-        return [GroupTables(g, [s.tables[g.index].first for s in seqs],
-                            [s.tables[g.index].rows for s in seqs], self.rows[g.index].tensor(),
-                            self.rows[g.index].changes_since)
-                for g in self._groups]
+    def block_table(self, seq_id: str, group: int) -> tuple[int, list[int]]:
+        table = self._seqs[seq_id].tables[group]
+        return table.first, table.rows
+
+    def slot_changes(self, group: int, cursor: int) -> tuple[list[int] | None, int]:
+        return self.rows[group].changes_since(cursor)
+
+    def slot_rows(self, group: int, rows: list[int] | None) -> tuple[list[int], list[list[int]]]:
+        table = self.rows[group]
+        rows = sorted(table.live) if rows is None else rows
+        return rows, table.table[rows].tolist()
 
     def held_blocks(self, seq_id: str) -> list[tuple[int, int]]:
         """Per group: (first live block, number of live blocks) of a sequence."""
