@@ -9,12 +9,17 @@ sizes, bf16. Sections (default: all):
   prefill     prefill tokens/s of one 8K prompt (gemma3-4b)
   pressure    KV budget capped, prompts of 8K-32K: throughput with V1, V2 and V2 + scratch
   profile     GPU time per kernel of one eager batch-1 decode step (gemma3-1b, 4b): where the time goes
+  engine      the engine core (issue 11), asynchronous scheduling off and on, same run: decode step
+              against its graph replay at batch 1 and 64 (and batch 1 against the roofline), batch-64
+              and 256 throughput, host time per decode step at 64 x 1K and 64 x 32K contexts, and the
+              first long prompt after startup against the second
 
 Writes $OUT/gpu_bench.json after every section (so a timeout keeps what finished); a table last.
 """
 
 from __future__ import annotations
 
+import bisect
 import gc
 import json
 import os
@@ -280,6 +285,105 @@ def _host_overhead(batch: int) -> dict:
     return row
 
 
+def _decode_rows(eng, prompts: list[list[int]], steps: int = 50):
+    """Fill the batch, then time decode steps (whole engine step) and the graph replay alone; also
+    the host time of scheduling and launching (what async scheduling hides behind the device)."""
+    from ..engine.sampling_params import SamplingParams
+
+    ids = [eng.add_request("", SamplingParams(max_tokens=10_000, ignore_eos=True), prompt_ids=p) for p in prompts]
+    while eng.scheduler.waiting or not all(r.prompt_computed for r in eng.scheduler.running):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    host = [0.0]
+    schedule, launch = eng.scheduler.schedule, eng.runner.launch
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                host[0] += time.perf_counter() - t
+        return wrapper
+
+    eng.scheduler.schedule, eng.runner.launch = timed(schedule), timed(launch)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    eng.scheduler.schedule, eng.runner.launch = schedule, launch
+    sizes = eng.runner.graphs.sizes
+    graph = eng.runner.graphs.graph(sizes[bisect.bisect_left(sizes, len(prompts))])
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(steps):
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    for rid in ids:
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return step_ms, t0.elapsed_time(t1) / steps, host[0] / steps * 1e3
+
+
+def section_engine(res: dict, hbm: float) -> None:
+    out = res["engine"] = {"decode": [], "throughput": [], "host_vs_context": [], "first_request": []}
+    for name in ("gemma3-1b", "gemma3-4b"):
+        loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
+        vocab = loaded.model.config.vocab_size
+        for mode in ("off", "on"):
+            llm = _engine(loaded, kv_cache_memory=32 * GiB, max_num_seqs=256, async_scheduling=mode)
+            for batch in (1, 64):
+                step_ms, graph_ms, host_ms = _decode_rows(llm.engine, _prompts(batch, 1024, vocab, seed=batch))
+                row = {"shape": name, "async": mode, "batch": batch, "engine_step_ms": round(step_ms, 3),
+                       "graph_ms": round(graph_ms, 3), "step_over_graph": round(step_ms / graph_ms, 3),
+                       "host_ms": round(host_ms, 3)}
+                if batch == 1:
+                    ctx = 1024 + 60
+                    kv = sum(sp.bytes_per_token() * (min(ctx, sp.window) if sp.window else ctx)
+                             for sp in loaded.model.kv_layer_specs(torch.bfloat16))
+                    roof = (_param_bytes(loaded.model) + kv) / (hbm * 1e9) * 1e3
+                    row.update(roofline_ms=round(roof, 3), step_over_roofline=round(step_ms / roof, 2))
+                out["decode"].append(row)
+                print("engine decode", row, flush=True)
+            if name == "gemma3-4b":
+                for batch in (64, 256):
+                    _run_all(llm, _prompts(batch, 1024, vocab, seed=batch + 1), 8)   # compile these shapes
+                    secs = _run_all(llm, _prompts(batch, 1024, vocab, seed=batch), 128)
+                    row = {"async": mode, "batch": batch, "tok_s": round(batch * 128 / secs, 1), "s": round(secs, 2)}
+                    out["throughput"].append(row)
+                    print("engine throughput", row, flush=True)
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        if name == "gemma3-4b":
+            llm = _engine(loaded, kv_cache_memory=48 * GiB, max_num_seqs=64)
+            for ctx in (1024, 32768):
+                step_ms, graph_ms, host_ms = _decode_rows(llm.engine, _prompts(64, ctx, vocab, seed=ctx), steps=30)
+                row = {"batch": 64, "context": ctx, "engine_step_ms": round(step_ms, 3),
+                       "graph_ms": round(graph_ms, 3), "host_ms": round(host_ms, 3)}
+                out["host_vs_context"].append(row)
+                print("engine host", row, flush=True)
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+            # A fresh engine (its warm-up ran at startup): the first 32K-token prompt against the second.
+            llm = _engine(loaded, kv_cache_memory=16 * GiB, max_num_seqs=8, max_num_batched_tokens=2048)
+            times = [_run_all(llm, _prompts(1, 32768, vocab, seed=70 + i), 1) for i in range(3)]
+            out["first_request"].append({"shape": name, "prompt": 32768, "warmup_s": llm.engine.info.warmup_seconds,
+                                         "runs_s": [round(t, 3) for t in times],
+                                         "first_over_second": round(times[0] / times[1], 3)})
+            print("engine first request", out["first_request"][-1], flush=True)
+            del llm
+        del loaded
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str]) -> int:
     sections = argv or ["roofline", "attention", "prefill", "throughput", "pressure"]
     out = Path(os.environ.get("OUT", "bench-out")) / "gpu_bench.json"
@@ -303,6 +407,8 @@ def main(argv: list[str]) -> int:
                 section_pressure(res)
             elif name == "profile":
                 section_profile(res)
+            elif name == "engine":
+                section_engine(res, hbm)
             else:
                 raise ValueError(f"unknown section {name}")
         except Exception as exc:  # keep the other sections' figures

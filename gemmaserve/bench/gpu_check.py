@@ -152,9 +152,22 @@ def engine_checks() -> list[dict]:
     prompts = ["abcdefghij klmnop qrstuv " * 8, "zyxw vuts " * 3, "hello"]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     base = LLM(model=str(path), device="cuda", dtype="float32", attention_backend="torch", kv_cache_manager="v1",
-               page_size=16, kv_cache_memory=1 << 30)
+               page_size=16, kv_cache_memory=1 << 30, async_scheduling="off")
     ref = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    # Seeded sampling with penalties and logprobs: asynchronous scheduling (the CUDA default) must
+    # draw exactly what the synchronous engine draws.
+    sampling = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=s,
+                               repetition_penalty=1.2, logprobs=2) for s in range(len(prompts))]
+    drawn = {}
+    for mode in ("off", "on"):
+        llm = LLM.from_config(EngineConfig(model=str(path), device="cuda", dtype="float32", page_size=16,
+                                           kv_cache_memory=1 << 30, async_scheduling=mode), base)
+        drawn[mode] = [(o.outputs[0].token_ids, [lp.token_id for lp in o.outputs[0].logprobs])
+                       for o in llm.generate(prompts, sampling, use_tqdm=False)]
+    rows.append({"engine": "triton graphs sampled async vs sync", "tokens_equal": drawn["on"] == drawn["off"],
+                 "cuda_graphs": True})
     for name, opts in (("triton graphs v2+scratch fp32", dict(attention_backend="triton")),
+                       ("triton graphs sync fp32", dict(attention_backend="triton", async_scheduling="off")),
                        ("triton eager v2+scratch fp32", dict(attention_backend="triton", enforce_eager=True)),
                        ("triton graphs chunk 16 fp32", dict(attention_backend="triton", max_num_batched_tokens=16)),
                        ("torch v2+scratch fp32", dict(attention_backend="torch"))):
