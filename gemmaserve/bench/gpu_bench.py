@@ -362,7 +362,7 @@ def section_engine(res: dict, hbm: float) -> None:
             torch.cuda.empty_cache()
         if name == "gemma3-4b":
             llm = _engine(loaded, kv_cache_memory=48 * GiB, max_num_seqs=64)
-            for ctx in (1024, 32768):
+            for ctx in (1024, 16384):
                 step_ms, graph_ms, host_ms = _decode_rows(llm.engine, _prompts(64, ctx, vocab, seed=ctx), steps=30)
                 row = {"batch": 64, "context": ctx, "engine_step_ms": round(step_ms, 3),
                        "graph_ms": round(graph_ms, 3), "host_ms": round(host_ms, 3)}
