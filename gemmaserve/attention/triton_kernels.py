@@ -46,6 +46,20 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the cast
+    that follows is then exact, whatever rounding the cast itself does. (Triton's CPU interpreter
+    rounds fp32 -> fp8 half-up and drops the carry when a mantissa of 0b111 rounds up into an odd
+    exponent, e.g. 1.96 -> 1.0; the GPU's cvt.rn is right. Same result on both this way.)"""
+    bits = x.to(tl.uint32, bitcast=True)
+    # Normal range: keep 3 of fp32's 23 mantissa bits, round the 20 dropped ones to nearest even.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Subnormals (|x| < 2^-6) are multiples of 2^-9: adding 1.5 * 2^14 rounds x there (IEEE add, RNE).
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pages_ptr, offs_ptr,
                      s_kt, s_kh, s_vt, s_vh,
                      s_cp, s_co, s_ch, s_vp, s_vo, s_vch, inv_k, inv_v,
@@ -60,8 +74,8 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pages_ptr, offs_ptr,
     k = tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=m)
     v = tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=m)
     if FP8:   # saturate: an out-of-range cast would be NaN
-        k = tl.clamp(k.to(tl.float32) * inv_k, -FP8_LIMIT, FP8_LIMIT)
-        v = tl.clamp(v.to(tl.float32) * inv_v, -FP8_LIMIT, FP8_LIMIT)
+        k = _round_to_e4m3(tl.clamp(k.to(tl.float32) * inv_k, -FP8_LIMIT, FP8_LIMIT))
+        v = _round_to_e4m3(tl.clamp(v.to(tl.float32) * inv_v, -FP8_LIMIT, FP8_LIMIT))
     tl.store(kc_ptr + page * s_cp + off * s_co + h * s_ch + d, k.to(kc_ptr.dtype.element_ty), mask=m)
     tl.store(vc_ptr + page * s_vp + off * s_vo + h * s_vch + d, v.to(vc_ptr.dtype.element_ty), mask=m)
 

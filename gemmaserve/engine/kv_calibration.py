@@ -31,6 +31,7 @@ negligible next to the row's largest anyway. Anything beyond 448 still saturates
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import torch
@@ -42,6 +43,8 @@ from ..attention.torch_backend import visible
 from ..kv.spec import LayerSpec
 from ..models.base import CausalLM, ModelInputs
 from ..models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 CALIBRATION_LENGTH = 256
 HEADROOM = 4.0
@@ -95,10 +98,14 @@ def calibrate_kv_scales(model: CausalLM, specs: list[LayerSpec], token_ids: list
                         device: torch.device) -> list[LayerSpec]:
     """`specs` with k_scale/v_scale set from one forward pass over `token_ids` (KV-sharing layers get
     their source's scales)."""
+    token_ids = token_ids[:model.max_position_embeddings]
     attn = _AmaxAttention(specs, len(token_ids), device)
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     model(ModelInputs(ids, torch.arange(len(token_ids), device=device), attn))
     scales = {i: (power_of_two_scale(k), power_of_two_scale(v)) for i, (k, v) in attn.amax.items()}
+    flat = [x for kv in scales.values() for x in kv]
+    log.info("fp8 KV cache: per-layer scales from %d calibration tokens, %g to %g", len(token_ids), min(flat),
+             max(flat))
     out = []
     for i, s in enumerate(specs):
         k_scale, v_scale = scales[i if s.owns_kv else s.kv_source]
