@@ -382,3 +382,25 @@ def test_engine_fp8_every_cache_feature(checkpoint):
         warm = _tokens(llm, chunk)
         assert llm.engine.kv.stats().prefix_hit_tokens > hits
         _assert_near_greedy(llm.engine.model, llm.engine.kv.specs, prompt_ids, warm, f"{name} seed={seed} warm")
+
+
+def test_gpu_fp8_script_runs_its_cpu_parts():
+    """bench/gpu_fp8.py: kernel parity at a tiny geometry (Triton interpreted), capacity from the
+    managers, and the summary table; the GPU-only timings run on the H200."""
+    pytest.importorskip("triton")
+    from gemmaserve.bench import gpu_fp8
+
+    par = gpu_fp8._kernel_parity(4, 2, 16, torch.device("cpu"), n=70, m=9, window=20, dtype=torch.float32)
+    assert par["store_bytes_differing_from_torch"] == 0
+    assert sum(key.endswith("fp8_vs_fake_quant_fp32") for key in par) == 4
+    for key, value in par.items():
+        if key.endswith("fp8_vs_fake_quant_fp32") or key.endswith("native_vs_fp32"):
+            assert value < 1e-5, key
+        elif key.endswith("fp8_vs_native"):
+            assert 1e-3 < value < 0.1, key   # fp8 costs something, and not much
+    rows = gpu_fp8.capacity_rows(["gemma3-4b"], tokens=2048, budget=1 << 30)
+    assert rows[0]["v2_scratch_max_seqs_fp8"] >= 2 * rows[0]["v2_scratch_max_seqs_bf16"] > 0
+    res = {"device": "cpu", "date": "today", "capacity": rows,
+           "kernels": [{"geometry": "tiny", "decode_b64_8k_bf16_ms": 1.0, "decode_b64_8k_fp8_ms": 0.5,
+                        "decode_speedup": 2.0, **par}]}
+    assert "gemma3-4b" in gpu_fp8.summary(res) and gpu_fp8.first_divergence([1, 2, 3], [1, 2, 4]) == 2
