@@ -178,7 +178,7 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def section_agreement(res: dict, shapes, num_prompts: int = 4, prompt_len: int = 512, new_tokens: int = 48) -> None:
+def section_agreement(res: dict, shapes, num_prompts: int = 4, prompt_len: int = 512, new_tokens: int = 32) -> None:
     rows = res["agreement"] = []
     for name in shapes:
         loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
