@@ -90,8 +90,9 @@ def _generate(args: argparse.Namespace) -> int:
     if args.verbose:
         st = llm.engine.kv.stats()
         info = llm.engine.info
-        print(f"kv: manager {info.kv_manager}, scratch {'on' if info.swa_scratch_reuse else 'off'}, prefix caching "
-              f"{'on' if info.prefix_caching else 'off'}; pages {st.pages_used} used / {st.pages_cached} cached / "
+        print(f"kv: {info.kv_cache_dtype}, manager {info.kv_manager}, "
+              f"scratch {'on' if info.swa_scratch_reuse else 'off'}, "
+              f"prefix caching {'on' if info.prefix_caching else 'off'}; pages {st.pages_used} used / {st.pages_cached} cached / "
               f"{st.pages_free} free of {st.num_pages}; prefix hit rate {st.prefix_hit_rate:.1%}; "
               f"preemptions {llm.engine.scheduler.num_preemptions}", file=sys.stderr)
     return 0

@@ -171,14 +171,15 @@ def make_manager(kind: str, specs, page_size: int, num_pages: int, **kw):
 
 def paged_logits(model, seqs: list[list[int]], chunk: int | None = None,
                  page_size: int = 4, first_chunk: int | None = None, manager: str = "v2",
-                 scratch: bool = False) -> list[torch.Tensor]:
+                 scratch: bool = False, specs=None, backend=None) -> list[torch.Tensor]:
     """Run the sequences together through our paged engine pieces, `chunk` new tokens per sequence
     per step (None = everything at once; `first_chunk` overrides the first step), and return the
-    logits at every position of each sequence."""
-    specs = model.kv_layer_specs(torch.float32)
+    logits at every position of each sequence. `specs` (default: the model's, fp32) set the KV
+    storage; `backend` defaults to the torch one."""
+    specs = specs or model.kv_layer_specs(torch.float32)
     total = sum(len(s) for s in seqs) * len(specs) + 64
     kv = make_manager(manager, specs, page_size, total, enable_prefix_caching=False, enable_scratch=scratch)
-    backend = TorchAttentionBackend()
+    backend = backend or TorchAttentionBackend()
     cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
     done = [0] * len(seqs)
     outs: list[list[torch.Tensor]] = [[] for _ in seqs]

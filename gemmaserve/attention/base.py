@@ -33,7 +33,7 @@ class AttentionMetadata:
     Tokens of sequence b are rows [query_start[b], query_start[b] + query_lens[b]) of q/k/v; they sit
     at positions [seq_lens[b] - query_lens[b], seq_lens[b]). Layer l reads and writes the pages of
     column `layer_slot[l][1]` of group `layer_slot[l][0]`: the page of position p of sequence b is
-    `slot_pages[slot_ids[b][p // T - first_block[b]], column]`, at offset p % T.
+    `slot_pages[block_rows[b, p // T - first_block[b]], column]`, at offset p % T (see GroupTables).
     """
 
     query_lens: list[int]

@@ -10,6 +10,7 @@ column (one gather of `slot_pages`), so every layer of a group reuses the same p
 * rows with several new tokens (prefill chunks) run one by one with a causal/window mask.
 
 Only keys a query can see are gathered: a sliding layer reads the last `window` positions.
+An fp8 cache (kv_quant.py) is quantised as it is written and dequantised to q's dtype as it is gathered.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from ..kv.base import GroupTables, KVLayout
 from ..kv.spec import LayerSpec
 from .base import AttentionBackend, AttentionMetadata, BackendCapabilities, BatchAttention
+from .kv_quant import FP8_DTYPE, dequantize, layer_scales, quantize
 
 
 @dataclass
@@ -124,24 +126,31 @@ class TorchBatchAttention(BatchAttention):
             raise NotImplementedError("attention soft-capping is not used by Gemma 3/4 text models")
         group, col = self.md.layer_slot[layer]
         k_cache, v_cache = self.kv_cache[layer]
+        fp8 = k_cache.dtype == FP8_DTYPE
+        k_scale, v_scale = layer_scales(self.specs, layer)
         if self.specs[layer].owns_kv:
             w = self._write_plan(group)
-            k_cache[w.pages[col], w.offsets] = k.to(k_cache.dtype)
-            v_cache[w.pages[col], w.offsets] = v.to(v_cache.dtype)
+            k_cache[w.pages[col], w.offsets] = quantize(k, k_scale) if fp8 else k.to(k_cache.dtype)
+            v_cache[w.pages[col], w.offsets] = quantize(v, v_scale) if fp8 else v.to(v_cache.dtype)
+
+        def gather(cache: torch.Tensor, keys: _Where, kv_scale: float) -> torch.Tensor:
+            x = cache[keys.pages[col], keys.offsets]
+            return dequantize(x, kv_scale, q.dtype) if fp8 else x.to(q.dtype)   # no-op for "auto"
+
         plan = self._plan(group, window)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k_cache.shape[2]
         if plan.decode_rows is not None:
             keys = plan.decode_keys
-            kk = k_cache[keys.pages[col], keys.offsets].transpose(1, 2)  # [B, Hkv, K, D]
-            vv = v_cache[keys.pages[col], keys.offsets].transpose(1, 2)
-            qq = q[plan.decode_rows].unsqueeze(2)                         # [B, Hq, 1, D]
+            kk = gather(k_cache, keys, k_scale).transpose(1, 2)   # [B, Hkv, K, D]
+            vv = gather(v_cache, keys, v_scale).transpose(1, 2)
+            qq = q[plan.decode_rows].unsqueeze(2)                  # [B, Hq, 1, D]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=plan.decode_mask, scale=scale, enable_gqa=gqa)
             out[plan.decode_rows] = o.squeeze(2)
         for start, end, keys, mask in plan.prefill:
-            kk = k_cache[keys.pages[col], keys.offsets].transpose(0, 1).unsqueeze(0)  # [1, Hkv, K, D]
-            vv = v_cache[keys.pages[col], keys.offsets].transpose(0, 1).unsqueeze(0)
-            qq = q[start:end].transpose(0, 1).unsqueeze(0)                            # [1, Hq, n, D]
+            kk = gather(k_cache, keys, k_scale).transpose(0, 1).unsqueeze(0)   # [1, Hkv, K, D]
+            vv = gather(v_cache, keys, v_scale).transpose(0, 1).unsqueeze(0)
+            qq = q[start:end].transpose(0, 1).unsqueeze(0)                     # [1, Hq, n, D]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out[start:end] = o[0].transpose(0, 1)
         return out

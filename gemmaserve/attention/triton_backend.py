@@ -21,6 +21,7 @@ import torch
 from ..device import to_device
 from ..kv.base import KVLayout
 from .base import AttentionBackend, AttentionMetadata, BackendCapabilities, BatchAttention, GraphInputs
+from .kv_quant import layer_scales
 from .torch_backend import allocate_paged_kv
 
 
@@ -174,18 +175,21 @@ class TritonBatchAttention(BatchAttention):
         group, col = self.layer_slot[layer]
         gb = self.batch.groups[group]
         k_cache, v_cache = self.kv_cache[layer]
+        # Plain floats: a captured graph bakes them in, and they are fixed for the engine's life.
+        k_scale, v_scale = layer_scales(self.specs, layer)
         if self.specs[layer].owns_kv:   # k, v may be strided views (rows of qkv): the kernel takes strides
-            self.K.store_kv(k, v, k_cache, v_cache, gb.write_pages[col], gb.write_offsets)
+            self.K.store_kv(k, v, k_cache, v_cache, gb.write_pages[col], gb.write_offsets, k_scale, v_scale)
         q = q.contiguous()
         if self.batch.decode:
             keys = self.batch.max_keys[group]   # a layer's own window can be narrower than its group's (V1)
             splits = self.K.decode_splits(q.shape[0], k_cache.shape[2], min(keys, window) if window else keys,
                                           self.sm_count)
             return self.K.decode_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, self.batch.seq_lens,
-                                           scale, window, splits)
+                                           scale, window, splits, k_scale=k_scale, v_scale=v_scale)
         tile_seq, tile_q = self._tiles_for(q.shape[-1])
         return self.K.prefill_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, self.batch.query_start,
-                                        self.batch.query_lens, self.batch.seq_lens, tile_seq, tile_q, scale, window)
+                                        self.batch.query_lens, self.batch.seq_lens, tile_seq, tile_q, scale, window,
+                                        k_scale=k_scale, v_scale=v_scale)
 
 
 class TritonAttentionBackend(AttentionBackend):

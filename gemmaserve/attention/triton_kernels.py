@@ -12,6 +12,10 @@ window), so the kernels never touch out-of-window pages.
   cached prefix); causal + sliding window masks; keys gathered through the page table.
 
 Numerics: scores and softmax in fp32 (exp2 with log2(e) folded into the scale), output in q's dtype.
+Cache tiles are converted to q's dtype as they load (a no-op when the cache has the model's dtype). An
+fp8 cache holds fp8(x / scale) (see kv_quant.py): `store_kv` scales, saturates and casts; attention
+folds k_scale into the softmax scale and multiplies the output by v_scale, so the same kernels serve
+every cache dtype and only the store kernel has an fp8 branch (a constexpr).
 Visibility: key k is visible to query q iff k <= q and (no window, or k > q - window).
 """
 
@@ -20,6 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .kv_quant import FP8_DTYPE, FP8_MAX
 
 LOG2E = 1.4426950408889634
 
@@ -40,10 +46,25 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the cast
+    that follows is then exact, whatever rounding the cast itself does. (Triton's CPU interpreter
+    rounds fp32 -> fp8 half-up and drops the carry when a mantissa of 0b111 rounds up into an odd
+    exponent, e.g. 1.96 -> 1.0; the GPU's cvt.rn is right. Same result on both this way.)"""
+    bits = x.to(tl.uint32, bitcast=True)
+    # Normal range: keep 3 of fp32's 23 mantissa bits, round the 20 dropped ones to nearest even.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Subnormals (|x| < 2^-6) are multiples of 2^-9: adding 1.5 * 2^14 rounds x there (IEEE add, RNE).
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pages_ptr, offs_ptr,
                      s_kt, s_kh, s_vt, s_vh,
-                     s_cp, s_co, s_ch, s_vp, s_vo, s_vch,
-                     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                     s_cp, s_co, s_ch, s_vp, s_vo, s_vch, inv_k, inv_v,
+                     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                     FP8_LIMIT: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     page = tl.load(pages_ptr + t).to(tl.int64)
@@ -52,13 +73,17 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pages_ptr, offs_ptr,
     m = d < D
     k = tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=m)
     v = tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=m)
+    if FP8:   # saturate: an out-of-range cast would be NaN
+        k = _round_to_e4m3(tl.clamp(k.to(tl.float32) * inv_k, -FP8_LIMIT, FP8_LIMIT))
+        v = _round_to_e4m3(tl.clamp(v.to(tl.float32) * inv_v, -FP8_LIMIT, FP8_LIMIT))
     tl.store(kc_ptr + page * s_cp + off * s_co + h * s_ch + d, k.to(kc_ptr.dtype.element_ty), mask=m)
     tl.store(vc_ptr + page * s_vp + off * s_vo + h * s_vch + d, v.to(vc_ptr.dtype.element_ty), mask=m)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             pages: torch.Tensor, offsets: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D]; caches [P, T, Hkv, D] views; pages, offsets: [T] int."""
+             pages: torch.Tensor, offsets: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k, v: [T, Hkv, D]; caches [P, T, Hkv, D] views; pages, offsets: [T] int. An fp8 cache stores
+    fp8(k / k_scale), fp8(v / v_scale)."""
     n, h, d = k.shape
     if n == 0:
         return
@@ -71,8 +96,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, pages, offsets,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        H=h, D=d, BLOCK_D=triton.next_power_of_2(d))
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale,
+        H=h, D=d, BLOCK_D=triton.next_power_of_2(d), FP8=k_cache.dtype == FP8_DTYPE, FP8_LIMIT=FP8_MAX)
 
 
 @triton.jit
@@ -81,8 +106,8 @@ def _attend_tile(q, kc_ptr, vc_ptr, page, off, kvh, d, load_mask, visible, m_i, 
     """One online-softmax step: load a tile of keys/values through its (page, offset) rows and fold the
     `visible` ones into (running max m, running sum l, accumulator acc) of the query rows in q."""
     k = tl.load(kc_ptr + page[:, None] * s_kp + off[:, None] * s_ko + kvh * s_kh + d[None, :],
-                mask=load_mask, other=0.0)
-    s = tl.dot(q.to(k.dtype), tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * qk_scale
+                mask=load_mask, other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row that sees nothing yet stays at zero
@@ -90,8 +115,8 @@ def _attend_tile(q, kc_ptr, vc_ptr, page, off, kvh, d, load_mask, visible, m_i, 
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(vc_ptr + page[:, None] * s_vp + off[:, None] * s_vo + kvh * s_vh + d[None, :],
-                mask=load_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
+                mask=load_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -100,8 +125,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pages_ptr, first_ptr, lens_ptr,
                          acc_ptr, m_ptr, l_ptr,
                          s_qb, s_qh, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, s_pb,
                          s_ab, s_ah, s_as, s_mb, s_mh, s_ms,
-                         qk_scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         qk_scale, v_scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr,
+                         D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -133,7 +158,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pages_ptr, first_ptr, lens_ptr,
         m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, page, off, kvh, d, pm[:, None] & dm[None, :], pm[None, :],
                                      m_i, l_i, acc, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, qk_scale, PRECISION)
     heads = kvh * G + g
-    tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + split * s_as + d[None, :], acc,
+    tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + split * s_as + d[None, :], acc * v_scale,
              mask=gm[:, None] & dm[None, :])
     tl.store(m_ptr + b * s_mb + heads * s_mh + split * s_ms, m_i, mask=gm)
     tl.store(l_ptr + b * s_mb + heads * s_mh + split * s_ms, l_i, mask=gm)
@@ -168,10 +193,11 @@ def decode_splits(batch: int, kv_heads: int, max_keys: int, sm_count: int = 132)
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
                      first_block: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None,
-                     num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                     num_splits: int, out: torch.Tensor | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence, at position seq_len - 1); pages: [B, W] page of each live
     block; first_block, seq_lens: [B]. Each sequence's keys are split `num_splits` ways (static, so a
-    CUDA graph can capture the launch; see `decode_splits`)."""
+    CUDA graph can capture the launch; see `decode_splits`). k/v_scale: the cache's dequantisation."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[1]
@@ -180,13 +206,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     m = torch.empty(bsz, hq, num_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     block_d = max(16, triton.next_power_of_2(d))
-    block_n = _block_n(d, k_cache.dtype)
+    block_n = _block_n(d, q.dtype)   # tiles live in q's dtype once loaded
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, pages, first_block, seq_lens, acc, m, l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), pages.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), m.stride(2),
-        scale * LOG2E, WINDOW=window or 0, T=t, G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
+        scale * LOG2E * k_scale, v_scale, WINDOW=window or 0, T=t, G=g, D=d,
+        BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), num_warps=_warps(d), num_stages=2)
     if out is None:
         out = torch.empty_like(q)
@@ -201,8 +228,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, pages_ptr, first_ptr, tile_seq_ptr, tile_q_ptr,
                     qstart_ptr, qlen_ptr, lens_ptr,
                     s_qt, s_qh, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, s_pb, s_ot, s_oh,
-                    qk_scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                    qk_scale, v_scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // G
@@ -241,7 +269,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, pages_ptr, first_ptr, tile_s
             vis = vis & (diff < WINDOW)
         m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, page, off, kvh, d, pm[:, None] & dm[None, :], vis,
                                      m_i, l_i, acc, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, qk_scale, PRECISION)
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(out_ptr + (q_row0 + q_off + i)[:, None] * s_ot + h * s_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=qm[:, None] & dm[None, :])
 
@@ -263,20 +291,22 @@ def prefill_block_m(head_dim: int) -> int:
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
                       first_block: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
                       seq_lens: torch.Tensor, tile_seq: torch.Tensor, tile_q: torch.Tensor, scale: float,
-                      window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      window: int | None, out: torch.Tensor | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, Hq, D] rows of all sequences' new tokens (sequence b at rows query_start[b]...);
-    tiles from `prefill_tiles(query_lens, prefill_block_m(D))`."""
+    tiles from `prefill_tiles(query_lens, prefill_block_m(D))`. k/v_scale: the cache's dequantisation."""
     ntok, hq, d = q.shape
     hkv, t = k_cache.shape[2], k_cache.shape[1]
     if out is None:
         out = torch.empty_like(q)
     block_d = max(16, triton.next_power_of_2(d))
     block_m = prefill_block_m(d)
-    block_n = min(_block_n(d, k_cache.dtype), 32 if block_d >= 256 else 64)
+    block_n = min(_block_n(d, q.dtype), 32 if block_d >= 256 else 64)
     _prefill_kernel[(tile_seq.shape[0], hq)](
         q, k_cache, v_cache, out, pages, first_block, tile_seq, tile_q, query_start, query_lens, seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), pages.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, WINDOW=window or 0, T=t, G=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        scale * LOG2E * k_scale, v_scale, WINDOW=window or 0, T=t, G=hq // hkv, D=d, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=_precision(q.dtype), num_warps=_warps(d), num_stages=2)
     return out

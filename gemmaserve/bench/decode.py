@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = llm.tokenizer.encode(PROMPT)
     result: dict = {
         "benchmark": "decode", "date": date.today().isoformat(), "machine": _machine(engine.device),
-        "model": config.model, "dtype": engine.info.dtype, "prompt_tokens": len(prompt_ids),
+        "model": config.model, "dtype": engine.info.dtype, "kv_cache_dtype": engine.info.kv_cache_dtype,
+        "prompt_tokens": len(prompt_ids),
         "new_tokens": args.new_tokens, "repeats": args.repeats, "load_seconds": round(engine.info.load_seconds, 2),
         "torch_threads": torch.get_num_threads(), "rows": [],
     }

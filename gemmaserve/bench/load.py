@@ -191,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
     levels = list(dict.fromkeys(args.concurrency))
     result: dict = {
         "benchmark": "load", "date": date.today().isoformat(), "machine": _machine(engine.device),
-        "model": config.model, "dtype": engine.info.dtype, "max_tokens": args.max_tokens,
+        "model": config.model, "dtype": engine.info.dtype, "kv_cache_dtype": engine.info.kv_cache_dtype,
+        "max_tokens": args.max_tokens,
         "prompt_words": [MIN_WORDS, MAX_WORDS], "time_limit_s": args.time_limit,
         "request_timeout_s": args.request_timeout, "engine": vars(config),
         "engine_info": dataclasses.asdict(engine.info), "levels": [],

@@ -7,6 +7,8 @@ For each shape and prompt length N it measures, with the real managers:
 * the peak bytes during a chunked prefill (`--chunk`, 8K), V2 with scratch reuse off and on;
 * how many such sequences fit at once in one KV budget (`--budget`): sequences are admitted one after
   another (each prefilled in chunks, then left resident) until the next cannot be allocated.
+
+`--kv-cache-dtype fp8` sizes pages for an e4m3 cache (1 byte per element instead of bf16's 2).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..kv.groups import derive_groups
 from .shapes import SHAPES
 
 DEFAULT_SHAPES = "gemma3-4b,gemma3-27b,gemma4-e2b,gemma4-31b"
+KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=positive_int, default=8192, help="prefill chunk (tokens per step)")
     parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (largest layers)")
     parser.add_argument("--budget", default="80GiB", help="KV budget for the concurrency column")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_DTYPES), default="bfloat16", help="KV storage dtype")
     parser.add_argument("--out", default="bench-out/memory.json", help="JSON output; the plot goes beside it (.png)")
 
 
@@ -71,9 +75,10 @@ def _v2(specs, page_size, pages, scratch):
     return KVCacheManagerV2(specs, page_size, pages, enable_prefix_caching=False, enable_scratch=scratch)
 
 
-def measure(shape_name: str, length: int, chunk: int, page_size: int, budget: int) -> dict:
+def measure(shape_name: str, length: int, chunk: int, page_size: int, budget: int,
+            kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     shape = SHAPES[shape_name]
-    specs = shape.layer_specs(torch.bfloat16)
+    specs = shape.layer_specs(kv_dtype)
     owners = [s for s in specs if s.owns_kv]
     minimum = sum(s.bytes_per_token() * (length if s.window is None else min(length, s.window)) for s in owners)
     row = {"shape": shape_name, "tokens": length, "min_bytes": minimum}
@@ -133,9 +138,10 @@ def run(args: argparse.Namespace) -> int:
     if not lengths or min(lengths) < 1:
         raise UserInputError("--lengths must be positive")
     budget = parse_size(args.budget)
-    rows = [measure(s, n, args.chunk, args.page_size, budget) for s in shapes for n in lengths]
+    kv_dtype = args.kv_cache_dtype
+    rows = [measure(s, n, args.chunk, args.page_size, budget, KV_DTYPES[kv_dtype]) for s in shapes for n in lengths]
     result = {"benchmark": "memory", "date": date.today().isoformat(), "chunk": args.chunk,
-              "page_size": args.page_size, "budget_bytes": budget, "dtype": "bfloat16", "rows": rows}
+              "page_size": args.page_size, "budget_bytes": budget, "dtype": kv_dtype, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -150,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(result: dict) -> None:
     f = format_bytes
-    print(f"KV bytes per sequence (bf16, page {result['page_size']}), chunk {result['chunk']}, "
+    print(f"KV bytes per sequence ({result['dtype']}, page {result['page_size']}), chunk {result['chunk']}, "
           f"concurrency in {f(result['budget_bytes'])}")
     print(f"{'shape':<11} {'tokens':>7} {'minimum':>10} {'V1':>10} {'V2':>10} {'V2/min':>7} {'peak':>10} "
           f"{'peak+scr':>10} {'SWA peak':>10} {'SWA+scr':>10} {'target':>10} {'seqs V1':>8} {'V2':>6} {'V2+scr':>7}")
@@ -202,7 +208,8 @@ def _plot(result: dict, png: Path) -> bool:
         ax.grid(alpha=0.3, axis="y")
         if col == 0:
             ax.legend(fontsize=7)
-    fig.suptitle(f"KV cache per sequence and concurrency (bf16, chunk {result['chunk']}, {result['date']})")
+    fig.suptitle(f"KV cache per sequence and concurrency ({result['dtype']}, chunk {result['chunk']}, "
+                 f"{result['date']})")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

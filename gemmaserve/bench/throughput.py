@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     lens = [len(p) for p in prompt_ids]
     llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     result = {"benchmark": "throughput", "date": date.today().isoformat(), "machine": _machine(llm.engine.device),
-              "model": config.model, "dtype": llm.engine.info.dtype, "prompts": len(prompts),
+              "model": config.model, "dtype": llm.engine.info.dtype,
+              "kv_cache_dtype": llm.engine.info.kv_cache_dtype, "prompts": len(prompts),
               "prompt_tokens": {"min": min(lens), "max": max(lens), "total": sum(lens)},
               "new_tokens": args.new_tokens, "engine": vars(config), "runs": {}}
     no_cache = config.replace(enable_prefix_caching=False) if llm.engine.info.prefix_caching else config

@@ -19,6 +19,13 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "fp32", "bf16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_MANAGERS = ("auto", "v1", "v2")
 SCRATCH_CHOICES = ("auto", "on", "off")
+# KV storage: auto = the model's dtype; fp8 = e4m3 with per-layer scales (engine/kv_calibration.py).
+_KV_DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+}
+KV_DTYPE_CHOICES = ("auto", *_KV_DTYPES)
 
 # CPU default KV budget. Storage is torch.empty, so untouched pages cost no RAM.
 _CPU_KV_DEFAULT = 4 << 30
@@ -49,6 +56,9 @@ class EngineConfig:
     swa_scratch_reuse: str = option("auto", choices=SCRATCH_CHOICES,
                                     help="write prefill blocks that leave the window within the chunk to scratch pages "
                                          "shared by the sliding layers; auto = on for text models when supported")
+    kv_cache_dtype: str = option("auto", choices=KV_DTYPE_CHOICES,
+                                 help="KV cache storage: auto = the model's dtype; fp8 = e4m3 with one scale per "
+                                      "layer for K and one for V (half the bytes of bf16: twice the tokens)")
     enable_prefix_caching: bool | None = option(None, negatable=True,
                                                 help="reuse the KV of earlier prompts' common prefixes (default: on "
                                                      "where the KV manager supports it)")
@@ -83,6 +93,9 @@ class EngineConfig:
             raise UserInputError(f"swa_scratch_reuse must be one of {', '.join(SCRATCH_CHOICES)}")
         if self.async_scheduling not in SCRATCH_CHOICES:
             raise UserInputError(f"async_scheduling must be one of {', '.join(SCRATCH_CHOICES)}")
+        if self.kv_cache_dtype not in KV_DTYPE_CHOICES:
+            raise UserInputError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, "
+                                 f"got {self.kv_cache_dtype!r}")
         if self.enable_prefix_caching not in (None, True, False):
             raise UserInputError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}")
         if self.kv_pool_split is not None and not (isinstance(self.kv_pool_split, float)
@@ -114,6 +127,10 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    def torch_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's storage dtype for a model running in `model_dtype`."""
+        return model_dtype if self.kv_cache_dtype == "auto" else _KV_DTYPES[self.kv_cache_dtype]
 
     def kv_budget_bytes(self, device: torch.device) -> int:
         """The KV cache budget. Call after the weights are on the device (they count as used)."""

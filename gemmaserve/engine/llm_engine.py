@@ -19,6 +19,7 @@ import torch
 
 
 from ..attention import select_backend
+from ..attention.kv_quant import FP8_DTYPE
 from ..config.engine import EngineConfig
 from ..units import format_bytes
 from ..config.resolve import resolve_cache_options
@@ -26,6 +27,7 @@ from ..errors import UserInputError
 from ..kv import create_kv_manager
 from ..models.loader import LoadedModel, load_model
 from .detokenizer import IncrementalDetokenizer
+from .kv_calibration import calibrate_kv_scales, calibration_tokens
 from .model_runner import ModelRunner, PendingStep
 from .request import FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
@@ -40,6 +42,7 @@ class EngineInfo:
     model: str
     device: str
     dtype: str
+    kv_cache_dtype: str
     max_model_len: int
     kv_manager: str
     swa_scratch_reuse: bool
@@ -70,7 +73,11 @@ class LLMEngine:
             raise UserInputError(f"max_model_len {config.max_model_len} exceeds the model's context length {limit}")
         self.max_model_len = config.max_model_len or limit
 
-        specs = self.model.kv_layer_specs(self.dtype)
+        kv_dtype = config.torch_kv_dtype(self.dtype)
+        specs = self.model.kv_layer_specs(kv_dtype)
+        if kv_dtype == FP8_DTYPE:
+            specs = calibrate_kv_scales(self.model, specs, calibration_tokens(self.tokenizer, self.model.vocab_size),
+                                        self.device)
         self.backend = select_backend(config.attention_backend, self.device, specs)
         self.cache_options = resolve_cache_options(config, self.model.engine_preferences(), self.backend.capabilities,
                                                    specs)
@@ -93,6 +100,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.info = EngineInfo(
             model=config.model, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
             max_model_len=self.max_model_len, kv_manager=self.kv.name,
             swa_scratch_reuse=self.cache_options.swa_scratch_reuse,
             prefix_caching=self.cache_options.enable_prefix_caching,
