@@ -205,6 +205,33 @@ def section_agreement(res: dict, shapes, num_prompts: int = 4, prompt_len: int =
         _free()
 
 
+def section_sensitivity(res: dict, shapes, num_prompts: int = 2, prompt_len: int = 512) -> None:
+    """How far first-step logits move under perturbations that are no bug (bf16 Triton vs bf16 torch
+    attention, a different rounding order) against fp8 KV, per backend: a random-weight model whose
+    logits decorrelate under bf16 reordering alone says nothing about fp8."""
+    rows = res["sensitivity"] = []
+    for name in shapes:
+        loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
+        prompts = _prompts(num_prompts, prompt_len, loaded.model.vocab_size, seed=7)
+        logits = {}
+        for backend in ("triton", "torch"):
+            for kv in ("auto", "fp8"):
+                llm = _engine(loaded, kv_cache_memory=8 * GiB, max_num_seqs=8, attention_backend=backend,
+                              kv_cache_dtype=kv, enforce_eager=True)
+                logits[backend, kv] = [_first_step_logits(llm, p) for p in prompts]
+                del llm
+                _free()
+        err = lambda a, b: max(_rel(x, y) for x, y in zip(logits[a], logits[b]))  # noqa: E731
+        row = {"shape": name, "bf16_triton_vs_torch": err(("triton", "auto"), ("torch", "auto")),
+               "fp8_vs_bf16_triton": err(("triton", "fp8"), ("triton", "auto")),
+               "fp8_vs_bf16_torch": err(("torch", "fp8"), ("torch", "auto")),
+               "fp8_triton_vs_torch": err(("triton", "fp8"), ("torch", "fp8"))}
+        rows.append(row)
+        print("sensitivity", row, flush=True)
+        del loaded
+        _free()
+
+
 # -- capacity ----------------------------------------------------------------------------------------
 def capacity_rows(shapes, tokens: int = 8192, budget: int = 16 * GiB) -> list[dict]:
     """Sequences of `tokens` that fit `budget`, bf16 vs fp8, from the KV managers themselves (CPU only)."""
@@ -309,6 +336,8 @@ def main(argv: list[str]) -> int:
                 section_kernels(res)
             elif name == "agreement":
                 section_agreement(res, shapes)
+            elif name == "sensitivity":
+                section_sensitivity(res, shapes)
             else:
                 raise ValueError(f"unknown section {name}")
         except Exception as exc:   # keep the other sections' figures
