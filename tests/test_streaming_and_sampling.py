@@ -17,7 +17,8 @@ def _collect(stream):
         key = (out.prompt_index, c.index)
         texts[key] = texts.get(key, "") + c.delta_text
         ids[key] = ids.get(key, []) + c.delta_token_ids
-        assert c.text == texts[key]            # the full text so far is the concatenated deltas
+        # Streamed outputs carry what is new; the final one also the whole text: the concatenated deltas.
+        assert (c.text, c.token_ids) == ((texts[key], ids[key]) if c.finished else ("", []))
         if c.finished:
             finish[key] = c.finish_reason
     return texts, ids, finish
@@ -90,18 +91,18 @@ def test_penalties_and_min_p_match_transformers_processors():
     from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper)
 
-    from gemmaserve.engine.request import Request
-    from gemmaserve.engine.sampler import apply_penalties, filtered_probs
+    from gemmaserve.engine.sampler import SamplingState, apply_penalties, filtered_probs
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 50, generator=gen) * 3
     prompt, output = [3, 4, 5, 5], [7, 7, 7, 9]
-    reqs = [Request("a", "a", 0, "", prompt, SamplingParams(repetition_penalty=1.7), frozenset(), 100, None),
-            Request("b", "b", 0, "", prompt, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
-                    frozenset(), 100, None)]
-    for r in reqs:
-        r.output_token_ids = list(output)
-    got = apply_penalties(logits.clone(), reqs)
+    cpu = torch.device("cpu")
+    states = [SamplingState.create(SamplingParams(repetition_penalty=1.7), 0, prompt, cpu),
+              SamplingState.create(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), 0, prompt, cpu)]
+    for st in states:   # the runner counts each token it samples
+        _, counts = st.penalty_tensors(50, cpu)
+        counts.index_add_(0, torch.tensor(output), torch.ones(len(output)))
+    got = apply_penalties(logits.clone(), states)
     ref0 = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits[:1].clone())
     assert torch.allclose(got[0], ref0[0])
     ref1 = logits[1].clone()

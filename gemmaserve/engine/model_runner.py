@@ -70,6 +70,7 @@ class ModelRunner:
             self.tables.apply(s.req_id, s.deltas, s.new_table)
 
     # -- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
     def build_inputs(self, seqs: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
         positions: list[int] = []
