@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 from ..attention import select_backend
 from ..attention.kv_quant import FP8_DTYPE
 from ..config.engine import EngineConfig
