@@ -68,6 +68,17 @@ def _run_all(llm, prompts: list[list[int]], new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, steps: int) -> float:
+    """GPU milliseconds per replay of a captured graph (device time only, no host in between)."""
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(steps):
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / steps
+
+
 def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -95,13 +106,7 @@ def section_roofline(res: dict, hbm: float) -> None:
         step_ms = (time.perf_counter() - start) / steps * 1e3
         # Pure GPU time of the captured decode graph.
         graph = eng.runner.graphs.graph(1)
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(steps):
-            graph.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        graph_ms = t0.elapsed_time(t1) / steps
+        graph_ms = replay_ms(graph, steps)
         while eng.has_unfinished_requests():
             eng.step()
         ctx = 1024 + 105
@@ -262,12 +267,7 @@ def _host_overhead(batch: int) -> dict:
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) / 50 * 1e3
     graph = eng.runner.graphs.graph(batch)
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(50):
-        graph.replay()
-    t1.record()
-    torch.cuda.synchronize()
+    replay = replay_ms(graph, 50)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(20):
@@ -276,7 +276,7 @@ def _host_overhead(batch: int) -> dict:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
     print(text.getvalue(), flush=True)
-    row = {"batch": batch, "engine_step_ms": round(step_ms, 3), "graph_ms": round(t0.elapsed_time(t1) / 50, 3)}
+    row = {"batch": batch, "engine_step_ms": round(step_ms, 3), "graph_ms": round(replay, 3)}
     print("host overhead", row, flush=True)
     for r in list(eng.scheduler.running):
         eng.abort_request(r.group_id)
@@ -318,17 +318,12 @@ def _decode_rows(eng, prompts: list[list[int]], steps: int = 50):
     eng.scheduler.schedule, eng.runner.launch = schedule, launch
     sizes = eng.runner.graphs.sizes
     graph = eng.runner.graphs.graph(sizes[bisect.bisect_left(sizes, len(prompts))])
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(steps):
-        graph.replay()
-    t1.record()
-    torch.cuda.synchronize()
+    replay = replay_ms(graph, steps)
     for rid in ids:
         eng.abort_request(rid)
     while eng.has_unfinished_requests():
         eng.step()
-    return step_ms, t0.elapsed_time(t1) / steps, host[0] / steps * 1e3
+    return step_ms, replay, host[0] / steps * 1e3
 
 
 def section_engine(res: dict, hbm: float) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .gpu_bench import GiB, _engine, _prompts, _run_all
+from .gpu_bench import GiB, _engine, _prompts, _run_all, replay_ms
 from .gpu_check import copy_bandwidth
 from .synthetic import GEMMA4_CONFIGS, random_model
 
@@ -147,13 +147,7 @@ def section_roofline(res: dict, hbm: float, shapes) -> None:
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - start) / steps * 1e3
         graph = eng.runner.graphs.graph(1)
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(steps):
-            graph.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        graph_ms = t0.elapsed_time(t1) / steps
+        graph_ms = replay_ms(graph, steps)
         while eng.has_unfinished_requests():
             eng.step()
         ctx = 1024 + 105
