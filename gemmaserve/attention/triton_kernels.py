@@ -29,6 +29,14 @@ from .kv_quant import FP8_DTYPE, FP8_MAX
 
 LOG2E = 1.4426950408889634
 
+# Triton compiles one variant per (int == 1, int % 16 == 0, pointer 16-byte aligned) pattern of its
+# arguments. The block-table width and the offsets of the per-layer column views of the page tables change
+# from step to step, so specialising on them can compile new variants in the middle of a request that the
+# startup warm-up did not shape alike (the suspected cause of the first 32K prompt taking 2.9x as long as
+# the next one on the H200; `gpu_bench first` counts the variants compiled after warm-up). These index
+# arguments are read a few values per program: one generic variant costs nothing measurable.
+_PER_STEP_INDEX_ARGS = dict(do_not_specialize=["s_pb"], do_not_specialize_on_alignment=["pages_ptr", "offs_ptr"])
+
 
 def _block_n(head_dim: int, dtype: torch.dtype) -> int:
     """Keys per tile: a K (and a V) tile of at most 32 KiB, 16..64 rows."""
@@ -59,7 +67,7 @@ def _round_to_e4m3(x):
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 
-@triton.jit
+@triton.jit(**_PER_STEP_INDEX_ARGS)
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pages_ptr, offs_ptr,
                      s_kt, s_kh, s_vt, s_vh,
                      s_cp, s_co, s_ch, s_vp, s_vo, s_vch, inv_k, inv_v,
@@ -120,7 +128,7 @@ def _attend_tile(q, kc_ptr, vc_ptr, page, off, kvh, d, load_mask, visible, m_i, 
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(**_PER_STEP_INDEX_ARGS)
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pages_ptr, first_ptr, lens_ptr,
                          acc_ptr, m_ptr, l_ptr,
                          s_qb, s_qh, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, s_pb,
@@ -224,7 +232,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-@triton.jit
+@triton.jit(**_PER_STEP_INDEX_ARGS)
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, pages_ptr, first_ptr, tile_seq_ptr, tile_q_ptr,
                     qstart_ptr, qlen_ptr, lens_ptr,
                     s_qt, s_qh, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, s_pb, s_ot, s_oh,

@@ -373,15 +373,39 @@ def section_engine(res: dict, hbm: float) -> None:
         torch.cuda.empty_cache()
 
 
+def compiled_variants() -> dict[str, int]:
+    """Kernel variants Triton has compiled in this process, per kernel of ours."""
+    import triton
+
+    from ..attention import triton_kernels
+    from ..models import fused_kernels
+
+    out = {}
+    for mod in (triton_kernels, fused_kernels):
+        for name, fn in vars(mod).items():
+            caches = getattr(fn, "device_caches", None)
+            if isinstance(fn, triton.runtime.JITFunction) and caches:
+                out[name] = sum(len(entry[0]) for entry in caches.values())
+    return out
+
+
 def section_first_request(res: dict) -> None:
     """Run first in a fresh process on a fresh machine (no Triton cache on disk): the engine's startup
-    warm-up should leave the first long prompt no slower than the second."""
+    warm-up should leave the first long prompt no slower than the second, and compile nothing new."""
     loaded = random_model("gemma3-4b", torch.bfloat16, torch.device("cuda"))
     vocab = loaded.model.config.vocab_size
     llm = _engine(loaded, kv_cache_memory=16 * GiB, max_num_seqs=8, max_num_batched_tokens=2048)
-    times = [_run_all(llm, _prompts(1, 32768, vocab, seed=70 + i), 1) for i in range(3)]
-    res["first_request"] = {"shape": "gemma3-4b", "prompt": 32768, "warmup_s": llm.engine.info.warmup_seconds,
-                            "runs_s": [round(t, 3) for t in times], "first_over_second": round(times[0] / times[1], 3)}
+    variants = [compiled_variants()]
+    times = []
+    for i in range(3):
+        times.append(_run_all(llm, _prompts(1, 32768, vocab, seed=70 + i), 4))
+        variants.append(compiled_variants())
+    new = {k: v - variants[0].get(k, 0) for k, v in variants[1].items() if v != variants[0].get(k, 0)}
+    res["first_request"] = {"shape": "gemma3-4b", "prompt": 32768, "new_tokens": 4,
+                            "warmup_s": llm.engine.info.warmup_seconds, "runs_s": [round(t, 3) for t in times],
+                            "first_over_second": round(times[0] / times[1], 3),
+                            "variants_after_warmup": variants[0], "compiled_in_first_request": new,
+                            "compiled_later": variants[-1] != variants[1]}
     print("engine first request", res["first_request"], flush=True)
 
 
