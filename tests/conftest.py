@@ -20,7 +20,7 @@ except ImportError:
 def llm_270m():
     from gemmaserve import LLM
 
-    return LLM(max_num_seqs=16)
+    return LLM(max_num_seqs=16, dtype="float32")   # the exact path: HF parity is measured on it
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,9 @@ _GPU_ACTIVATION_RESERVE = 1 << 30
 class EngineConfig:
     model: str = option(DEFAULT_MODEL, help="model alias, .gguf file or Hugging Face checkpoint directory")
     dtype: str = option("auto", choices=DTYPE_CHOICES,
-                        help="weight and activation dtype; auto = bfloat16 on CUDA, float32 on the CPU")
+                        help="weight and activation dtype; auto = bfloat16 on CUDA, float32 on the CPU with a "
+                             "GGUF file's quantised weights kept quantised (int8/int4 CPU kernels); float32 = "
+                             "every weight expanded to fp32 (the exact reference path)")
     device: str = option("auto", help="torch device (cpu, cuda, cuda:1); auto = cuda if available")
     max_model_len: int | None = option(None, parse=positive_int,
                                        help="longest sequence (prompt + output); default: the model's context length")
@@ -127,6 +129,10 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    def quantized_weights(self, device: torch.device) -> bool:
+        """`--dtype auto` on the CPU keeps a GGUF file's quantised weights quantised (fp32 activations)."""
+        return self.dtype == "auto" and device.type == "cpu"
 
     def torch_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's storage dtype for a model running in `model_dtype`."""

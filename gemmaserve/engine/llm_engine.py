@@ -41,6 +41,7 @@ class EngineInfo:
     model: str
     device: str
     dtype: str
+    weights: str          # "float32", or the quantised formats: "int8 x 126, int4 x 18, embedding_int8 x 1"
     kv_cache_dtype: str
     max_model_len: int
     kv_manager: str
@@ -56,6 +57,13 @@ class EngineInfo:
     warmup_seconds: float = 0.0
 
 
+def _weights_label(loaded: LoadedModel, dtype: torch.dtype) -> str:
+    formats = loaded.weight_formats
+    if not formats:
+        return str(dtype).removeprefix("torch.")
+    return ", ".join(f"{fmt} x {n}" for fmt, n in formats.items() if n)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """`loaded`: reuse weights another engine already loaded (same model, dtype and device), e.g.
@@ -64,7 +72,7 @@ class LLMEngine:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         if loaded is None:
-            loaded = load_model(config.model, self.dtype, self.device)
+            loaded = load_model(config.model, self.dtype, self.device, config.quantized_weights(self.device))
         self.loaded = loaded
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         limit = self.model.max_position_embeddings
@@ -99,6 +107,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.info = EngineInfo(
             model=config.model, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            weights=_weights_label(loaded, self.dtype),
             kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
             max_model_len=self.max_model_len, kv_manager=self.kv.name,
             swa_scratch_reuse=self.cache_options.swa_scratch_reuse,

@@ -11,7 +11,6 @@ The model knows nothing of pages: it hands q/k/v to the `BatchAttention` in its 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ from ..errors import UserInputError
 from ..kv.spec import AttentionKind, LayerSpec
 from .base import CausalLM, ModelInputs, ModelPreferences
 from .fused_ops import NormKind, add_rms_norm, rms_norm
-from .layers import Attention, AttentionParams, GeGLU, RMSNorm, RopeParams, linear
+from .layers import Attention, AttentionParams, Embedding, GeGLU, RMSNorm, RopeParams
 
 _FULL = "full_attention"
 _SLIDING = "sliding_attention"
@@ -219,8 +218,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3TextModel(nn.Module):
     def __init__(self, cfg: Gemma3Config, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _freeze=True, _weight=torch.empty(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -254,11 +252,11 @@ class Gemma3ForCausalLM(CausalLM):
     # -- forward ----------------------------------------------------------------------------
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Token rows [T] -> final-normed hidden states [T, H]."""
-        weight = self.model.embed_tokens.weight
+        embed = self.model.embed_tokens
         if inputs.inputs_embeds is not None:
             x = inputs.inputs_embeds
         else:
-            scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(weight.dtype)
+            scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(embed.dtype)
             x = self.model.embed_tokens(inputs.input_ids) * scale
         dtype, positions = x.dtype, inputs.positions
         rope_global = RopeParams.cos_sin(self._inv_freq_global, positions, dtype)
@@ -271,7 +269,7 @@ class Gemma3ForCausalLM(CausalLM):
         return h if inputs.sample_rows is None else h[inputs.sample_rows]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.model.embed_tokens.weight)
+        logits = self.model.embed_tokens.as_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -32,7 +32,7 @@ from ..errors import UserInputError
 from ..kv.spec import AttentionKind, LayerSpec
 from .base import CausalLM, ModelInputs, ModelPreferences
 from .fused_ops import NormKind, add_rms_norm, rms_norm
-from .layers import Attention, AttentionParams, GeGLU, Linear, RMSNorm, RopeKind, RopeParams, linear
+from .layers import Attention, AttentionParams, Embedding, GeGLU, Linear, RMSNorm, RopeKind, RopeParams
 from .moe import Experts, Router
 
 log = logging.getLogger(__name__)
@@ -371,16 +371,13 @@ class Gemma4DecoderLayer(nn.Module):
 class Gemma4TextModel(nn.Module):
     def __init__(self, cfg: Gemma4Config, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _freeze=True, _weight=torch.empty(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, 0.0)
         p = cfg.hidden_size_per_layer_input
         if p:
             n = cfg.num_hidden_layers
-            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, n * p, _freeze=True,
-                                                       _weight=torch.empty(cfg.vocab_size_per_layer_input, n * p,
-                                                                           dtype=dtype))
+            self.embed_tokens_per_layer = Embedding(cfg.vocab_size_per_layer_input, n * p, dtype)
             self.per_layer_model_projection = Linear(cfg.hidden_size, n * p, dtype)
             self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps, dtype, 0.0)
 
@@ -425,11 +422,10 @@ class Gemma4ForCausalLM(CausalLM):
     # -- forward ----------------------------------------------------------------------------
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         cfg, m = self.config, self.model
-        weight = m.embed_tokens.weight
         if inputs.inputs_embeds is not None:
             x = inputs.inputs_embeds
         else:
-            x = m.embed_tokens(inputs.input_ids) * torch.tensor(cfg.hidden_size ** 0.5).to(weight.dtype)
+            x = m.embed_tokens(inputs.input_ids) * torch.tensor(cfg.hidden_size ** 0.5).to(m.embed_tokens.dtype)
         ple = self._per_layer_inputs(inputs.input_ids, x) if cfg.hidden_size_per_layer_input else None
         tables = [RopeParams.cos_sin(getattr(self, f"_inv_freq_{j}"), inputs.positions, x.dtype)
                   for j in range(self._num_ropes)]
@@ -452,14 +448,14 @@ class Gemma4ForCausalLM(CausalLM):
         """[T, L, P]: (RMSNorm(embeds @ W^T * H^-1/2) + E_ple[ids] * sqrt(P)) * 2^-1/2, as HF scales it."""
         cfg, m = self.config, self.model
         p, n = cfg.hidden_size_per_layer_input, cfg.num_hidden_layers
-        w = m.embed_tokens_per_layer.weight
-        tok = (m.embed_tokens_per_layer(input_ids) * torch.tensor(p ** 0.5).to(w.dtype)).view(-1, n, p)
+        table = m.embed_tokens_per_layer
+        tok = (table(input_ids) * torch.tensor(p ** 0.5).to(table.dtype)).view(-1, n, p)
         proj = m.per_layer_model_projection(embeds) * cfg.hidden_size ** -0.5
         proj = rms_norm(proj.view(-1, n, p), m.per_layer_projection_norm.weight, NormKind(cfg.rms_norm_eps, 0.0))
         return (proj + tok) * 2.0 ** -0.5
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.model.embed_tokens.weight)
+        logits = self.model.embed_tokens.as_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -127,6 +127,15 @@ class GGUFFile:
             return dequantize_q8_0(raw).reshape(shape)
         return torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(shape)
 
+    def int4_groups(self, name: str):
+        """A Q4_K matrix as its exact 4-bit groups of 32 (`quant.Int4Groups`), or None for other types."""
+        from .quant import q4_k_groups
+
+        t = self._tensors[name]
+        if t.tensor_type.name != "Q4_K" or len(t.shape) != 2:
+            return None
+        return q4_k_groups(np.asarray(t.data), tuple(int(d) for d in reversed(t.shape.tolist())))
+
 
 def dequantize_q8_0(raw: np.ndarray) -> torch.Tensor:
     """Q8_0 blocks of 34 bytes: fp16 scale d, then 32 int8 q; value = d * q (fp32)."""

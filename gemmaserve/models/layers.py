@@ -67,6 +67,26 @@ class Linear(nn.Module):
         return linear(x, self.weight)
 
 
+class Embedding(nn.Module):
+    """A token embedding table; `as_head` is the tied output projection (logits = h E^T). Filled by
+    the loader; `quant.QuantEmbedding` is the INT8 form with the same interface."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.weight)
+
+
 class GeGLU(nn.Module):
     """down(gelu_tanh(gate(x)) * up(x)); gate and up are one fused matrix [gate; up]."""
 

@@ -37,6 +37,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: ModelSource
     load_seconds: float
+    weight_formats: dict[str, int] | None = None   # quantised modules per format (None: dtype as asked)
 
 
 def resolve_model(name: str) -> ModelSource:
@@ -56,14 +57,16 @@ def resolve_model(name: str) -> ModelSource:
                          "or checkpoint directory")
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: bool = False) -> LoadedModel:
+    """`quantized` (CPU, fp32 activations): a GGUF file's weights stay quantised (`quant.py`)."""
     start = time.perf_counter()
     source = resolve_model(name)
+    formats = None
     if source.kind is SourceKind.GGUF:
-        model, tokenizer = _load_gguf(source.path, dtype, device)
+        model, tokenizer, formats = _load_gguf(source.path, dtype, device, quantized)
     else:
         model, tokenizer = _load_hf_dir(source.path, dtype, device)
-    return LoadedModel(model.eval(), tokenizer, source, time.perf_counter() - start)
+    return LoadedModel(model.eval(), tokenizer, source, time.perf_counter() - start, formats)
 
 
 def build_model(model_class: type[CausalLM], config, weights: Callable[[CausalLM], Iterator[tuple[str, torch.Tensor]]],
@@ -76,26 +79,37 @@ def build_model(model_class: type[CausalLM], config, weights: Callable[[CausalLM
     return model
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, Tokenizer]:
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
+               quantized: bool) -> tuple[CausalLM, Tokenizer, dict[str, int] | None]:
     from .gguf_file import GGUFFile
 
     gguf = GGUFFile(path)
     model_class = model_class_for_gguf(gguf.get("general.architecture"))
     config = model_class.config_class.from_gguf(gguf)
+    # Only a file with quantised matrices is kept quantised: an F32/F16 file keeps its exact weights.
+    quantized = quantized and any(t.quant_type not in ("F32", "F16", "BF16") for t in gguf.tensors())
+    int4 = {}
 
     def weights(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         for t in gguf.tensors():
             name, one_plus_w = model.gguf_name(t.name)
             if name is None:
                 continue
+            if quantized and (groups := gguf.int4_groups(t.name)) is not None:
+                int4[name] = groups
             tensor = gguf.load(t.name)
             yield name, tensor - 1.0 if one_plus_w else tensor  # GGUF stores Gemma 3 norms as 1 + w
 
     model = build_model(model_class, config, weights, dtype, device)
+    formats = None
+    if quantized:
+        from .quant import quantize_model
+
+        formats = quantize_model(model, int4)
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     tokenizer = Tokenizer.from_gguf(gguf, cache_dir() / "tokenizers" / f"{key}.json")
-    return model, tokenizer
+    return model, tokenizer, formats
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, Tokenizer]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .fused_ops import NormKind, gelu_mul, rms_norm
-from .layers import Linear, linear
+from .layers import Linear
 
 
 def _grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -51,7 +51,7 @@ class Router(nn.Module):
     def forward(self, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, H] -> (weights [T, k] fp32, expert ids [T, k])."""
         z = rms_norm(residual, None, self.norm) * self.scale * self.root
-        probs = torch.softmax(linear(z, self.proj.weight), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(self.proj(z), dim=-1, dtype=torch.float32)
         weights, idx = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[idx], idx

@@ -1,0 +1,188 @@
+"""Quantised weights on the CPU: a GGUF file's weights stay quantised instead of being expanded to fp32.
+
+Two kernel formats, both PyTorch's own packed weight-only CPU matmuls (activations are cast to bf16 for
+the matmul only; the rest of the model runs in fp32):
+
+    INT8   per output row: w = q * s,               q int8 [N, K],     s [N]        (_weight_int8pack_mm)
+    INT4   per 32 inputs:  w = (q - 8) * s + z,      q 0..15 packed,    s, z [K/32, N]  (_weight_int4pack_mm_for_cpu)
+
+Each GGUF tensor goes to the format nearest to it. Q4_K is exactly INT4: its sub-blocks of 32 are
+w = d*sc*q - dmin*m, so s = d*sc and z = 8s - dmin*m, read from the blocks (not re-fitted). Every other
+type (Q8_0, Q5_0, Q6_K, F16, ...) has more than 4 bits of precision, so INT8 per row is nearer: its
+rounding step is max|w| / 127 of the row, a fraction of the source's own step. A fused weight (q/k/v,
+gate/up) is INT4 only when all its parts are Q4_K. Scales are bf16 (what the kernels take); INT8 picks
+scales that are bf16 values, so the stored q fit them exactly.
+
+The tied embedding / output head (60% of the 270M's bytes) is INT8 too: the head is a matmul on the
+packed rows, a lookup dequantises the rows it reads.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32
+
+
+class WeightFormat(enum.Enum):
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """Exact 4-bit groups of one weight [N, K]: w = s * q - m per group of 32 inputs."""
+    q: torch.Tensor       # uint8 [N, K], 0..15
+    scale: torch.Tensor   # fp32 [N, K / 32]
+    minus: torch.Tensor   # fp32 [N, K / 32] (the m subtracted)
+
+    @staticmethod
+    def cat(parts: list["Int4Groups"]) -> "Int4Groups":
+        return Int4Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.minus for p in parts]))
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.view(n, k // GROUP, GROUP).float() * self.scale[..., None] - self.minus[..., None]
+        return w.view(n, k)
+
+
+def q4_k_groups(raw: np.ndarray, shape: tuple[int, int]) -> Int4Groups:
+    """Q4_K blocks (256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of
+    nibbles) -> exact 4-bit groups of 32."""
+    from gguf.quants import Q4_K
+
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, 144)
+    n_blocks = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    # 128 bytes = 4 chunks of 32; chunk c holds sub-block 2c in its low nibbles, 2c+1 in its high ones.
+    qs = blocks[:, 16:].reshape(n_blocks, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & np.uint8(0x0F)).reshape(n_blocks, 8, 32)
+    n, k = shape
+    return Int4Groups(torch.from_numpy(q.reshape(n, k).copy()),
+                      torch.from_numpy((d * sc.astype(np.float32)).reshape(n, k // GROUP)),
+                      torch.from_numpy((dmin * m.astype(np.float32)).reshape(n, k // GROUP)))
+
+
+def _bf16_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Per-row INT8 scales as bf16 values no smaller than amax / 127 (so |q| <= 127)."""
+    s = (amax / 127).clamp(min=1e-30)
+    b = s.to(torch.bfloat16)
+    return torch.where(b.float() < s, torch.nextafter(b, torch.tensor(float("inf"), dtype=torch.bfloat16)), b)
+
+
+def int8_rows(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 q [N, K], bf16 scales [N]) with w ~ q * s. In row chunks, so quantising the
+    262k-row embedding adds no fp32-sized temporaries to the peak memory of loading."""
+    n = w.shape[0]
+    q = torch.empty(w.shape, dtype=torch.int8)
+    s = torch.empty(n, dtype=torch.bfloat16)
+    for i in range(0, n, chunk):
+        rows = w[i:i + chunk].float()
+        s[i:i + chunk] = _bf16_scale(rows.abs().amax(1))
+        q[i:i + chunk] = torch.round(rows / s[i:i + chunk].float()[:, None]).clamp_(-127, 127)
+    return q, s
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T with W in INT8 or INT4 (see the module docstring); x fp32 or bf16, y in x's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: WeightFormat):
+        super().__init__()
+        self.in_features, self.out_features, self.format = in_features, out_features, fmt
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> "QuantLinear":
+        mod = cls(w.shape[1], w.shape[0], WeightFormat.INT8)
+        q, s = int8_rows(w)
+        mod.register_buffer("qweight", q)
+        mod.register_buffer("scales", s)
+        return mod
+
+    @classmethod
+    def from_int4(cls, g: Int4Groups) -> "QuantLinear":
+        n, k = g.q.shape
+        mod = cls(k, n, WeightFormat.INT4)
+        mod.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(g.q.to(torch.int32), 1))
+        # [K/32, N, 2]: scale and the value at q = 8
+        mod.register_buffer("scales", torch.stack([g.scale, 8 * g.scale - g.minus], -1).transpose(0, 1)
+                            .contiguous().to(torch.bfloat16))
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if self.format is WeightFormat.INT8:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, GROUP, self.scales)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, format={self.format.value}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table in INT8 rows: lookups dequantise the rows they read (fp32); `as_head` is the
+    tied output projection on the packed rows."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        q, s = int8_rows(weight)
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", s)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].float() * self.scales[ids].float()[..., None]
+
+    def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(hidden.reshape(-1, hidden.shape[-1]).to(torch.bfloat16),
+                                               self.qweight, self.scales)
+        return y.to(hidden.dtype).view(*hidden.shape[:-1], self.num_embeddings)
+
+
+def quantize_model(model: nn.Module, int4: dict[str, Int4Groups]) -> dict[str, int]:
+    """Replace every `Linear` and `Embedding` of a loaded fp32 `CausalLM` by its quantised form, in
+    place. `int4`: exact groups of the checkpoint's Q4_K weights by our tensor name (before fusing
+    q/k/v and gate/up: a fused weight is INT4 only if all its parts are). Returns a count per format."""
+    from .layers import Embedding, Linear
+
+    parts_of: dict[str, dict[int, Int4Groups]] = {}
+    for name, groups in int4.items():
+        prefix, part, leaf = name.rsplit(".", 2)
+        if part in model.stacked:
+            fused, idx = model.stacked[part]
+            parts_of.setdefault(f"{prefix}.{fused}.{leaf}", {})[idx] = groups
+    counts = {f.value: 0 for f in WeightFormat} | {"embedding_int8": 0}
+    # By name, one module at a time, holding no reference to the replaced one: each fp32 weight is
+    # freed as soon as its quantised form exists, so loading peaks at the fp32 model's size.
+    names = [n for n, m in model.named_modules() if isinstance(m, (Linear, Embedding))]
+    for mod_name in names:
+        weight = model.get_submodule(mod_name).weight.data
+        parent, _, attr = mod_name.rpartition(".")
+        if isinstance(model.get_submodule(mod_name), Embedding):
+            new = QuantEmbedding(weight)
+            counts["embedding_int8"] += 1
+        else:
+            wname = f"{mod_name}.weight"
+            groups = int4.get(wname)
+            parts = parts_of.get(wname, {})
+            if groups is None and parts and len(parts) == len(model.shard_sizes(wname)):
+                groups = Int4Groups.cat([parts[i] for i in range(len(parts))])
+            new = QuantLinear.from_int4(groups) if groups is not None else QuantLinear.from_float(weight)
+            counts[new.format.value] += 1
+        del weight
+        setattr(model.get_submodule(parent), attr, new)
+    return counts

@@ -1,0 +1,130 @@
+"""Quantised CPU weights (models/quant.py): exact Q4_K groups, the packed kernels against dequantised
+references, the model-level swap, and the embedded 270M's quantised path against its fp32 one."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import fresh_seed, ours_from_hf, paged_logits, tiny_hf_model
+
+from gemmaserve.models.quant import (GROUP, Int4Groups, QuantEmbedding, QuantLinear, WeightFormat, int8_rows,
+                                     q4_k_groups, quantize_model)
+
+
+def _random_q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Valid Q4_K blocks: any bytes are, given finite fp16 d and dmin."""
+    blocks = rng.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
+    blocks[:, 0:2] = np.float16(rng.uniform(1e-3, 2e-2, len(blocks))).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:4] = np.float16(rng.uniform(1e-3, 2e-2, len(blocks))).view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+def test_q4_k_groups_are_exact():
+    import gguf
+
+    rng = np.random.default_rng(fresh_seed())
+    raw = _random_q4_k(rng, 48, 512)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(48, 512)
+    groups = q4_k_groups(raw, (48, 512))
+    assert groups.q.dtype == torch.uint8 and int(groups.q.max()) <= 15
+    assert torch.equal(groups.dequantize(), torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_int4_linear_matches_its_groups(rows):
+    rng = np.random.default_rng(fresh_seed())
+    groups = q4_k_groups(_random_q4_k(rng, 64, 256), (64, 256))
+    lin = QuantLinear.from_int4(groups)
+    assert lin.format is WeightFormat.INT4
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
+    ref = x.to(torch.bfloat16).double() @ groups.dequantize().double().t()
+    y = lin(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, 64)
+    # bf16 scales, a bf16 output: a few bf16 roundings
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_int8_rows_fit_bf16_scales():
+    w = torch.randn(300, 96, generator=torch.Generator().manual_seed(fresh_seed())) * torch.rand(300, 1) * 3
+    q, s = int8_rows(w, chunk=64)
+    assert q.dtype == torch.int8 and s.dtype == torch.bfloat16
+    assert int(q.abs().max()) <= 127
+    err = (q.float() * s.float()[:, None] - w).abs()
+    assert bool((err <= s.float()[:, None] / 2 + 1e-7).all())
+    lin = QuantLinear.from_float(w)
+    x = torch.randn(5, 96)
+    ref = x.to(torch.bfloat16).double() @ (q.double() * s.double()[:, None]).t()
+    assert ((lin(x).double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_quant_embedding_lookup_and_head():
+    w = torch.randn(1000, 64, generator=torch.Generator().manual_seed(fresh_seed()))
+    emb = QuantEmbedding(w)
+    ids = torch.tensor([0, 999, 5, 5])
+    q, s = int8_rows(w)
+    assert torch.equal(emb(ids), q[ids].float() * s[ids].float()[:, None])
+    h = torch.randn(2, 64)
+    ref = h.to(torch.bfloat16).double() @ (q.double() * s.double()[:, None]).t()
+    assert ((emb.as_head(h).double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_quantize_model_swaps_every_matrix_and_keeps_logits_close():
+    """Tiny Gemma 3: o_proj of layer 0 and both parts of layer 1's gate/up come as exact 4-bit groups,
+    layer 0's gate/up has only one part in 4 bits (so INT8), everything else INT8."""
+    seed = fresh_seed()
+    hf = tiny_hf_model(seed, hidden_size=64, intermediate_size=128, head_dim=32)
+    ours = ours_from_hf(hf)
+    gen = torch.Generator().manual_seed(seed)
+
+    def groups(n: int, k: int) -> Int4Groups:
+        return Int4Groups(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                          torch.rand(n, k // GROUP, generator=gen) * 0.02, torch.rand(n, k // GROUP, generator=gen) * 0.1)
+
+    params = dict(ours.named_parameters())
+    o_name = "model.layers.0.self_attn.o_proj.weight"
+    int4 = {o_name: groups(*params[o_name].shape)}
+    params[o_name].data.copy_(int4[o_name].dequantize())
+    inter = hf.config.intermediate_size
+    for layer, parts in ((1, ("gate_proj", "up_proj")), (0, ("gate_proj",))):
+        fused = params[f"model.layers.{layer}.mlp.gate_up_proj.weight"]
+        for i, part in enumerate(parts):
+            int4[f"model.layers.{layer}.mlp.{part}.weight"] = g = groups(inter, fused.shape[1])
+            fused.data[i * inter:(i + 1) * inter] = g.dequantize()
+    seqs = [[2] + torch.randint(3, hf.config.vocab_size, (20,), generator=gen).tolist()]
+    ref = paged_logits(ours, seqs)[0]
+    counts = quantize_model(ours, int4)
+    n_layers = hf.config.num_hidden_layers
+    assert counts == {"int8": 4 * n_layers - 2, "int4": 2, "embedding_int8": 1}
+    layers = ours.model.layers
+    assert layers[0].self_attn.o_proj.format is WeightFormat.INT4
+    assert layers[1].mlp.gate_up_proj.format is WeightFormat.INT4
+    assert layers[0].mlp.gate_up_proj.format is WeightFormat.INT8
+    assert isinstance(ours.model.embed_tokens, QuantEmbedding)
+    assert not any(p.numel() > 64 * 64 for p in ours.parameters())   # no fp32 matrix left
+    got = paged_logits(ours, seqs)[0]
+    assert ((got - ref).norm() / ref.norm()).item() < 0.05
+
+
+@pytest.mark.slow
+def test_embedded_model_quantised_path_agrees_with_fp32(llm_270m):
+    """`--dtype auto` on the CPU: the GGUF's weights stay quantised. Teacher-forced on fp32's own greedy
+    continuation, the quantised model picks the same token wherever fp32's top-2 margin is clear."""
+    from gemmaserve import LLM, SamplingParams
+    from gemmaserve.models.loader import load_model
+
+    quant = load_model("gemma3-270m", torch.float32, torch.device("cpu"), quantized=True)
+    assert quant.weight_formats["int4"] > 0 and quant.weight_formats["embedding_int8"] == 1
+    assert LLM.from_config(type(llm_270m.engine.config)(dtype="auto"), quant).engine.info.weights.startswith("int8")
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    agree = total = clear = 0
+    for prompt, out in zip(prompts, llm_270m.generate(prompts, params)):
+        ids = llm_270m.engine.tokenize(prompt) + list(out.outputs[0].token_ids)
+        ref = paged_logits(llm_270m.engine.model, [ids])[0][-25:-1]
+        got = paged_logits(quant.model, [ids])[0][-25:-1]
+        top2 = ref.topk(2, dim=-1).values
+        decided = (top2[:, 0] - top2[:, 1]) > 1.0
+        same = got.argmax(-1) == ref.argmax(-1)
+        assert bool(same[decided].all()), f"{prompt!r}: a clear fp32 decision flipped"
+        agree, total, clear = agree + int(same.sum()), total + len(same), clear + int(decided.sum())
+        assert ((got - ref).norm() / ref.norm()).item() < 0.1
+    assert clear >= total // 2 and agree >= 0.9 * total
