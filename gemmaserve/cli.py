@@ -42,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run a benchmark and write JSON")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    from .bench import decode, load, memory, throughput
+    from .bench import decode, load, memory, quality, throughput
 
-    dec = kinds.add_parser("decode", help="CPU/GPU decode tokens/s against Hugging Face generate")
+    dec = kinds.add_parser("decode", help="CPU/GPU decode tokens/s against Hugging Face generate (and llama.cpp on the CPU)")
     decode.add_arguments(dec)
     add_options(dec, EngineConfig, "engine")
     dec.set_defaults(handler=decode.run)
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_arguments(ld)
     add_options(ld, EngineConfig, "engine")
     ld.set_defaults(handler=load.run)
+    qual = kinds.add_parser("quality", help="quantised CPU weights against fp32 (and llama.cpp): perplexity, "
+                                            "greedy agreement")
+    quality.add_arguments(qual)
+    qual.set_defaults(handler=quality.run)
     return parser
 
 

@@ -128,3 +128,44 @@ def test_embedded_model_quantised_path_agrees_with_fp32(llm_270m):
         agree, total, clear = agree + int(same.sum()), total + len(same), clear + int(decided.sum())
         assert ((got - ref).norm() / ref.norm()).item() < 0.1
     assert clear >= total // 2 and agree >= 0.9 * total
+
+
+def test_scoring_equals_paged_logits():
+    """bench/scoring.py (perplexity and agreement figures) reads the same logits as the engine path."""
+    from gemmaserve.bench.scoring import score
+
+    hf = tiny_hf_model(fresh_seed())
+    ours = ours_from_hf(hf)
+    ids = [2] + torch.randint(3, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    logits = paged_logits(ours, [ids])[0]
+    s = score(ours, ids, chunk=16)
+    ref = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(s.logprobs, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(s.argmax, logits[:-1].argmax(-1))
+    assert s.perplexity == pytest.approx(float(torch.exp(-ref.double().mean())), rel=1e-5)
+
+
+def test_decode_bench_runs_and_notes_a_missing_reference(tmp_path):
+    """`bench decode` on a checkpoint directory: no GGUF, so llama.cpp is skipped with a note; the
+    decode rows and the prompt-processing row are filled."""
+    import argparse
+    import json
+
+    from helpers import save_checkpoint
+
+    from gemmaserve.bench import decode
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.config.options import add_options
+
+    path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "m")
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    add_options(parser, EngineConfig, "engine")
+    out = tmp_path / "decode.json"
+    args = parser.parse_args(["--model", str(path), "--batch-sizes", "1,2", "--new-tokens", "4", "--repeats", "1",
+                              "--no-hf", "--prefill-tokens", "24", "--out", str(out)])
+    assert decode.run(args) == 0
+    res = json.loads(out.read_text())
+    assert [r["batch"] for r in res["rows"]] == [1, 2] and all(r["ours_tok_s"] > 0 for r in res["rows"])
+    assert res["prefill"]["prompt_tokens"] == 24 and res["prefill"]["ours_tok_s"] > 0
+    assert res["llama_cpp"].startswith("skipped") and res["weights"] == "float32"

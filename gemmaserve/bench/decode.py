@@ -29,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per sequence")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per figure (median)")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face reference")
+    parser.add_argument("--no-llama-cpp", action="store_true",
+                        help="skip the llama.cpp reference (taken when llama-cpp-python is installed and the "
+                             "model is a GGUF file: same file, same thread count, runs alternating with ours)")
+    parser.add_argument("--prefill-tokens", type=positive_int, default=512,
+                        help="prompt length of the prompt-processing row")
     parser.add_argument("--hf-gguf-load", action="store_true",
                         help="also time transformers' own GGUF loader on the same file")
     parser.add_argument("--out", default="bench-out/decode.json", help="JSON output path")
@@ -82,6 +87,30 @@ def _median_of(fn, repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
+def _alternating(fns: dict, repeats: int) -> dict[str, float]:
+    """Median of each after one warm-up each, the runs interleaved (a, b, a, b, ...) so that the
+    machine's drift falls on both alike."""
+    for fn in fns.values():
+        fn()
+    runs: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            runs[k].append(fn())
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def _ours_prefill(llm, prompt_ids: list[int]) -> float:
+    """Prompt tokens/s of one prompt (chunked as the engine's budget says), up to its first token."""
+    from ..engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    start = time.perf_counter()
+    engine.add_request("", SamplingParams(max_tokens=1), prompt_ids=prompt_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(prompt_ids) / (time.perf_counter() - start)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..config.engine import EngineConfig
     from ..engine.llm import LLM
@@ -93,23 +122,43 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = llm.tokenizer.encode(PROMPT)
     result: dict = {
         "benchmark": "decode", "date": date.today().isoformat(), "machine": _machine(engine.device),
-        "model": config.model, "dtype": engine.info.dtype, "kv_cache_dtype": engine.info.kv_cache_dtype,
+        "model": config.model, "dtype": engine.info.dtype, "weights": engine.info.weights,
+        "kv_cache_dtype": engine.info.kv_cache_dtype,
         "prompt_tokens": len(prompt_ids),
         "new_tokens": args.new_tokens, "repeats": args.repeats, "load_seconds": round(engine.info.load_seconds, 2),
         "torch_threads": torch.get_num_threads(), "rows": [],
     }
+    result["peak_rss_mb_before_references"] = _peak_rss_mb()
     hf = None
     if not args.no_hf:
         from .hf_reference import build_hf_model
 
-        hf = build_hf_model(engine.model, dtype=engine.dtype, device=engine.device)
+        hf = build_hf_model(_float_model(engine), dtype=engine.dtype, device=engine.device)
+    llama = None
+    if not args.no_llama_cpp and engine.device.type == "cpu":
+        llama = _llama_reference(engine, result)
     for b in sizes:
-        ours = _median_of(lambda: _ours_decode(llm, prompt_ids, b, args.new_tokens), args.repeats)
-        row = {"batch": b, "ours_tok_s": round(ours, 2)}
+        fns = {"ours": lambda: _ours_decode(llm, prompt_ids, b, args.new_tokens)}
+        if llama is not None:
+            ctx = llama.batch_context((len(prompt_ids) + args.new_tokens) * b + 16, b)
+            fns["llama_cpp"] = lambda: llama.decode_tok_s(prompt_ids, b, args.new_tokens, ctx)
+        med = _alternating(fns, args.repeats)
+        row = {"batch": b, "ours_tok_s": round(med["ours"], 2)}
+        if llama is not None:
+            row.update(llama_cpp_tok_s=round(med["llama_cpp"], 2), ratio_vs_llama_cpp=round(med["ours"] / med["llama_cpp"], 3))
         if hf is not None:
             ref = _median_of(lambda: _hf_decode(hf, prompt_ids, b, args.new_tokens), args.repeats)
-            row.update(hf_tok_s=round(ref, 2), ratio_vs_hf_same_batch=round(ours / ref, 2))
+            row.update(hf_tok_s=round(ref, 2), ratio_vs_hf_same_batch=round(med["ours"] / ref, 2))
         result["rows"].append(row)
+    long_prompt = (prompt_ids * (args.prefill_tokens // len(prompt_ids) + 1))[:args.prefill_tokens]
+    fns = {"ours": lambda: _ours_prefill(llm, long_prompt)}
+    if llama is not None:
+        fns["llama_cpp"] = lambda: llama.prefill_tok_s(long_prompt, 1)
+    med = _alternating(fns, args.repeats)
+    result["prefill"] = {"prompt_tokens": len(long_prompt), "ours_tok_s": round(med["ours"], 1)}
+    if llama is not None:
+        result["prefill"].update(llama_cpp_tok_s=round(med["llama_cpp"], 1),
+                                 ratio_vs_llama_cpp=round(med["ours"] / med["llama_cpp"], 3))
     if hf is not None:
         hf1 = next((r["hf_tok_s"] for r in result["rows"] if r["batch"] == 1), None)
         for row in result["rows"]:
@@ -122,6 +171,35 @@ def run(args: argparse.Namespace) -> int:
             result["hf_gguf_load_error"] = str(exc)
     _report(result, Path(args.out))
     return 0
+
+
+def _peak_rss_mb() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+
+def _float_model(engine):
+    """Our model with fp32 weights for building the HF reference: the engine's own, or the same file
+    loaded again without quantisation when the engine keeps it quantised."""
+    if engine.loaded.weight_formats is None:
+        return engine.model
+    from ..models.loader import load_model
+
+    return load_model(engine.config.model, torch.float32, engine.device).model
+
+
+def _llama_reference(engine, result: dict):
+    from ..models.loader import SourceKind, resolve_model
+    from .llama_cpp_ref import LlamaCppReference
+
+    source = resolve_model(engine.config.model)
+    if source.kind is not SourceKind.GGUF:
+        result["llama_cpp"] = "skipped: the model is not a GGUF file"
+        return None
+    ref = LlamaCppReference.open(source.path, torch.get_num_threads())
+    result["llama_cpp"] = ref.version if ref else "skipped: llama-cpp-python is not installed (pip install 'gemmaserve[bench]')"
+    return ref
 
 
 def _hf_gguf_load_seconds(engine) -> float:
@@ -145,13 +223,21 @@ def _machine(device: torch.device) -> str:
 
 def _report(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
+    result["peak_rss_mb"] = _peak_rss_mb()
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"decode tokens/s, {result['model']} ({result['dtype']}) on {result['machine']}, "
-          f"prompt {result['prompt_tokens']} tokens, {result['new_tokens']} new tokens, median of {result['repeats']}")
-    print(f"{'batch':>5} {'ours':>10} {'HF generate':>12} {'ours/HF':>8} {'ours/HF@1':>10}")
+    nan = float("nan")
+    print(f"decode tokens/s, {result['model']} ({result['dtype']}, weights {result['weights']}) on "
+          f"{result['machine']}, {result['torch_threads']} threads, prompt {result['prompt_tokens']} tokens, "
+          f"{result['new_tokens']} new tokens, median of {result['repeats']}; llama.cpp: {result.get('llama_cpp', '-')}")
+    print(f"{'batch':>5} {'ours':>10} {'llama.cpp':>10} {'ours/llama':>10} {'HF generate':>12} {'ours/HF':>8}")
     for r in result["rows"]:
-        print(f"{r['batch']:>5} {r['ours_tok_s']:>10.1f} {r.get('hf_tok_s', float('nan')):>12.1f} "
-              f"{r.get('ratio_vs_hf_same_batch', float('nan')):>8.2f} {r.get('ratio_vs_hf_batch1', float('nan')):>10.2f}")
+        print(f"{r['batch']:>5} {r['ours_tok_s']:>10.1f} {r.get('llama_cpp_tok_s', nan):>10.1f} "
+              f"{r.get('ratio_vs_llama_cpp', nan):>10.2f} {r.get('hf_tok_s', nan):>12.1f} "
+              f"{r.get('ratio_vs_hf_same_batch', nan):>8.2f}")
+    pf = result["prefill"]
+    print(f"prompt processing ({pf['prompt_tokens']} tokens): ours {pf['ours_tok_s']:.1f} tok/s, llama.cpp "
+          f"{pf.get('llama_cpp_tok_s', nan):.1f} tok/s, ratio {pf.get('ratio_vs_llama_cpp', nan):.2f}")
     print(f"load: ours {result['load_seconds']} s" +
-          (f", transformers GGUF {result['hf_gguf_load_seconds']} s" if "hf_gguf_load_seconds" in result else ""))
+          (f", transformers GGUF {result['hf_gguf_load_seconds']} s" if "hf_gguf_load_seconds" in result else "") +
+          f"; peak RSS {result['peak_rss_mb_before_references']} MB before the references were loaded")
     print(f"wrote {out}")

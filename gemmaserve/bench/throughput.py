@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..config.options import from_namespace, positive_int
-from .decode import _machine
+from .decode import _float_model, _llama_reference, _machine
 
 WORDS = ("river valley farmer mill grain town market bridge winter harvest storm lantern road merchant "
          "story castle forest letter journey village evening morning mountain sea ship harbour").split()
@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV budget of the preemption run, as a fraction of the whole workload's KV")
     parser.add_argument("--hf-batch", type=positive_int, default=16, help="batch size of HF's padded run")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face runs")
+    parser.add_argument("--no-llama-cpp", action="store_true",
+                        help="skip the llama.cpp reference (taken when llama-cpp-python is installed and the "
+                             "model is a GGUF file: same file, batches of --hf-batch sequences)")
     parser.add_argument("--out", default="bench-out/throughput.json", help="JSON output path")
 
 
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     lens = [len(p) for p in prompt_ids]
     llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     result = {"benchmark": "throughput", "date": date.today().isoformat(), "machine": _machine(llm.engine.device),
-              "model": config.model, "dtype": llm.engine.info.dtype,
+              "model": config.model, "dtype": llm.engine.info.dtype, "weights": llm.engine.info.weights,
               "kv_cache_dtype": llm.engine.info.kv_cache_dtype, "prompts": len(prompts),
               "prompt_tokens": {"min": min(lens), "max": max(lens), "total": sum(lens)},
               "new_tokens": args.new_tokens, "engine": vars(config), "runs": {}}
@@ -106,13 +109,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_hf:
         from .hf_reference import build_hf_model
 
-        hf = build_hf_model(llm.engine.model, dtype=llm.engine.dtype, device=llm.engine.device)
+        hf = build_hf_model(_float_model(llm.engine), dtype=llm.engine.dtype, device=llm.engine.device)
         hf.generate(torch.tensor([prompt_ids[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
         result["runs"]["hf_one_by_one"] = _hf(hf, prompt_ids, args.new_tokens, 1)
         result["runs"]["hf_padded_batch"] = _hf(hf, prompt_ids, args.new_tokens, args.hf_batch)
-        ours = result["runs"]["gemmaserve"]["tok_s"]
-        result["ratios"] = {name: round(ours / r["tok_s"], 2) for name, r in result["runs"].items()
-                            if name.startswith("hf")}
+    llama = None if args.no_llama_cpp or llm.engine.device.type != "cpu" else _llama_reference(llm.engine, result)
+    if llama is not None:
+        result["runs"]["llama_cpp_batched"] = llama.generate_batched(prompt_ids, args.new_tokens, args.hf_batch)
+    ours = result["runs"]["gemmaserve"]["tok_s"]
+    result["ratios"] = {name: round(ours / r["tok_s"], 2) for name, r in result["runs"].items()
+                        if name.startswith(("hf", "llama"))}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -122,6 +128,6 @@ def run(args: argparse.Namespace) -> int:
     for name, r in result["runs"].items():
         print(f"{name:<20} {r['seconds']:>8} {r['tok_s']:>10} {r.get('preemptions', ''):>12}")
     if "ratios" in result:
-        print("gemmaserve / HF: " + ", ".join(f"{k} {v}x" for k, v in result["ratios"].items()))
+        print("gemmaserve / reference: " + ", ".join(f"{k} {v}x" for k, v in result["ratios"].items()))
     print(f"wrote {out}")
     return 0
