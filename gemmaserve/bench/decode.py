@@ -66,6 +66,46 @@ def _ours_decode(llm, prompt_ids: list[int], batch: int, new_tokens: int) -> flo
     return batch * (new_tokens - 1) / (time.perf_counter() - start)
 
 
+def matmul_ms(llm, prompt_ids: list[int], batch: int, repeats: int = 10) -> float:
+    """The time a decode step's matrix products take alone: the inputs every projection (and the
+    output head) saw in one real decode step at `batch`, replayed through the same modules back to
+    back, median of `repeats`. The step time over this is the per-step overhead (issue 13's 1.3x)."""
+    from ..engine.sampling_params import SamplingParams
+    from ..models.layers import Linear
+    from ..models.quant import QuantLinear
+
+    engine, model = llm.engine, llm.engine.model
+    seen: list = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0].clone())))
+             for m in model.modules() if isinstance(m, (Linear, QuantLinear))]
+    heads: list = []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda h: heads.append(h.clone()) or compute_logits(h)
+    try:
+        ids = [engine.add_request("", SamplingParams(max_tokens=3, ignore_eos=True), prompt_ids=prompt_ids)
+               for _ in range(batch)]
+        while any(not engine.request(i).output_token_ids for i in ids):
+            engine.step()
+        seen.clear(), heads.clear()
+        engine.step()   # one decode step: every row is one token
+        calls, head_in = list(seen), heads[-1]
+    finally:
+        for h in hooks:
+            h.remove()
+        del model.compute_logits
+        while engine.has_unfinished_requests():
+            engine.step()
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for mod, x in calls:
+                mod(x)
+            compute_logits(head_in)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
 def _hf_decode(hf, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
     inputs = torch.tensor([prompt_ids] * batch, device=hf.device)
     mask = torch.ones_like(inputs)
@@ -143,7 +183,10 @@ def run(args: argparse.Namespace) -> int:
             ctx = llama.batch_context((len(prompt_ids) + args.new_tokens) * b + 16, b)
             fns["llama_cpp"] = lambda: llama.decode_tok_s(prompt_ids, b, args.new_tokens, ctx)
         med = _alternating(fns, args.repeats)
-        row = {"batch": b, "ours_tok_s": round(med["ours"], 2)}
+        step_ms = b / med["ours"] * 1e3
+        mm = matmul_ms(llm, prompt_ids, b)
+        row = {"batch": b, "ours_tok_s": round(med["ours"], 2), "step_ms": round(step_ms, 2),
+               "matmuls_alone_ms": round(mm, 2), "step_over_matmuls": round(step_ms / mm, 3)}
         if llama is not None:
             row.update(llama_cpp_tok_s=round(med["llama_cpp"], 2), ratio_vs_llama_cpp=round(med["ours"] / med["llama_cpp"], 3))
         if hf is not None:
@@ -229,11 +272,13 @@ def _report(result: dict, out: Path) -> None:
     print(f"decode tokens/s, {result['model']} ({result['dtype']}, weights {result['weights']}) on "
           f"{result['machine']}, {result['torch_threads']} threads, prompt {result['prompt_tokens']} tokens, "
           f"{result['new_tokens']} new tokens, median of {result['repeats']}; llama.cpp: {result.get('llama_cpp', '-')}")
-    print(f"{'batch':>5} {'ours':>10} {'llama.cpp':>10} {'ours/llama':>10} {'HF generate':>12} {'ours/HF':>8}")
+    print(f"{'batch':>5} {'ours':>10} {'llama.cpp':>10} {'ours/llama':>10} {'HF generate':>12} {'ours/HF':>8} "
+          f"{'step ms':>8} {'matmuls ms':>10} {'step/mm':>8}")
     for r in result["rows"]:
         print(f"{r['batch']:>5} {r['ours_tok_s']:>10.1f} {r.get('llama_cpp_tok_s', nan):>10.1f} "
               f"{r.get('ratio_vs_llama_cpp', nan):>10.2f} {r.get('hf_tok_s', nan):>12.1f} "
-              f"{r.get('ratio_vs_hf_same_batch', nan):>8.2f}")
+              f"{r.get('ratio_vs_hf_same_batch', nan):>8.2f} {r['step_ms']:>8.2f} {r['matmuls_alone_ms']:>10.2f} "
+              f"{r['step_over_matmuls']:>8.2f}")
     pf = result["prefill"]
     print(f"prompt processing ({pf['prompt_tokens']} tokens): ours {pf['ours_tok_s']:.1f} tok/s, llama.cpp "
           f"{pf.get('llama_cpp_tok_s', nan):.1f} tok/s, ratio {pf.get('ratio_vs_llama_cpp', nan):.2f}")
