@@ -179,3 +179,16 @@ def test_decode_bench_runs_and_notes_a_missing_reference(tmp_path):
     assert [r["batch"] for r in res["rows"]] == [1, 2] and all(r["ours_tok_s"] > 0 for r in res["rows"])
     assert res["prefill"]["prompt_tokens"] == 24 and res["prefill"]["ours_tok_s"] > 0
     assert res["llama_cpp"].startswith("skipped") and res["weights"] == "float32"
+
+
+def test_cpu_rms_norm_is_bit_identical_to_hf_order():
+    """The fp32 CPU norm (one F.rms_norm call) equals HF's op-by-op Gemma 3 RMSNorm bit for bit."""
+    from gemmaserve.models.fused_ops import NormKind, rms_norm
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    for h in (256, 640, 1152):
+        for scale in (1e-2, 1.0, 1e3):
+            x = torch.randn(5, h, generator=gen) * scale
+            w = torch.randn(h, generator=gen) * 0.3
+            hf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w)
+            assert torch.equal(rms_norm(x, w, NormKind(1e-6, 1.0)), hf)
