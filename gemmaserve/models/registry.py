@@ -8,13 +8,14 @@ from types import MappingProxyType
 
 from ..errors import UserInputError
 from .gemma3 import Gemma3ForCausalLM
+from .gemma3_vision import Gemma3ForConditionalGeneration
 from .gemma4 import Gemma4ForCausalLM
 
-# Hugging Face `architectures` entries of config.json. Multimodal classes serve their text tower
-# (image inputs come with the vision issue; the model logs it when built).
+# Hugging Face `architectures` entries of config.json. Gemma 4's multimodal classes serve their text
+# tower only (images: Gemma 3 so far).
 HF_ARCHITECTURES = MappingProxyType({
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
     "Gemma4UnifiedForCausalLM": Gemma4ForCausalLM,
