@@ -3,7 +3,6 @@ checkpoint: preprocessing, logits (images before, between and after text; chunks
 through an image), greedy tokens across cache modes and mixed batches, one encoder call per image,
 and prefix-cache keys that know the image."""
 
-import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,44 +18,10 @@ from gemmaserve.engine.scheduler import Scheduler
 from gemmaserve.errors import UserInputError
 from gemmaserve.models.base import ModelInputs
 
-from helpers import make_manager, write_tokenizer
+from helpers import (BOI, EOI, IMG, VISION_TOKENS_PER_IMAGE as TOKENS_PER_IMAGE, make_manager,
+                     save_vision_checkpoint as _save, tiny_hf_vision)
 
-BOI, EOI, IMG = 297, 298, 299
-TOKENS_PER_IMAGE = 4
 TOL = 1e-4
-TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, sliding_window=6, query_pre_attn_scalar=20,
-            max_position_embeddings=4096, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
-VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=28,
-              patch_size=7, vision_use_head=False)
-
-
-def tiny_hf_vision(seed: int):
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    cfg = Gemma3Config(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=TOKENS_PER_IMAGE,
-                       image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "norm" in name else 0.5 / p.shape[-1] ** 0.5))
-    return model
-
-
-def _save(hf, path):
-    hf.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path, 297)
-    tok = json.loads((path / "tokenizer.json").read_text())
-    for i, text in ((BOI, "<start_of_image>"), (EOI, "<end_of_image>"), (IMG, "<image_soft_token>")):
-        tok["added_tokens"].append(dict(id=i, content=text, single_word=False, lstrip=False, rstrip=False,
-                                        normalized=False, special=True))
-        tok["model"]["vocab"][text] = i
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +249,42 @@ def test_image_inputs_and_errors(setup, tmp_path):
         llm.generate("<start_of_image> <start_of_image>", PARAMS, images=[arr])
     with pytest.raises(UserInputError, match="at most"):
         llm.engine.prepare_images("x", [arr] * 3, ImageLimits(max_images=2))
+
+
+# -- the chat API ------------------------------------------------------------------------------------
+def test_chat_api_takes_data_url_images(setup):
+    import base64
+    import io
+
+    openai = pytest.importorskip("openai")
+    from gemmaserve.engine.llm_engine import LLMEngine
+    from gemmaserve.server.app import ServerConfig
+    from gemmaserve.server.background import BackgroundServer
+
+    _, path, llm = setup
+    image = _images(1, 7)[0]
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    engine = LLMEngine(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20), llm.engine.loaded)
+    content = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": "what"}]
+    with BackgroundServer(engine, ServerConfig(max_images_per_request=2)) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+        got = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": content}],
+                                             max_tokens=6, temperature=0)
+        bad = [("https://example.com/cat.png", "data: URLs"), ("data:image/png;base64,AAAA", "decoded"),
+               ("data:image/png;base64,@@", "base64")]
+        for bad_url, words in bad:
+            with pytest.raises(openai.BadRequestError, match=words):
+                client.chat.completions.create(model=str(path), max_tokens=2, messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": bad_url}}]}])
+        with pytest.raises(openai.BadRequestError, match="at most 2"):
+            client.chat.completions.create(model=str(path), max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}] * 3}])
+        again = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": content}],
+                                               max_tokens=6, temperature=0)
+        srv.server.async_engine.call_blocking(lambda e: e.kv.check_integrity())
+    prompt = "<start_of_turn>user\nlook<start_of_image>what<end_of_turn>\n<start_of_turn>model\n"
+    want = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0), images=[image])[0].outputs[0].text
+    assert got.choices[0].message.content == again.choices[0].message.content == want

@@ -149,20 +149,24 @@ class LLMEngine:
             raise UserInputError("empty prompt")
         return self.tokenizer.encode(prompt)
 
-    def prepare_images(self, prompt: str, images: list, limits: ImageLimits | None = None
-                       ) -> tuple[list[int], list[ImageItem]]:
-        """Prompt ids with each image's tokens in place, and the images (pixels, content keys).
-        `images`: PIL images, uint8 numpy arrays, file paths, encoded bytes or data URLs; the prompt
-        marks where each goes with the model's placeholder (none: the images go first)."""
+    def load_images(self, images: list, limits: ImageLimits | None = None) -> list:
+        """Pixels of each image (PIL images, uint8 numpy arrays, file paths, encoded bytes or data
+        URLs), within `limits` (count, pixels, bytes)."""
         layout = self.image_layout
         if layout is None:
             raise UserInputError(f"model {self.config.model!r} does not take images")
         limits = limits or ImageLimits()
         if len(images) > limits.max_images:
             raise UserInputError(f"{len(images)} images; at most {limits.max_images} per request")
-        pixels = [layout.processor(load_image(im, limits, f"image {i}")) for i, im in enumerate(images)]
-        ids = self.tokenize(expand_prompt(prompt, len(images), layout))
-        return ids, place_images(ids, pixels, layout)
+        return [layout.processor(load_image(im, limits, f"image {i}")) for i, im in enumerate(images)]
+
+    def prepare_images(self, prompt: str, images: list, limits: ImageLimits | None = None
+                       ) -> tuple[list[int], list[ImageItem]]:
+        """Prompt ids with each image's tokens in place, and the images (pixels, content keys). The
+        prompt marks where each image goes with the model's placeholder (none: the images go first)."""
+        pixels = self.load_images(images, limits)
+        ids = self.tokenize(expand_prompt(prompt, len(images), self.image_layout))
+        return ids, place_images(ids, pixels, self.image_layout)
 
     def add_request(self, prompt: str, params: SamplingParams, prompt_ids: list[int] | None = None,
                     request_id: str | None = None, images: list[ImageItem] | None = None) -> str:

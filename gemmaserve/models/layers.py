@@ -201,5 +201,8 @@ class Attention(nn.Module):
         p = self.p
         q, k, v = qkv_norm_rope(self.qkv_proj(x), p, self.q_norm.weight,
                                 self.k_norm.weight if self.k_norm is not None else None, *cos_sin)
-        o = attn(p.layer, q, k, v, scale=p.scale, window=p.window, bidirectional=p.image_bidirectional)
+        if p.image_bidirectional:
+            o = attn(p.layer, q, k, v, scale=p.scale, window=p.window, bidirectional=True)
+        else:   # text layers call every backend the same way as before images existed
+            o = attn(p.layer, q, k, v, scale=p.scale, window=p.window)
         return self.o_proj(o.reshape(x.shape[0], p.q_size))
