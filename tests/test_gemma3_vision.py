@@ -196,6 +196,8 @@ def test_greedy_tokens_equal_across_cache_modes_and_mixed_batches(setup, options
     expected = _run(llm, extra_text=["just text here", "more text"])
     other = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
                                          **{"max_num_batched_tokens": 64, **options}), llm)
+    assert not llm.engine.info.swa_scratch_reuse   # off by default for a multimodal checkpoint
+    assert other.engine.info.swa_scratch_reuse == (options.get("swa_scratch_reuse") == "on")
     for _ in range(2):   # cold, then warm prefix cache
         assert _run(other, extra_text=["just text here", "more text"]) == expected
     other.engine.kv.check_integrity()
@@ -215,6 +217,8 @@ def test_encoder_runs_once_per_image(setup):
         del model.encode_images
     assert sum(calls) == 3, calls      # however many 7-token chunks cover the prompt
     assert small.engine.runner.encoder_cache.encoded == 3
+    _run(small, cases=[("again <start_of_image> and <start_of_image> x <start_of_image> w", 3)])
+    assert sum(calls) == 3, calls      # the same images in a new request: the content-keyed cache serves them
 
 
 def test_prefix_cache_keys_include_the_image(setup):

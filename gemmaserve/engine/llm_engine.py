@@ -95,7 +95,7 @@ class LLMEngine:
                                  "split across prefill chunks)")
         self.runner = ModelRunner(self.model, self.backend, self.kv.layout, self.kv.groups, self.kv.layer_slot, specs,
                                   self.device, cuda_graphs=use_graphs, max_model_len=self.max_model_len,
-                                  max_batch=config.max_num_seqs)
+                                  max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.async_scheduling = (config.async_scheduling == "on"
                                  or (config.async_scheduling == "auto" and self.device.type == "cuda"))
