@@ -13,7 +13,7 @@ from gemmaserve import LLM, SamplingParams
 from gemmaserve.attention.base import AttentionMetadata
 from gemmaserve.attention.torch_backend import TorchAttentionBackend
 from gemmaserve.config.engine import EngineConfig
-from gemmaserve.engine.images import ImageLimits, content_key, load_image
+from gemmaserve.engine.images import ImageLimits, load_image
 from gemmaserve.engine.scheduler import Scheduler
 from gemmaserve.errors import UserInputError
 from gemmaserve.models.base import ModelInputs
@@ -57,7 +57,7 @@ def test_preprocessing_equals_hf_processor(size):
               Image.fromarray(rgba, "RGBA"), Image.fromarray(rng.integers(0, 256, (20, 9), dtype=np.uint8), "L"),
               Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))]
     ref = hf(images, return_tensors="np")["pixel_values"]
-    got = np.stack([ours(im) for im in images])
+    got = np.stack([ours.pixels(im) for im in images])
     assert got.dtype == np.float32 and got.shape == ref.shape
     np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
 
@@ -210,7 +210,7 @@ def test_encoder_runs_once_per_image(setup):
     calls = []
     model = small.engine.model
     original = model.encode_images
-    model.encode_images = lambda px: (calls.append(px.shape[0]), original(px))[1]
+    model.encode_images = lambda px, pos: (calls.append(px.shape[0]), original(px, pos))[1]
     try:
         _run(small, cases=[("x <start_of_image> y <start_of_image> z <start_of_image> w", 3)])
     finally:
@@ -242,7 +242,7 @@ def test_image_inputs_and_errors(setup, tmp_path):
 
     arr = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
     Image.fromarray(arr).save(tmp_path / "a.png")
-    keys = {content_key(llm.engine.prepare_images("x", [im])[1][0].pixels)
+    keys = {llm.engine.prepare_images("x", [im])[1][0].key
             for im in (arr, Image.fromarray(arr), str(tmp_path / "a.png"), (tmp_path / "a.png").read_bytes())}
     assert len(keys) == 1
     with pytest.raises(UserInputError, match="decoded"):

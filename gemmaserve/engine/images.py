@@ -3,7 +3,7 @@ URLs) to pixels, a content key and a place in the prompt.
 
     prompt "Describe <start_of_image>"  + [img]
       -> text with each placeholder expanded (no placeholder: the images go first, one per image)
-      -> token ids; the i-th run of `tokens_per_image` image ids is image i  ->  ImageItem(start, length)
+      -> token ids; the i-th run of image ids (its soft-token count long) is image i  ->  ImageItem(start, length)
 
 The key hashes the preprocessed pixels, so the same picture sent twice (any encoding) shares its
 encoder output and its KV blocks, and two pictures behind the same placeholder ids never do.
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserInputError
-from ..models.multimodal import ImageLayout
+from ..models.multimodal import ImageLayout, ProcessedImage
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ class ImageItem:
     start: int
     length: int
     key: str                  # content hash of the pixels (hex)
-    pixels: np.ndarray        # [3, S, S] float32, what the encoder reads
+    pixels: np.ndarray        # what the encoder reads (see ProcessedImage)
+    positions: np.ndarray | None = None
 
     @property
     def end(self) -> int:
@@ -113,15 +114,19 @@ def load_image(image: object, limits: ImageLimits, what: str = "image"):
     raise UserInputError(f"{what}: expected a PIL image, numpy array, file path or bytes, got {type(image).__name__}")
 
 
-def expand_prompt(prompt: str, num_images: int, layout: ImageLayout) -> str:
+def expand_prompt(prompt: str, images: list[ProcessedImage], layout: ImageLayout) -> str:
     """The prompt with every placeholder expanded; without placeholders the images go first."""
     found = prompt.count(layout.placeholder)
     if found == 0:
-        prompt = layout.placeholder * num_images + prompt
-    elif found != num_images:
+        prompt = layout.placeholder * len(images) + prompt
+    elif found != len(images):
         raise UserInputError(f"the prompt has {found} image placeholders ({layout.placeholder}) for "
-                             f"{num_images} images")
-    return prompt.replace(layout.placeholder, layout.expansion)
+                             f"{len(images)} images")
+    pieces = prompt.split(layout.placeholder)
+    out = [pieces[0]]
+    for image, piece in zip(images, pieces[1:]):
+        out += [layout.expansion(image.num_tokens), piece]
+    return "".join(out)
 
 
 def image_spans(token_ids: list[int], layout: ImageLayout) -> list[tuple[int, int]]:
@@ -139,18 +144,20 @@ def image_spans(token_ids: list[int], layout: ImageLayout) -> list[tuple[int, in
     return spans
 
 
-def place_images(token_ids: list[int], pixels: list[np.ndarray], layout: ImageLayout) -> list[ImageItem]:
-    """ImageItems for the prompt's image spans (one span of `tokens_per_image` per image, in order)."""
+def place_images(token_ids: list[int], images: list[ProcessedImage], layout: ImageLayout) -> list[ImageItem]:
+    """ImageItems for the prompt's image spans (one span of each image's soft tokens, in order)."""
     spans = image_spans(token_ids, layout)
-    if len(spans) != len(pixels) or any(n != layout.tokens_per_image for _, n in spans):
-        raise UserInputError(f"the prompt holds {len(spans)} image spans (of lengths {[n for _, n in spans]}) "
-                             f"for {len(pixels)} images of {layout.tokens_per_image} tokens: image tokens may "
-                             "not appear in the text itself")
-    return [ImageItem(start, n, content_key(p), p) for (start, n), p in zip(spans, pixels)]
+    if [n for _, n in spans] != [im.num_tokens for im in images]:
+        raise UserInputError(f"the prompt holds image spans of lengths {[n for _, n in spans]} for images of "
+                             f"{[im.num_tokens for im in images]} tokens: image tokens may not appear in the text itself")
+    return [ImageItem(start, n, content_key(im), im.pixels, im.positions) for (start, n), im in zip(spans, images)]
 
 
-def content_key(pixels: np.ndarray) -> str:
-    return hashlib.blake2b(np.ascontiguousarray(pixels).tobytes(), digest_size=16).hexdigest()
+def content_key(image: ProcessedImage) -> str:
+    h = hashlib.blake2b(np.ascontiguousarray(image.pixels).tobytes(), digest_size=16)
+    if image.positions is not None:
+        h.update(np.ascontiguousarray(image.positions).tobytes())
+    return h.hexdigest()
 
 
 def hash_token_ids(token_ids: list[int], images: list[ImageItem]) -> list[int]:

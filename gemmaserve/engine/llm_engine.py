@@ -25,6 +25,7 @@ from ..config.resolve import resolve_cache_options
 from ..errors import UserInputError
 from ..kv import create_kv_manager
 from ..models.loader import LoadedModel, load_model
+from ..models.multimodal import ProcessedImage
 from .detokenizer import IncrementalDetokenizer
 from .images import ImageItem, ImageLimits, expand_prompt, load_image, place_images
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
@@ -89,10 +90,10 @@ class LLMEngine:
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                       and self.backend.capabilities.cuda_graphs)
         self.image_layout = getattr(self.model, "image_layout", None)
-        if self.image_layout is not None and config.max_num_batched_tokens < self.image_layout.tokens_per_image:
+        if self.image_layout is not None and config.max_num_batched_tokens < self.image_layout.max_tokens_per_image:
             raise UserInputError(f"max_num_batched_tokens {config.max_num_batched_tokens} is below the "
-                                 f"{self.image_layout.tokens_per_image} tokens of one image (an image is never "
-                                 "split across prefill chunks)")
+                                 f"{self.image_layout.max_tokens_per_image} tokens an image can take (an image is "
+                                 "never split across prefill chunks)")
         self.runner = ModelRunner(self.model, self.backend, self.kv.layout, self.kv.groups, self.kv.layer_slot, specs,
                                   self.device, cuda_graphs=use_graphs, max_model_len=self.max_model_len,
                                   max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory)
@@ -149,7 +150,7 @@ class LLMEngine:
             raise UserInputError("empty prompt")
         return self.tokenizer.encode(prompt)
 
-    def load_images(self, images: list, limits: ImageLimits | None = None) -> list:
+    def load_images(self, images: list, limits: ImageLimits | None = None) -> list[ProcessedImage]:
         """Pixels of each image (PIL images, uint8 numpy arrays, file paths, encoded bytes or data
         URLs), within `limits` (count, pixels, bytes)."""
         layout = self.image_layout
@@ -165,7 +166,7 @@ class LLMEngine:
         """Prompt ids with each image's tokens in place, and the images (pixels, content keys). The
         prompt marks where each image goes with the model's placeholder (none: the images go first)."""
         pixels = self.load_images(images, limits)
-        ids = self.tokenize(expand_prompt(prompt, len(images), self.image_layout))
+        ids = self.tokenize(expand_prompt(prompt, pixels, self.image_layout))
         return ids, place_images(ids, pixels, self.image_layout)
 
     def add_request(self, prompt: str, params: SamplingParams, prompt_ids: list[int] | None = None,
@@ -229,7 +230,7 @@ class LLMEngine:
         fitting = self.kv.max_chunk(peak, chunk)
         if fitting == chunk:
             return None
-        if images and fitting < self.image_layout.tokens_per_image:
+        if images and fitting < max(im.length for im in images):
             fitting = 0   # an image is never split across chunks: it must fit one
         if fitting:
             log.info("a request of %d tokens fits the KV cache only in prefill chunks of %d tokens", peak, fitting)

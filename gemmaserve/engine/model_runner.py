@@ -133,7 +133,10 @@ class ModelRunner:
         todo = {im.key: im for b, i, im in covered if found[(b, i)] is None}
         if todo:   # one encoder call for every new image of the step (a repeated image once)
             pixels = torch.from_numpy(np.stack([im.pixels for im in todo.values()])).to(self.device)
-            fresh = dict(zip(todo, self.model.encode_images(pixels)))
+            positions = None
+            if any(im.positions is not None for im in todo.values()):
+                positions = torch.from_numpy(np.stack([im.positions for im in todo.values()])).to(self.device)
+            fresh = dict(zip(todo, self.model.encode_images(pixels, positions)))
             cache.encoded += len(todo)
             for (b, i), tokens in found.items():
                 if tokens is None:

@@ -115,11 +115,11 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     @property
     def image_layout(self) -> ImageLayout:
         n = self.mm_config.mm_tokens_per_image
-        return ImageLayout(placeholder=BOI, expansion=f"\n\n{BOI}{IMAGE * n}{EOI}\n\n",
-                           image_token_id=self.mm_config.image_token_id, tokens_per_image=n,
-                           processor=ImageProcessor(self.mm_config.vision.image_size))
+        return ImageLayout(placeholder=BOI, before=f"\n\n{BOI}", token=IMAGE, after=f"{EOI}\n\n",
+                           image_token_id=self.mm_config.image_token_id, max_tokens_per_image=n,
+                           processor=ImageProcessor(self.mm_config.vision.image_size, n))
 
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, pixels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """[N, 3, S, S] -> soft tokens [N, tokens_per_image, H] in the model's dtype."""
         return self.multi_modal_projector(self.vision_tower(pixels))
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .multimodal import ProcessedImage
+
 
 def to_rgb(image):
     """A PIL image in RGB mode; transparency is composited onto white, as transformers does."""
@@ -28,10 +30,14 @@ def to_rgb(image):
 @dataclass(frozen=True)
 class ImageProcessor:
     size: int                                  # square output side
+    num_tokens: int = 0                        # soft tokens of every image (the model's pooling)
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
 
-    def __call__(self, image) -> np.ndarray:
+    def __call__(self, image) -> ProcessedImage:
+        return ProcessedImage(self.pixels(image), self.num_tokens)
+
+    def pixels(self, image) -> np.ndarray:
         """A PIL image -> [3, size, size] float32."""
         from PIL import Image
 

@@ -290,7 +290,7 @@ class OpenAIServer:
             messages, urls = parse_chat(req.messages, layout.placeholder if layout is not None else None)
             if urls:
                 images = await asyncio.to_thread(self._chat_images, urls)
-            expand = (lambda text: expand_prompt(text, len(urls), layout)) if urls else None
+            expand = (lambda text: expand_prompt(text, images, layout)) if urls else None
             ids = await asyncio.to_thread(self.chat.encode, messages, expand)
             items = place_images(ids, images, layout) if urls else []
         except UserInputError as exc:
