@@ -166,7 +166,8 @@ def _hf_greedy(hf, llm, prompt, images, n=6):
     ids_t = torch.tensor([ids])
     with torch.no_grad():
         out = hf.generate(input_ids=ids_t, pixel_values=pixels, token_type_ids=(ids_t == IMG).long(),
-                          attention_mask=torch.ones_like(ids_t), max_new_tokens=n, do_sample=False)
+                          attention_mask=torch.ones_like(ids_t), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                          eos_token_id=[])
     return out[0, len(ids):].tolist()
 
 

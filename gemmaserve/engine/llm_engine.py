@@ -90,6 +90,8 @@ class LLMEngine:
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                       and self.backend.capabilities.cuda_graphs)
         self.image_layout = getattr(self.model, "image_layout", None)
+        if self.image_layout is not None:
+            self.image_layout = self.image_layout.with_texts(self.tokenizer.special_text)
         if self.image_layout is not None and config.max_num_batched_tokens < self.image_layout.max_tokens_per_image:
             raise UserInputError(f"max_num_batched_tokens {config.max_num_batched_tokens} is below the "
                                  f"{self.image_layout.max_tokens_per_image} tokens an image can take (an image is "

@@ -10,7 +10,7 @@ are prepared, and which layers see an image's tokens bidirectionally.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -26,6 +26,9 @@ class ProcessedImage:
 
 @dataclass(frozen=True)
 class ImageLayout:
+    """Texts left empty ("") are the tokenizer's texts of the ids (`with_texts`): Gemma 4's
+    `<|image|>` placeholder is its soft token itself, between its begin/end-of-image tokens."""
+
     placeholder: str           # what marks an image in a prompt
     before: str                # text before the image's soft tokens (e.g. "\n\n<start_of_image>")
     token: str                 # the soft-token text, repeated once per soft token
@@ -33,6 +36,15 @@ class ImageLayout:
     image_token_id: int        # the soft-token id of every image row
     max_tokens_per_image: int  # the most soft tokens one image can take (an image is never split across chunks)
     processor: Callable[[object], ProcessedImage]   # a PIL image -> what the encoder reads
+    boi_token_id: int | None = None
+    eoi_token_id: int | None = None
 
     def expansion(self, num_tokens: int) -> str:
         return self.before + self.token * num_tokens + self.after
+
+    def with_texts(self, token_text: Callable[[int], str]) -> "ImageLayout":
+        """Empty texts filled from the tokenizer (`token_text`: id -> its text)."""
+        token = self.token or token_text(self.image_token_id)
+        return replace(self, token=token, placeholder=self.placeholder or token,
+                       before=self.before or (token_text(self.boi_token_id) if self.boi_token_id is not None else ""),
+                       after=self.after or (token_text(self.eoi_token_id) if self.eoi_token_id is not None else ""))
