@@ -3,6 +3,7 @@ checkpoint: preprocessing, logits (images before, between and after text; chunks
 through an image), greedy tokens across cache modes and mixed batches, one encoder call per image,
 and prefix-cache keys that know the image."""
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -293,3 +294,18 @@ def test_chat_api_takes_data_url_images(setup):
     prompt = "<start_of_turn>user\nlook<start_of_image>what<end_of_turn>\n<start_of_turn>model\n"
     want = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0), images=[image])[0].outputs[0].text
     assert got.choices[0].message.content == again.choices[0].message.content == want
+
+
+def test_cli_image_flag(setup, tmp_path, capsys):
+    from gemmaserve.cli import main
+
+    _, path, llm = setup
+    image = _images(1, 11)[0]
+    image.save(tmp_path / "pic.png")
+    argv = ["generate", "--model", str(path), "--page-size", "4", "--kv-cache-memory", "8MiB", "--json",
+            "--max-tokens", "4", "--ignore-eos", "--image", str(tmp_path / "pic.png"), "what is <start_of_image>"]
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = llm.generate("what is <start_of_image>", SamplingParams(max_tokens=4, ignore_eos=True), images=[image])[0]
+    assert got["token_ids"] == want.outputs[0].token_ids
+    assert main(argv[:-3] + ["--image", str(tmp_path / "missing.png"), "x"]) == 2
