@@ -93,7 +93,11 @@ class Scheduler:
         # Decodes go first but may not take the whole budget while prompts wait: a quarter stays
         # for prefill, so many decodes cannot starve a prompt (and round robin keeps every decode moving).
         reserve = max(1, self.max_num_batched_tokens // 4) if (prefills or self.waiting) else 0
-        decode_budget = max(1, self.max_num_batched_tokens - reserve)
+        # A prefill whose next chunk starts with an image needs the whole image in one step: decodes
+        # leave room for it (all of the budget if need be, for that step).
+        image = max((im.length for r in prefills for im in r.images if im.start == r.num_computed_tokens), default=0)
+        reserve = min(self.max_num_batched_tokens, max(reserve, image))
+        decode_budget = max(0 if image else 1, self.max_num_batched_tokens - reserve)
         used = 0
         for i, req in enumerate(decodes + prefills):
             if req.status is not RequestStatus.RUNNING:   # preempted earlier in this loop
