@@ -192,6 +192,7 @@ def test_greedy_equals_transformers_generate(setup):
 @pytest.mark.parametrize("options", [
     dict(kv_cache_manager="v1"), dict(max_num_batched_tokens=9), dict(max_num_batched_tokens=13, max_num_seqs=2),
     dict(max_num_batched_tokens=TOKENS_PER_IMAGE),   # decodes must leave a whole step to an image
+    dict(attention_backend="triton", max_num_batched_tokens=9),   # Triton interpreted on the CPU
     dict(enable_prefix_caching=False), dict(kv_cache_manager="v2", swa_scratch_reuse="on", max_num_batched_tokens=9),
 ])
 def test_greedy_tokens_equal_across_cache_modes_and_mixed_batches(setup, options):
