@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import subprocess
 import sys
 from pathlib import Path

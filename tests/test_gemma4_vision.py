@@ -12,7 +12,6 @@ from gemmaserve import LLM, SamplingParams
 from gemmaserve.attention.base import AttentionMetadata
 from gemmaserve.attention.torch_backend import TorchAttentionBackend
 from gemmaserve.config.engine import EngineConfig
-from gemmaserve.engine.images import ImageItem, image_spans
 from gemmaserve.engine.scheduler import Scheduler
 from gemmaserve.models.base import ModelInputs
 

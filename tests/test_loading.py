@@ -1,6 +1,5 @@
 """Loading: HF checkpoint directories (text-only and multimodal naming), GGUF, the embedded alias."""
 
-import json
 
 import pytest
 import torch

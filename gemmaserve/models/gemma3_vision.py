@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import UserInputError
 from .base import ModelPreferences
-from .fused_ops import NormKind, rms_norm
+from .fused_ops import rms_norm
 from .gemma3 import Gemma3Config, Gemma3ForCausalLM
 from .image_processing import ImageProcessor
 from .layers import RMSNorm
@@ -66,8 +66,9 @@ class Gemma3VisionConfig:
         if "vision_config" not in cfg:
             raise UserInputError("a Gemma3ForConditionalGeneration config needs a vision_config")
         vision = cfg["vision_config"] or {}
-        if vision.get("vision_use_head") is True and vision.get("model_type", "siglip_vision_model") != "siglip_vision_model":
-            raise UserInputError("unsupported vision tower")
+        if vision.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+            raise UserInputError(f"unsupported Gemma 3 vision tower {vision.get('model_type')!r} (expected SigLIP)")
+
         def pick(*names: str, default: int) -> int:
             for n in names:
                 if cfg.get(n) is not None:
