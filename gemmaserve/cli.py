@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="complete prompts and print the results")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image file for multimodal models (repeatable); every prompt gets all of them, "
+                          "at its <start_of_image> placeholders or before its text")
     add_options(gen, EngineConfig, "engine")
     add_options(gen, SamplingParams, "sampling")
     gen.set_defaults(handler=_generate)
@@ -75,14 +78,15 @@ def _generate(args: argparse.Namespace) -> int:
     engine_config = from_namespace(EngineConfig, args)
     params = from_namespace(SamplingParams, args)
     llm = LLM.from_config(engine_config)
+    images = [list(args.image) for _ in args.prompts] if args.image else None
     if len(args.prompts) == 1 and params.n == 1 and not args.json:
         # One prompt: stream the continuation to the terminal as it is generated.
         print(args.prompts[0], end="", flush=True)
-        for delta in llm.stream(args.prompts, params):
+        for delta in llm.stream(args.prompts, params, images=images):
             print(delta.outputs[0].delta_text, end="", flush=True)
         print(flush=True)
     else:
-        outputs = llm.generate(args.prompts, params)  # a progress bar on a terminal
+        outputs = llm.generate(args.prompts, params, images=images)  # a progress bar on a terminal
         for i, out in enumerate(outputs):
             if args.json:
                 print(json.dumps(out.to_dict(), ensure_ascii=False), flush=True)

@@ -163,6 +163,104 @@ def save_checkpoint(hf_model, path: Path) -> Path:
     return path
 
 
+# Tiny Gemma3ForConditionalGeneration: image specials at the top of a 300-token vocabulary, 28 px
+# images of 7 px patches (a 4x4 grid) pooled to 4 tokens.
+BOI, EOI, IMG = 297, 298, 299
+VISION_TOKENS_PER_IMAGE = 4
+VISION_TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, sliding_window=6, query_pre_attn_scalar=20,
+                   max_position_embeddings=4096, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+VISION_TOWER = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                    patch_size=7, vision_use_head=False)
+
+
+def tiny_hf_vision(seed: int):
+    """A transformers Gemma3ForConditionalGeneration with every weight random."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    cfg = Gemma3Config(text_config=VISION_TEXT, vision_config=VISION_TOWER, mm_tokens_per_image=VISION_TOKENS_PER_IMAGE,
+                       image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "norm" in name else 0.5 / p.shape[-1] ** 0.5))
+    return model
+
+
+def save_vision_checkpoint(hf_model, path: Path) -> Path:
+    """save_pretrained plus a tokenizer that knows the image specials (at the config's ids)."""
+    hf_model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path, BOI)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    for i, text in ((BOI, "<start_of_image>"), (EOI, "<end_of_image>"), (IMG, "<image_soft_token>")):
+        tok["added_tokens"].append(dict(id=i, content=text, single_word=False, lstrip=False, rstrip=False,
+                                        normalized=False, special=True))
+        tok["model"]["vocab"][text] = i
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    return path
+
+
+GEMMA4_SOFT_TOKENS = 70   # per image (the smallest budget): short prompts
+GEMMA4_VISION_TOWER = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=128,
+                           pooling_kernel_size=3)
+# (text overrides, vision overrides) per variant: 31B-like bidirectional images and standardised
+# features; E2B-like PLE, KV sharing, causal images and clipped encoder linears.
+GEMMA4_VISION_VARIANTS = {"31b": (dict(use_bidirectional_attention="vision"), dict(standardize=True)),
+                          "e2b": (dict(), dict(use_clipped_linears=True))}
+
+
+def tiny_hf_gemma4_vision(seed: int, variant: str):
+    """A transformers Gemma4ForConditionalGeneration (ViT encoder) with every weight random; clip
+    bounds and standardisation buffers set so that they matter."""
+    import transformers
+
+    text, vision = GEMMA4_VISION_VARIANTS[variant]
+    cfg = transformers.Gemma4Config(text_config={**GEMMA4_BASE, **GEMMA4_VARIANTS[variant], **text},
+                                    vision_config={**GEMMA4_VISION_TOWER, **vision}, audio_config=None,
+                                    image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI)
+    cfg.vision_soft_tokens_per_image = GEMMA4_SOFT_TOKENS
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Gemma4ForConditionalGeneration(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("scale"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
+            elif name.endswith("std_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen))
+            elif name.endswith("std_scale"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
+            elif name.endswith(("input_min", "output_min")):
+                b.fill_(-1.5)
+            elif name.endswith(("input_max", "output_max")):
+                b.fill_(1.5)
+    return model
+
+
+def save_gemma4_vision_checkpoint(hf, path: Path) -> Path:
+    """save_pretrained plus a tokenizer with Gemma 4's image specials (at the config's ids)."""
+    hf.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path, BOI)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    for i, text in ((BOI, "<|image>"), (EOI, "<image|>"), (IMG, "<|image|>")):
+        tok["added_tokens"].append(dict(id=i, content=text, single_word=False, lstrip=False, rstrip=False,
+                                        normalized=False, special=True))
+        tok["model"]["vocab"][text] = i
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    return path
+
+
 def make_manager(kind: str, specs, page_size: int, num_pages: int, **kw):
     if kind == "v1":
         return KVCacheManagerV1(specs, page_size, num_pages)

@@ -1,6 +1,5 @@
 """Loading: HF checkpoint directories (text-only and multimodal naming), GGUF, the embedded alias."""
 
-import json
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ import torch
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 
-from helpers import fresh_seed, save_checkpoint, tiny_hf_model
+from helpers import fresh_seed, save_checkpoint, save_vision_checkpoint, tiny_hf_model, tiny_hf_vision
 
 
 def _hf_greedy(hf, ids, n):
@@ -28,25 +27,19 @@ def test_checkpoint_dir_generates_like_transformers(tmp_path):
     assert out.outputs[0].token_ids == _hf_greedy(hf, out.prompt_token_ids, 20)
 
 
-def test_multimodal_checkpoint_names_load_the_text_tower(tmp_path):
-    """Gemma3ForConditionalGeneration: nested text_config, `model.language_model.` prefixes and vision
-    weights that the text engine skips."""
+def test_multimodal_checkpoint_names_load_both_towers(tmp_path):
+    """Gemma3ForConditionalGeneration: nested text_config, `model.language_model.` / `model.vision_tower.`
+    prefixes (the vision tower and projector load too); text-only prompts generate as transformers'."""
     from safetensors.torch import save_file
 
-    hf = tiny_hf_model(fresh_seed())
-    path = save_checkpoint(hf, tmp_path / "mm")
+    hf = tiny_hf_vision(fresh_seed())
+    path = save_vision_checkpoint(hf, tmp_path / "mm")
     for f in path.glob("*.safetensors"):
         f.unlink()
-    tensors = {k.replace("model.", "model.language_model.", 1): v.contiguous()
-               for k, v in hf.state_dict().items() if k.startswith("model.")}
-    tensors["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(2, 2)
-    tensors["model.multi_modal_projector.mm_input_projection_weight"] = torch.zeros(2, 2)
-    save_file(tensors, str(path / "model.safetensors"))
-    text_cfg = hf.config.to_dict()
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-        "text_config": text_cfg, "vision_config": {"hidden_size": 2}}))
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"},
+              str(path / "model.safetensors"))
     llm = LLM(model=str(path))
+    assert llm.engine.image_layout is not None
     out = llm.generate(["some text"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == _hf_greedy(hf, out.prompt_token_ids, 8)
 

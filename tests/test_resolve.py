@@ -101,8 +101,6 @@ def test_scratch_guard_groups_layers_at_the_real_page_size():
 
 
 def test_engine_reports_resolution(tmp_path):
-    import json
-
     from gemmaserve import LLM
     from helpers import fresh_seed, save_checkpoint, tiny_hf_model
 
@@ -110,13 +108,9 @@ def test_engine_reports_resolution(tmp_path):
     info = LLM(model=str(path)).engine.info
     assert (info.kv_manager, info.swa_scratch_reuse, info.prefix_caching) == ("v2", True, True)
     # A multimodal checkpoint keeps scratch off by default (an image must not be split across chunks).
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
-                                                  "text_config": cfg, "vision_config": {}}))
-    from safetensors.torch import load_file, save_file
+    from helpers import save_vision_checkpoint, tiny_hf_vision
 
-    f = next(path.glob("*.safetensors"))
-    save_file({k.replace("model.", "model.language_model.", 1): v for k, v in load_file(str(f)).items()}, str(f))
+    path = save_vision_checkpoint(tiny_hf_vision(fresh_seed()), tmp_path / "mm")
     info = LLM(model=str(path)).engine.info
     assert (info.kv_manager, info.swa_scratch_reuse) == ("v2", False)
     assert LLM(model=str(path), swa_scratch_reuse="on").engine.info.swa_scratch_reuse is True

@@ -34,12 +34,31 @@ class AttentionMetadata:
     at positions [seq_lens[b] - query_lens[b], seq_lens[b]). Layer l reads and writes the pages of
     column `layer_slot[l][1]` of group `layer_slot[l][0]`: the page of position p of sequence b is
     `slot_pages[block_rows[b, p // T - first_block[b]], column]`, at offset p % T (see GroupTables).
+
+    `image_spans[b]`: positions [start, end) of each image whose tokens see each other (layers that
+    ask for it: `bidirectional=True`). The scheduler never ends a chunk inside a span, so a span's
+    later keys are always in the cache or in the chunk when its earlier tokens query them.
     """
 
     query_lens: list[int]
     seq_lens: list[int]
     groups: list[GroupTables]
     layer_slot: tuple[tuple[int, int], ...]
+    image_spans: list[list[tuple[int, int]]] | None = None
+
+    def query_ends(self) -> list[int] | None:
+        """Per new token (rows of q): the position its keys end before (exclusive): q + 1 (causal),
+        or its image's end. None when the batch has no image spans."""
+        if not self.image_spans or not any(self.image_spans):
+            return None
+        ends: list[int] = []
+        for n, seq_len, spans in zip(self.query_lens, self.seq_lens, self.image_spans):
+            row = list(range(seq_len - n + 1, seq_len + 1))
+            for start, end in spans:
+                for p in range(max(start, seq_len - n), min(end, seq_len)):
+                    row[p - (seq_len - n)] = end
+            ends.extend(row)
+        return ends
 
     @property
     def num_seqs(self) -> int:
@@ -53,7 +72,7 @@ class AttentionMetadata:
         """The same KV, queried only by the last new token of each of `seqs` (a decode-shaped batch):
         what layers that write no KV need once only the sampled rows matter."""
         groups = [g.select(seqs) for g in self.groups]
-        return AttentionMetadata([1] * len(seqs), [self.seq_lens[b] for b in seqs], groups, self.layer_slot)
+        return AttentionMetadata([1] * len(seqs), [self.seq_lens[b] for b in seqs], groups, self.layer_slot)   # a last token never sees a later one
 
 
 class BatchAttention(ABC):
@@ -61,10 +80,11 @@ class BatchAttention(ABC):
 
     @abstractmethod
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
-                 scale: float, window: int | None, softcap: float | None = None) -> torch.Tensor:
+                 scale: float, window: int | None, softcap: float | None = None,
+                 bidirectional: bool = False) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. Key k is visible to query q iff
-        k <= q and (window is None or k > q - window). A layer that reads another layer's KV passes
-        no k/v (None): it writes nothing."""
+        (k <= q, or `bidirectional` and both are tokens of one image span) and (window is None or
+        k > q - window). A layer that reads another layer's KV passes no k/v (None): it writes nothing."""
 
     def last_tokens(self, seqs: list[int]) -> "BatchAttention":
         """Attention over the same KV for the last new token of each sequence in `seqs` only (see

@@ -7,7 +7,8 @@ column (one gather of `slot_pages`), so every layer of a group reuses the same p
 * new tokens are written at (page, offset) of their layer (a scratch page is shared by all layers
   of a group: each layer overwrites it before reading it);
 * decode rows (one new token each) are batched: keys padded to the longest row, padding masked;
-* rows with several new tokens (prefill chunks) run one by one with a causal/window mask.
+* rows with several new tokens (prefill chunks) run one by one with a causal/window mask (where a
+  layer asks, tokens of one image also see the image's later tokens: `AttentionMetadata.image_spans`).
 
 Only keys a query can see are gathered: a sliding layer reads the last `window` positions.
 An fp8 cache (kv_quant.py) is quantised as it is written and dequantised to q's dtype as it is gathered.
@@ -42,10 +43,12 @@ class _Plan:
     prefill: list[tuple[int, int, _Where, torch.Tensor]] = field(default_factory=list)  # start, end, keys, mask
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[n, K] mask: key k is visible to query q iff k <= q and k > q - window."""
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
+            q_end: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, K] mask: key k is visible to query q iff k < q_end (default q + 1: causal; an image
+    token's is its image's end) and k > q - window."""
     diff = q_pos[:, None] - k_pos[None, :]
-    mask = diff >= 0
+    mask = diff >= 0 if q_end is None else k_pos[None, :] < q_end[:, None]
     if window is not None:
         mask &= diff < window
     return mask
@@ -58,12 +61,14 @@ class TorchBatchAttention(BatchAttention):
         self.kv_cache = kv_cache
         self.specs = specs
         self.device = kv_cache[0][0].device if kv_cache else torch.device("cpu")
-        self._plans: dict[tuple[int, int | None], _Plan] = {}
+        self._plans: dict[tuple[int, int | None, bool], _Plan] = {}
         self._writes: dict[int, _Where] = {}
         starts = [0]
         for n in md.query_lens:
             starts.append(starts[-1] + n)
         self._starts = starts
+        ends = md.query_ends()
+        self._query_ends = None if ends is None else torch.tensor(ends)
 
     def _where(self, tables: GroupTables, seq: int, pos: torch.Tensor) -> _Where:
         t = tables.group.tokens_per_page
@@ -84,8 +89,9 @@ class TorchBatchAttention(BatchAttention):
             self._writes[group] = w
         return w
 
-    def _plan(self, group: int, window: int | None) -> _Plan:
-        plan = self._plans.get((group, window))
+    def _plan(self, group: int, window: int | None, bidirectional: bool) -> _Plan:
+        bidirectional = bidirectional and self._query_ends is not None
+        plan = self._plans.get((group, window, bidirectional))
         if plan is not None:
             return plan
         plan = _Plan()
@@ -99,7 +105,8 @@ class TorchBatchAttention(BatchAttention):
                 decode_rows.append(self._starts[b])
                 decode_pos.append(k_pos)
                 continue
-            mask = visible(torch.arange(first_q, seq_len), k_pos, window)
+            q_end = self._query_ends[self._starts[b]:self._starts[b] + n] if bidirectional else None
+            mask = visible(torch.arange(first_q, seq_len), k_pos, window, q_end)
             plan.prefill.append((self._starts[b], self._starts[b] + n,
                                  self._to_device(self._where(tables, b, k_pos)), mask.to(self.device)))
         if decode_rows:
@@ -115,13 +122,13 @@ class TorchBatchAttention(BatchAttention):
             if min(lens) != width:
                 mask = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
                 plan.decode_mask = mask[:, None, None, :].to(self.device)
-        self._plans[(group, window)] = plan
+        self._plans[(group, window, bidirectional)] = plan
         return plan
 
     def last_tokens(self, seqs):
         return TorchBatchAttention(self.md.last_tokens(seqs), self.kv_cache, self.specs)
 
-    def __call__(self, layer, q, k, v, *, scale, window, softcap=None):
+    def __call__(self, layer, q, k, v, *, scale, window, softcap=None, bidirectional=False):
         if softcap is not None:
             raise NotImplementedError("attention soft-capping is not used by Gemma 3/4 text models")
         group, col = self.md.layer_slot[layer]
@@ -137,7 +144,7 @@ class TorchBatchAttention(BatchAttention):
             x = cache[keys.pages[col], keys.offsets]
             return dequantize(x, kv_scale, q.dtype) if fp8 else x.to(q.dtype)   # no-op for "auto"
 
-        plan = self._plan(group, window)
+        plan = self._plan(group, window, bidirectional)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k_cache.shape[2]
         if plan.decode_rows is not None:

@@ -56,6 +56,7 @@ class DeviceBatch:
     max_keys: list[int]                          # per group: most keys a sequence keeps (group window applied)
     query_start: torch.Tensor | None = None     # prefill only
     query_lens: torch.Tensor | None = None
+    query_ends: torch.Tensor | None = None      # [T] keys end (exclusive) per new token: images (prefill only)
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -82,6 +83,9 @@ def build_device_batch(md: AttentionMetadata, device: torch.device) -> DeviceBat
         starts = np.cumsum(qlens) - qlens
         batch.query_start = to_device(starts, torch.int32, device)
         batch.query_lens = to_device(qlens, torch.int32, device)
+        ends = md.query_ends()
+        if ends is not None:
+            batch.query_ends = to_device(ends, torch.int32, device)
     return batch
 
 
@@ -169,7 +173,7 @@ class TritonBatchAttention(BatchAttention):
             self.batch.tiles[bm] = (to_device(seqs, torch.int32, dev), to_device(starts, torch.int32, dev))
         return self.batch.tiles[bm]
 
-    def __call__(self, layer, q, k, v, *, scale, window, softcap=None):
+    def __call__(self, layer, q, k, v, *, scale, window, softcap=None, bidirectional=False):
         if softcap is not None:
             raise NotImplementedError("attention soft-capping is not used by Gemma 3/4 text models")
         group, col = self.layer_slot[layer]
@@ -189,7 +193,8 @@ class TritonBatchAttention(BatchAttention):
         tile_seq, tile_q = self._tiles_for(q.shape[-1])
         return self.K.prefill_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, self.batch.query_start,
                                         self.batch.query_lens, self.batch.seq_lens, tile_seq, tile_q, scale, window,
-                                        k_scale=k_scale, v_scale=v_scale)
+                                        k_scale=k_scale, v_scale=v_scale,
+                                        query_ends=self.batch.query_ends if bidirectional else None)
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -16,7 +16,9 @@ Cache tiles are converted to q's dtype as they load (a no-op when the cache has 
 fp8 cache holds fp8(x / scale) (see kv_quant.py): `store_kv` scales, saturates and casts; attention
 folds k_scale into the softmax scale and multiplies the output by v_scale, so the same kernels serve
 every cache dtype and only the store kernel has an fp8 branch (a constexpr).
-Visibility: key k is visible to query q iff k <= q and (no window, or k > q - window).
+Visibility: key k is visible to query q iff k <= q and (no window, or k > q - window). The prefill
+kernel optionally takes a per-row end instead of q + 1 (`query_ends`: tokens of one image see the
+image's later tokens, which must be in the same chunk or already cached).
 """
 
 from __future__ import annotations
@@ -234,11 +236,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 @triton.jit(**_PER_STEP_INDEX_ARGS)
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, pages_ptr, first_ptr, tile_seq_ptr, tile_q_ptr,
-                    qstart_ptr, qlen_ptr, lens_ptr,
+                    qstart_ptr, qlen_ptr, lens_ptr, qend_ptr,
                     s_qt, s_qh, s_kp, s_ko, s_kh, s_vp, s_vo, s_vh, s_pb, s_ot, s_oh,
                     qk_scale, v_scale, WINDOW: tl.constexpr, T: tl.constexpr, G: tl.constexpr,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, HAS_QEND: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // G
@@ -260,6 +262,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, pages_ptr, first_ptr, tile_s
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     last_q = ctx + tl.minimum(q_off + BLOCK_M, q_len) - 1
+    if HAS_QEND:   # keys end (exclusive) per row: q + 1, or the end of the row's image
+        q_end = tl.load(qend_ptr + q_row0 + q_off + i, mask=qm, other=0)
+        last_q = tl.maximum(last_q, tl.max(q_end, 0) - 1)
+    else:
+        q_end = q_pos + 1
     k_lo = 0
     if WINDOW > 0:
         k_lo = tl.maximum(ctx + q_off - WINDOW + 1, 0)
@@ -272,7 +279,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, pages_ptr, first_ptr, tile_s
         page = tl.load(pages_ptr + b * s_pb + (pos // T - first_block), mask=pm, other=0).to(tl.int64)
         off = (pos % T).to(tl.int64)
         diff = q_pos[:, None] - pos[None, :]
-        vis = (diff >= 0) & pm[None, :]
+        vis = (pos[None, :] < q_end[:, None]) & pm[None, :]
         if WINDOW > 0:
             vis = vis & (diff < WINDOW)
         m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, page, off, kvh, d, pm[:, None] & dm[None, :], vis,
@@ -300,9 +307,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       first_block: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
                       seq_lens: torch.Tensor, tile_seq: torch.Tensor, tile_q: torch.Tensor, scale: float,
                       window: int | None, out: torch.Tensor | None = None, k_scale: float = 1.0,
-                      v_scale: float = 1.0) -> torch.Tensor:
+                      v_scale: float = 1.0, query_ends: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D] rows of all sequences' new tokens (sequence b at rows query_start[b]...);
-    tiles from `prefill_tiles(query_lens, prefill_block_m(D))`. k/v_scale: the cache's dequantisation."""
+    tiles from `prefill_tiles(query_lens, prefill_block_m(D))`. k/v_scale: the cache's dequantisation.
+    query_ends: [T] int32, the position each row's keys end before (default: causal, q + 1)."""
     ntok, hq, d = q.shape
     hkv, t = k_cache.shape[2], k_cache.shape[1]
     if out is None:
@@ -312,9 +320,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_n = min(_block_n(d, q.dtype), 32 if block_d >= 256 else 64)
     _prefill_kernel[(tile_seq.shape[0], hq)](
         q, k_cache, v_cache, out, pages, first_block, tile_seq, tile_q, query_start, query_lens, seq_lens,
+        query_ends if query_ends is not None else seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), pages.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E * k_scale, v_scale, WINDOW=window or 0, T=t, G=hq // hkv, D=d, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=_precision(q.dtype), num_warps=_warps(d), num_stages=2)
+        PRECISION=_precision(q.dtype), HAS_QEND=query_ends is not None, num_warps=_warps(d), num_stages=2)
     return out

@@ -70,6 +70,9 @@ class EngineConfig:
     enforce_eager: bool = option(False, help="never use CUDA graphs (decode steps are captured by default on CUDA)")
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
                                     help="attention implementation; auto = triton on CUDA, torch on the CPU")
+    encoder_cache_memory: int = option(256 << 20, parse=size,
+                                       help="image encoder outputs kept across requests, by image content (0: none; "
+                                            "a request always keeps its own until it finishes)")
     # Benchmark only, no flag: pin V2's pool split at this sliding share (emulates per-life-cycle pools).
     kv_pool_split: float | None = None
 

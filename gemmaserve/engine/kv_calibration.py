@@ -74,7 +74,8 @@ class _AmaxAttention(BatchAttention):
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.amax: dict[int, tuple[float, float]] = {}
 
-    def __call__(self, layer, q, k, v, *, scale, window, softcap=None):
+    def __call__(self, layer, q, k, v, *, scale, window, softcap=None, bidirectional=False):
+        # Calibration text has no images: `bidirectional` changes nothing here.
         if k is None:
             k, v = self.kv[self.specs[layer].kv_source]
         else:

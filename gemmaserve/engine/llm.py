@@ -5,6 +5,8 @@
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
     print(out[0].outputs[0].text)
 
+    llm.generate("<start_of_image> What is in this picture?", images=["cat.png"])   # multimodal models
+
     for delta in llm.stream(["Once upon a time"]):          # text as it is generated
         print(delta.outputs[0].delta_text, end="", flush=True)
 
@@ -52,11 +54,16 @@ class LLM:
 
     # -- submission ------------------------------------------------------------------------------
     def _submit(self, prompts: str | Sequence[str],
-                params: SamplingParams | Sequence[SamplingParams] | None) -> list[tuple[str, int]]:
+                params: SamplingParams | Sequence[SamplingParams] | None,
+                images: Sequence | None = None) -> list[tuple[str, int]]:
         """Check every prompt, then queue them all. One bad prompt rejects the call before anything
-        runs. Returns (request id, n) per prompt."""
+        runs. Returns (request id, n) per prompt. `images`: for a single prompt, its images (or one
+        image); for a list of prompts, a list of image lists (None for a text-only prompt)."""
         if isinstance(prompts, str):
             prompts = [prompts]
+            if images is not None and (isinstance(images, (str, bytes)) or not isinstance(images, Sequence)):
+                images = [images]
+            images = None if images is None else [images]
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise UserInputError("no prompts given")
         if params is None:
@@ -67,18 +74,24 @@ class LLM:
         for p in per_prompt:
             if not isinstance(p, SamplingParams):
                 raise UserInputError(f"expected SamplingParams, got {type(p).__name__}")
+        if images is not None and (not isinstance(images, Sequence) or len(images) != len(prompts)):
+            raise UserInputError(f"images must hold one list of images per prompt ({len(prompts)})")
         engine = self.engine
         encoded = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
             try:
-                ids = engine.tokenize(prompt)
-                engine.check_request(ids, p)
+                mine = None if images is None else images[i]
+                if mine:
+                    ids, items = engine.prepare_images(prompt, list(mine))
+                else:
+                    ids, items = engine.tokenize(prompt), []
+                engine.check_request(ids, p, items)
             except UserInputError as exc:
                 raise UserInputError(f"prompt {i}: {exc}") from None
-            encoded.append(ids)
+            encoded.append((ids, items))
         self._calls += 1
-        return [(engine.add_request(prompt, p, ids, request_id=f"llm{self._calls}-{i}"), p.n)
-                for i, (prompt, p, ids) in enumerate(zip(prompts, per_prompt, encoded))]
+        return [(engine.add_request(prompt, p, ids, request_id=f"llm{self._calls}-{i}", images=items), p.n)
+                for i, (prompt, p, (ids, items)) in enumerate(zip(prompts, per_prompt, encoded))]
 
     def _abort(self, submitted: list[tuple[str, int]]) -> None:
         for rid, _ in submitted:
@@ -87,10 +100,11 @@ class LLM:
     # -- blocking ----------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, images: Sequence | None = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order, each with its n completions.
-        A progress bar shows on a terminal for more than one prompt (`use_tqdm` forces it)."""
-        submitted = self._submit(prompts, params)
+        A progress bar shows on a terminal for more than one prompt (`use_tqdm` forces it).
+        `images` (multimodal models): see `_submit`."""
+        submitted = self._submit(prompts, params, images)
         index = {rid: i for i, (rid, _) in enumerate(submitted)}
         done: list[dict[int, CompletionOutput]] = [{} for _ in submitted]
         firsts: list[RequestOutput | None] = [None] * len(submitted)
@@ -117,11 +131,12 @@ class LLM:
 
     # -- streaming -------------------------------------------------------------------------------
     def stream(self, prompts: str | Sequence[str],
-               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+               params: SamplingParams | Sequence[SamplingParams] | None = None,
+               images: Sequence | None = None) -> Iterator[RequestOutput]:
         """Yield an output each time a completion has new text or finishes: `outputs[0]` is that
         completion (its `delta_text` is what is new) and `prompt_index` says which prompt it is for.
         Closing the iterator early aborts what is still running."""
-        submitted = self._submit(prompts, params)
+        submitted = self._submit(prompts, params, images)
         index = {rid: i for i, (rid, _) in enumerate(submitted)}
         try:
             while self.engine.has_unfinished_requests():

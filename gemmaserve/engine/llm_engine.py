@@ -25,7 +25,9 @@ from ..config.resolve import resolve_cache_options
 from ..errors import UserInputError
 from ..kv import create_kv_manager
 from ..models.loader import LoadedModel, load_model
+from ..models.multimodal import ProcessedImage
 from .detokenizer import IncrementalDetokenizer
+from .images import ImageItem, ImageLimits, expand_prompt, load_image, place_images
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
 from .model_runner import ModelRunner, PendingStep
 from .request import FinishReason, Request, RequestOutput
@@ -95,9 +97,16 @@ class LLMEngine:
                                     sliding_share=config.kv_pool_split)
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                       and self.backend.capabilities.cuda_graphs)
+        self.image_layout = getattr(self.model, "image_layout", None)
+        if self.image_layout is not None:
+            self.image_layout = self.image_layout.with_texts(self.tokenizer.special_text)
+        if self.image_layout is not None and config.max_num_batched_tokens < self.image_layout.max_tokens_per_image:
+            raise UserInputError(f"max_num_batched_tokens {config.max_num_batched_tokens} is below the "
+                                 f"{self.image_layout.max_tokens_per_image} tokens an image can take (an image is "
+                                 "never split across prefill chunks)")
         self.runner = ModelRunner(self.model, self.backend, self.kv.layout, self.kv.groups, self.kv.layer_slot, specs,
                                   self.device, cuda_graphs=use_graphs, max_model_len=self.max_model_len,
-                                  max_batch=config.max_num_seqs)
+                                  max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.async_scheduling = (config.async_scheduling == "on"
                                  or (config.async_scheduling == "auto" and self.device.type == "cuda"))
@@ -152,11 +161,34 @@ class LLMEngine:
             raise UserInputError("empty prompt")
         return self.tokenizer.encode(prompt)
 
+    def load_images(self, images: list, limits: ImageLimits | None = None) -> list[ProcessedImage]:
+        """Pixels of each image (PIL images, uint8 numpy arrays, file paths, encoded bytes or data
+        URLs), within `limits` (count, pixels, bytes)."""
+        layout = self.image_layout
+        if layout is None:
+            raise UserInputError(f"model {self.config.model!r} does not take images")
+        limits = limits or ImageLimits()
+        if len(images) > limits.max_images:
+            raise UserInputError(f"{len(images)} images; at most {limits.max_images} per request")
+        return [layout.processor(load_image(im, limits, f"image {i}")) for i, im in enumerate(images)]
+
+    def prepare_images(self, prompt: str, images: list, limits: ImageLimits | None = None
+                       ) -> tuple[list[int], list[ImageItem]]:
+        """Prompt ids with each image's tokens in place, and the images (pixels, content keys). The
+        prompt marks where each image goes with the model's placeholder (none: the images go first)."""
+        pixels = self.load_images(images, limits)
+        ids = self.tokenize(expand_prompt(prompt, pixels, self.image_layout))
+        return ids, place_images(ids, pixels, self.image_layout)
+
     def add_request(self, prompt: str, params: SamplingParams, prompt_ids: list[int] | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request (`params.n` completions). Returns its id; outputs carry it."""
+                    request_id: str | None = None, images: list[ImageItem] | None = None) -> str:
+        """Queue a request (`params.n` completions). Returns its id; outputs carry it. `images`:
+        from `prepare_images`, which also gives the `prompt_ids` they sit in."""
         ids = self.tokenize(prompt) if prompt_ids is None else list(prompt_ids)
-        max_chunk = self.check_request(ids, params)
+        images = list(images or [])
+        if images and prompt_ids is None:
+            raise UserInputError("images need the prompt ids prepare_images() returns")
+        max_chunk = self.check_request(ids, params, images)
         group_id = request_id if request_id is not None else str(next(self._ids))
         if not isinstance(group_id, str) or not group_id:
             raise UserInputError("request_id must be a non-empty string")
@@ -175,7 +207,7 @@ class LLMEngine:
                 prompt=prompt, prompt_token_ids=ids, params=params, eos_token_ids=self.tokenizer.stop_token_ids,
                 max_total_tokens=max_total,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                seed=seed, max_chunk_tokens=max_chunk,
+                seed=seed, max_chunk_tokens=max_chunk, images=images,
                 # Siblings wait for the first one's prompt, then share its pages via the prefix cache.
                 wait_for=group[0] if i and self.cache_options.enable_prefix_caching else None)
             group.append(req)
@@ -185,7 +217,8 @@ class LLMEngine:
             self.scheduler.add(req)
         return group_id
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int | None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams,
+                      images: list[ImageItem] | None = None) -> int | None:
         """Raise UserInputError if the request can never run (too long, larger than the KV budget,
         or naming tokens the model does not have). Returns the most prompt tokens it may prefill in
         one step when it fits only in chunks smaller than `max_num_batched_tokens`, else None."""
@@ -198,13 +231,18 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise UserInputError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab})")
-        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
+        image_id = self.image_layout.image_token_id if images else None
+        if prompt_ids and (min(prompt_ids) < 0 or max((t for t in prompt_ids if t != image_id), default=0) >= vocab):
             raise UserInputError(f"prompt token ids must be in [0, {vocab})")
+        if self.image_layout is not None and not images and self.image_layout.image_token_id in prompt_ids:
+            raise UserInputError("the prompt holds image tokens but no images")
         peak = min(n + params.max_tokens, self.max_model_len)
         chunk = self.config.max_num_batched_tokens
         fitting = self.kv.max_chunk(peak, chunk)
         if fitting == chunk:
             return None
+        if images and fitting < max(im.length for im in images):
+            fitting = 0   # an image is never split across chunks: it must fit one
         if fitting:
             log.info("a request of %d tokens fits the KV cache only in prefill chunks of %d tokens", peak, fitting)
             return fitting

@@ -6,6 +6,10 @@
 
 The runner sees only plans: it keeps its own block tables (updated by the plan's deltas) and a
 sampling state per request (from its `NewRequest` until it is `finished`), never a live Request.
+
+Images: a request's images arrive with its `NewRequest`. A step whose chunk covers image tokens
+embeds the tokens itself and overwrites those rows with the image's soft tokens, encoded the first
+time a chunk covers the image and kept (EncoderCache) for every later chunk.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,6 +28,8 @@ from ..kv.spec import LayerSpec
 from ..models.base import ModelInputs
 from .block_tables import BlockTables
 from ..device import to_device
+from .encoder_cache import EncoderCache
+from .images import ImageItem
 from .sampler import Sampled, SamplingState, sample
 from .step import DEVICE_TOKEN, SeqStep, StepPlan, StepResult
 
@@ -30,7 +37,8 @@ from .step import DEVICE_TOKEN, SeqStep, StepPlan, StepResult
 class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, layout: KVLayout, groups: tuple[KVGroup, ...],
                  layer_slot: tuple[tuple[int, int], ...], specs: list[LayerSpec], device: torch.device,
-                 cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0):
+                 cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0,
+                 encoder_cache_bytes: int = 256 * 2**20):
         self.model = model
         self.backend = backend
         self.device = device
@@ -43,6 +51,8 @@ class ModelRunner:
         self.sampling: dict[str, SamplingState] = {}
         self._last_sampled: dict[str, tuple[torch.Tensor, int]] = {}   # request -> (ids of its last step, row)
         self._applied_step = -1
+        self.images: dict[str, list[ImageItem]] = {}
+        self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.graphs = None
         if cuda_graphs:
             from .cuda_graphs import DecodeGraphs
@@ -63,8 +73,12 @@ class ModelRunner:
         for req_id in plan.finished:
             self.sampling.pop(req_id, None)
             self._last_sampled.pop(req_id, None)
+            self.images.pop(req_id, None)
+            self.encoder_cache.release(req_id)
         for new in plan.new_requests:
             self.sampling[new.req_id] = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.device)
+            if new.images:
+                self.images[new.req_id] = new.images
         self.tables.update_slots(plan.slot_updates)
         for s in plan.seqs:
             self.tables.apply(s.req_id, s.deltas, s.new_table)
@@ -87,6 +101,9 @@ class ModelRunner:
             groups=self.tables.tables([s.req_id for s in seqs]),
             layer_slot=self.layer_slot,
         )
+        if self.images:
+            spans = [[(im.start, im.end) for im in self._covered(s)] for s in seqs]
+            md.image_spans = spans if any(spans) else None
         input_ids = to_device(ids, torch.long, self.device)
         if from_device:   # sampled ids never went to the host: gather them on the device
             by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
@@ -99,6 +116,46 @@ class ModelRunner:
                 input_ids[to_device(rows, torch.long, self.device)] = tokens[to_device(idx, torch.long, self.device)]
         return input_ids, to_device(positions, torch.long, self.device), md
 
+    def _covered(self, s: SeqStep) -> list[ImageItem]:
+        """The images of `s`'s request that its chunk covers (in part)."""
+        end = s.start + s.num_new_tokens
+        return [im for im in self.images.get(s.req_id, ()) if im.start < end and im.end > s.start]
+
+    def _image_embeds(self, seqs: list[SeqStep], input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Token embeddings with the image rows replaced by soft tokens, or None if no chunk covers
+        an image. Images not seen before are encoded together, once."""
+        covered = [(b, i, im) for b, s in enumerate(seqs) for i, im in enumerate(self.images.get(s.req_id, ()))
+                   if im.start < s.start + s.num_new_tokens and im.end > s.start]
+        if not covered:
+            return None
+        cache = self.encoder_cache
+        found = {(b, i): cache.get(seqs[b].req_id, i, im.key) for b, i, im in covered}
+        todo = {im.key: im for b, i, im in covered if found[(b, i)] is None}
+        if todo:   # one encoder call for every new image of the step (a repeated image once)
+            pixels = torch.from_numpy(np.stack([im.pixels for im in todo.values()])).to(self.device)
+            positions = None
+            if any(im.positions is not None for im in todo.values()):
+                positions = torch.from_numpy(np.stack([im.positions for im in todo.values()])).to(self.device)
+            fresh = dict(zip(todo, self.model.encode_images(pixels, positions)))
+            cache.encoded += len(todo)
+            for (b, i), tokens in found.items():
+                if tokens is None:
+                    key = self.images[seqs[b].req_id][i].key
+                    found[(b, i)] = fresh[key]
+                    cache.put(seqs[b].req_id, i, key, fresh[key])
+        embeds = self.model.embed(input_ids)
+        rows, parts, first = [], [], 0
+        for b, s in enumerate(seqs):
+            for bb, i, im in covered:
+                if bb != b:
+                    continue
+                lo, hi = max(im.start, s.start), min(im.end, s.start + s.num_new_tokens)
+                rows.append(torch.arange(first + lo - s.start, first + hi - s.start))
+                parts.append(found[(b, i)][lo - im.start:hi - im.start])
+            first += s.num_new_tokens
+        embeds[to_device(torch.cat(rows), torch.long, self.device)] = torch.cat(parts).to(embeds.dtype)
+        return embeds
+
     @torch.inference_mode()
     def forward(self, seqs: list[SeqStep]) -> torch.Tensor | None:
         """Logits [N, V] for the N sequences with `sample` (in order), or None."""
@@ -109,14 +166,15 @@ class ModelRunner:
             if s.sample:
                 rows.append(end - 1)
                 sampled.append(b)
-        if self.graphs is not None and md.is_decode_only and len(seqs) <= self.graphs.max_size:
+        embeds = self._image_embeds(seqs, input_ids) if self.images else None
+        if self.graphs is not None and md.is_decode_only and embeds is None and len(seqs) <= self.graphs.max_size:
             logits = self.graphs.run(input_ids, positions, md)   # a logit row per sequence
             if len(sampled) == len(seqs):
                 return logits
             # A one-token row can be a prefill chunk that does not complete its prompt: no sample.
             return logits[to_device(sampled, torch.long, self.device)] if sampled else None
         attn = self.backend.begin_batch(md, self.kv_cache)
-        inputs = ModelInputs(input_ids, positions, attn)
+        inputs = ModelInputs(input_ids, positions, attn, inputs_embeds=embeds)
         if len(rows) != end:   # prefill chunks: only the last row of completing sequences is sampled
             inputs.sample_rows = to_device(rows, torch.long, self.device)
             inputs.sample_seqs = sampled

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from .detokenizer import IncrementalDetokenizer, StopStringFilter
+from .images import ImageItem, hash_token_ids
 from .sampling_params import SamplingParams
 
 
@@ -49,6 +50,7 @@ class Request:
     wait_for: "Request | None" = None      # admit only once this request's prompt is in the KV cache
     max_chunk_tokens: int | None = None    # prefill at most this many tokens a step (it fits only so)
     block_hashes: list[bytes] = field(default_factory=list)   # prefix-cache chain, grown by the KV manager
+    images: list[ImageItem] = field(default_factory=list)     # in prompt order
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -69,10 +71,18 @@ class Request:
     _emitted_chars: int = 0
     _emitted_logprobs: int = 0
     _all: list[int] = field(init=False)     # prompt + output, grown in place (no copy per step)
+    _keyed: list[int] | None = field(init=False)   # what the prefix cache hashes, with images (else _all)
 
     def __post_init__(self) -> None:
         self.stop_filter = StopStringFilter(tuple(self.params.stop))
         self._all = list(self.prompt_token_ids)
+        self._keyed = hash_token_ids(self._all, self.images) if self.images else None
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """The ids the prefix cache keys blocks by: `all_token_ids`, with each image's tokens standing
+        for its content (a live list: do not modify)."""
+        return self._all if self._keyed is None else self._keyed
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -101,6 +111,8 @@ class Request:
         """Record a sampled token: update text, and finish on a stop token, stop string or length."""
         self.output_token_ids.append(token)
         self._all.append(token)
+        if self._keyed is not None:
+            self._keyed.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
         if token in self.params.stop_token_ids:

@@ -93,7 +93,11 @@ class Scheduler:
         # Decodes go first but may not take the whole budget while prompts wait: a quarter stays
         # for prefill, so many decodes cannot starve a prompt (and round robin keeps every decode moving).
         reserve = max(1, self.max_num_batched_tokens // 4) if (prefills or self.waiting) else 0
-        decode_budget = max(1, self.max_num_batched_tokens - reserve)
+        # A prefill whose next chunk starts with an image needs the whole image in one step: decodes
+        # leave room for it (all of the budget if need be, for that step).
+        image = max((im.length for r in prefills for im in r.images if im.start == r.num_computed_tokens), default=0)
+        reserve = min(self.max_num_batched_tokens, max(reserve, image))
+        decode_budget = max(0 if image else 1, self.max_num_batched_tokens - reserve)
         used = 0
         for i, req in enumerate(decodes + prefills):
             if req.status is not RequestStatus.RUNNING:   # preempted earlier in this loop
@@ -102,7 +106,9 @@ class Scheduler:
                 continue
             if used >= self.max_num_batched_tokens:
                 break
-            n = self._chunk(req, req.num_pending_tokens, self.max_num_batched_tokens - used)
+            n = self._chunk(req, req.num_computed_tokens, req.num_pending_tokens, self.max_num_batched_tokens - used)
+            if n == 0:   # an image that does not fit what is left of the budget: next step
+                continue
             preemptions = len(out.preempted)
             scheduled = self._allocate_or_preempt(req, n, out)
             if scheduled:
@@ -124,7 +130,8 @@ class Scheduler:
         for s in out.seqs:
             req = s.request
             if not req.sampling_sent:
-                plan.new_requests.append(NewRequest(req.request_id, req.params, req.seed, req.prompt_token_ids))
+                plan.new_requests.append(NewRequest(req.request_id, req.params, req.seed, req.prompt_token_ids,
+                                                    req.images))
                 req.sampling_sent = True
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             deltas, new_table = self._table_deltas(req)
@@ -198,7 +205,7 @@ class Scheduler:
             if end > len(req.all_token_ids):
                 waiting.append((req, end))
             else:
-                self.kv.commit(req.request_id, req.all_token_ids, end)
+                self.kv.commit(req.request_id, req.cache_token_ids, end)
         self._uncommitted = waiting
 
     @staticmethod
@@ -227,9 +234,11 @@ class Scheduler:
             transient = max(transient, self._step_transient(req))
             if self.running and self.kv.num_free_pages < owed + transient + self.kv.pages_at(req.num_tokens):
                 return  # its prompt would later take pages an admitted prompt needs (or lack its own)
-            tokens = req.all_token_ids
+            tokens = req.cache_token_ids
             hit = self.kv.lookup(req.request_id, tokens, req.block_hashes)
-            n = self._chunk(req, req.num_tokens - hit, budget)
+            n = self._chunk(req, hit, req.num_tokens - hit, budget)
+            if n == 0:
+                return  # its next image does not fit this step's budget: it waits (first come, first served)
             if not self.kv.allocate(req.request_id, tokens, hit, hit + n, prefill=True, chain=req.block_hashes):
                 return  # first come, first served: nobody overtakes a request that does not fit
             owed += self._prefill_growth(req, hit + n)
@@ -264,17 +273,24 @@ class Scheduler:
         return max(0, self.kv.peak_pages(req.num_tokens, chunk) - self.kv.pages_at(req.num_tokens))
 
     @staticmethod
-    def _chunk(req: Request, pending: int, budget: int) -> int:
-        """Tokens to run for `req` this step: within the budget, and within its own chunk limit (a
-        request that fits the KV cache only when prefilled in smaller chunks)."""
+    def _chunk(req: Request, start: int, pending: int, budget: int) -> int:
+        """Tokens to run for `req` from `start` this step: within the budget, within its own chunk
+        limit (a request that fits the KV cache only when prefilled in smaller chunks), and never
+        ending inside an image (its tokens see each other: the chunk stops before the image, or
+        is 0 when the image starts it and does not fit)."""
         n = min(pending, budget)
-        return n if req.max_chunk_tokens is None else min(n, req.max_chunk_tokens)
+        if req.max_chunk_tokens is not None:
+            n = min(n, req.max_chunk_tokens)
+        for im in req.images:
+            if im.start < start + n < im.end:
+                n = max(0, im.start - start)
+        return n
 
     def _allocate_or_preempt(self, req: Request, n: int, out: _Decision) -> bool:
         """Pages for `n` more tokens of `req`, preempting the most recently admitted requests as
         needed. False if `req` itself had to be preempted."""
         start = req.num_computed_tokens
-        while not self.kv.allocate(req.request_id, req.all_token_ids, start, start + n, prefill=n > 1):
+        while not self.kv.allocate(req.request_id, req.cache_token_ids, start, start + n, prefill=n > 1):
             victim = max(self.running, key=lambda r: r.admitted_order)
             self._preempt(victim, out)
             if victim is req:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .images import ImageItem
 from .request import TokenLogprob
 from .sampling_params import SamplingParams
 
@@ -43,6 +44,7 @@ class NewRequest:
     params: SamplingParams
     seed: int
     prompt_token_ids: list[int]      # repetition penalty reads them
+    images: list[ImageItem] = field(default_factory=list)   # the runner encodes each once, when a chunk first covers it
 
 
 @dataclass
@@ -91,7 +93,8 @@ class StepPlan:
     def from_dict(cls, d: dict) -> "StepPlan":
         seqs = [SeqStep(**{**s, "deltas": None if s["deltas"] is None else [TableDelta(**t) for t in s["deltas"]]})
                 for s in d["seqs"]]
-        news = [NewRequest(**{**n, "params": SamplingParams(**n["params"])}) for n in d["new_requests"]]
+        news = [NewRequest(**{**n, "params": SamplingParams(**n["params"]),
+                              "images": [ImageItem(**i) for i in n.get("images", [])]}) for n in d["new_requests"]]
         return cls(d["step"], seqs, news, [SlotUpdate(**u) for u in d["slot_updates"]], list(d["released"]),
                    list(d["finished"]))
 

@@ -44,7 +44,8 @@ class Gemma3Config:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 131072
     final_logit_softcapping: float | None = None
-    multimodal: bool = False   # the checkpoint has a vision tower (only its text tower runs here)
+    multimodal: bool = False   # the checkpoint has a vision tower
+    image_bidirectional: bool = False   # an image's tokens see each other on every layer (multimodal model)
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -196,7 +197,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Attention(AttentionParams(
             layer=layer, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scale=cfg.query_pre_attn_scalar ** -0.5,
-            window=cfg.sliding_window if self.is_sliding else None, norm=norm), dtype)
+            window=cfg.sliding_window if self.is_sliding else None, norm=norm,
+            image_bidirectional=cfg.image_bidirectional), dtype)
         self.mlp = GeGLU(cfg.hidden_size, cfg.intermediate_size, dtype)
         eps, h = cfg.rms_norm_eps, cfg.hidden_size
         self.input_layernorm = RMSNorm(h, eps, dtype)

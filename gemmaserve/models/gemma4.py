@@ -326,7 +326,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.self_attn = Attention(AttentionParams(
             layer=layer, hidden_size=h, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.kv_heads[layer],
             head_dim=cfg.head_dims[layer], scale=1.0, window=None if full else cfg.sliding_window, norm=self.kind,
-            value_norm=True, k_eq_v=cfg.attention_k_eq_v and full, owns_kv=cfg.kv_sources[layer] is None), dtype)
+            value_norm=True, k_eq_v=cfg.attention_k_eq_v and full, owns_kv=cfg.kv_sources[layer] is None,
+            image_bidirectional=cfg.bidirectional_vision and not full), dtype)
         self.mlp = GeGLU(h, cfg.mlp_sizes[layer], dtype)
         self.input_layernorm = RMSNorm(h, eps, dtype, 0.0)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, 0.0)
@@ -395,7 +396,7 @@ class Gemma4ForCausalLM(CausalLM):
         super().__init__()
         self.config = cfg
         self.model = Gemma4TextModel(cfg, dtype)
-        if cfg.multimodal:
+        if cfg.multimodal and type(self) is Gemma4ForCausalLM:
             log.info("%s: serving the text tower only; image and audio inputs are not supported yet, their "
                      "tower weights are skipped", cfg.architecture)
         # One fp32 frequency table per distinct (RoPE, head dim); the model is never cast, so they stay fp32.

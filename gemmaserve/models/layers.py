@@ -185,6 +185,7 @@ class AttentionParams:
     value_norm: bool = False      # Gemma 4: weightless RMSNorm over v
     k_eq_v: bool = False          # V = v_norm(raw k_proj output); the layer has no v_proj
     owns_kv: bool = True          # False: reads its KV source's cache, projects only q
+    image_bidirectional: bool = False   # tokens of one image see each other (the batch says where images are)
 
     @property
     def q_size(self) -> int:
@@ -220,5 +221,8 @@ class Attention(nn.Module):
         p = self.p
         q, k, v = qkv_norm_rope(self.qkv_proj(x), p, self.q_norm.weight,
                                 self.k_norm.weight if self.k_norm is not None else None, *cos_sin)
-        o = attn(p.layer, q, k, v, scale=p.scale, window=p.window)
+        if p.image_bidirectional:
+            o = attn(p.layer, q, k, v, scale=p.scale, window=p.window, bidirectional=True)
+        else:   # text layers call every backend the same way as before images existed
+            o = attn(p.layer, q, k, v, scale=p.scale, window=p.window)
         return self.o_proj(o.reshape(x.shape[0], p.q_size))

@@ -8,15 +8,17 @@ from types import MappingProxyType
 
 from ..errors import UserInputError
 from .gemma3 import Gemma3ForCausalLM
+from .gemma3_vision import Gemma3ForConditionalGeneration
 from .gemma4 import Gemma4ForCausalLM
+from .gemma4_vision import Gemma4ForConditionalGeneration
 
-# Hugging Face `architectures` entries of config.json. Multimodal classes serve their text tower
-# (image inputs come with the vision issue; the model logs it when built).
+# Hugging Face `architectures` entries of config.json. The encoder-free gemma4_unified multimodal class
+# serves its text tower only (audio is not supported by any).
 HF_ARCHITECTURES = MappingProxyType({
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
-    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "Gemma4UnifiedForCausalLM": Gemma4ForCausalLM,
     "Gemma4UnifiedForConditionalGeneration": Gemma4ForCausalLM,
 })

@@ -25,13 +25,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config.options import option, port_number, size
+from ..config.options import option, port_number, positive_int, size
+from ..engine.images import ImageLimits, decode_data_url, expand_prompt, place_images
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from ..errors import UserInputError
 from .async_engine import AsyncEngine, EngineDeadError
-from .chat import ChatFormatter, parse_messages
+from .chat import ChatFormatter, parse_chat
 from .metrics import ServerMetrics
 from .protocol import (
     ApiError, ChatRequest, CompletionRequest, chat_logprobs, completion_logprobs, now, parse, reject_unsupported,
@@ -51,6 +52,13 @@ class ServerConfig:
     api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     served_model_name: str | None = option(None, help="the model name clients send (default: --model)")
     max_request_bytes: int = option(8 << 20, parse=size, help="largest request body accepted (413 above)")
+    max_images_per_request: int = option(8, parse=positive_int, help="most images in one chat request")
+    max_image_pixels: int = option(40_000_000, parse=positive_int, help="most pixels (width x height) of one image")
+    max_image_bytes: int = option(8 << 20, parse=size, help="largest encoded image (after base64 decoding)")
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.max_images_per_request, self.max_image_pixels, self.max_image_bytes)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -205,7 +213,17 @@ class OpenAIServer:
                 out.append(_Prompt(self.tokenizer.decode(p, skip_special_tokens=False), list(p)))
         return out
 
-    def _check_fits(self, prompts: list[_Prompt], params: SamplingParams, param: str) -> None:
+    def _chat_images(self, urls: list[str]) -> list:
+        """Pixels of each image part: data: URLs only (the server opens no file and fetches no URL)."""
+        limits = self.config.image_limits
+        if len(urls) > limits.max_images:
+            raise UserInputError(f"{len(urls)} images; at most {limits.max_images} per request")
+        for i, url in enumerate(urls):   # refuse before decoding anything
+            if not url.startswith("data:"):
+                decode_data_url(url, limits, f"image {i}")
+        return self.engine.load_images([decode_data_url(u, limits, f"image {i}") for i, u in enumerate(urls)], limits)
+
+    def _check_fits(self, prompts: list[_Prompt], params: SamplingParams, param: str, images=None) -> None:
         limit = self.engine.max_model_len
         for p in prompts:
             if len(p.ids) + params.max_tokens > limit:
@@ -213,7 +231,7 @@ class OpenAIServer:
                                     f"{len(p.ids) + params.max_tokens} ({len(p.ids)} in the {param}, "
                                     f"{params.max_tokens} to generate)", param=param, code="context_length_exceeded")
             try:
-                self.engine.check_request(p.ids, params)   # pure: KV geometry and vocabulary
+                self.engine.check_request(p.ids, params, images)   # pure: KV geometry and vocabulary
             except UserInputError as exc:
                 raise ApiError(400, str(exc), param=param) from None
 
@@ -266,9 +284,15 @@ class OpenAIServer:
         req: ChatRequest = parse(ChatRequest, await self._json(request))
         self._check_model(req.model)
         reject_unsupported(req)
+        layout = self.engine.image_layout
+        images = []
         try:
-            messages = parse_messages(req.messages)
-            ids = await asyncio.to_thread(self.chat.encode, messages)
+            messages, urls = parse_chat(req.messages, layout.placeholder if layout is not None else None)
+            if urls:
+                images = await asyncio.to_thread(self._chat_images, urls)
+            expand = (lambda text: expand_prompt(text, images, layout)) if urls else None
+            ids = await asyncio.to_thread(self.chat.encode, messages, expand)
+            items = place_images(ids, images, layout) if urls else []
         except UserInputError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         prompt = _Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids)
@@ -278,9 +302,9 @@ class OpenAIServer:
                                 f"{len(ids)}", param="messages", code="context_length_exceeded")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens if max_tokens is not None else limit - len(ids))
-        self._check_fits([prompt], params, "messages")
+        self._check_fits([prompt], params, "messages", items)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self.async_engine.generate(rid, [(prompt.text, prompt.ids)], params)
+        outputs = self.async_engine.generate(rid, [(prompt.text, prompt.ids)], params, images=[items])
         if req.stream:
             return _sse(self._stream_chat(rid, req, prompt, params, outputs))
         finals = await self._collect(request, outputs)

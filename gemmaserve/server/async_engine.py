@@ -82,14 +82,16 @@ class AsyncEngine:
 
     # -- called from the event loop ------------------------------------------------------------------
     async def generate(self, request_id: str, prompts: list[tuple[str, list[int]]],
-                       params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every prompt with `params`; yield (prompt index, output of one completion) as they
-        come. Leaving early (an error, a disconnect: the consumer is cancelled) aborts what is left."""
+                       params: SamplingParams, images: list[list] | None = None
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every prompt with `params` (and its images, from LLMEngine.prepare_images); yield
+        (prompt index, output of one completion) as they come. Leaving early (an error, a
+        disconnect: the consumer is cancelled) aborts what is left."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        self._commands.put(lambda: self._add(sink, ids, prompts, params))
+        self._commands.put(lambda: self._add(sink, ids, prompts, params, images))
         remaining = len(prompts) * params.n
         try:
             while remaining:
@@ -181,11 +183,12 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("the engine stopped"))
 
     def _add(self, sink: _Sink, ids: list[str], prompts: list[tuple[str, list[int]]],
-             params: SamplingParams) -> None:
+             params: SamplingParams, images: list[list] | None = None) -> None:
         added = []
         try:
             for i, (gid, (text, tokens)) in enumerate(zip(ids, prompts)):
-                self.engine.add_request(text, params, prompt_ids=tokens, request_id=gid)
+                self.engine.add_request(text, params, prompt_ids=tokens, request_id=gid,
+                                        images=images[i] if images else None)
                 added.append(gid)
                 sink.prompt_index[gid] = i
                 sink.unfinished[gid] = params.n

@@ -12,6 +12,7 @@ otherwise Gemma's turn format (what the Gemma templates render):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UserInputError
@@ -28,9 +29,16 @@ class ChatMessage:
 
 def parse_messages(raw: object) -> list[ChatMessage]:
     """OpenAI `messages` -> ChatMessage list; text content only (a string or text parts)."""
+    return parse_chat(raw, None)[0]
+
+
+def parse_chat(raw: object, image_placeholder: str | None) -> tuple[list[ChatMessage], list[str]]:
+    """OpenAI `messages` -> (ChatMessage list, image URLs in order). Content is a string or a list of
+    text and `image_url` parts; each image part becomes `image_placeholder` in the text (None: the
+    model takes no images, and an image part is an error)."""
     if not isinstance(raw, list) or not raw:
         raise UserInputError("messages must be a non-empty list of {role, content} objects")
-    out = []
+    out, urls = [], []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise UserInputError(f"messages[{i}] must be an object with role and content")
@@ -40,15 +48,25 @@ def parse_messages(raw: object) -> list[ChatMessage]:
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    if image_placeholder is None:
+                        raise UserInputError(f"messages[{i}].content[{j}]: this model does not take images")
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    if not isinstance(url, str):
+                        raise UserInputError(f"messages[{i}].content[{j}].image_url.url must be a string")
+                    urls.append(url)
+                    parts.append(image_placeholder)
+                    continue
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise UserInputError(f"messages[{i}].content[{j}]: only text parts are supported "
+                    raise UserInputError(f"messages[{i}].content[{j}]: only text and image_url parts are supported "
                                          "({\"type\": \"text\", \"text\": ...})")
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
             raise UserInputError(f"messages[{i}].content must be a string or a list of text parts")
         out.append(ChatMessage(role, content))
-    return out
+    return out, urls
 
 
 class ChatFormatter:
@@ -80,8 +98,11 @@ class ChatFormatter:
         except TemplateError as exc:
             raise UserInputError(f"chat template: {exc}") from None
 
-    def encode(self, messages: list[ChatMessage]) -> list[int]:
+    def encode(self, messages: list[ChatMessage], expand: Callable[[str], str] | None = None) -> list[int]:
+        """Token ids of the rendered conversation; `expand` rewrites the text first (image placeholders)."""
         text = self.render(messages)
+        if expand is not None:
+            text = expand(text)
         bos = self.tokenizer.special_text(self.tokenizer.bos_token_id)
         # Templates usually write BOS themselves: then the tokenizer must not add a second one.
         return self.tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))

@@ -1,0 +1,324 @@
+"""Gemma4ForConditionalGeneration with images: the Gemma 4 text model plus its ViT image encoder
+(E2B/E4B and 26B/31B; the encoder-free 12B gemma4_unified is not covered).
+
+    patches [N, P, 3 p^2] in [0, 1], positions [N, P, 2] (x, y; -1 = padding)
+    -> Linear(2 (x - 0.5)) + pos_x[x] + pos_y[y]
+    -> layers (Gemma 4 structure: 4 weighted RMSNorms, q/k norms, weightless v norm, scale 1, GeGLU,
+       axial 2-D RoPE: half the head dims rotate with x, half with y; attention over one image's
+       patches, padding keys masked; linears optionally clamped in and out)
+    -> k x k average pool on the patch grid (row-major over the pooled grid), padding dropped
+    -> * sqrt(Hv) in fp32 (26B/31B: (h - std_bias) * std_scale) -> dtype
+    -> embed_vision: weightless RMSNorm, Linear(Hv -> H)      soft tokens, not scaled by sqrt(H)
+
+Text side: `<boi>` + N x `<|image|>` + `<eoi>`; placeholder ids read the pad row (and pad PLE
+row); with use_bidirectional_attention="vision" an image's tokens see each other on sliding layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UserInputError
+from .base import ModelInputs, ModelPreferences
+from .fused_ops import NormKind, rms_norm
+from .gemma4 import Gemma4Config, Gemma4ForCausalLM
+from .image_processing import to_rgb
+from .layers import RMSNorm
+from .multimodal import ImageLayout, ProcessedImage
+
+SOFT_TOKEN_CHOICES = (70, 140, 280, 560, 1120)
+
+
+@dataclass(frozen=True)
+class Gemma4VisionTowerConfig:
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 12
+    head_dim: int = 64
+    patch_size: int = 16
+    position_embedding_size: int = 10240
+    pooling_kernel_size: int = 3
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 100.0
+    use_clipped_linears: bool = False
+    standardize: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "Gemma4VisionTowerConfig":
+        if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise UserInputError(f"unsupported vision activation {cfg['hidden_activation']!r}")
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise UserInputError(f"unsupported vision RoPE {rope.get('rope_type')!r} (Gemma 4 uses axial)")
+        names = [f.name for f in cls.__dataclass_fields__.values() if f.name != "rope_theta"]
+        return cls(**{k: cfg[k] for k in names if cfg.get(k) is not None}, rope_theta=float(rope.get("rope_theta", 100.0)))
+
+
+@dataclass(frozen=True)
+class Gemma4VisionConfig:
+    text: Gemma4Config
+    vision: Gemma4VisionTowerConfig
+    image_token_id: int = 258880
+    boi_token_id: int = 255999
+    eoi_token_id: int = 258882
+    pad_token_id: int = 0
+    max_soft_tokens: int = 280       # the image processor's budget per image (preprocessor_config.json)
+
+    vocab_size = property(lambda self: self.text.vocab_size)
+    max_position_embeddings = property(lambda self: self.text.max_position_embeddings)
+    multimodal = property(lambda self: True)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "Gemma4VisionConfig":
+        if not cfg.get("vision_config"):
+            raise UserInputError("a Gemma 4 checkpoint without vision_config takes no images")
+        text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+        soft = int(cfg.get("vision_soft_tokens_per_image") or 280)
+        if soft not in SOFT_TOKEN_CHOICES:
+            raise UserInputError(f"vision_soft_tokens_per_image must be one of {SOFT_TOKEN_CHOICES}, got {soft}")
+        return cls(text=Gemma4Config.from_hf(cfg), vision=Gemma4VisionTowerConfig.from_hf(cfg["vision_config"]),
+                   image_token_id=int(cfg.get("image_token_id", 258880)),
+                   boi_token_id=int(cfg.get("boi_token_id", 255999)), eoi_token_id=int(cfg.get("eoi_token_id", 258882)),
+                   pad_token_id=int(text.get("pad_token_id") or 0), max_soft_tokens=soft)
+
+
+@dataclass(frozen=True)
+class Gemma4ImageProcessor:
+    """Pillow + numpy, as transformers' Gemma4ImageProcessorPil: aspect-preserving bicubic resize to the
+    largest size with sides a multiple of k*p and at most k^2 * max_soft_tokens patches, x / 255 (no
+    normalisation), patches (py, px, c) row-major, padded to the budget with position (-1, -1)."""
+
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    max_soft_tokens: int = 280
+
+    @property
+    def max_patches(self) -> int:
+        return self.max_soft_tokens * self.pooling_kernel_size ** 2
+
+    def target_size(self, height: int, width: int) -> tuple[int, int]:
+        p, k = self.patch_size, self.pooling_kernel_size
+        factor = math.sqrt(self.max_patches * p * p / (height * width))
+        side = k * p
+        th, tw = int(math.floor(factor * height / side)) * side, int(math.floor(factor * width / side)) * side
+        longest = (self.max_patches // k ** 2) * side
+        if th == 0 and tw == 0:
+            raise UserInputError(f"image of {width}x{height} pixels cannot be resized for the vision encoder")
+        if th == 0:
+            th, tw = side, min(int(math.floor(width / height)) * side, longest)
+        elif tw == 0:
+            th, tw = min(int(math.floor(height / width)) * side, longest), side
+        return th, tw
+
+    def __call__(self, image) -> ProcessedImage:
+        from PIL import Image
+
+        rgb = to_rgb(image)
+        th, tw = self.target_size(rgb.height, rgb.width)
+        if (rgb.height, rgb.width) != (th, tw):
+            rgb = rgb.resize((tw, th), Image.Resampling.BICUBIC)
+        x = (np.asarray(rgb).astype(np.float64) * (1 / 255)).astype(np.float32)    # [H, W, 3]
+        p = self.patch_size
+        ph, pw = th // p, tw // p
+        patches = x.reshape(ph, p, pw, p, 3).transpose(0, 2, 1, 3, 4).reshape(ph * pw, p * p * 3)
+        gx, gy = np.meshgrid(np.arange(pw), np.arange(ph), indexing="xy")
+        positions = np.stack([gx, gy], axis=-1).reshape(ph * pw, 2)
+        pad = self.max_patches - ph * pw
+        patches = np.pad(patches, ((0, pad), (0, 0)))
+        positions = np.pad(positions, ((0, pad), (0, 0)), constant_values=-1).astype(np.int64)
+        return ProcessedImage(patches, ph * pw // self.pooling_kernel_size ** 2, positions)
+
+
+class ClippedLinear(nn.Module):
+    """y = clamp(clamp(x, in bounds) W^T, out bounds): the E2B/E4B encoder keeps activations in the
+    ranges it was quantisation-trained for (bounds are checkpoint values)."""
+
+    def __init__(self, i: int, o: int, clipped: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(o, i, dtype=dtype), requires_grad=False)
+        self.clipped = clipped
+        if clipped:
+            for name in ("input_min", "input_max", "output_min", "output_max"):
+                setattr(self, name, nn.Parameter(torch.empty((), dtype=dtype), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.clipped:
+            x = torch.clamp(x, self.input_min, self.input_max)
+        y = F.linear(x, self.weight)
+        return torch.clamp(y, self.output_min, self.output_max) if self.clipped else y
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class Gemma4VisionLayer(nn.Module):
+    def __init__(self, cfg: Gemma4VisionTowerConfig, dtype: torch.dtype):
+        super().__init__()
+        h, d, c = cfg.hidden_size, cfg.head_dim, cfg.use_clipped_linears
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.query = ClippedLinear(h, self.heads * d, c, dtype)
+        self.key = ClippedLinear(h, self.kv_heads * d, c, dtype)
+        self.value = ClippedLinear(h, self.kv_heads * d, c, dtype)
+        self.out = ClippedLinear(self.heads * d, h, c, dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, 0.0)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, 0.0)
+        self.gate = ClippedLinear(h, cfg.intermediate_size, c, dtype)
+        self.up = ClippedLinear(h, cfg.intermediate_size, c, dtype)
+        self.down = ClippedLinear(cfg.intermediate_size, h, c, dtype)
+        self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm, \
+            self.post_feedforward_layernorm = (RMSNorm(h, cfg.rms_norm_eps, dtype, 0.0) for _ in range(4))
+        self.eps = cfg.rms_norm_eps
+
+    def attention(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
+        n, t, _ = x.shape
+        d = self.head_dim
+        half = d // 2
+        cos, sin = cos_sin   # [N, P, D]: dims [0, D/2) rotate with x, [D/2, D) with y
+
+        def rope(y: torch.Tensor) -> torch.Tensor:
+            c, s = cos[:, :, None], sin[:, :, None]
+            return torch.cat((_rotate(y[..., :half], c[..., :half], s[..., :half]),
+                              _rotate(y[..., half:], c[..., half:], s[..., half:])), dim=-1)
+
+        q = rope(self.q_norm(self.query(x).view(n, t, self.heads, d)))
+        k = rope(self.k_norm(self.key(x).view(n, t, self.kv_heads, d)))
+        v = rms_norm(self.value(x).view(n, t, self.kv_heads, d), torch.ones(d, dtype=x.dtype, device=x.device),
+                     NormKind(self.eps, 0.0))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=keys[:, None, None, :], scale=1.0,
+                                           enable_gqa=self.heads != self.kv_heads)
+        return self.out(o.transpose(1, 2).reshape(n, t, self.heads * d))
+
+    def forward(self, x: torch.Tensor, cos_sin, keys: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.attention(self.input_layernorm(x), cos_sin, keys))
+        h = self.pre_feedforward_layernorm(x)
+        return x + self.post_feedforward_layernorm(self.down(F.gelu(self.gate(h), approximate="tanh") * self.up(h)))
+
+
+class Gemma4VisionTower(nn.Module):
+    def __init__(self, cfg: Gemma4VisionTowerConfig, dtype: torch.dtype):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.input_proj = nn.Parameter(torch.empty(h, 3 * cfg.patch_size ** 2, dtype=dtype), requires_grad=False)
+        self.position_embedding_table = nn.Parameter(torch.empty(2, cfg.position_embedding_size, h, dtype=dtype),
+                                                     requires_grad=False)
+        self.layers = nn.ModuleList(Gemma4VisionLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        if cfg.standardize:
+            self.std_bias = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
+            self.std_scale = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
+        d = cfg.head_dim // 2
+        self.register_buffer("_inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d),
+                             persistent=False)
+
+    def forward(self, patches: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """[N, P, 3 p^2], [N, P, 2] -> per image its pooled, scaled features [n_i, Hv] (model dtype)."""
+        cfg, dtype = self.config, self.input_proj.dtype
+        padding = (positions == -1).all(dim=-1)                                      # [N, P]
+        pos = positions.clamp(min=0)
+        x = F.linear((2 * (patches - 0.5)).to(dtype), self.input_proj)
+        table = self.position_embedding_table
+        x = x + torch.where(padding[..., None], 0.0, table[0][pos[..., 0]] + table[1][pos[..., 1]]).to(dtype)
+        freqs = positions[..., None].float() * self._inv_freq                       # [N, P, 2, D/4]
+        fx, fy = freqs[:, :, 0], freqs[:, :, 1]
+        angles = torch.cat((fx, fx, fy, fy), dim=-1)
+        cos_sin = (angles.cos().to(dtype), angles.sin().to(dtype))
+        for layer in self.layers:
+            x = layer(x, cos_sin, ~padding)
+        # k x k average pool by patch position; padding patches are zeroed and land in cell 0.
+        k = cfg.pooling_kernel_size
+        length = patches.shape[1] // (k * k)
+        x = x.masked_fill(padding[..., None], 0.0)
+        cells = torch.div(pos, k, rounding_mode="floor")
+        width = (pos[..., 0].max(dim=-1, keepdim=True).values + 1) // k
+        weights = F.one_hot((cells[..., 0] + width * cells[..., 1]).long(), length).float() / (k * k)
+        pooled = weights.transpose(1, 2) @ x.float()                                 # [N, length, Hv]
+        valid = (weights != 0).any(dim=1)
+        out = []
+        for i in range(pooled.shape[0]):
+            h = pooled[i][valid[i]] * cfg.hidden_size ** 0.5
+            if cfg.standardize:
+                h = (h - self.std_bias.float()) * self.std_scale.float()
+            out.append(h.to(dtype))
+        return out
+
+
+class Gemma4VisionEmbedder(nn.Module):
+    def __init__(self, hv: int, h: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.embedding_projection = nn.Parameter(torch.empty(h, hv, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        return F.linear(rms_norm(x, ones, NormKind(self.eps, 0.0)), self.embedding_projection)
+
+
+# Our vision parameter names -> the checkpoint's (theirs nest a `.linear`, and q/k/v/gate/up would be
+# taken for the text model's stacked projections).
+_RENAMES = (("self_attn.q_proj.", "query."), ("self_attn.k_proj.", "key."), ("self_attn.v_proj.", "value."),
+            ("self_attn.o_proj.", "out."), ("self_attn.q_norm.", "q_norm."), ("self_attn.k_norm.", "k_norm."),
+            ("mlp.gate_proj.", "gate."), ("mlp.up_proj.", "up."), ("mlp.down_proj.", "down."), ("linear.weight", "weight"))
+
+
+class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
+    config_class = Gemma4VisionConfig
+
+    def __init__(self, cfg: Gemma4VisionConfig, dtype: torch.dtype = torch.float32):
+        super().__init__(cfg.text, dtype)
+        self.mm_config = cfg
+        self.vision_tower = Gemma4VisionTower(cfg.vision, dtype)
+        self.embed_vision = Gemma4VisionEmbedder(cfg.vision.hidden_size, cfg.text.hidden_size, cfg.vision.rms_norm_eps,
+                                                 dtype)
+
+    def engine_preferences(self) -> ModelPreferences:
+        return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=False)
+
+    @property
+    def image_layout(self) -> ImageLayout:
+        cfg = self.mm_config
+        proc = Gemma4ImageProcessor(cfg.vision.patch_size, cfg.vision.pooling_kernel_size, cfg.max_soft_tokens)
+        return ImageLayout(placeholder="", before="", token="", after="", image_token_id=cfg.image_token_id,
+                           max_tokens_per_image=cfg.max_soft_tokens, processor=proc, boi_token_id=cfg.boi_token_id,
+                           eoi_token_id=cfg.eoi_token_id)
+
+    def encode_images(self, pixels: torch.Tensor, positions: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Patches [N, P, 3 p^2] and positions [N, P, 2] -> soft tokens of each image [n_i, H]."""
+        return [self.embed_vision(h) for h in self.vision_tower(pixels, positions)]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight
+        ids = input_ids.masked_fill(input_ids == self.mm_config.image_token_id, self.mm_config.pad_token_id)
+        return F.embedding(ids, weight) * torch.tensor(self.config.hidden_size ** 0.5).to(weight.dtype)
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        if self.config.hidden_size_per_layer_input:   # image rows read the pad row of the per-layer table
+            ids = inputs.input_ids
+            inputs.input_ids = ids.masked_fill(ids == self.mm_config.image_token_id, self.mm_config.pad_token_id)
+        return super().forward(inputs)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        for prefix, ours in (("model.vision_tower.", "vision_tower."), ("vision_tower.", "vision_tower."),
+                             ("model.embed_vision.", "embed_vision."), ("embed_vision.", "embed_vision.")):
+            if name.startswith(prefix):
+                rest = name[len(prefix):]
+                rest = rest.replace("patch_embedder.input_proj.weight", "input_proj")
+                rest = rest.replace("patch_embedder.", "").replace("encoder.layers.", "layers.")
+                rest = rest.replace("embedding_projection.weight", "embedding_projection")
+                for theirs, mine in _RENAMES:
+                    rest = rest.replace(theirs, mine)
+                return ours + rest
+        if name.startswith(("model.audio_tower.", "model.embed_audio.")):
+            return None   # audio inputs are not supported
+        return super().checkpoint_name(name)

@@ -1,0 +1,49 @@
+"""Image pixels for a vision tower, with Pillow and numpy only (the same tensors as the checkpoint's
+Hugging Face image processor, PIL backend):
+
+    any image -> RGB (transparency composited onto white) -> resize (bilinear, on uint8)
+              -> x / 255 (computed in float64, stored float32) -> (x - mean) / std -> [3, S, S] float32
+
+Gemma 3: S = 896, mean = std = 0.5, so pixels land in [-1, 1]. Pan-and-scan (off in the released
+processor configs) is not implemented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .multimodal import ProcessedImage
+
+
+def to_rgb(image):
+    """A PIL image in RGB mode; transparency is composited onto white, as transformers does."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    size: int                                  # square output side
+    num_tokens: int = 0                        # soft tokens of every image (the model's pooling)
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    def __call__(self, image) -> ProcessedImage:
+        return ProcessedImage(self.pixels(image), self.num_tokens)
+
+    def pixels(self, image) -> np.ndarray:
+        """A PIL image -> [3, size, size] float32."""
+        from PIL import Image
+
+        rgb = to_rgb(image)
+        if rgb.size != (self.size, self.size):
+            rgb = rgb.resize((self.size, self.size), Image.Resampling.BILINEAR)
+        x = (np.asarray(rgb).astype(np.float64) * (1 / 255)).astype(np.float32)
+        x = (x - np.asarray(self.mean, dtype=np.float32)) / np.asarray(self.std, dtype=np.float32)
+        return np.ascontiguousarray(x.transpose(2, 0, 1))

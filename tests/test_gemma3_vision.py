@@ -1,0 +1,313 @@
+"""Gemma 3 with images (issue 12) against transformers' Gemma3ForConditionalGeneration on a tiny random
+checkpoint: preprocessing, logits (images before, between and after text; chunks that would cut
+through an image), greedy tokens across cache modes and mixed batches, one encoder call per image,
+and prefix-cache keys that know the image."""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from gemmaserve import LLM, SamplingParams
+from gemmaserve.attention.base import AttentionMetadata
+from gemmaserve.attention.torch_backend import TorchAttentionBackend
+from gemmaserve.config.engine import EngineConfig
+from gemmaserve.engine.images import ImageLimits, load_image
+from gemmaserve.engine.scheduler import Scheduler
+from gemmaserve.errors import UserInputError
+from gemmaserve.models.base import ModelInputs
+
+from helpers import (BOI, EOI, IMG, VISION_TOKENS_PER_IMAGE as TOKENS_PER_IMAGE, make_manager,
+                     save_vision_checkpoint as _save, tiny_hf_vision)
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    hf = tiny_hf_vision(1234)
+    path = _save(hf, tmp_path_factory.mktemp("g3v"))
+    llm = LLM(model=str(path), page_size=4, max_num_batched_tokens=64, kv_cache_memory=8 << 20)
+    return hf, path, llm
+
+
+def _images(n: int, seed: int = 0):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    sizes = [(40, 30), (17, 23), (28, 28), (64, 20)]
+    return [Image.fromarray(rng.integers(0, 256, (sizes[i % 4][1], sizes[i % 4][0], 3), dtype=np.uint8))
+            for i in range(n)]
+
+
+# -- preprocessing ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [28, 896])
+def test_preprocessing_equals_hf_processor(size):
+    from PIL import Image
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from gemmaserve.models.image_processing import ImageProcessor
+
+    rng = np.random.default_rng(size)
+    hf = Gemma3ImageProcessorPil(size={"height": size, "width": size}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    ours = ImageProcessor(size)
+    rgba = rng.integers(0, 256, (31, 45, 4), dtype=np.uint8)
+    images = [Image.fromarray(rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)),
+              Image.fromarray(rgba, "RGBA"), Image.fromarray(rng.integers(0, 256, (20, 9), dtype=np.uint8), "L"),
+              Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))]
+    ref = hf(images, return_tensors="np")["pixel_values"]
+    got = np.stack([ours.pixels(im) for im in images])
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
+
+
+# -- logits -----------------------------------------------------------------------------------------
+def _prompt(layout: str, seed: int) -> tuple[list[int], int]:
+    """Token ids with images where `layout` has an "I" (text tokens elsewhere), and the image count."""
+    rng = np.random.default_rng(seed)
+    ids = [2]
+    for ch in layout:
+        if ch == "I":
+            ids += [10, BOI] + [IMG] * TOKENS_PER_IMAGE + [EOI, 10]
+        else:
+            ids += rng.integers(4, 290, 3).tolist()
+    return ids, layout.count("I")
+
+
+def _hf_logits(hf, ids, pixels):
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf(input_ids=ids_t, pixel_values=pixels if len(pixels) else None,
+                 token_type_ids=(ids_t == IMG).long())
+    return out.logits[0]
+
+
+def _our_logits(model, ids, pixels, chunk, backend=None):
+    """Prefill `ids` in chunks of `chunk` tokens, cut by the scheduler's rule (never inside an image)."""
+    from gemmaserve.engine.images import ImageItem, image_spans
+
+    layout = model.image_layout
+    items = [ImageItem(s, n, "", p.numpy()) for (s, n), p in zip(image_spans(ids, layout), pixels)]
+    feats = model.encode_images(pixels) if len(pixels) else None
+    specs = model.kv_layer_specs(torch.float32)
+    kv = make_manager("v2", specs, 4, 256, enable_prefix_caching=False)
+    backend = backend or TorchAttentionBackend()
+    cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
+    req = SimpleNamespace(max_chunk_tokens=None, images=items)
+    done, outs = 0, []
+    while done < len(ids):
+        n = Scheduler._chunk(req, done, len(ids) - done, chunk)
+        assert n > 0
+        end = done + n
+        assert kv.allocate("0", ids, done, end, prefill=n > 1)
+        t = torch.tensor(ids[done:end])
+        embeds = model.embed(t)
+        for i, im in enumerate(items):
+            lo, hi = max(im.start, done), min(im.end, end)
+            if lo < hi:
+                embeds[lo - done:hi - done] = feats[i, lo - im.start:hi - im.start]
+        spans = [[(im.start, im.end) for im in items if im.start < end and im.end > done]]
+        md = AttentionMetadata([n], [end], kv.group_tables(["0"]), kv.layer_slot, image_spans=spans)
+        with torch.inference_mode():
+            hidden = model(ModelInputs(t, torch.arange(done, end), backend.begin_batch(md, cache),
+                                       inputs_embeds=embeds))
+            outs.append(model.compute_logits(hidden))
+        kv.commit("0", ids, end)
+        done = end
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("layout", ["IT", "TIT", "TIIT", "TITIT", "TTI"])
+@pytest.mark.parametrize("chunk", [5, 9, 64])
+def test_logits_match_transformers(setup, layout, chunk):
+    hf, _, llm = setup
+    model = llm.engine.model
+    ids, n = _prompt(layout, seed=len(layout) * 7 + chunk)
+    pixels = torch.randn(n, 3, 28, 28, generator=torch.Generator().manual_seed(chunk))
+    ref = _hf_logits(hf, ids, pixels)
+    got = _our_logits(model, ids, pixels, chunk)
+    err = (got - ref).abs().max().item()
+    assert err < TOL, f"{layout} chunk={chunk}: {err}"
+
+
+def test_mask_matters():
+    """The tolerance sees the bidirectional image mask: a causal-only run differs."""
+    hf = tiny_hf_vision(99)
+    ids, n = _prompt("TIT", 3)
+    pixels = torch.randn(n, 3, 28, 28, generator=torch.Generator().manual_seed(3))
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        bidi = hf(input_ids=ids_t, pixel_values=pixels, token_type_ids=(ids_t == IMG).long()).logits
+        causal = hf(input_ids=ids_t, pixel_values=pixels).logits
+    assert (bidi - causal).abs().max().item() > 100 * TOL
+
+
+def test_triton_kernel_honours_the_image_mask(setup):
+    from gemmaserve.attention.triton_backend import TritonAttentionBackend, triton_available
+
+    if triton_available(torch.device("cpu")) is not None:
+        pytest.skip("triton interpreter not available")
+    hf, _, llm = setup
+    ids, n = _prompt("TITIT", 5)
+    pixels = torch.randn(n, 3, 28, 28, generator=torch.Generator().manual_seed(5))
+    ref = _hf_logits(hf, ids, pixels)
+    got = _our_logits(llm.engine.model, ids, pixels, 9, backend=TritonAttentionBackend())
+    assert (got - ref).abs().max().item() < TOL
+
+
+# -- the engine -------------------------------------------------------------------------------------
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def _hf_greedy(hf, llm, prompt, images, n=6):
+    ids, items = llm.engine.prepare_images(prompt, images)
+    pixels = torch.from_numpy(np.stack([it.pixels for it in items]))
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids_t, pixel_values=pixels, token_type_ids=(ids_t == IMG).long(),
+                          attention_mask=torch.ones_like(ids_t), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                          eos_token_id=[])
+    return out[0, len(ids):].tolist()
+
+
+CASES = [("<start_of_image> describe it", 1), ("two: <start_of_image> and <start_of_image> then", 2),
+         ("a picture follows <start_of_image>", 1)]
+
+
+def _run(llm, cases=CASES, seed=0, extra_text=()):
+    prompts = [p for p, _ in cases] + list(extra_text)
+    images = [_images(n, seed + i) for i, (_, n) in enumerate(cases)] + [None] * len(extra_text)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False, images=images)]
+
+
+def test_greedy_equals_transformers_generate(setup):
+    hf, _, llm = setup
+    got = _run(llm)
+    for (prompt, n), tokens, i in zip(CASES, got, range(len(CASES))):
+        assert tokens == _hf_greedy(hf, llm, prompt, _images(n, i)), prompt
+
+
+@pytest.mark.parametrize("options", [
+    dict(kv_cache_manager="v1"), dict(max_num_batched_tokens=9), dict(max_num_batched_tokens=13, max_num_seqs=2),
+    dict(max_num_batched_tokens=TOKENS_PER_IMAGE),   # decodes must leave a whole step to an image
+    dict(attention_backend="triton", max_num_batched_tokens=9),   # Triton interpreted on the CPU
+    dict(enable_prefix_caching=False), dict(kv_cache_manager="v2", swa_scratch_reuse="on", max_num_batched_tokens=9),
+])
+def test_greedy_tokens_equal_across_cache_modes_and_mixed_batches(setup, options):
+    _, path, llm = setup
+    expected = _run(llm, extra_text=["just text here", "more text"])
+    other = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
+                                         **{"max_num_batched_tokens": 64, **options}), llm)
+    assert not llm.engine.info.swa_scratch_reuse   # off by default for a multimodal checkpoint
+    assert other.engine.info.swa_scratch_reuse == (options.get("swa_scratch_reuse") == "on")
+    for _ in range(2):   # cold, then warm prefix cache
+        assert _run(other, extra_text=["just text here", "more text"]) == expected
+    other.engine.kv.check_integrity()
+
+
+def test_encoder_runs_once_per_image(setup):
+    _, path, llm = setup
+    small = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
+                                         max_num_batched_tokens=7, enable_prefix_caching=False), llm)
+    calls = []
+    model = small.engine.model
+    original = model.encode_images
+    model.encode_images = lambda px, pos: (calls.append(px.shape[0]), original(px, pos))[1]
+    try:
+        _run(small, cases=[("x <start_of_image> y <start_of_image> z <start_of_image> w", 3)])
+    finally:
+        del model.encode_images
+    assert sum(calls) == 3, calls      # however many 7-token chunks cover the prompt
+    assert small.engine.runner.encoder_cache.encoded == 3
+    _run(small, cases=[("again <start_of_image> and <start_of_image> x <start_of_image> w", 3)])
+    assert sum(calls) == 3, calls      # the same images in a new request: the content-keyed cache serves them
+
+
+def test_prefix_cache_keys_include_the_image(setup):
+    _, path, llm = setup
+    fresh = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20), llm)
+    prompt = "some words first <start_of_image> and after it a long tail of words"
+    a, b = _images(2, 42)
+    first = fresh.generate(prompt, PARAMS, images=[a])[0]
+    ids, items = fresh.engine.prepare_images(prompt, [a])
+    same = fresh.generate(prompt, PARAMS, images=[a])[0]
+    other = fresh.generate(prompt, PARAMS, images=[b])[0]
+    assert same.num_cached_tokens > items[0].end           # the same image: hits past it
+    assert other.num_cached_tokens <= items[0].start       # another image: never its KV
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+    fresh.engine.kv.check_integrity()
+
+
+def test_image_inputs_and_errors(setup, tmp_path):
+    _, _, llm = setup
+    from PIL import Image
+
+    arr = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    Image.fromarray(arr).save(tmp_path / "a.png")
+    keys = {llm.engine.prepare_images("x", [im])[1][0].key
+            for im in (arr, Image.fromarray(arr), str(tmp_path / "a.png"), (tmp_path / "a.png").read_bytes())}
+    assert len(keys) == 1
+    with pytest.raises(UserInputError, match="decoded"):
+        load_image(b"not an image", ImageLimits())
+    with pytest.raises(UserInputError, match="pixels"):
+        load_image(arr, ImageLimits(max_pixels=100))
+    with pytest.raises(UserInputError, match="placeholders"):
+        llm.generate("<start_of_image> <start_of_image>", PARAMS, images=[arr])
+    with pytest.raises(UserInputError, match="at most"):
+        llm.engine.prepare_images("x", [arr] * 3, ImageLimits(max_images=2))
+
+
+# -- the chat API ------------------------------------------------------------------------------------
+def test_chat_api_takes_data_url_images(setup):
+    import base64
+    import io
+
+    openai = pytest.importorskip("openai")
+    from gemmaserve.engine.llm_engine import LLMEngine
+    from gemmaserve.server.app import ServerConfig
+    from gemmaserve.server.background import BackgroundServer
+
+    _, path, llm = setup
+    image = _images(1, 7)[0]
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    engine = LLMEngine(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20), llm.engine.loaded)
+    content = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": "what"}]
+    with BackgroundServer(engine, ServerConfig(max_images_per_request=2)) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+        got = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": content}],
+                                             max_tokens=6, temperature=0)
+        bad = [("https://example.com/cat.png", "data: URLs"), ("data:image/png;base64,AAAA", "decoded"),
+               ("data:image/png;base64,@@", "base64")]
+        for bad_url, words in bad:
+            with pytest.raises(openai.BadRequestError, match=words):
+                client.chat.completions.create(model=str(path), max_tokens=2, messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": bad_url}}]}])
+        with pytest.raises(openai.BadRequestError, match="at most 2"):
+            client.chat.completions.create(model=str(path), max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}] * 3}])
+        again = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": content}],
+                                               max_tokens=6, temperature=0)
+        srv.server.async_engine.call_blocking(lambda e: e.kv.check_integrity())
+    prompt = "<start_of_turn>user\nlook<start_of_image>what<end_of_turn>\n<start_of_turn>model\n"
+    want = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0), images=[image])[0].outputs[0].text
+    assert got.choices[0].message.content == again.choices[0].message.content == want
+
+
+def test_cli_image_flag(setup, tmp_path, capsys):
+    from gemmaserve.cli import main
+
+    _, path, llm = setup
+    image = _images(1, 11)[0]
+    image.save(tmp_path / "pic.png")
+    argv = ["generate", "--model", str(path), "--page-size", "4", "--kv-cache-memory", "8MiB", "--json",
+            "--max-tokens", "4", "--ignore-eos", "--image", str(tmp_path / "pic.png"), "what is <start_of_image>"]
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = llm.generate("what is <start_of_image>", SamplingParams(max_tokens=4, ignore_eos=True), images=[image])[0]
+    assert got["token_ids"] == want.outputs[0].token_ids
+    assert main(argv[:-3] + ["--image", str(tmp_path / "missing.png"), "x"]) == 2
