@@ -54,8 +54,9 @@ class LlamaCppReference:
         llm = self._model(len(prompt) + n + 8)
         llm.eval(prompt)
         out = []
-        for _ in range(n):
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        for _ in range(n):   # the last row's logits (llama-cpp-python keeps `scores` only with logits_all)
+            logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+            out.append(int(np.argmax(logits)))
             llm.eval([out[-1]])
         return out
 
