@@ -127,10 +127,10 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Scaled token embeddings [T, H]; an image id outside the vocabulary reads row 0 (it is
         overwritten by its soft token anyway)."""
-        weight = self.model.embed_tokens.weight
-        ids = input_ids.masked_fill(input_ids >= weight.shape[0], 0)
-        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(weight.dtype)
-        return F.embedding(ids, weight) * scale
+        table = self.model.embed_tokens
+        ids = input_ids.masked_fill(input_ids >= table.num_embeddings, 0)
+        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(table.dtype)
+        return table(ids) * scale
 
     # -- weights ----------------------------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str | None:

@@ -298,9 +298,9 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         return [self.embed_vision(h) for h in self.vision_tower(pixels, positions)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight
+        table = self.model.embed_tokens
         ids = input_ids.masked_fill(input_ids == self.mm_config.image_token_id, self.mm_config.pad_token_id)
-        return F.embedding(ids, weight) * torch.tensor(self.config.hidden_size ** 0.5).to(weight.dtype)
+        return table(ids) * torch.tensor(self.config.hidden_size ** 0.5).to(table.dtype)
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         if self.config.hidden_size_per_layer_input:   # image rows read the pad row of the per-layer table
