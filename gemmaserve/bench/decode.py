@@ -9,6 +9,7 @@ Each figure is the median of `--repeats` runs after one warm-up.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -194,7 +195,13 @@ def run(args: argparse.Namespace) -> int:
             row.update(hf_tok_s=round(ref, 2), ratio_vs_hf_same_batch=round(med["ours"] / ref, 2))
         result["rows"].append(row)
     long_prompt = (prompt_ids * (args.prefill_tokens // len(prompt_ids) + 1))[:args.prefill_tokens]
-    fns = {"ours": lambda: _ours_prefill(llm, long_prompt)}
+    calls = itertools.count(1)
+
+    def rotated() -> list[int]:   # a different first block every call: no prefix-cache hit
+        i = next(calls) % (len(long_prompt) - 1)
+        return long_prompt[:1] + long_prompt[1 + i:] + long_prompt[1:1 + i]
+
+    fns = {"ours": lambda: _ours_prefill(llm, rotated())}
     if llama is not None:
         fns["llama_cpp"] = lambda: llama.prefill_tok_s(long_prompt, 1)
     med = _alternating(fns, args.repeats)
