@@ -419,11 +419,13 @@ def test_serve_rejects_bad_options(args, needle, capsys):
 
 
 def test_serve_command(tmp_path):
-    """`gemmaserve serve` as users start it: any free port, a completion, a clean exit on Ctrl-C."""
+    """`gemmaserve serve` as users start it: any free port, ready once loaded, a completion, a clean exit
+    on Ctrl-C."""
     import os
     import signal
     import subprocess
     import sys
+    import urllib.error
     import urllib.request
 
     proc = subprocess.Popen([sys.executable, "-m", "gemmaserve", "serve", "--port", "0", "--max-model-len", "256"],
@@ -437,6 +439,13 @@ def test_serve_command(tmp_path):
             m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
             port = int(m.group(1)) if m else None
         assert port, "no startup line"
+        while True:   # it listens at once and answers 503 until the model has loaded
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30).status == 200:
+                    break
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503 and time.monotonic() < deadline
+            time.sleep(0.1)
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
                                      data=json.dumps({"prompt": "Hello", "max_tokens": 3}).encode(),
                                      headers={"Content-Type": "application/json"})

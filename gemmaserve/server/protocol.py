@@ -21,14 +21,16 @@ class ApiError(Exception):
     """An error response in OpenAI's format."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
         self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                             413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+                             408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                             499: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -63,6 +65,7 @@ class _Common(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    request_timeout: float | None = None   # seconds from arrival; can only shorten --request-timeout
 
 
 class CompletionRequest(_Common):
@@ -103,6 +106,9 @@ def reject_unsupported(req: CompletionRequest | ChatRequest) -> None:
             raise ApiError(400, f"{param}: {what} is not supported", param=param)
 
     no(bool(req.logit_bias), "logit_bias", "biasing logits")
+    t = req.request_timeout
+    if t is not None and not (0 < t < float("inf")):
+        raise ApiError(400, f"request_timeout must be a positive number of seconds, got {t!r}", param="request_timeout")
     if isinstance(req, CompletionRequest):
         no(req.suffix is not None, "suffix", "insertion (suffix)")
         no(req.best_of is not None and req.best_of != req.n, "best_of", "best_of other than n")
