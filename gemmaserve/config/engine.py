@@ -65,6 +65,9 @@ class EngineConfig:
     enforce_eager: bool = option(False, help="never use CUDA graphs (decode steps are captured by default on CUDA)")
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
                                     help="attention implementation; auto = triton on CUDA, torch on the CPU")
+    suppress_media_tokens: bool | None = option(
+        None, negatable=True,
+        help="never sample the tokenizer's image/audio/video placeholder tokens (default: on for text-only models)")
     # Benchmark only, no flag: pin V2's pool split at this sliding share (emulates per-life-cycle pools).
     kv_pool_split: float | None = None
 
@@ -95,6 +98,8 @@ class EngineConfig:
                                  f"got {self.kv_cache_dtype!r}")
         if self.enable_prefix_caching not in (None, True, False):
             raise UserInputError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}")
+        if self.suppress_media_tokens not in (None, True, False):
+            raise UserInputError(f"suppress_media_tokens must be True, False or None, got {self.suppress_media_tokens!r}")
         if self.kv_pool_split is not None and not (isinstance(self.kv_pool_split, float)
                                                    and 0.0 < self.kv_pool_split < 1.0):
             raise UserInputError(f"kv_pool_split must be a float in (0, 1), got {self.kv_pool_split!r}")
