@@ -51,3 +51,10 @@ def test_media_tokens_are_suppressed_for_text_only_models(media_checkpoint, supp
         assert soi not in out.token_ids and llm.engine.suppressed_token_ids == [soi]
     else:                  # asked for: the model may emit it (and decoding skips it as special)
         assert out.token_ids == [soi] * 8 and out.text == ""
+
+
+def test_tiny_temperatures_are_greedy():
+    """Dividing logits by a temperature below ~1e-38 overflows float32 (nan probabilities): such
+    temperatures are greedy, as 0 is."""
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=5e-324).greedy
+    assert not SamplingParams(temperature=1e-4).greedy

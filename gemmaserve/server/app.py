@@ -142,14 +142,17 @@ class OpenAIServer:
                 if hasattr(self, "async_engine"):
                     await asyncio.to_thread(self.async_engine.shutdown)
 
-        app = FastAPI(title="gemmaserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="gemmaserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
         v1 = APIRouter(prefix="/v1", dependencies=[Depends(self._authorize), Depends(self._require_ready)])
-        v1.add_api_route("/completions", self.completions, methods=["POST"])
-        v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
-        v1.add_api_route("/models", self.models, methods=["GET"])
+        v1.add_api_route("/completions", self.completions, methods=["POST"], openapi_extra=_body(CompletionRequest),
+                         responses=_ERRORS)
+        v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"], openapi_extra=_body(ChatRequest),
+                         responses=_ERRORS)
+        v1.add_api_route("/models", self.models, methods=["GET"], responses=_ERRORS)
         app.include_router(v1)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_text, methods=["GET"])
+        app.openapi = lambda: _openapi(app)
         app.add_exception_handler(ApiError, self._api_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_exception_handler(Exception, self._internal_error)
@@ -488,6 +491,39 @@ def _as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, DeadlineExceeded):
         return ApiError(408, str(exc), param="request_timeout", code="request_timeout")
     return ApiError(503, str(exc), code="engine_stopped")
+
+
+# -- the OpenAPI document (/openapi.json: what API fuzzers and client generators read) -------------------
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_ERRORS = {status: {"description": text, "content": {"application/json": {"schema": {
+    "$ref": "#/components/schemas/Error"}}}}
+    for status, text in ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
+                         (408, "past the request's deadline"), (413, "body too large"), (429, "queue full"),
+                         (499, "client closed the request"), (503, "loading, draining or stopped"))}
+
+
+def _body(model: type) -> dict:
+    """The request body schema of a route whose handler reads the raw body (validation is ours)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components["Error"] = _ERROR_SCHEMA
+        for model in (CompletionRequest, ChatRequest):
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _parse_json(body: bytes) -> object:
