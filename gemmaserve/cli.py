@@ -31,6 +31,7 @@ BENCHMARKS = {
     "throughput": ("offline throughput of mixed prompts against Hugging Face generate", True),
     "memory": ("KV bytes per sequence, prefill peaks and concurrency (V1 vs V2)", False),
     "load": ("HTTP server under concurrent streamed requests: TTFT, ITL, tokens/s vs offline", True),
+    "soak": ("HTTP server under faults (disconnects, deadlines, overload, bad input): leaks and accounting", True),
 }
 
 

@@ -153,6 +153,7 @@ class OpenAIServer:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_text, methods=["GET"])
         app.openapi = lambda: _openapi(app)
+        app.add_middleware(_CountRequests, counter=self.metrics.http_requests)
         app.add_exception_handler(ApiError, self._api_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_exception_handler(Exception, self._internal_error)
@@ -491,6 +492,32 @@ def _as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, DeadlineExceeded):
         return ApiError(408, str(exc), param="request_timeout", code="request_timeout")
     return ApiError(503, str(exc), code="engine_stopped")
+
+
+class _CountRequests:
+    """ASGI middleware: count every /v1 request exactly once, when it ends, by the status it was
+    answered with ("none" if the client left before any response), however it ended."""
+
+    def __init__(self, app, counter):
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = "none"
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.counter.labels(status).inc()
 
 
 # -- the OpenAPI document (/openapi.json: what API fuzzers and client generators read) -------------------
