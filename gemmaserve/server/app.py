@@ -11,8 +11,9 @@ prompt length, KV budget) before the request reaches the engine, so a stream tha
 fails for an internal error or its deadline. Tokenising, chat templating and parsing large bodies run
 on worker threads: the event loop only moves bytes, so /health answers at once whatever the prompts.
 
-Lifecycle: LOADING (the engine loads on a thread; /health 503) -> READY -> DRAINING (SIGTERM: /health
-and new requests 503, running ones finish or, after --shutdown-timeout, are aborted) -> STOPPED.
+Lifecycle (ServerState): LOADING (the engine loads on a thread; /health 503) -> READY -> DRAINING
+(SIGTERM: /health and new requests 503, running ones finish or, after --shutdown-timeout, are aborted),
+then exit; FAILED when the engine did not load or its thread died.
 """
 
 from __future__ import annotations
