@@ -251,6 +251,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     import platform
 
     from ..config.engine import EngineConfig
@@ -263,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     with BackgroundServer(engine, ServerConfig(max_queue_len=args.max_queue_len, request_timeout=60)) as srv:
         report = soak(srv, cfg)
     result = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "model": engine.config.model,
-              "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores", **dataclasses.asdict(report),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", **dataclasses.asdict(report),
               "faults_injected": report.faults_injected}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
