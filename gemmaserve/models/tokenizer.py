@@ -36,6 +36,7 @@ _TURN_END_TOKENS = ("<end_of_turn>",)
 _CONTROL_LOOKING = re.compile(r"<[a-z]+(?:_[a-z]+)+>|\[[a-z_]+\]")
 # Special tokens that stand for non-text input (<start_of_image>, <image_soft_token>, Gemma 4's <|audio>).
 _MEDIA = re.compile(r"image|audio|video")
+_DECODE_BATCH_ABOVE = 4096   # ids; shorter decodes (the detokenizer's, every step) skip the batch overhead
 # Bumped when the GGUF -> tokenizer.json conversion changes, so stale cached files are not reused.
 _GGUF_CACHE_VERSION = 2
 
@@ -75,8 +76,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with BOS when the model wants it (post-processor) unless told not to
-        (a rendered chat template that already starts with BOS)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        (a rendered chat template that already starts with BOS). Through `encode_batch`, which
+        releases the GIL (`encode` holds it: 2 MB of text would stall every thread for ~2 s)."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (logprobs)."""
@@ -86,6 +88,8 @@ class Tokenizer:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > _DECODE_BATCH_ABOVE:   # long prompts given as ids: decode without holding the GIL
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:

@@ -80,6 +80,7 @@ class OpenAIServer:
         self.created = now()
         self.state = ServerState.LOADING
         self.load_error: BaseException | None = None
+        self.in_flight = 0   # /v1 requests in progress, from arrival (tokenising included) to their end
         self._loader = engine if not isinstance(engine, LLMEngine) else None
         if isinstance(engine, LLMEngine):
             self._attach(engine)
@@ -112,18 +113,18 @@ class OpenAIServer:
         (their clients get what was generated, finish_reason "abort")."""
         if self.state in (ServerState.READY, ServerState.LOADING):
             self.state = ServerState.DRAINING
-        engine = getattr(self, "async_engine", None)
-        if engine is None:
-            return
         deadline = time.monotonic() + timeout
-        while engine.active and time.monotonic() < deadline:
+        while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if engine.active:
-            log.warning("shutdown: aborting %d request(s) still running after %.1fs", engine.active, timeout)
+        engine = getattr(self, "async_engine", None)
+        if self.in_flight and engine is not None:
+            log.warning("shutdown: aborting %d request(s) still running after %.1fs", self.in_flight, timeout)
             engine.abort_all()
             give_up = time.monotonic() + 5.0
-            while engine.active and time.monotonic() < give_up:
+            while self.in_flight and time.monotonic() < give_up:
                 await asyncio.sleep(0.02)
+                if engine.active:   # one that was still tokenising reached the engine after the abort
+                    engine.abort_all()
 
     # -- app -----------------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -154,7 +155,7 @@ class OpenAIServer:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_text, methods=["GET"])
         app.openapi = lambda: _openapi(app)
-        app.add_middleware(_CountRequests, counter=self.metrics.http_requests)
+        app.add_middleware(_TrackRequests, server=self)
         app.add_exception_handler(ApiError, self._api_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_exception_handler(Exception, self._internal_error)
@@ -495,13 +496,14 @@ def _as_api_error(exc: Exception) -> ApiError:
     return ApiError(503, str(exc), code="engine_stopped")
 
 
-class _CountRequests:
-    """ASGI middleware: count every /v1 request exactly once, when it ends, by the status it was
-    answered with ("none" if the client left before any response), however it ended."""
+class _TrackRequests:
+    """ASGI middleware: keep `server.in_flight` (what a drain waits for), and count every /v1 request
+    exactly once, when it ends, by the status it was answered with ("none" if the client left
+    before any response), however it ended."""
 
-    def __init__(self, app, counter):
+    def __init__(self, app, server: OpenAIServer):
         self.app = app
-        self.counter = counter
+        self.server = server
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -515,10 +517,12 @@ class _CountRequests:
                 status = str(message["status"])
             await send(message)
 
+        self.server.in_flight += 1
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            self.counter.labels(status).inc()
+            self.server.in_flight -= 1
+            self.server.metrics.http_requests.labels(status).inc()
 
 
 # -- the OpenAPI document (/openapi.json: what API fuzzers and client generators read) -------------------
