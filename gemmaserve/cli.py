@@ -1,9 +1,13 @@
-"""Command line: `gemmaserve generate|bench ...`. Engine and sampling options come from the
-`EngineConfig` and `SamplingParams` dataclasses, so every command shares them."""
+"""Command line: `gemmaserve generate|serve|bench ...`. Engine and sampling options come from the
+`EngineConfig` and `SamplingParams` dataclasses, so every command shares them.
+
+Nothing here imports torch until a command runs (the benchmarks' own options are declared only when
+`bench` is the command): `--help` and argument errors answer in a fraction of a second."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -21,7 +25,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# bench name -> (help, whether it takes the engine options); their modules import torch.
+BENCHMARKS = {
+    "decode": ("CPU/GPU decode tokens/s against Hugging Face generate (and llama.cpp on the CPU)", True),
+    "throughput": ("offline throughput of mixed prompts against Hugging Face generate (and llama.cpp)", True),
+    "memory": ("KV bytes per sequence, prefill peaks and concurrency (V1 vs V2)", False),
+    "load": ("HTTP server under concurrent streamed requests: TTFT, ITL, tokens/s vs offline", True),
+    "soak": ("HTTP server under faults (disconnects, deadlines, overload, bad input): leaks and accounting", True),
+    "quality": ("quantised CPU weights against fp32 (and llama.cpp): perplexity, greedy agreement", False),
+}
+
+
+def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    """`with_bench=False` declares the benchmarks without their options (no torch import)."""
     parser = _Parser(prog="gemmaserve", description="Gemma 3 / Gemma 4 inference engine")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -37,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(handler=_generate)
 
     srv = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    from .server.app import ServerConfig
+    from .server.config import ServerConfig
 
     add_options(srv, ServerConfig, "server")
     add_options(srv, EngineConfig, "engine")
@@ -45,27 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run a benchmark and write JSON")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    from .bench import decode, load, memory, quality, throughput
-
-    dec = kinds.add_parser("decode", help="CPU/GPU decode tokens/s against Hugging Face generate (and llama.cpp on the CPU)")
-    decode.add_arguments(dec)
-    add_options(dec, EngineConfig, "engine")
-    dec.set_defaults(handler=decode.run)
-    thr = kinds.add_parser("throughput", help="offline throughput of mixed prompts against Hugging Face generate")
-    throughput.add_arguments(thr)
-    add_options(thr, EngineConfig, "engine")
-    thr.set_defaults(handler=throughput.run)
-    mem = kinds.add_parser("memory", help="KV bytes per sequence, prefill peaks and concurrency (V1 vs V2)")
-    memory.add_arguments(mem)
-    mem.set_defaults(handler=memory.run)
-    ld = kinds.add_parser("load", help="HTTP server under concurrent streamed requests: TTFT, ITL, tokens/s vs offline")
-    load.add_arguments(ld)
-    add_options(ld, EngineConfig, "engine")
-    ld.set_defaults(handler=load.run)
-    qual = kinds.add_parser("quality", help="quantised CPU weights against fp32 (and llama.cpp): perplexity, "
-                                            "greedy agreement")
-    quality.add_arguments(qual)
-    qual.set_defaults(handler=quality.run)
+    for name, (text, engine_options) in BENCHMARKS.items():
+        sub = kinds.add_parser(name, help=text)
+        if with_bench:
+            module = importlib.import_module(f".bench.{name}", __package__)
+            module.add_arguments(sub)
+            if engine_options:
+                add_options(sub, EngineConfig, "engine")
+            sub.set_defaults(handler=module.run)
     return parser
 
 
@@ -108,16 +111,18 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from .engine.llm_engine import LLMEngine
-    from .server.app import ServerConfig, serve
+    from .server.config import ServerConfig
+    from .server.runner import serve
 
     server_config = from_namespace(ServerConfig, args)
-    engine = LLMEngine(from_namespace(EngineConfig, args))
-    serve(engine, server_config)
+    engine_config = from_namespace(EngineConfig, args)
+    serve(lambda: LLMEngine(engine_config), server_config)   # listens (503 "loading") while the model loads
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(with_bench="bench" in argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)

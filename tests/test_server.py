@@ -287,6 +287,11 @@ CHAT = {"model": "gemma3-270m", "messages": [{"role": "user", "content": "Hi"}],
     ("/v1/completions", {**GOOD, "presence_penalty": 5}, None, 400, "presence_penalty"),
     ("/v1/completions", {**GOOD, "stop": [""]}, None, 400, "stop"),
     ("/v1/completions", {**GOOD, "logit_bias": {"5": 1.0}}, None, 400, "logit_bias"),
+    # Found by the API fuzzer (test_server_fuzz.py): values that overflowed float32 in the sampler (500s).
+    ("/v1/completions", {**GOOD, "top_p": 5e-324}, None, 400, "top_p"),
+    ("/v1/completions", {**GOOD, "repetition_penalty": 5e-324}, None, 400, "repetition_penalty"),
+    ("/v1/completions", {**GOOD, "seed": 2 ** 80}, None, 400, "seed"),
+    ("/v1/completions", {**GOOD, "request_timeout": 0}, None, 400, "request_timeout"),
     ("/v1/chat/completions", {"model": "gemma3-270m"}, None, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, None, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages"),
@@ -419,11 +424,13 @@ def test_serve_rejects_bad_options(args, needle, capsys):
 
 
 def test_serve_command(tmp_path):
-    """`gemmaserve serve` as users start it: any free port, a completion, a clean exit on Ctrl-C."""
+    """`gemmaserve serve` as users start it: any free port, ready once loaded, a completion, a clean exit
+    on Ctrl-C."""
     import os
     import signal
     import subprocess
     import sys
+    import urllib.error
     import urllib.request
 
     proc = subprocess.Popen([sys.executable, "-m", "gemmaserve", "serve", "--port", "0", "--max-model-len", "256"],
@@ -437,6 +444,13 @@ def test_serve_command(tmp_path):
             m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
             port = int(m.group(1)) if m else None
         assert port, "no startup line"
+        while True:   # it listens at once and answers 503 until the model has loaded
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30).status == 200:
+                    break
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503 and time.monotonic() < deadline
+            time.sleep(0.1)
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
                                      data=json.dumps({"prompt": "Hello", "max_tokens": 3}).encode(),
                                      headers={"Content-Type": "application/json"})

@@ -55,3 +55,18 @@ def test_stop_tokens_include_end_of_turn(llm_270m):
     tok = llm_270m.tokenizer
     assert tok.eos_token_id == 1
     assert tok.token_to_id("<end_of_turn>") in tok.stop_token_ids
+
+
+def test_control_looking_gguf_tokens_are_special(llm_270m):
+    """The GGUF types <start_of_image> and friends "user-defined"; HF's Gemma 3 tokenizer marks them
+    special, so they are skipped with skip_special_tokens. HTML tags stay text."""
+    tok = llm_270m.tokenizer
+    for name in ("<start_of_image>", "<end_of_image>", "[multimodal]", "<start_of_turn>", "<end_of_turn>"):
+        assert tok.is_special(tok.token_to_id(name)), name
+    for name in ("<table>", "<b>", "</div>", "<bbox>"):
+        assert not tok.is_special(tok.token_to_id(name)), name
+    soi, eoi = tok.token_to_id("<start_of_image>"), tok.token_to_id("<end_of_image>")
+    ids = tok.encode("An old pond") + [soi] * 3
+    assert tok.decode(ids) == "An old pond" and "<start_of_image>" in tok.decode(ids, skip_special_tokens=False)
+    # The embedded model is text-only: its media tokens are never sampled.
+    assert tok.media_token_ids == {soi, eoi} and llm_270m.engine.suppressed_token_ids == sorted([soi, eoi])

@@ -4,27 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import UserInputError
 from ..models.embedded import DEFAULT_MODEL
 from .options import number, option, positive_int, size
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
+if TYPE_CHECKING:   # torch is imported only when a dtype or device is resolved: `--help` stays fast
+    import torch
+
+# Names of torch dtypes, looked up on first use.
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "fp32", "bf16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_MANAGERS = ("auto", "v1", "v2")
 SCRATCH_CHOICES = ("auto", "on", "off")
 # KV storage: auto = the model's dtype; fp8 = e4m3 with per-layer scales (engine/kv_calibration.py).
-_KV_DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float32": torch.float32, "fp32": torch.float32,
-    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-}
+_KV_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+              "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 KV_DTYPE_CHOICES = ("auto", *_KV_DTYPES)
 
 # CPU default KV budget. Storage is torch.empty, so untouched pages cost no RAM.
@@ -73,6 +70,9 @@ class EngineConfig:
     encoder_cache_memory: int = option(256 << 20, parse=size,
                                        help="image encoder outputs kept across requests, by image content (0: none; "
                                             "a request always keeps its own until it finishes)")
+    suppress_media_tokens: bool | None = option(
+        None, negatable=True,
+        help="never sample the tokenizer's image/audio/video placeholder tokens (default: on for text-only models)")
     # Benchmark only, no flag: pin V2's pool split at this sliding share (emulates per-life-cycle pools).
     kv_pool_split: float | None = None
 
@@ -103,6 +103,8 @@ class EngineConfig:
                                  f"got {self.kv_cache_dtype!r}")
         if self.enable_prefix_caching not in (None, True, False):
             raise UserInputError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}")
+        if self.suppress_media_tokens not in (None, True, False):
+            raise UserInputError(f"suppress_media_tokens must be True, False or None, got {self.suppress_media_tokens!r}")
         if self.kv_pool_split is not None and not (isinstance(self.kv_pool_split, float)
                                                    and 0.0 < self.kv_pool_split < 1.0):
             raise UserInputError(f"kv_pool_split must be a float in (0, 1), got {self.kv_pool_split!r}")
@@ -116,6 +118,8 @@ class EngineConfig:
 
     # -- resolution of "auto" values ---------------------------------------------------------
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
@@ -129,9 +133,11 @@ class EngineConfig:
         return dev
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, _DTYPES[self.dtype])
 
     def quantized_weights(self, device: torch.device) -> bool:
         """`--dtype auto` on the CPU keeps a GGUF file's quantised weights quantised (fp32 activations)."""
@@ -139,13 +145,17 @@ class EngineConfig:
 
     def torch_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's storage dtype for a model running in `model_dtype`."""
-        return model_dtype if self.kv_cache_dtype == "auto" else _KV_DTYPES[self.kv_cache_dtype]
+        import torch
+
+        return model_dtype if self.kv_cache_dtype == "auto" else getattr(torch, _KV_DTYPES[self.kv_cache_dtype])
 
     def kv_budget_bytes(self, device: torch.device) -> int:
         """The KV cache budget. Call after the weights are on the device (they count as used)."""
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
         if device.type == "cuda":
+            import torch
+
             free, total = torch.cuda.mem_get_info(device)
             budget = int(total * self.gpu_memory_utilization) - (total - free) - _GPU_ACTIVATION_RESERVE
             if budget <= 0:

@@ -104,9 +104,17 @@ class LLMEngine:
             raise UserInputError(f"max_num_batched_tokens {config.max_num_batched_tokens} is below the "
                                  f"{self.image_layout.max_tokens_per_image} tokens an image can take (an image is "
                                  "never split across prefill chunks)")
+        # A text-only model has seen media tokens only as tokens, never with their embeddings: left
+        # free it may emit them (the 270M base model answers a haiku prompt with <start_of_image> x 24).
+        suppress = config.suppress_media_tokens
+        if suppress is None:
+            suppress = not self.model.config.multimodal
+        self.suppressed_token_ids = sorted(t for t in self.tokenizer.media_token_ids
+                                           if t < self.model.vocab_size) if suppress else []
         self.runner = ModelRunner(self.model, self.backend, self.kv.layout, self.kv.groups, self.kv.layer_slot, specs,
                                   self.device, cuda_graphs=use_graphs, max_model_len=self.max_model_len,
-                                  max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory)
+                                  max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
+                                  suppress_token_ids=self.suppressed_token_ids)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.async_scheduling = (config.async_scheduling == "on"
                                  or (config.async_scheduling == "auto" and self.device.type == "cuda"))

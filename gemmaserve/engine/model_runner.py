@@ -38,7 +38,8 @@ class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, layout: KVLayout, groups: tuple[KVGroup, ...],
                  layer_slot: tuple[tuple[int, int], ...], specs: list[LayerSpec], device: torch.device,
                  cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0,
-                 encoder_cache_bytes: int = 256 * 2**20):
+                 encoder_cache_bytes: int = 256 * 2**20, suppress_token_ids: list[int] | None = None):
+        """`suppress_token_ids`: never sampled (their logits become -inf before the sampler)."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -48,6 +49,7 @@ class ModelRunner:
                                                   device)
         self.tables = BlockTables(groups, max(1, max_batch), max_model_len or 1,
                                   layout.num_pages + 1 if layout.identity_slots else None, device)
+        self.suppressed = to_device(suppress_token_ids, torch.long, device) if suppress_token_ids else None
         self.sampling: dict[str, SamplingState] = {}
         self._last_sampled: dict[str, tuple[torch.Tensor, int]] = {}   # request -> (ids of its last step, row)
         self._applied_step = -1
@@ -193,6 +195,8 @@ class ModelRunner:
         ids = [s.req_id for s in seqs if s.sample]
         if not ids:
             return PendingStep([], None)
+        if self.suppressed is not None:
+            logits.index_fill_(1, self.suppressed, float("-inf"))
         sampled = sample(logits, [self.sampling[i] for i in ids])
         for i, req_id in enumerate(ids):   # the next step may read these on the device
             self._last_sampled[req_id] = (sampled.tokens, i)

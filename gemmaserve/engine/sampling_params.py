@@ -14,12 +14,16 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20         # alternatives reported per token
+GREEDY_BELOW = 1e-5       # temperatures below this are greedy: dividing logits by less overflows float32
+REPETITION_PENALTY_RANGE = (0.01, 100.0)   # beyond it, logits overflow float32 (inf/nan probabilities)
+SEED_RANGE = (-(1 << 63), 1 << 64)         # what torch.Generator.manual_seed accepts
+MIN_TOP_P = 1e-8          # smaller values round to 0 in float32 and keep no token at all
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = option(64, parse=positive_int, help="most tokens to generate per completion")
-    temperature: float = option(0.0, parse=number, help="0 = greedy; higher = more random")
+    temperature: float = option(0.0, parse=number, help="0 = greedy (so is anything below 1e-5); higher = more random")
     top_p: float = option(1.0, parse=number, help="nucleus sampling: keep the smallest set of tokens with this much probability")
     top_k: int = option(0, parse=any_int, help="keep the k most likely tokens (0 = all)")
     min_p: float = option(0.0, parse=number, help="drop tokens less likely than min_p x the most likely one")
@@ -60,16 +64,19 @@ class SamplingParams:
               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         check(_finite(self.temperature) and self.temperature >= 0,
               f"temperature must be a number >= 0, got {self.temperature!r}")
-        check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(_finite(self.top_p) and MIN_TOP_P <= self.top_p <= 1.0,
+              f"top_p must be in [{MIN_TOP_P:g}, 1], got {self.top_p!r}")
         check(integer(self.top_k) and self.top_k >= 0,
               f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
         check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
-        check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-              f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        check(_finite(self.repetition_penalty) and lo <= self.repetition_penalty <= hi,
+              f"repetition_penalty must be in [{lo}, {hi:g}], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             check(_finite(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value!r}")
-        check(self.seed is None or integer(self.seed), f"seed must be an integer, got {self.seed!r}")
+        check(self.seed is None or (integer(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
+              f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         check(integer(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         check(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop),
               "stop must be a list of strings")
@@ -88,7 +95,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

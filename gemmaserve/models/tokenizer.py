@@ -6,13 +6,17 @@ Sources:
   rebuilt from the vocabulary: every way to cut a token into two tokens is a merge, ranked by the
   token's position in the file (Gemma's scores do not follow merge order; file order does). Tokens
   made only of spaces are stored with real spaces in GGUF, while the model's normaliser spells a
-  space "▁", so they are respelled. The result is cached as `tokenizer.json` beside the model in the
-  user cache, so the merge rebuild (~2 s) happens once.
+  space "▁", so they are respelled. GGUF types some control tokens "user-defined" (Gemma 3's
+  `<start_of_image>`, `<end_of_image>`, `[multimodal]`) where HF's tokenizer marks them special:
+  user-defined tokens that look like control tokens are made special too (HTML tags such as `<b>`
+  stay text). The result is cached as `tokenizer.json` beside the model in the user cache, so the
+  merge rebuild (~2 s) happens once.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +30,15 @@ _USER_DEFINED = 4
 
 # Tokens that end a turn in Gemma's chat format; they stop generation like EOS when present.
 _TURN_END_TOKENS = ("<end_of_turn>",)
+
+# A control token by its look: a snake_case name with an underscore in angle brackets, or a name in
+# square brackets (HTML tags like <table> or <b> have no underscore and are ordinary text).
+_CONTROL_LOOKING = re.compile(r"<[a-z]+(?:_[a-z]+)+>|\[[a-z_]+\]")
+# Special tokens that stand for non-text input (<start_of_image>, <image_soft_token>, Gemma 4's <|audio>).
+_MEDIA = re.compile(r"image|audio|video")
+_DECODE_BATCH_ABOVE = 4096   # ids; shorter decodes (the detokenizer's, every step) skip the batch overhead
+# Bumped when the GGUF -> tokenizer.json conversion changes, so stale cached files are not reused.
+_GGUF_CACHE_VERSION = 2
 
 
 @dataclass
@@ -49,6 +62,11 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids
 
+    @property
+    def media_token_ids(self) -> frozenset[int]:
+        """Special tokens that stand for images, audio or video: a text-only model must not sample them."""
+        return frozenset(i for i in self.special_ids if _MEDIA.search(self.special_text(i)))
+
     def is_byte_token(self, token_id: int) -> bool:
         return token_id in self.byte_ids
 
@@ -58,8 +76,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with BOS when the model wants it (post-processor) unless told not to
-        (a rendered chat template that already starts with BOS)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        (a rendered chat template that already starts with BOS). Through `encode_batch`, which
+        releases the GIL (`encode` holds it: 2 MB of text would stall every thread for ~2 s)."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (logprobs)."""
@@ -69,6 +88,8 @@ class Tokenizer:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > _DECODE_BATCH_ABOVE:   # long prompts given as ids: decode without holding the GIL
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
@@ -126,6 +147,8 @@ class Tokenizer:
         bos = gguf.get("tokenizer.ggml.bos_token_id")
         eos = gguf.get("tokenizer.ggml.eos_token_id")
         pad = gguf.get("tokenizer.ggml.padding_token_id", 0)
+        if cache_file is not None:
+            cache_file = cache_file.with_name(f"{cache_file.stem}.v{_GGUF_CACHE_VERSION}{cache_file.suffix}")
         if cache_file is not None and cache_file.is_file():
             backend = HFTokenizer.from_file(str(cache_file))
         else:
@@ -158,10 +181,12 @@ def build_sentencepiece_bpe(tokens: list[str], token_types: list[int], unk_id: i
                                      byte_fallback=True, dropout=None))
     backend.normalizer = normalizers.Replace(" ", "\u2581")
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    control = [k == _CONTROL or (k == _USER_DEFINED and _CONTROL_LOOKING.fullmatch(t) is not None)
+               for t, k in zip(spelled, token_types)]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, k in zip(spelled, token_types) if k == _CONTROL])
+                                for t, c in zip(spelled, control) if c])
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                        for t, k in zip(tokens, token_types) if k == _USER_DEFINED and t in vocab])
+                        for t, k, c in zip(tokens, token_types, control) if k == _USER_DEFINED and not c and t in vocab])
     if bos_id is not None:
         _set_bos_post_processor(backend, bos_id)
     return backend

@@ -4,20 +4,30 @@
     GET  /v1/models             GET  /health                  GET  /metrics (Prometheus text)
 
 Every error is OpenAI's JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for a bad
-request, 401 for a missing or wrong API key, 404 for an unknown model, 413 for an oversized body.
-A handler validates everything it can (types, sampling values, prompt length, KV budget) before the
-request reaches the engine, so a stream that has started only fails for an internal error.
+request, 401 for a missing or wrong API key, 404 for an unknown model, 408 past the request's
+deadline, 413 for an oversized body, 429 (with Retry-After) when the waiting queue is full, 503 while
+the model loads or the server drains. A handler validates everything it can (types, sampling values,
+prompt length, KV budget) before the request reaches the engine, so a stream that has started only
+fails for an internal error or its deadline. Tokenising, chat templating and parsing large bodies run
+on worker threads: the event loop only moves bytes, so /health answers at once whatever the prompts.
+
+Lifecycle (ServerState): LOADING (the engine loads on a thread; /health 503) -> READY -> DRAINING
+(SIGTERM: /health and new requests 503, running ones finish or, after --shutdown-timeout, are aborted),
+then exit; FAILED when the engine did not load or its thread died.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import hmac
 import json
 import logging
+import threading
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -25,14 +35,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config.options import option, port_number, positive_int, size
-from ..engine.images import ImageLimits, decode_data_url, expand_prompt, place_images
+from ..engine.images import decode_data_url, expand_prompt, place_images
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from ..errors import UserInputError
-from .async_engine import AsyncEngine, EngineDeadError
+from .async_engine import AsyncEngine, DeadlineExceeded, EngineDeadError
 from .chat import ChatFormatter, parse_chat
+from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import (
     ApiError, ChatRequest, CompletionRequest, chat_logprobs, completion_logprobs, now, parse, reject_unsupported,
@@ -45,30 +55,15 @@ MAX_PROMPTS = 256            # prompts in one completions request
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
-@dataclass
-class ServerConfig:
-    host: str = option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    port: int = option(8000, parse=port_number, help="TCP port (0: any free port, printed at startup)")
-    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    served_model_name: str | None = option(None, help="the model name clients send (default: --model)")
-    max_request_bytes: int = option(8 << 20, parse=size, help="largest request body accepted (413 above)")
-    max_images_per_request: int = option(8, parse=positive_int, help="most images in one chat request")
-    max_image_pixels: int = option(40_000_000, parse=positive_int, help="most pixels (width x height) of one image")
-    max_image_bytes: int = option(8 << 20, parse=size, help="largest encoded image (after base64 decoding)")
+PARSE_OFF_LOOP_BYTES = 64 << 10   # bodies above this are parsed on a worker thread
+RETRY_AFTER_S = 1                 # what 429 and 503 tell clients to wait
 
-    @property
-    def image_limits(self) -> ImageLimits:
-        return ImageLimits(self.max_images_per_request, self.max_image_pixels, self.max_image_bytes)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host.strip():
-            raise UserInputError("host must be a non-empty address")
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise UserInputError(f"port must be in [0, 65535], got {self.port!r}")
-        if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
-            raise UserInputError("api_key must be a non-empty string (or unset for no authentication)")
-        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
-            raise UserInputError(f"max_request_bytes must be at least 1KiB, got {self.max_request_bytes!r}")
+class ServerState(enum.Enum):
+    LOADING = "loading"
+    READY = "ok"
+    DRAINING = "draining"
+    FAILED = "failed"     # the engine did not load, or its thread died
 
 
 @dataclass
@@ -78,37 +73,90 @@ class _Prompt:
 
 
 class OpenAIServer:
-    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None):
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], config: ServerConfig | None = None):
+        """`engine`: a loaded engine, or a function that loads one; it then runs on a thread once the
+        server listens, and /health says 503 "loading" until it returns."""
         self.config = config or ServerConfig()
+        self.metrics = ServerMetrics()
+        self.created = now()
+        self.state = ServerState.LOADING
+        self.load_error: BaseException | None = None
+        self.in_flight = 0   # /v1 requests in progress, from arrival (tokenising included) to their end
+        self._loader = engine if not isinstance(engine, LLMEngine) else None
+        if isinstance(engine, LLMEngine):
+            self._attach(engine)
+        self.app = self._build_app()
+
+    def _attach(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.metrics = ServerMetrics()
         self.async_engine = AsyncEngine(engine, self.metrics)
         self.chat = ChatFormatter(engine.tokenizer)
         self.model_name = self.config.served_model_name or engine.config.model
         self.accepted_names = {self.model_name, engine.config.model}
-        self.created = now()
-        self.app = self._build_app()
+
+    def _load(self) -> None:
+        """The loader's thread: load, then start the engine thread and become ready."""
+        try:
+            self._attach(self._loader())
+            self.async_engine.start()
+        except BaseException as exc:   # reported by serve(); the server stops
+            log.error("the engine failed to load: %s", exc)
+            self.load_error = exc
+            self.state = ServerState.FAILED
+            return
+        if self.state is ServerState.LOADING:
+            self.state = ServerState.READY
+            log.info("serving %s (chat: %s)", self.model_name, self.chat.source)
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking requests; let running ones finish for `timeout` seconds, then abort the rest
+        (their clients get what was generated, finish_reason "abort")."""
+        if self.state in (ServerState.READY, ServerState.LOADING):
+            self.state = ServerState.DRAINING
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        engine = getattr(self, "async_engine", None)
+        if self.in_flight and engine is not None:
+            log.warning("shutdown: aborting %d request(s) still running after %.1fs", self.in_flight, timeout)
+            engine.abort_all()
+            give_up = time.monotonic() + 5.0
+            while self.in_flight and time.monotonic() < give_up:
+                await asyncio.sleep(0.02)
+                if engine.active:   # one that was still tokenising reached the engine after the abort
+                    engine.abort_all()
 
     # -- app -----------------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI):
-            self.async_engine.start()
-            log.info("serving %s (chat: %s)", self.model_name, self.chat.source)
+            if self._loader is not None:
+                threading.Thread(target=self._load, name="gemmaserve-load", daemon=True).start()
+            else:
+                self.async_engine.start()
+                self.state = ServerState.READY
+                log.info("serving %s (chat: %s)", self.model_name, self.chat.source)
             try:
                 yield
             finally:
-                await asyncio.to_thread(self.async_engine.shutdown)
+                if self.state is not ServerState.FAILED:
+                    self.state = ServerState.DRAINING
+                if hasattr(self, "async_engine"):
+                    await asyncio.to_thread(self.async_engine.shutdown)
 
-        app = FastAPI(title="gemmaserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-        v1 = APIRouter(prefix="/v1", dependencies=[Depends(self._authorize)])
-        v1.add_api_route("/completions", self.completions, methods=["POST"])
-        v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
-        v1.add_api_route("/models", self.models, methods=["GET"])
+        app = FastAPI(title="gemmaserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+        v1 = APIRouter(prefix="/v1", dependencies=[Depends(self._authorize), Depends(self._require_ready)])
+        v1.add_api_route("/completions", self.completions, methods=["POST"], openapi_extra=_body(CompletionRequest),
+                         responses=_ERRORS)
+        v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"], openapi_extra=_body(ChatRequest),
+                         responses=_ERRORS)
+        v1.add_api_route("/models", self.models, methods=["GET"], responses=_ERRORS)
         app.include_router(v1)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_text, methods=["GET"])
+        app.openapi = lambda: _openapi(app)
+        app.add_middleware(_TrackRequests, server=self)
         app.add_exception_handler(ApiError, self._api_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_exception_handler(Exception, self._internal_error)
@@ -116,7 +164,7 @@ class OpenAIServer:
 
     def _error_response(self, err: ApiError) -> JSONResponse:
         self.metrics.http_errors.labels(str(err.status)).inc()
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     async def _api_error(self, request: Request, exc: ApiError) -> JSONResponse:
         return self._error_response(exc)
@@ -148,13 +196,32 @@ class OpenAIServer:
                                             "owned_by": "gemmaserve", "root": self.engine.config.model,
                                             "max_model_len": self.engine.max_model_len}]}
 
+    def _current_state(self) -> ServerState:
+        if self.state is ServerState.READY and not self.async_engine.alive:
+            self.state = ServerState.FAILED
+        return self.state
+
     async def health(self) -> Response:
-        if not self.async_engine.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        """Readiness: 200 only when requests are being taken (a load balancer's probe)."""
+        state = self._current_state()
+        if state is ServerState.READY:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine stopped" if state is ServerState.FAILED else state.value},
+                            status_code=503)
+
+    async def _require_ready(self) -> None:
+        state = self._current_state()
+        if state is ServerState.READY:
+            return
+        why = {ServerState.LOADING: "the model is still loading", ServerState.DRAINING: "the server is shutting down",
+               ServerState.FAILED: "the engine is not running"}[state]
+        raise ApiError(503, why, code=f"server_{state.name.lower()}",
+                       headers={"Retry-After": str(RETRY_AFTER_S)} if state is ServerState.LOADING else None)
 
     async def metrics_text(self) -> Response:
-        snap = await self._engine_call(self.async_engine.snapshot)
+        snap = None
+        if hasattr(self, "async_engine") and self.async_engine.alive:
+            snap = await self._engine_call(self.async_engine.snapshot)
         return Response(self.metrics.render(snap), media_type=CONTENT_TYPE_LATEST)
 
     async def _engine_call(self, fn):
@@ -175,25 +242,26 @@ class OpenAIServer:
             if total > limit:
                 raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
             chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ApiError(400, f"invalid JSON body: {exc}", code="invalid_json") from None
+        body = b"".join(chunks)
+        if total > PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(_parse_json, body)
+        return _parse_json(body)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def _encode(self, text: str, param: str) -> _Prompt:
+    def _encode(self, text: str, param: str) -> _Prompt:
         if not text.strip():
             raise ApiError(400, f"{param} must not be empty", param=param)
-        return _Prompt(text, await asyncio.to_thread(self.tokenizer.encode, text))
+        return _Prompt(text, self.tokenizer.encode(text))
 
-    async def _completion_prompts(self, prompt) -> list[_Prompt]:
-        """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    def _completion_prompts(self, prompt) -> list[_Prompt]:
+        """A string, a list of strings, a list of token ids, or a list of token-id lists. Tokenises:
+        called on a worker thread."""
         if isinstance(prompt, str):
-            return [await self._encode(prompt, "prompt")]
+            return [self._encode(prompt, "prompt")]
         if not prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
         if len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
@@ -203,7 +271,7 @@ class OpenAIServer:
         out = []
         for i, p in enumerate(prompt):
             if isinstance(p, str):
-                out.append(await self._encode(p, f"prompt[{i}]"))
+                out.append(self._encode(p, f"prompt[{i}]"))
             elif not p:
                 raise ApiError(400, f"prompt[{i}] must not be empty", param="prompt")
             else:
@@ -235,16 +303,34 @@ class OpenAIServer:
             except UserInputError as exc:
                 raise ApiError(400, str(exc), param=param) from None
 
+    def _deadline(self, arrival: float, req: CompletionRequest | ChatRequest) -> float | None:
+        """The earlier of the server's --request-timeout and the request's own `request_timeout`."""
+        limits = [t for t in (self.config.request_timeout, req.request_timeout) if t is not None]
+        return arrival + min(limits) if limits else None
+
+    def _check_queue(self, completions: int) -> None:
+        """429 when the request would queue beyond --max-queue-len (an empty queue takes any request,
+        so one large request is never refused for its size alone)."""
+        limit = self.config.max_queue_len
+        depth = self.async_engine.queue_depth
+        if limit is not None and depth and depth + completions > limit:
+            raise ApiError(429, f"the server is overloaded: {depth} completions are waiting (limit {limit}); "
+                                f"retry after {RETRY_AFTER_S}s", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+
     # -- completions -----------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
         req: CompletionRequest = parse(CompletionRequest, await self._json(request))
         self._check_model(req.model)
         reject_unsupported(req)
-        prompts = await self._completion_prompts(req.prompt)
+        prompts = await asyncio.to_thread(self._completion_prompts, req.prompt)
         params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETIONS_MAX_TOKENS)
         self._check_fits(prompts, params, "prompt")
+        self._check_queue(len(prompts) * params.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        outputs = self.async_engine.generate(rid, [(p.text, p.ids) for p in prompts], params)
+        outputs = self.async_engine.generate(rid, [(p.text, p.ids) for p in prompts], params,
+                                             self._deadline(arrival, req))
         if req.stream:
             return _sse(self._stream_completion(rid, req, prompts, params, outputs))
         finals = await self._collect(request, outputs)
@@ -280,22 +366,27 @@ class OpenAIServer:
         return self._stream(rid, "text_completion", req, prompts, outputs, choices)
 
     # -- chat ------------------------------------------------------------------------------------------
-    async def chat_completions(self, request: Request) -> Response:
-        req: ChatRequest = parse(ChatRequest, await self._json(request))
-        self._check_model(req.model)
-        reject_unsupported(req)
+    def _chat_prompt(self, raw_messages: list) -> tuple[_Prompt, list]:
+        """Messages -> the prompt through the chat template, and its images in place. Decodes images
+        and tokenises: called on a worker thread."""
         layout = self.engine.image_layout
-        images = []
         try:
-            messages, urls = parse_chat(req.messages, layout.placeholder if layout is not None else None)
-            if urls:
-                images = await asyncio.to_thread(self._chat_images, urls)
+            messages, urls = parse_chat(raw_messages, layout.placeholder if layout is not None else None)
+            images = self._chat_images(urls) if urls else []
             expand = (lambda text: expand_prompt(text, images, layout)) if urls else None
-            ids = await asyncio.to_thread(self.chat.encode, messages, expand)
+            ids = self.chat.encode(messages, expand)
             items = place_images(ids, images, layout) if urls else []
         except UserInputError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        prompt = _Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids)
+        return _Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids), items
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req: ChatRequest = parse(ChatRequest, await self._json(request))
+        self._check_model(req.model)
+        reject_unsupported(req)
+        prompt, items = await asyncio.to_thread(self._chat_prompt, req.messages)
+        ids = prompt.ids
         limit = self.engine.max_model_len
         if len(ids) >= limit:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens; the messages take "
@@ -303,8 +394,10 @@ class OpenAIServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens if max_tokens is not None else limit - len(ids))
         self._check_fits([prompt], params, "messages", items)
+        self._check_queue(params.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self.async_engine.generate(rid, [(prompt.text, prompt.ids)], params, images=[items])
+        outputs = self.async_engine.generate(rid, [(prompt.text, prompt.ids)], params, self._deadline(arrival, req),
+                                             images=[items])
         if req.stream:
             return _sse(self._stream_chat(rid, req, prompt, params, outputs))
         finals = await self._collect(request, outputs)
@@ -360,8 +453,10 @@ class OpenAIServer:
                         finals[(pi, c.index)] = out
                     for choice in choices(pi, c):
                         yield chunk([choice])
-            except (ApiError, EngineDeadError, UserInputError) as exc:
-                yield _event(_as_api_error(exc).body())
+            except (ApiError, EngineDeadError, UserInputError, DeadlineExceeded) as exc:
+                err = _as_api_error(exc)
+                self.metrics.http_errors.labels(str(err.status)).inc()   # counted like any other error
+                yield _event(err.body())
                 return
         if include_usage:
             yield chunk([], usage=self._usage(prompts, finals))
@@ -391,7 +486,7 @@ class OpenAIServer:
                     raise ApiError(499, "client closed the request", code="client_closed")
             try:
                 task.result()
-            except (EngineDeadError, UserInputError) as exc:
+            except (EngineDeadError, UserInputError, DeadlineExceeded) as exc:
                 raise _as_api_error(exc) from None
         finally:
             if not task.done():
@@ -414,7 +509,78 @@ def _as_api_error(exc: Exception) -> ApiError:
         return exc
     if isinstance(exc, UserInputError):   # the engine's own admission check (the handler's checks come first)
         return ApiError(400, str(exc))
+    if isinstance(exc, DeadlineExceeded):
+        return ApiError(408, str(exc), param="request_timeout", code="request_timeout")
     return ApiError(503, str(exc), code="engine_stopped")
+
+
+class _TrackRequests:
+    """ASGI middleware: keep `server.in_flight` (what a drain waits for), and count every /v1 request
+    exactly once, when it ends, by the status it was answered with ("none" if the client left
+    before any response), however it ended."""
+
+    def __init__(self, app, server: OpenAIServer):
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = "none"
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        self.server.in_flight += 1
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.server.in_flight -= 1
+            self.server.metrics.http_requests.labels(status).inc()
+
+
+# -- the OpenAPI document (/openapi.json: what API fuzzers and client generators read) -------------------
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_ERRORS = {status: {"description": text, "content": {"application/json": {"schema": {
+    "$ref": "#/components/schemas/Error"}}}}
+    for status, text in ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
+                         (408, "past the request's deadline"), (413, "body too large"), (429, "queue full"),
+                         (499, "client closed the request"), (503, "loading, draining or stopped"))}
+
+
+def _body(model: type) -> dict:
+    """The request body schema of a route whose handler reads the raw body (validation is ours)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components["Error"] = _ERROR_SCHEMA
+        for model in (CompletionRequest, ChatRequest):
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _parse_json(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"invalid JSON body: {exc}", code="invalid_json") from None
 
 
 def _event(body: dict) -> str:
@@ -437,12 +603,4 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def serve(engine: LLMEngine, config: ServerConfig) -> None:
-    """Run the server until interrupted (the CLI's `serve`)."""
-    import uvicorn
-
-    server = OpenAIServer(engine, config)
-    uvicorn.run(server.app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
-
-
-__all__ = ["OpenAIServer", "ServerConfig", "serve"]
+__all__ = ["OpenAIServer", "ServerConfig", "ServerState"]

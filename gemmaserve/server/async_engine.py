@@ -32,6 +32,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (shutdown, or a bug outside any one request)."""
 
 
+class DeadlineExceeded(RuntimeError):
+    """A request ran past its deadline; it was aborted and its pages freed."""
+
+
 @dataclass
 class _Timing:
     arrival: float
@@ -67,6 +71,11 @@ class AsyncEngine:
         self._checked_idle = True
         self._idle_check: Iterator[None] | None = None   # the idle check in progress
         self.error: BaseException | None = None
+        # Queue depth, lock-free: each counter has one writer (the loop posts, the engine thread adds).
+        self._posted = 0      # completions posted by the loop
+        self._added = 0       # completions the engine thread has taken (added or refused)
+        self._waiting = 0     # the scheduler's waiting queue, published by the engine thread
+        self.active = 0       # generate() calls in progress (the event loop's count)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -80,30 +89,51 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def queue_depth(self) -> int:
+        """Completions waiting for admission, including those posted but not yet taken."""
+        return self._waiting + max(0, self._posted - self._added)
+
+    def abort_all(self) -> None:
+        """Abort every request (shutdown past its grace period): each client gets its final output."""
+        self._commands.put(lambda: self._abort(list(self._sinks)))
+
     # -- called from the event loop ------------------------------------------------------------------
-    async def generate(self, request_id: str, prompts: list[tuple[str, list[int]]],
-                       params: SamplingParams, images: list[list] | None = None
+    async def generate(self, request_id: str, prompts: list[tuple[str, list[int]]], params: SamplingParams,
+                       deadline: float | None = None, images: list[list] | None = None
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every prompt with `params` (and its images, from LLMEngine.prepare_images); yield
         (prompt index, output of one completion) as they come. Leaving early (an error, a
-        disconnect: the consumer is cancelled) aborts what is left."""
+        disconnect: the consumer is cancelled) aborts what is left; passing `deadline`
+        (time.monotonic()) raises DeadlineExceeded there, after aborting."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        self._commands.put(lambda: self._add(sink, ids, prompts, params, images))
         remaining = len(prompts) * params.n
+        self._posted += remaining
+        self._commands.put(lambda: self._add(sink, ids, prompts, params, images))
+        self.active += 1
+        reason = "abort"
         try:
             while remaining:
-                item = await sink.queue.get()
+                wait = None if deadline is None else deadline - time.monotonic()
+                try:
+                    if wait is not None and wait <= 0:
+                        raise TimeoutError
+                    item = await asyncio.wait_for(sink.queue.get(), wait)
+                except TimeoutError:
+                    reason = "timeout"
+                    raise DeadlineExceeded("the request ran past its deadline and was aborted") from None
                 if isinstance(item, BaseException):
                     raise item
                 if item[1].outputs[0].finished:
                     remaining -= 1
                 yield item
         finally:
+            self.active -= 1
             if remaining:
-                self._commands.put(lambda: self._abort(ids))
+                self._commands.put(lambda: self._abort(ids, reason))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps and return its result."""
@@ -175,6 +205,7 @@ class AsyncEngine:
                         self._fail_all(exc)
                         continue
                     self._dispatch(outputs)
+                self._waiting = len(eng.scheduler.waiting)
         except BaseException as exc:
             log.exception("engine thread died")
             self.error = exc
@@ -184,6 +215,7 @@ class AsyncEngine:
 
     def _add(self, sink: _Sink, ids: list[str], prompts: list[tuple[str, list[int]]],
              params: SamplingParams, images: list[list] | None = None) -> None:
+        self._added += len(prompts) * params.n
         added = []
         try:
             for i, (gid, (text, tokens)) in enumerate(zip(ids, prompts)):
@@ -194,16 +226,19 @@ class AsyncEngine:
                 sink.unfinished[gid] = params.n
                 self._sinks[gid] = sink
                 self.metrics.prompt_tokens.inc(len(tokens))
+                self.metrics.admitted.inc(params.n)
         except Exception as exc:   # normally caught by the handler's own checks first
             self._abort(added)
             sink.put(exc)
 
-    def _abort(self, ids: list[str]) -> None:
+    def _abort(self, ids: list[str], reason: str = "abort") -> None:
+        """Abort engine requests; `reason` labels them in the metrics ("abort", "timeout")."""
         for gid in ids:
             sink = self._sinks.pop(gid, None)
             for out in self.engine.abort_request(gid):
                 if sink is not None:
-                    self._record(sink, out, time.perf_counter())
+                    self._record(sink, out, time.perf_counter(), reason)
+                    sink.put((sink.prompt_index[gid], out))   # a waiting client (drain) gets its end
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -218,7 +253,7 @@ class AsyncEngine:
                 if not sink.unfinished[out.request_id]:   # every completion of this prompt is done
                     del self._sinks[out.request_id]
 
-    def _record(self, sink: _Sink, out: RequestOutput, now: float) -> None:
+    def _record(self, sink: _Sink, out: RequestOutput, now: float, reason: str | None = None) -> None:
         c = out.outputs[0]
         m = self.metrics
         t = sink.timing.setdefault((out.request_id, c.index), _Timing(sink.arrival))
@@ -235,14 +270,15 @@ class AsyncEngine:
                     m.itl.observe(gap)
             t.last = now
         if c.finished:
-            m.requests.labels(c.finish_reason).inc()
+            m.requests.labels(reason or c.finish_reason).inc()
             m.e2e.observe(now - t.arrival)
 
     def _fail_all(self, exc: BaseException) -> None:
         for gid in list(self._sinks):
             sink = self._sinks.pop(gid)
             try:
-                self.engine.abort_request(gid)
+                for out in self.engine.abort_request(gid):
+                    self._record(sink, out, time.perf_counter(), "error")
             except Exception:   # the engine may be what is broken; the clients still get their error
                 log.exception("abort after failure")
             sink.put(exc)

@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from ..engine.llm_engine import LLMEngine
-from .app import OpenAIServer, ServerConfig
+from .app import OpenAIServer
+from .config import ServerConfig
+from .runner import make_server
 
 
 class BackgroundServer:
-    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None, startup_timeout: float = 60.0):
-        import uvicorn
-
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], config: ServerConfig | None = None,
+                 startup_timeout: float = 60.0):
         config = config or ServerConfig()
         self.server = OpenAIServer(engine, config)
-        self._uvicorn = uvicorn.Server(uvicorn.Config(self.server.app, host="127.0.0.1", port=0, log_level="warning",
-                                                      timeout_graceful_shutdown=5))
+        self._uvicorn = make_server(self.server, "127.0.0.1", 0, log_level="warning")
         self._thread = threading.Thread(target=self._uvicorn.run, name="gemmaserve-http", daemon=True)
         self._timeout = startup_timeout
         self.port = 0
@@ -35,6 +36,14 @@ class BackgroundServer:
             time.sleep(0.02)
         self.port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
         return self
+
+    def drain(self) -> None:
+        """What SIGTERM does: drain within the config's shutdown_timeout, then stop."""
+        self._uvicorn.request_drain()
+
+    def wait_stopped(self, timeout: float = 60.0) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def __exit__(self, *exc) -> None:
         self._uvicorn.should_exit = True

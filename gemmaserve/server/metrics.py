@@ -67,8 +67,14 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("gemmaserve_requests", "Finished completions by finish reason",
+        self.requests = Counter("gemmaserve_requests", "Finished completions by finish reason (abort: client left "
+                                "or shutdown; timeout: deadline; error: engine failure)",
                                 ["finish_reason"], registry=r)
+        self.admitted = Counter("gemmaserve_requests_admitted", "Completions handed to the engine (each ends once "
+                                "in gemmaserve_requests)", registry=r)
+        self.http_requests = Counter("gemmaserve_http_requests", "Requests to /v1 routes, each counted once when it "
+                                     "ends, by response status (none: the client left before any response)",
+                                     ["status"], registry=r)
         self.http_errors = Counter("gemmaserve_http_errors", "Error responses by status code", ["status"], registry=r)
         self.prompt_tokens = Counter("gemmaserve_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("gemmaserve_generation_tokens", "Tokens generated", registry=r)
@@ -81,6 +87,7 @@ class ServerMetrics:
         self.engine = _EngineCollector()
         r.register(self.engine)
 
-    def render(self, snapshot: EngineSnapshot) -> bytes:
+    def render(self, snapshot: EngineSnapshot | None) -> bytes:
+        """None: no engine yet (loading): counters only."""
         self.engine.snapshot = snapshot
         return generate_latest(self.registry)

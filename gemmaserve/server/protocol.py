@@ -9,10 +9,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine.request import TokenLogprob
-from ..engine.sampling_params import SamplingParams
+from ..engine.sampling_params import (
+    MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MIN_TOP_P, REPETITION_PENALTY_RANGE, SamplingParams,
+)
 from ..errors import UserInputError
 from ..models.tokenizer import Tokenizer
 
@@ -21,14 +23,16 @@ class ApiError(Exception):
     """An error response in OpenAI's format."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
         self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                             413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+                             408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                             499: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -38,45 +42,62 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+def _doc(default: Any = None, **schema: Any) -> Any:
+    """A field whose valid range is stated in the OpenAPI schema only (for clients and fuzzers): the
+    checks themselves stay in SamplingParams and the handlers, which name the parameter at fault."""
+    return Field(default, json_schema_extra=schema)
+
+
+_STOP = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 256},
+                   {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                    "items": {"type": "string", "minLength": 1, "maxLength": 256}}, {"type": "null"}]}
+_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["system", "developer", "user", "assistant"]},
+    "content": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
 class _Common(_Strict):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
+    max_tokens: int | None = _doc(minimum=1)
+    temperature: float | None = _doc(minimum=0, maximum=2)
+    top_p: float | None = _doc(minimum=MIN_TOP_P, maximum=1)
+    n: int = _doc(1, minimum=1, maximum=MAX_N)
+    stop: str | list[str] | None = Field(None, json_schema_extra=lambda s: s.update(_STOP))
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = _doc(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _doc(minimum=-2, maximum=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM-style extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = _doc(minimum=0)
+    min_p: float | None = _doc(minimum=0, maximum=1)
+    repetition_penalty: float | None = _doc(minimum=REPETITION_PENALTY_RANGE[0], maximum=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    request_timeout: float | None = _doc(exclusiveMinimum=0)   # seconds from arrival; only shortens the server's
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra={"minLength": 1, "minItems": 1})
+    logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
 
 class ChatRequest(_Common):
-    messages: list[Any]
+    messages: list[Any] = Field(json_schema_extra={"minItems": 1, "items": _MESSAGE})
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS)
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -103,6 +124,9 @@ def reject_unsupported(req: CompletionRequest | ChatRequest) -> None:
             raise ApiError(400, f"{param}: {what} is not supported", param=param)
 
     no(bool(req.logit_bias), "logit_bias", "biasing logits")
+    t = req.request_timeout
+    if t is not None and not (0 < t < float("inf")):
+        raise ApiError(400, f"request_timeout must be a positive number of seconds, got {t!r}", param="request_timeout")
     if isinstance(req, CompletionRequest):
         no(req.suffix is not None, "suffix", "insertion (suffix)")
         no(req.best_of is not None and req.best_of != req.n, "best_of", "best_of other than n")

@@ -1,0 +1,59 @@
+"""`ServerConfig`: the options of `gemmaserve serve` (HTTP, overload, deadlines, shutdown). Its own
+module, free of fastapi and torch, so the command line can build its parser without importing them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config.options import number, option, port_number, positive_int, size
+from ..errors import UserInputError
+
+
+@dataclass
+class ServerConfig:
+    host: str = option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    port: int = option(8000, parse=port_number, help="TCP port (0: any free port, printed at startup)")
+    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    served_model_name: str | None = option(None, help="the model name clients send (default: --model)")
+    max_request_bytes: int = option(8 << 20, parse=size, help="largest request body accepted (413 above)")
+    max_images_per_request: int = option(8, parse=positive_int, help="most images in one chat request")
+    max_image_pixels: int = option(40_000_000, parse=positive_int, help="most pixels (width x height) of one image")
+    max_image_bytes: int = option(8 << 20, parse=size, help="largest encoded image (after base64 decoding)")
+    max_queue_len: int | None = option(
+        None, parse=positive_int,
+        help="most completions waiting for admission; a request that would queue beyond it gets 429 with "
+             "Retry-After (default: unbounded)")
+    request_timeout: float | None = option(
+        None, parse=number,
+        help="seconds a request may take from arrival to its last token; past it the request is aborted, its KV "
+             "pages freed, and the client gets 408 (a request's own 'request_timeout' field may only shorten it)")
+    shutdown_timeout: float = option(
+        30.0, parse=number,
+        help="on SIGTERM, seconds to let running requests finish (new ones get 503) before aborting them")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise UserInputError("host must be a non-empty address")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise UserInputError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
+            raise UserInputError("api_key must be a non-empty string (or unset for no authentication)")
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
+            raise UserInputError(f"max_request_bytes must be at least 1KiB, got {self.max_request_bytes!r}")
+        if self.max_queue_len is not None and (not isinstance(self.max_queue_len, int) or self.max_queue_len < 1):
+            raise UserInputError(f"max_queue_len must be at least 1, got {self.max_queue_len!r}")
+        if self.request_timeout is not None and not _positive(self.request_timeout):
+            raise UserInputError(f"request_timeout must be a positive number of seconds, got {self.request_timeout!r}")
+        if not _positive(self.shutdown_timeout, zero_ok=True):
+            raise UserInputError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
+
+    @property
+    def image_limits(self):
+        from ..engine.images import ImageLimits
+
+        return ImageLimits(self.max_images_per_request, self.max_image_pixels, self.max_image_bytes)
+
+
+def _positive(value: object, zero_ok: bool = False) -> bool:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value != float("inf")
+    return ok and (value >= 0 if zero_ok else value > 0)
