@@ -35,7 +35,7 @@ def test_q4_k_groups_are_exact():
     assert torch.equal(groups.dequantize(), torch.from_numpy(ref))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 80])
 def test_int4_linear_matches_its_groups(rows):
     rng = np.random.default_rng(fresh_seed())
     groups = q4_k_groups(_random_q4_k(rng, 64, 256), (64, 256))
@@ -63,6 +63,8 @@ def test_int8_rows_fit_bf16_scales(kernel, tol):
         x = torch.randn(rows, 96)
         ref = x.double() @ (q.double() * s.double()[:, None]).t()
         assert ((lin(x).double() - ref).norm() / ref.norm()).item() < tol
+    x = torch.randn(QuantLinear.PREFILL_ROWS, 96)   # prefill: the expanded weight on the fp32 GEMM
+    torch.testing.assert_close(lin(x), x @ (q.float() * s.float()[:, None]).t(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel,tol", KERNELS)
@@ -74,7 +76,12 @@ def test_quant_embedding_lookup_and_head(kernel, tol):
     assert torch.equal(emb(ids), q[ids].float() * s[ids].float()[:, None])
     h = torch.randn(2, 64)
     ref = h.double() @ (q.double() * s.double()[:, None]).t()
-    assert ((emb.as_head(h).double() - ref).norm() / ref.norm()).item() < tol
+    got = emb.as_head(h)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < tol
+    if kernel is Int8Kernel.FBGEMM_DYNAMIC:   # the highest logits are recomputed exactly
+        top = got.topk(QuantEmbedding.REFINE, dim=-1).indices
+        torch.testing.assert_close(got.gather(1, top).double(), ref.gather(1, top), rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
 def test_quantize_model_swaps_every_matrix_and_keeps_logits_close():
