@@ -202,10 +202,12 @@ class QuantEmbedding(nn.Module):
 
     REFINE = 32
 
-    def __init__(self, weight: torch.Tensor, kernel: Int8Kernel | None = None):
+    def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kernel: Int8Kernel | None = None):
+        """`weight`: the fp32 table, or its (q, s) from `int8_rows` (so the caller can free the table
+        before the kernel packs its copy)."""
         super().__init__()
-        q, s = int8_rows(weight)
-        self.num_embeddings, self.embedding_dim = weight.shape
+        q, s = weight if isinstance(weight, tuple) else int8_rows(weight)
+        self.num_embeddings, self.embedding_dim = q.shape
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s)
         self.head = Int8Matmul(q, s, kernel or default_head_kernel())
@@ -242,13 +244,18 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
             parts_of.setdefault(f"{prefix}.{fused}.{leaf}", {})[idx] = groups
     counts = {f.value: 0 for f in WeightFormat} | {"embedding_int8": 0}
     # By name, one module at a time, holding no reference to the replaced one: each fp32 weight is
-    # freed as soon as its quantised form exists, so loading peaks at the fp32 model's size.
-    names = [n for n, m in model.named_modules() if isinstance(m, (Linear, Embedding))]
+    # freed as soon as its quantised form exists. Tables go last, freed before fbgemm packs its copy,
+    # so loading peaks at the fp32 model's size (the 262k-row table alone is 671 MB in fp32).
+    names = [n for n, m in model.named_modules() if isinstance(m, Linear)]
+    names += [n for n, m in model.named_modules() if isinstance(m, Embedding)]
     for mod_name in names:
-        weight = model.get_submodule(mod_name).weight.data
         parent, _, attr = mod_name.rpartition(".")
+        weight = model.get_submodule(mod_name).weight.data
         if isinstance(model.get_submodule(mod_name), Embedding):
-            new = QuantEmbedding(weight, head_kernel)
+            rows = int8_rows(weight)
+            del weight
+            setattr(model.get_submodule(parent), attr, nn.Identity())   # drop the fp32 table now
+            new = QuantEmbedding(rows, head_kernel)
             counts["embedding_int8"] += 1
         else:
             wname = f"{mod_name}.weight"
@@ -258,6 +265,6 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
                 groups = Int4Groups.cat([parts[i] for i in range(len(parts))])
             new = QuantLinear.from_int4(groups) if groups is not None else QuantLinear.from_float(weight)
             counts[new.format.value] += 1
-        del weight
+            del weight
         setattr(model.get_submodule(parent), attr, new)
     return counts
