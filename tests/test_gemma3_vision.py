@@ -311,3 +311,33 @@ def test_cli_image_flag(setup, tmp_path, capsys):
     want = llm.generate("what is <start_of_image>", SamplingParams(max_tokens=4, ignore_eos=True), images=[image])[0]
     assert got["token_ids"] == want.outputs[0].token_ids
     assert main(argv[:-3] + ["--image", str(tmp_path / "missing.png"), "x"]) == 2
+
+
+def test_llm_chat_takes_images_as_parts(setup):
+    """LLM.chat: the same conversation gives the same tokens whether its image comes as an object, a
+    data URL or through the HTTP chat path's own rendering; text-only parts still work."""
+    import base64
+    import io
+
+    _, path, llm = setup
+    image = _images(1, 7)[0]
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def content(part):
+        return [{"role": "user", "content": [{"type": "text", "text": "look"}, part, {"type": "text", "text": "what"}]}]
+
+    by_object = llm.chat(content({"type": "image", "image": image}), params)
+    by_url = llm.chat(content({"type": "image_url", "image_url": {"url": url}}), params)
+    assert by_object.outputs[0].token_ids == by_url.outputs[0].token_ids
+    assert by_object.prompt_token_ids == by_url.prompt_token_ids
+    rendered = "<start_of_turn>user\nlook<start_of_image>what<end_of_turn>\n<start_of_turn>model\n"   # Gemma's turns
+    assert llm.generate(rendered, params, images=[image])[0].outputs[0].token_ids == by_object.outputs[0].token_ids
+    layout = llm.engine.image_layout
+    assert by_object.prompt_token_ids.count(layout.image_token_id) == layout.max_tokens_per_image
+    text = llm.chat([{"role": "user", "content": "hello"}], params)
+    assert len(text.outputs[0].token_ids) == 6
+    with pytest.raises(UserInputError, match="role"):
+        llm.chat([{"role": "robot", "content": "hi"}], params)

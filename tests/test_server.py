@@ -163,7 +163,7 @@ def test_chat_uses_the_gemma_turn_format(client, llm_270m):
 def test_checkpoint_chat_template_is_used_without_a_second_bos(llm_270m):
     import dataclasses
 
-    from gemmaserve.server.chat import ChatFormatter, ChatMessage, gemma_turns
+    from gemmaserve.models.chat_template import ChatFormatter, ChatMessage, gemma_turns
 
     template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else "
                 "m.role }}\n{{ m.content | trim }}<end_of_turn>\n{% endfor %}"

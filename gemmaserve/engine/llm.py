@@ -104,7 +104,10 @@ class LLM:
         """Complete every prompt; outputs come back in prompt order, each with its n completions.
         A progress bar shows on a terminal for more than one prompt (`use_tqdm` forces it).
         `images` (multimodal models): see `_submit`."""
-        submitted = self._submit(prompts, params, images)
+        return self._collect(self._submit(prompts, params, images), use_tqdm)
+
+    def _collect(self, submitted: list[tuple[str, int]], use_tqdm: bool | None) -> list[RequestOutput]:
+        """Step until every submitted request finished; their final outputs, in order."""
         index = {rid: i for i, (rid, _) in enumerate(submitted)}
         done: list[dict[int, CompletionOutput]] = [{} for _ in submitted]
         firsts: list[RequestOutput | None] = [None] * len(submitted)
@@ -113,7 +116,7 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if not out.finished:
+                    if not out.finished or out.request_id not in index:
                         continue
                     i = index[out.request_id]
                     done[i][out.outputs[0].index] = out.outputs[0]
@@ -128,6 +131,30 @@ class LLM:
                 bar.close()
         return [dataclasses.replace(firsts[i], outputs=[done[i][k] for k in range(n)], finished=True)
                 for i, (_, n) in enumerate(submitted)]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        """Complete one conversation in OpenAI's message format, rendered with the checkpoint's chat
+        template (Gemma's turn format when it has none). Images (multimodal models) are content parts,
+        in place: {"type": "image_url", "image_url": {"url": data URL or file path}} or
+        {"type": "image", "image": PIL image, uint8 array or path}."""
+        from ..models.chat_template import ChatFormatter, parse_chat
+        from .images import expand_prompt, place_images
+
+        engine = self.engine
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise UserInputError(f"expected SamplingParams, got {type(params).__name__}")
+        layout = engine.image_layout
+        parsed, images = parse_chat(messages, layout.placeholder if layout is not None else None, image_objects=True)
+        pixels = engine.load_images(images) if images else []
+        expand = (lambda text: expand_prompt(text, pixels, layout)) if images else None
+        ids = ChatFormatter(engine.tokenizer).encode(parsed, expand)
+        items = place_images(ids, pixels, layout) if images else []
+        engine.check_request(ids, params, items)
+        self._calls += 1
+        rid = engine.add_request(engine.tokenizer.decode(ids, skip_special_tokens=False), params, ids,
+                                 request_id=f"llm{self._calls}-chat", images=items)
+        return self._collect([(rid, params.n)], use_tqdm=False)[0]
 
     # -- streaming -------------------------------------------------------------------------------
     def stream(self, prompts: str | Sequence[str],

@@ -41,7 +41,7 @@ from ..engine.request import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from ..errors import UserInputError
 from .async_engine import AsyncEngine, DeadlineExceeded, EngineDeadError
-from .chat import ChatFormatter, parse_chat
+from ..models.chat_template import ChatFormatter, parse_chat
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import (

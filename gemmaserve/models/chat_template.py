@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UserInputError
-from ..models.tokenizer import Tokenizer
+from .tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -27,15 +27,12 @@ class ChatMessage:
     content: str
 
 
-def parse_messages(raw: object) -> list[ChatMessage]:
-    """OpenAI `messages` -> ChatMessage list; text content only (a string or text parts)."""
-    return parse_chat(raw, None)[0]
-
-
-def parse_chat(raw: object, image_placeholder: str | None) -> tuple[list[ChatMessage], list[str]]:
-    """OpenAI `messages` -> (ChatMessage list, image URLs in order). Content is a string or a list of
-    text and `image_url` parts; each image part becomes `image_placeholder` in the text (None: the
-    model takes no images, and an image part is an error)."""
+def parse_chat(raw: object, image_placeholder: str | None,
+               image_objects: bool = False) -> tuple[list[ChatMessage], list[object]]:
+    """OpenAI `messages` -> (ChatMessage list, images in order). Content is a string or a list of
+    text and `image_url` parts (their URL strings are returned); each image part becomes
+    `image_placeholder` in the text (None: the model takes no images, and an image part is an error).
+    `image_objects` (the Python API) also takes {"type": "image", "image": <PIL image, array, path>}."""
     if not isinstance(raw, list) or not raw:
         raise UserInputError("messages must be a non-empty list of {role, content} objects")
     out, urls = [], []
@@ -48,14 +45,18 @@ def parse_chat(raw: object, image_placeholder: str | None) -> tuple[list[ChatMes
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") == "image_url":
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image_url" or (image_objects and kind == "image"):
                     if image_placeholder is None:
                         raise UserInputError(f"messages[{i}].content[{j}]: this model does not take images")
-                    url = part.get("image_url")
-                    url = url.get("url") if isinstance(url, dict) else url
-                    if not isinstance(url, str):
-                        raise UserInputError(f"messages[{i}].content[{j}].image_url.url must be a string")
-                    urls.append(url)
+                    if kind == "image":
+                        image = part.get("image")
+                    else:
+                        image = part.get("image_url")
+                        image = image.get("url") if isinstance(image, dict) else image
+                        if not isinstance(image, str):
+                            raise UserInputError(f"messages[{i}].content[{j}].image_url.url must be a string")
+                    urls.append(image)
                     parts.append(image_placeholder)
                     continue
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
