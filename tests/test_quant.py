@@ -200,3 +200,23 @@ def test_cpu_rms_norm_is_bit_identical_to_hf_order():
             w = torch.randn(h, generator=gen) * 0.3
             hf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w)
             assert torch.equal(rms_norm(x, w, NormKind(1e-6, 1.0)), hf)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0"])
+def test_int8_rows_are_nearer_than_int4_groups_for_finer_types(qtype):
+    """The format choice: a type finer than 4 bits (here Q5_0, Q8_0, which gguf can write) is closer to
+    its own values as int8 rows than as 4-bit groups of 32 fitted to them."""
+    import gguf
+
+    rng = np.random.default_rng(fresh_seed())
+    w = (rng.standard_normal((64, 512)) * rng.uniform(0.01, 0.1, (64, 1))).astype(np.float32)
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    src = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, t), t).reshape(64, 512))
+    q, s = int8_rows(src)
+    int8_err = (q.float() * s.float()[:, None] - src).norm()
+    g = src.view(64, -1, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q4 = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    int4_err = (Int4Groups(q4.to(torch.uint8).view(64, 512), scale, -lo).dequantize() - src).norm()
+    assert int8_err < int4_err / 4
