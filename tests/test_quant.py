@@ -111,12 +111,12 @@ def test_quantize_model_swaps_every_matrix_and_keeps_logits_close():
     ref = paged_logits(ours, seqs)[0]
     counts = quantize_model(ours, int4, Int8Kernel.WEIGHT_ONLY)   # fbgemm's head is judged on the real model
     n_layers = hf.config.num_hidden_layers
-    assert counts == {"int8": 4 * n_layers - 2, "int4": 2, "embedding_int8": 1}
+    assert counts == {"int8": 4 * n_layers - 2, "int4": 2, "embedding_int8": 1, "float32": 0}
     layers = ours.model.layers
     assert layers[0].self_attn.o_proj.format is WeightFormat.INT4
     assert layers[1].mlp.gate_up_proj.format is WeightFormat.INT4
     assert layers[0].mlp.gate_up_proj.format is WeightFormat.INT8
-    assert isinstance(ours.model.embed_tokens, QuantEmbedding)
+    assert isinstance(ours.model.embed_tokens, QuantEmbedding) and ours.model.embed_tokens.head is not None
     assert not any(p.numel() > 64 * 64 for p in ours.parameters())   # no fp32 matrix left
     got = paged_logits(ours, seqs)[0]
     assert ((got - ref).norm() / ref.norm()).item() < 0.05
@@ -220,3 +220,23 @@ def test_int8_rows_are_nearer_than_int4_groups_for_finer_types(qtype):
     q4 = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
     int4_err = (Int4Groups(q4.to(torch.uint8).view(64, 512), scale, -lo).dequantize() - src).norm()
     assert int8_err < int4_err / 4
+
+
+def test_only_the_tied_output_table_gets_a_head_copy():
+    """Gemma 4 E2B-like: the per-layer embedding table is quantised for lookups only (no matmul copy of
+    a table that can be larger than the whole rest of the model); logits stay close."""
+    from helpers import tiny_gemma4_hf
+
+    hf = tiny_gemma4_hf(fresh_seed(), "e2b")
+    ours = ours_from_hf(hf)
+    ids = [2] + torch.randint(3, hf.config.get_text_config().vocab_size, (20,),
+                              generator=torch.Generator().manual_seed(5)).tolist()
+    ref = paged_logits(ours, [ids])[0]
+    counts = quantize_model(ours, {}, Int8Kernel.WEIGHT_ONLY)
+    assert counts["embedding_int8"] == 2
+    assert counts["float32"] >= 1 and type(ours.model.layers[0].per_layer_projection).__name__ == "Linear"  # width 8
+    assert ours.model.embed_tokens.head is not None and ours.model.embed_tokens_per_layer.head is None
+    with pytest.raises(RuntimeError, match="lookups only"):
+        ours.model.embed_tokens_per_layer.as_head(torch.zeros(1, ours.model.embed_tokens_per_layer.embedding_dim))
+    got = paged_logits(ours, [ids])[0]
+    assert ((got - ref).norm() / ref.norm()).item() < 0.05

@@ -90,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
     from .llama_cpp_ref import LlamaCppReference
     from .scoring import score
 
+    from ..errors import UserInputError
+    from ..models.loader import SourceKind
+
+    if resolve_model(args.model).kind is not SourceKind.GGUF:
+        raise UserInputError(f"bench quality measures a GGUF file's quantised weights; {args.model!r} is not one")
     cpu = torch.device("cpu")
     ref = load_model(args.model, torch.float32, cpu)
     quant = load_model(args.model, torch.float32, cpu, quantized=True)

@@ -92,6 +92,11 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def output_embedding_name(self) -> str:
+        """The embedding table `compute_logits` uses as the tied output head (quantisation packs a matmul
+        copy of that one table only)."""
+        return "model.embed_tokens"
+
     # -- weights ----------------------------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str | None:
         """A Hugging Face checkpoint tensor name -> ours, or None to skip it."""

@@ -140,9 +140,9 @@ class Int8Matmul:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.kernel is Int8Kernel.FBGEMM_DYNAMIC:
-            y = torch.ops.quantized.linear_dynamic(x2.float(), self._packed, self._reduce_range)
+            y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self._packed, self._reduce_range)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self._q, self._s)
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self._q, self._s)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
 
@@ -184,8 +184,8 @@ class QuantLinear(nn.Module):
         if self.format is WeightFormat.INT8:
             return self.int8(x)
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight,
-                                                       GROUP, self.scales)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(),
+                                                       self.qweight, GROUP, self.scales)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -202,15 +202,17 @@ class QuantEmbedding(nn.Module):
 
     REFINE = 32
 
-    def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kernel: Int8Kernel | None = None):
+    def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kernel: Int8Kernel | None = None,
+                 head: bool = True):
         """`weight`: the fp32 table, or its (q, s) from `int8_rows` (so the caller can free the table
-        before the kernel packs its copy)."""
+        before the kernel packs its copy). `head=False`: a lookup-only table (Gemma 4's per-layer
+        embeddings), no matmul copy."""
         super().__init__()
         q, s = weight if isinstance(weight, tuple) else int8_rows(weight)
         self.num_embeddings, self.embedding_dim = q.shape
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s)
-        self.head = Int8Matmul(q, s, kernel or default_head_kernel())
+        self.head = Int8Matmul(q, s, kernel or default_head_kernel()) if head else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -220,6 +222,8 @@ class QuantEmbedding(nn.Module):
         return self.qweight[ids].float() * self.scales[ids].float()[..., None]
 
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            raise RuntimeError("this embedding table was quantised for lookups only")
         logits = self.head(hidden)
         if self.head.kernel is Int8Kernel.FBGEMM_DYNAMIC and logits.numel():
             flat, h = logits.view(-1, self.num_embeddings), hidden.reshape(-1, self.embedding_dim).float()
@@ -242,11 +246,20 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
         if part in model.stacked:
             fused, idx = model.stacked[part]
             parts_of.setdefault(f"{prefix}.{fused}.{leaf}", {})[idx] = groups
-    counts = {f.value: 0 for f in WeightFormat} | {"embedding_int8": 0}
+    counts = {f.value: 0 for f in WeightFormat} | {"embedding_int8": 0, "float32": 0}
     # By name, one module at a time, holding no reference to the replaced one: each fp32 weight is
     # freed as soon as its quantised form exists. Tables go last, freed before fbgemm packs its copy,
     # so loading peaks at the fp32 model's size (the 262k-row table alone is 671 MB in fp32).
-    names = [n for n, m in model.named_modules() if isinstance(m, Linear)]
+    # A matrix whose input width is not a multiple of 32 stays fp32: `_weight_int8pack_mm` crashes on
+    # widths like 8 or 24 (seen in torch 2.13), and int4 groups need 32. Real Gemma widths are multiples
+    # of 256; only tiny test configs have such matrices.
+    names = []
+    for n, m in model.named_modules():
+        if isinstance(m, Linear):
+            if m.in_features % GROUP:
+                counts["float32"] += 1
+            else:
+                names.append(n)
     names += [n for n, m in model.named_modules() if isinstance(m, Embedding)]
     for mod_name in names:
         parent, _, attr = mod_name.rpartition(".")
@@ -255,7 +268,7 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
             rows = int8_rows(weight)
             del weight
             setattr(model.get_submodule(parent), attr, nn.Identity())   # drop the fp32 table now
-            new = QuantEmbedding(rows, head_kernel)
+            new = QuantEmbedding(rows, head_kernel, head=mod_name == model.output_embedding_name())
             counts["embedding_int8"] += 1
         else:
             wname = f"{mod_name}.weight"
