@@ -197,19 +197,6 @@ def tiny_hf_vision(seed: int):
     return model
 
 
-def save_vision_checkpoint(hf_model, path: Path) -> Path:
-    """save_pretrained plus a tokenizer that knows the image specials (at the config's ids)."""
-    hf_model.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path, BOI)
-    tok = json.loads((path / "tokenizer.json").read_text())
-    for i, text in ((BOI, "<start_of_image>"), (EOI, "<end_of_image>"), (IMG, "<image_soft_token>")):
-        tok["added_tokens"].append(dict(id=i, content=text, single_word=False, lstrip=False, rstrip=False,
-                                        normalized=False, special=True))
-        tok["model"]["vocab"][text] = i
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    return path
-
-
 GEMMA4_SOFT_TOKENS = 70   # per image (the smallest budget): short prompts
 GEMMA4_VISION_TOWER = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                            num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=128,
@@ -254,17 +241,44 @@ def tiny_hf_gemma4_vision(seed: int, variant: str):
     return model
 
 
-def save_gemma4_vision_checkpoint(hf, path: Path) -> Path:
-    """save_pretrained plus a tokenizer with Gemma 4's image specials (at the config's ids)."""
-    hf.save_pretrained(path, safe_serialization=True)
+GEMMA3_IMAGE_SPECIALS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA4_IMAGE_SPECIALS = ("<|image>", "<image|>", "<|image|>")
+
+
+def save_vision_checkpoint(hf_model, path: Path, specials: tuple[str, str, str] = GEMMA3_IMAGE_SPECIALS) -> Path:
+    """save_pretrained plus a tokenizer that knows the image specials (begin, end, image token) at the
+    config's ids."""
+    hf_model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path, BOI)
     tok = json.loads((path / "tokenizer.json").read_text())
-    for i, text in ((BOI, "<|image>"), (EOI, "<image|>"), (IMG, "<|image|>")):
+    for i, text in zip((BOI, EOI, IMG), specials):
         tok["added_tokens"].append(dict(id=i, content=text, single_word=False, lstrip=False, rstrip=False,
                                         normalized=False, special=True))
         tok["model"]["vocab"][text] = i
     (path / "tokenizer.json").write_text(json.dumps(tok))
     return path
+
+
+def save_gemma4_vision_checkpoint(hf, path: Path) -> Path:
+    return save_vision_checkpoint(hf, path, GEMMA4_IMAGE_SPECIALS)
+
+
+def assert_server_kv_clean(background_server, timeout: float = 60.0) -> None:
+    """Once every request has ended: no page held by a request, and the integrity check holds."""
+    import time
+
+    engine = background_server.server.async_engine
+    deadline = time.monotonic() + timeout
+    while engine.call_blocking(lambda e: e.has_unfinished_requests()):
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.02)
+
+    def check(e):
+        e.kv.check_integrity()
+        return e.kv.stats()
+
+    st = engine.call_blocking(check)
+    assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
 
 
 def make_manager(kind: str, specs, page_size: int, num_pages: int, **kw):

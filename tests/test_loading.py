@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gemmaserve import LLM, SamplingParams
-from gemmaserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from gemmaserve.models.gemma3 import Gemma3Config
 
 from helpers import fresh_seed, save_checkpoint, save_vision_checkpoint, tiny_hf_model, tiny_hf_vision
 

@@ -11,8 +11,10 @@ import socket
 import time
 
 import pytest
+from helpers import assert_server_kv_clean
 
 from gemmaserve import SamplingParams
+from gemmaserve.bench.soak import metric_value, scrape_metrics
 
 openai = pytest.importorskip("openai")
 
@@ -49,15 +51,6 @@ def _wait_idle(server, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _assert_kv_clean(server) -> None:
-    def check(e):
-        e.kv.check_integrity()
-        return e.kv.stats()
-
-    st = _engine(server, check)
-    assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
-
-
 def _greedy(llm, prompt: str, max_tokens: int):
     return llm.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].outputs[0]
 
@@ -75,19 +68,6 @@ def _raw(server, method: str, path: str, body: bytes | str | dict | None = None,
     data = resp.read()
     conn.close()
     return resp.status, json.loads(data) if data else {}
-
-
-def _metrics(server) -> str:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
-    return text
-
-
-def _metric(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 # -- the happy paths ------------------------------------------------------------------------------------
@@ -232,7 +212,7 @@ def test_32_concurrent_requests(server, llm_270m):
 
     assert asyncio.run(run()) == refs
     _wait_idle(server)
-    _assert_kv_clean(server)
+    assert_server_kv_clean(server)
 
 
 def _open_stream(server, body: dict) -> socket.socket:
@@ -244,7 +224,7 @@ def _open_stream(server, body: dict) -> socket.socket:
 
 
 def test_a_client_that_disconnects_aborts_its_request(server):
-    before = _metric(_metrics(server), "gemmaserve_requests_total", '{finish_reason="abort"}')
+    before = metric_value(scrape_metrics(server.port), "gemmaserve_requests_total", '{finish_reason="abort"}')
     body = dict(model="gemma3-270m", prompt="Tell me a long story about", max_tokens=400, ignore_eos=True,
                 temperature=0)
     sock = _open_stream(server, {**body, "stream": True})   # streaming: leave after a few events
@@ -256,9 +236,9 @@ def test_a_client_that_disconnects_aborts_its_request(server):
     time.sleep(0.5)
     sock.close()
     _wait_idle(server, timeout=30)
-    text = _metrics(server)
-    assert _metric(text, "gemmaserve_requests_total", '{finish_reason="abort"}') == before + 2
-    _assert_kv_clean(server)
+    text = scrape_metrics(server.port)
+    assert metric_value(text, "gemmaserve_requests_total", '{finish_reason="abort"}') == before + 2
+    assert_server_kv_clean(server)
 
 
 # -- bad input ----------------------------------------------------------------------------------------------
@@ -380,7 +360,7 @@ def test_an_internal_failure_fails_only_its_request(server, client, llm_270m):
         assert results[p] == text
     assert client.completions.create(model="gemma3-270m", prompt="Still up?", max_tokens=2).usage.completion_tokens == 2
     _wait_idle(server)
-    _assert_kv_clean(server)
+    assert_server_kv_clean(server)
 
 
 def test_metrics_report_the_traffic(server, client):
@@ -388,23 +368,23 @@ def test_metrics_report_the_traffic(server, client):
     for _ in range(2):   # the second run finds the first one's full pages in the prefix cache
         client.completions.create(model="gemma3-270m", prompt=long_prompt, max_tokens=3, temperature=0)
     assert _raw(server, "POST", "/v1/completions", {**GOOD, "n": -1})[0] == 400
-    text = _metrics(server)
+    text = scrape_metrics(server.port)
     for name in ("gemmaserve_prompt_tokens_total", "gemmaserve_generation_tokens_total",
                  "gemmaserve_time_to_first_token_seconds_count", "gemmaserve_inter_token_latency_seconds_count",
                  "gemmaserve_e2e_request_latency_seconds_count", "gemmaserve_kv_pages_total"):
-        assert _metric(text, name) > 0, name
-    assert _metric(text, "gemmaserve_requests_total", '{finish_reason="length"}') > 0
-    assert _metric(text, "gemmaserve_kv_pages", '{state="free"}') > 0
+        assert metric_value(text, name) > 0, name
+    assert metric_value(text, "gemmaserve_requests_total", '{finish_reason="length"}') > 0
+    assert metric_value(text, "gemmaserve_kv_pages", '{state="free"}') > 0
     for name in ("gemmaserve_num_requests_waiting", "gemmaserve_num_requests_running", "gemmaserve_preemptions_total",
                  "gemmaserve_prefix_cache_hit_rate", 'gemmaserve_kv_pages{state="cached"}',
                  'gemmaserve_http_errors_total{status="400"}'):
         assert re.search(rf"^{re.escape(name)} ", text, re.M), name
-    assert _metric(text, "gemmaserve_prefix_cache_hit_tokens_total") >= 48
+    assert metric_value(text, "gemmaserve_prefix_cache_hit_tokens_total") >= 48
 
 
 def test_kv_is_clean_after_everything(server):
     _wait_idle(server)
-    _assert_kv_clean(server)
+    assert_server_kv_clean(server)
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import time
 
 import pytest
 
@@ -21,7 +20,7 @@ from gemmaserve.engine.llm_engine import LLMEngine  # noqa: E402
 from gemmaserve.server.background import BackgroundServer  # noqa: E402
 from gemmaserve.server.config import ServerConfig  # noqa: E402
 
-from helpers import save_checkpoint, tiny_hf_model  # noqa: E402
+from helpers import assert_server_kv_clean, save_checkpoint, tiny_hf_model  # noqa: E402
 
 EXAMPLES = int(os.environ.get("GEMMASERVE_FUZZ_EXAMPLES", "25"))   # per operation and mode
 SEED = 2024
@@ -80,15 +79,4 @@ def test_fuzzed_requests_never_get_a_5xx(server, mode):
     assert seen["calls"] >= EXAMPLES   # the schema was read and requests were sent
     print(f"fuzz {mode.value}: {seen['calls']} requests, {seen['errors']} 4xx, 0 5xx; errors by (status, param): "
           f"{dict(why.most_common())}")
-    ae = server.server.async_engine
-    deadline = time.monotonic() + 60
-    while ae.call_blocking(lambda e: e.has_unfinished_requests()):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-
-    def check(e):
-        e.kv.check_integrity()
-        return e.kv.stats()
-
-    st = ae.call_blocking(check)
-    assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
+    assert_server_kv_clean(server)

@@ -21,7 +21,9 @@ from gemmaserve.engine.llm_engine import LLMEngine
 from gemmaserve.server.background import BackgroundServer
 from gemmaserve.server.config import ServerConfig
 
-from helpers import save_checkpoint, tiny_hf_model
+from helpers import assert_server_kv_clean, save_checkpoint, tiny_hf_model
+
+from gemmaserve.bench.soak import metric_value, scrape_metrics
 
 SEED = 1234
 
@@ -59,9 +61,7 @@ def _request(port: int, method: str, path: str, body: dict | str | None = None,
 
 
 def _metric(port: int, name: str, labels: str = "") -> float:
-    text = _request_text(port, "/metrics")
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return metric_value(scrape_metrics(port), name, labels)
 
 
 def _request_text(port: int, path: str) -> str:
@@ -70,21 +70,6 @@ def _request_text(port: int, path: str) -> str:
     text = conn.getresponse().read().decode()
     conn.close()
     return text
-
-
-def _kv_clean(srv: BackgroundServer) -> None:
-    ae = srv.server.async_engine
-    deadline = time.monotonic() + 30
-    while ae.call_blocking(lambda e: e.has_unfinished_requests()):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-
-    def check(e):
-        e.kv.check_integrity()
-        return e.kv.stats()
-
-    st = ae.call_blocking(check)
-    assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
 
 
 LONG = {"prompt": "abc abc abc", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
@@ -133,7 +118,7 @@ def test_a_full_queue_answers_429_with_retry_after(tiny_path):
             t.join(60)
         assert results == [200, 200, 200]
         assert _metric(srv.port, "gemmaserve_http_errors_total", '{status="429"}') == 1
-        _kv_clean(srv)
+        assert_server_kv_clean(srv)
 
 
 def test_deadlines_abort_and_free(tiny_path):
@@ -152,12 +137,12 @@ def test_deadlines_abort_and_free(tiny_path):
         assert json.loads(events[-1][6:])["error"]["code"] == "request_timeout"
         bad = _request(srv.port, "POST", "/v1/completions", {**LONG, "request_timeout": -1})
         assert bad[0] == 400 and bad[2]["error"]["param"] == "request_timeout"
-        _kv_clean(srv)
+        assert_server_kv_clean(srv)
         assert _metric(srv.port, "gemmaserve_requests_total", '{finish_reason="timeout"}') == 2
     # The server's own --request-timeout applies when the request names none.
     with BackgroundServer(_slow(_engine(tiny_path), 0.005), ServerConfig(request_timeout=0.3)) as srv:
         assert _request(srv.port, "POST", "/v1/completions", LONG)[0] == 408
-        _kv_clean(srv)
+        assert_server_kv_clean(srv)
 
 
 def _start_serve(tiny_path, *args: str) -> tuple[subprocess.Popen, int]:

@@ -172,7 +172,8 @@ def _long_prompt(tokenizer, tokens: int) -> str:
     return " ".join(words)
 
 
-def _metrics(port: int) -> str:
+def scrape_metrics(port: int) -> str:
+    """The server's /metrics text (Prometheus exposition)."""
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -182,9 +183,10 @@ def _metrics(port: int) -> str:
     return text
 
 
-def _value(text: str, name: str, labels: str = "") -> int:
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """One sample of `scrape_metrics` text (0 when the series is absent)."""
     m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
-    return int(float(m.group(1))) if m else 0
+    return float(m.group(1)) if m else 0.0
 
 
 def soak(server, cfg: SoakConfig) -> SoakReport:
@@ -208,10 +210,10 @@ def soak(server, cfg: SoakConfig) -> SoakReport:
         return e.kv.stats(), ok
 
     stats, integrity_ok = engine.call_blocking(kv_state)
-    text = _metrics(server.port)
+    text = scrape_metrics(server.port)
     finished = {m.group(1): int(float(m.group(2)))
                 for m in re.finditer(r'^gemmaserve_requests_total\{finish_reason="([a-z_]+)"\} ([0-9.e+-]+)$', text, re.M)}
-    admitted = _value(text, "gemmaserve_requests_admitted_total")
+    admitted = int(metric_value(text, "gemmaserve_requests_admitted_total"))
     mismatches = []
     if admitted != sum(finished.values()):
         mismatches.append(f"admitted {admitted} != finished {sum(finished.values())} {finished}")
@@ -224,11 +226,11 @@ def soak(server, cfg: SoakConfig) -> SoakReport:
         if status.isdigit() and not seen <= http.get(status, 0) <= seen + left:
             mismatches.append(f"clients saw {seen} x {status}, /metrics counted {http.get(status, 0)}")
     for status in ("400", "429"):
-        counted = _value(text, "gemmaserve_http_errors_total", f'{{status="{status}"}}')
+        counted = int(metric_value(text, "gemmaserve_http_errors_total", f'{{status="{status}"}}'))
         if counted != http.get(status, 0):
             mismatches.append(f"{status}: {counted} errors counted, {http.get(status, 0)} requests")
     seen_408 = statuses.get("408", 0) + statuses.get("stream-408", 0)   # deadline clients never leave early
-    counted_408 = _value(text, "gemmaserve_http_errors_total", '{status="408"}')
+    counted_408 = int(metric_value(text, "gemmaserve_http_errors_total", '{status="408"}'))
     if seen_408 != counted_408 or finished.get("timeout", 0) != counted_408:
         mismatches.append(f"408: clients {seen_408}, /metrics {counted_408}, timeouts {finished.get('timeout', 0)}")
     server_errors = sum(n for s, n in statuses.items() if s.lstrip("stream-").startswith("5"))
