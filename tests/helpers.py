@@ -281,6 +281,28 @@ def assert_server_kv_clean(background_server, timeout: float = 60.0) -> None:
     assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
 
 
+def serve_process(*args: str, timeout: float = 120.0):
+    """`gemmaserve serve --port 0 ARGS` in its own process; returns (process, port) once uvicorn listens
+    (the model may still be loading: /health answers 503 until it is ready)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "gemmaserve", "serve", "--port", "0", *args],
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        assert line or proc.poll() is None, "server exited"
+        m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            return proc, int(m.group(1))
+    proc.kill()
+    raise AssertionError("no startup line")
+
+
 def make_manager(kind: str, specs, page_size: int, num_pages: int, **kw):
     if kind == "v1":
         return KVCacheManagerV1(specs, page_size, num_pages)

@@ -406,24 +406,15 @@ def test_serve_rejects_bad_options(args, needle, capsys):
 def test_serve_command(tmp_path):
     """`gemmaserve serve` as users start it: any free port, ready once loaded, a completion, a clean exit
     on Ctrl-C."""
-    import os
     import signal
-    import subprocess
-    import sys
     import urllib.error
     import urllib.request
 
-    proc = subprocess.Popen([sys.executable, "-m", "gemmaserve", "serve", "--port", "0", "--max-model-len", "256"],
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    from helpers import serve_process
+
+    proc, port = serve_process("--max-model-len", "256")
     try:
-        port = None
         deadline = time.monotonic() + 120
-        while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "server exited"
-            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        assert port, "no startup line"
         while True:   # it listens at once and answers 503 until the model has loaded
             try:
                 if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30).status == 200:

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +18,7 @@ from gemmaserve.engine.llm_engine import LLMEngine
 from gemmaserve.server.background import BackgroundServer
 from gemmaserve.server.config import ServerConfig
 
-from helpers import assert_server_kv_clean, save_checkpoint, tiny_hf_model
+from helpers import assert_server_kv_clean, save_checkpoint, serve_process, tiny_hf_model
 
 from gemmaserve.bench.soak import metric_value, scrape_metrics
 
@@ -147,17 +144,8 @@ def test_deadlines_abort_and_free(tiny_path):
 
 def _start_serve(tiny_path, *args: str) -> tuple[subprocess.Popen, int]:
     """`gemmaserve serve` on the tiny checkpoint in its own process; returns it and its port once ready."""
-    proc = subprocess.Popen([sys.executable, "-m", "gemmaserve", "serve", "--model", str(tiny_path), "--port", "0",
-                             "--page-size", "4", *args],
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    port = None
+    proc, port = serve_process("--model", str(tiny_path), "--page-size", "4", *args)
     deadline = time.monotonic() + 120
-    while port is None and time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        assert line or proc.poll() is None, "server exited"
-        m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-        port = int(m.group(1)) if m else None
-    assert port, "no startup line"
     while _request(port, "GET", "/health")[0] != 200:
         assert time.monotonic() < deadline
         time.sleep(0.05)
