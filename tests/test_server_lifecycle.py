@@ -191,8 +191,10 @@ def test_a_2mb_prompt_does_not_stall_health(tiny_path):
 
 
 def test_drain_lets_requests_finish_then_aborts_and_stops(tiny_path):
+    # The short request needs ~20 steps (well under the 5 s grace even on a loaded CI core); the long one
+    # needs 2,000 steps of at least 10 ms each (20 s), so it is always still running when the grace ends.
     engine = _slow(_engine(tiny_path), 0.01)
-    with BackgroundServer(engine, ServerConfig(shutdown_timeout=0.5)) as srv:
+    with BackgroundServer(engine, ServerConfig(shutdown_timeout=5.0)) as srv:
         results: list = []
         short = threading.Thread(target=lambda: results.append(
             ("short", _request(srv.port, "POST", "/v1/completions", {**LONG, "max_tokens": 20}))))
