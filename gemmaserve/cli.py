@@ -33,6 +33,7 @@ BENCHMARKS = {
     "load": ("HTTP server under concurrent streamed requests: TTFT, ITL, tokens/s vs offline", True),
     "soak": ("HTTP server under faults (disconnects, deadlines, overload, bad input): leaks and accounting", True),
     "quality": ("quantised CPU weights against fp32 (and llama.cpp): perplexity, greedy agreement", False),
+    "grammar": ("structured output: per-step mask cost of xgrammar vs llguidance, and engine tokens/s", True),
 }
 
 

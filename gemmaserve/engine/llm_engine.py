@@ -33,6 +33,7 @@ from .model_runner import ModelRunner, PendingStep
 from .request import FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .structured_output import Grammars
 from .step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -111,10 +112,11 @@ class LLMEngine:
             suppress = not self.model.config.multimodal
         self.suppressed_token_ids = sorted(t for t in self.tokenizer.media_token_ids
                                            if t < self.model.vocab_size) if suppress else []
+        self.grammars = Grammars(self.tokenizer, self.model.vocab_size)   # built on first use
         self.runner = ModelRunner(self.model, self.backend, self.kv.layout, self.kv.groups, self.kv.layer_slot, specs,
                                   self.device, cuda_graphs=use_graphs, max_model_len=self.max_model_len,
                                   max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
-                                  suppress_token_ids=self.suppressed_token_ids)
+                                  suppress_token_ids=self.suppressed_token_ids, grammars=self.grammars)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.async_scheduling = (config.async_scheduling == "on"
                                  or (config.async_scheduling == "auto" and self.device.type == "cuda"))
@@ -231,6 +233,8 @@ class LLMEngine:
         or naming tokens the model does not have). Returns the most prompt tokens it may prefill in
         one step when it fits only in chunks smaller than `max_num_batched_tokens`, else None."""
         params.validate()
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)   # a bad schema fails here, not in a step (cached)
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise UserInputError(f"prompt is {n} tokens long; max_model_len is {self.max_model_len}, "

@@ -31,6 +31,7 @@ from ..device import to_device
 from .encoder_cache import EncoderCache
 from .images import ImageItem
 from .sampler import Sampled, SamplingState, sample
+from .structured_output import Grammars
 from .step import DEVICE_TOKEN, SeqStep, StepPlan, StepResult
 
 
@@ -38,8 +39,10 @@ class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, layout: KVLayout, groups: tuple[KVGroup, ...],
                  layer_slot: tuple[tuple[int, int], ...], specs: list[LayerSpec], device: torch.device,
                  cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0,
-                 encoder_cache_bytes: int = 256 * 2**20, suppress_token_ids: list[int] | None = None):
-        """`suppress_token_ids`: never sampled (their logits become -inf before the sampler)."""
+                 encoder_cache_bytes: int = 256 * 2**20, suppress_token_ids: list[int] | None = None,
+                 grammars: Grammars | None = None):
+        """`suppress_token_ids`: never sampled (their logits become -inf before the sampler).
+        `grammars`: matchers for requests with structured output."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -50,6 +53,7 @@ class ModelRunner:
         self.tables = BlockTables(groups, max(1, max_batch), max_model_len or 1,
                                   layout.num_pages + 1 if layout.identity_slots else None, device)
         self.suppressed = to_device(suppress_token_ids, torch.long, device) if suppress_token_ids else None
+        self.grammars = grammars
         self.sampling: dict[str, SamplingState] = {}
         self._last_sampled: dict[str, tuple[torch.Tensor, int]] = {}   # request -> (ids of its last step, row)
         self._applied_step = -1
@@ -78,7 +82,8 @@ class ModelRunner:
             self.images.pop(req_id, None)
             self.encoder_cache.release(req_id)
         for new in plan.new_requests:
-            self.sampling[new.req_id] = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.device)
+            self.sampling[new.req_id] = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.device,
+                                                             self.grammars)
             if new.images:
                 self.images[new.req_id] = new.images
         self.tables.update_slots(plan.slot_updates)
@@ -197,7 +202,7 @@ class ModelRunner:
             return PendingStep([], None)
         if self.suppressed is not None:
             logits.index_fill_(1, self.suppressed, float("-inf"))
-        sampled = sample(logits, [self.sampling[i] for i in ids])
+        sampled = sample(logits, [self.sampling[i] for i in ids], self.grammars)
         for i, req_id in enumerate(ids):   # the next step may read these on the device
             self._last_sampled[req_id] = (sampled.tokens, i)
         sampled.to_host()

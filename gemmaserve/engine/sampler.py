@@ -1,6 +1,7 @@
 """Next-token choice from logits, on the device.
 
     raw logits -> log-probabilities reported to the user (logprobs)
+               -> grammar masks (structured output: disallowed tokens -inf)
                -> penalties (repetition: HF semantics; presence / frequency: OpenAI semantics)
                -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw
 
@@ -20,6 +21,7 @@ import torch
 from ..device import to_device
 from .request import TokenLogprob
 from .sampling_params import SamplingParams
+from .structured_output import Grammars, GrammarState
 
 
 @dataclass(eq=False)
@@ -29,12 +31,19 @@ class SamplingState:
     prompt_token_ids: list[int]
     prompt_seen: torch.Tensor | None = None   # [V] bool: tokens of the prompt (repetition penalty)
     counts: torch.Tensor | None = None        # [V] float: times each token was generated
+    grammar: GrammarState | None = None       # structured output: what may come next
 
     @classmethod
-    def create(cls, params: SamplingParams, seed: int, prompt_token_ids: list[int], device: torch.device):
+    def create(cls, params: SamplingParams, seed: int, prompt_token_ids: list[int], device: torch.device,
+               grammars: Grammars | None = None):
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
-        return cls(params, generator, list(prompt_token_ids))
+        grammar = None
+        if params.structured_output is not None:
+            if grammars is None:
+                raise ValueError("a structured request needs the engine's grammars")
+            grammar = grammars.matcher(params.structured_output)
+        return cls(params, generator, list(prompt_token_ids), grammar=grammar)
 
     def penalty_tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.counts is None:
@@ -72,6 +81,13 @@ class Sampled:
         self.done = torch.cuda.Event()
         self.done.record()
 
+    def host_token(self, row: int) -> int:
+        """One sampled id on the host: waits for this step's copies only."""
+        if self.host is not None:
+            self.done.synchronize()
+            return int(self.host[0][row])
+        return int(self.tokens[row])
+
     def resolve(self) -> tuple[list[int], list[TokenLogprob | None]]:
         """The ids (and logprob records) on the host: waits for the step that produced them."""
         if self.host is not None:
@@ -89,11 +105,18 @@ class Sampled:
         return chosen, records
 
 
-def sample(logits: torch.Tensor, states: list[SamplingState]) -> Sampled:
-    """logits: [N, V] for N requests -> one token each (and logprob records where asked)."""
+def sample(logits: torch.Tensor, states: list[SamplingState], grammars: Grammars | None = None) -> Sampled:
+    """logits: [N, V] for N requests -> one token each (and logprob records where asked).
+    `grammars`: needed when a state has a grammar (structured output)."""
     raw = logits.float()
     logits = raw
     dev = raw.device
+    constrained = [i for i, s in enumerate(states) if s.grammar is not None]
+    if constrained:
+        bitmask = grammars.bitmask(len(states))
+        grammars.fill([states[i].grammar for i in constrained], bitmask, constrained)
+        logits = raw.clone()
+        grammars.apply(logits, bitmask, constrained)
     penalized = [i for i, s in enumerate(states) if s.params.has_penalties]
     if penalized:
         logits = raw.clone()
@@ -120,6 +143,8 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> Sampled:
             one = torch.ones(1, device=dev)
         states[i].counts.index_add_(0, tokens[i:i + 1], one)
     out = Sampled(tokens, [i for i, s in enumerate(states) if s.params.logprobs is not None])
+    for i in constrained:   # accepted by the grammar when its next mask is built
+        states[i].grammar.sampled(out, i)
     if out.logprob_rows:
         want = to_device(out.logprob_rows, torch.long, dev)
         logp = torch.log_softmax(raw[want], dim=-1)

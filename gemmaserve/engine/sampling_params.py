@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..config.options import any_int, number, option, positive_int
 from ..errors import UserInputError
+from .structured_output import StructuredOutput, parse_cli_structured
 
 MAX_N = 64                # completions per prompt
 MAX_STOP_STRINGS = 16
@@ -39,6 +40,10 @@ class SamplingParams:
     logprobs: int | None = option(None, parse=any_int, help="report the chosen token's log-probability and this many "
                                                             "alternatives (0-20)")
     ignore_eos: bool = option(False, help="keep generating after an end-of-sequence token (until max_tokens)")
+    structured_output: StructuredOutput | None = option(
+        None, parse=parse_cli_structured,
+        help="constrain the output: 'json' (any JSON object), json_schema=SCHEMA, regex=RE or grammar=EBNF "
+             "(SPEC inline or @file; needs the 'structured' extra)")
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -50,6 +55,7 @@ class SamplingParams:
         self.stop = list(self.stop) if isinstance(self.stop, (list, tuple)) else ([] if self.stop is None else self.stop)
         self.stop_token_ids = (list(self.stop_token_ids) if isinstance(self.stop_token_ids, (list, tuple))
                                else ([] if self.stop_token_ids is None else self.stop_token_ids))
+        self.structured_output = StructuredOutput.parse(self.structured_output)
         self.validate()
 
     def validate(self) -> None:
@@ -92,6 +98,10 @@ class SamplingParams:
               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         check(isinstance(self.ignore_eos, bool) and isinstance(self.skip_special_tokens, bool),
               "ignore_eos and skip_special_tokens must be booleans")
+        check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+              "structured_output must be a StructuredOutput")
+        check(not (self.structured_output and self.ignore_eos),
+              "ignore_eos cannot be combined with structured output (a complete output ends with end-of-sequence)")
 
     @property
     def greedy(self) -> bool:

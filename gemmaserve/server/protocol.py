@@ -1,7 +1,7 @@
 """OpenAI request bodies (validated strictly: a string is not a number) and the response objects.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields that we cannot honour
-(tools, logit_bias, suffix, ...) are rejected with a 400 that names them.
+(logit_bias, suffix, ...) are rejected with a 400 that names them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from ..engine.request import TokenLogprob
 from ..engine.sampling_params import (
     MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MIN_TOP_P, REPETITION_PENALTY_RANGE, SamplingParams,
 )
+from ..engine.structured_output import GrammarKind, StructuredOutput
 from ..errors import UserInputError
 from ..models.tokenizer import Tokenizer
 
@@ -84,6 +85,7 @@ class _Common(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     request_timeout: float | None = _doc(exclusiveMinimum=0)   # seconds from arrival; only shortens the server's
+    response_format: dict[str, Any] | None = None   # text, json_object or json_schema (also on completions, as vLLM)
 
 
 class CompletionRequest(_Common):
@@ -101,7 +103,7 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 def parse(cls: type[_Strict], body: Any) -> Any:
@@ -132,9 +134,6 @@ def reject_unsupported(req: CompletionRequest | ChatRequest) -> None:
         no(req.best_of is not None and req.best_of != req.n, "best_of", "best_of other than n")
         no(req.echo and req.logprobs is not None, "echo", "echo with logprobs (prompt logprobs)")
     else:
-        no(bool(req.tools), "tools", "tool calling")
-        no(req.response_format is not None and req.response_format.get("type") not in (None, "text"),
-           "response_format", "structured output")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
 
@@ -154,11 +153,33 @@ def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> Sa
                   frequency_penalty=req.frequency_penalty or 0.0,
                   repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                   ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids or [],
-                  skip_special_tokens=req.skip_special_tokens)
+                  skip_special_tokens=req.skip_special_tokens,
+                  structured_output=response_format(req.response_format))
     try:
         return SamplingParams(**values)
     except UserInputError as exc:
         raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
+
+
+def response_format(fmt: dict | None) -> StructuredOutput | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema (always enforced,
+    whatever its `strict` says: a schema we were given is a schema we keep)."""
+    if fmt is None or fmt.get("type") in (None, "text"):
+        return None
+    kind = fmt.get("type")
+    try:
+        if kind == "json_object":
+            return StructuredOutput(GrammarKind.JSON)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema (an object)",
+                               param="response_format")
+            return StructuredOutput.json_schema(spec["schema"])
+    except UserInputError as exc:
+        raise ApiError(400, f"response_format: {exc}", param="response_format") from None
+    raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                   param="response_format")
 
 
 def _param_of(message: str) -> str | None:

@@ -1,0 +1,158 @@
+"""Structured output: every completed output parses against its schema / regex, whatever the weights
+(a tiny random model sampling at temperature 1 would write anything unconstrained), constrained and
+free rows share batches without touching each other, and async scheduling, preemption and siblings
+leave the tokens unchanged."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from gemmaserve import LLM
+from gemmaserve.engine.sampling_params import SamplingParams
+from gemmaserve.engine.structured_output import GrammarKind, StructuredOutput, parse_cli_structured
+from gemmaserve.errors import UserInputError
+
+from helpers import fresh_seed, save_checkpoint, tiny_hf_model
+
+pytest.importorskip("xgrammar")
+
+# Small on purpose: a random model spends most tokens on the whitespace it may put between JSON
+# tokens (bounded per run, see MAX_JSON_WHITESPACE) and on byte tokens inside free strings.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["cat", "dog", "eel"]},
+        "legs": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tame": {"type": "boolean"},
+        "name": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+        "tags": {"type": "array", "items": {"enum": ["x", "yy"]}, "maxItems": 2},
+    },
+    "required": ["kind", "legs", "tame", "name", "tags"],
+    "additionalProperties": False,
+}
+PROMPTS = ["abc", "the dog", "zz top", "a b c d e"]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_path):
+    return LLM(str(tiny_path), page_size=4, async_scheduling="off")
+
+
+def _schema_params(**kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 40, "structured_output": StructuredOutput.json_schema(SCHEMA), **kw})
+
+
+def test_random_weights_sampled_hot_still_give_valid_documents(llm):
+    outs = llm.generate(PROMPTS[:2], _schema_params(max_tokens=200, temperature=1.0, seed=fresh_seed(), n=3))
+    done = [c.text for o in outs for c in o.outputs if c.finish_reason == "stop"]
+    assert len(done) >= 3, [c.finish_reason for o in outs for c in o.outputs]   # most finish within 200 tokens
+    for text in done:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    # Unconstrained, the same sampling writes no JSON at all (the test could not pass by luck).
+    free = llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=1.0, seed=fresh_seed()))
+    assert not any(o.outputs[0].text.lstrip().startswith('{"kind"') for o in free)
+
+
+def test_regex_json_object_and_grammar(llm):
+    so = StructuredOutput(GrammarKind.REGEX, r"[0-9]{3}-[a-z]{2,4}")
+    for o in llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=1.0, seed=1, structured_output=so)):
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", o.outputs[0].text), o.outputs[0].text
+    obj = StructuredOutput(GrammarKind.JSON)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=200, temperature=0.7, seed=2, structured_output=obj))
+    done = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert done and all(isinstance(json.loads(t), dict) for t in done)
+    ebnf = StructuredOutput(GrammarKind.GRAMMAR, 'root ::= ("yes" | "no") " " [a-c]+ "."')
+    for o in llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=1.0, seed=3, structured_output=ebnf)):
+        assert re.fullmatch(r"(yes|no) [a-c]+\.", o.outputs[0].text), o.outputs[0].text
+
+
+def test_constrained_and_free_rows_share_a_batch_without_touching_each_other(llm):
+    """Greedy: each request alone equals the same request in a mixed batch (masks land on their own
+    rows only), and free rows equal a batch without constrained neighbours."""
+    constrained, free = _schema_params(), SamplingParams(max_tokens=24)
+    alone_c = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], constrained)]
+    alone_f = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[2:], free)]
+    engine = llm.engine
+    ids = [engine.add_request(p, constrained if i < 2 else free, request_id=f"mix{i}")
+           for i, p in enumerate([PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[1]][::-1])]
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+    order = [PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[1]][::-1]
+    by_prompt = {p: got[rid] for p, rid in zip(order, ids)}
+    assert [by_prompt[PROMPTS[0]], by_prompt[PROMPTS[1]]] != [None, None]
+    # Requests 0 and 1 (constrained) ran on PROMPTS[1] and PROMPTS[3]; 2 and 3 (free) on PROMPTS[0], PROMPTS[2].
+    assert by_prompt[PROMPTS[1]] == llm.generate([PROMPTS[1]], constrained)[0].outputs[0].token_ids
+    assert by_prompt[PROMPTS[3]] == llm.generate([PROMPTS[3]], constrained)[0].outputs[0].token_ids
+    assert by_prompt[PROMPTS[0]] == llm.generate([PROMPTS[0]], free)[0].outputs[0].token_ids
+    assert by_prompt[PROMPTS[2]] == alone_f[0]
+    assert alone_c[0] == llm.generate([PROMPTS[0]], constrained)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("preempting", [False, True], ids=["async", "async-preempting"])
+def test_async_scheduling_and_preemption_keep_the_tokens(llm, tiny_path, preempting):
+    """The matcher accepts each token exactly once: when the next step was launched before it was
+    known (async), and when a request is preempted and recomputed."""
+    params = _schema_params(temperature=1.0, seed=fresh_seed(), n=2)
+    want = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params)]
+    options = dict(async_scheduling="on", max_num_batched_tokens=16)
+    if preempting:   # room for the longest request and a third more: decodes growing together preempt
+        kv = llm.engine.kv
+        longest = max(len(llm.engine.tokenize(p)) for p in PROMPTS) + params.max_tokens
+        options["kv_cache_memory"] = int(1.3 * kv.peak_pages(longest, 16)) * kv.page_bytes
+    other = LLM(str(tiny_path), page_size=4, **options)
+    got = [[c.token_ids for c in o.outputs] for o in other.generate(PROMPTS, params)]
+    assert got == want
+    assert (other.engine.scheduler.num_preemptions > 0) == preempting
+    other.engine.kv.check_integrity()
+
+
+def test_bad_specs_are_user_errors(llm):
+    with pytest.raises(UserInputError, match="invalid json_schema"):
+        llm.generate(["abc"], SamplingParams(structured_output=StructuredOutput.json_schema({"type": "objec"})))
+    with pytest.raises(UserInputError, match="not valid JSON"):
+        llm.generate(["abc"], SamplingParams(structured_output=StructuredOutput(GrammarKind.JSON_SCHEMA, '{"a": ')))
+    with pytest.raises(UserInputError, match="invalid regex"):
+        llm.generate(["abc"], SamplingParams(structured_output=StructuredOutput(GrammarKind.REGEX, "([a-z")))
+    with pytest.raises(UserInputError, match="ignore_eos"):
+        _schema_params(ignore_eos=True)
+    with pytest.raises(UserInputError, match="kind must be one of"):
+        StructuredOutput("yaml", "x")
+    with pytest.raises(UserInputError, match="needs a non-empty spec"):
+        StructuredOutput(GrammarKind.REGEX, " ")
+    assert parse_cli_structured("json") == StructuredOutput(GrammarKind.JSON)
+    with pytest.raises(UserInputError, match="KIND=SPEC"):
+        parse_cli_structured("schema.json")
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_plan_round_trip_keeps_the_structured_output():
+    from gemmaserve.engine.step import NewRequest, StepPlan
+
+    params = _schema_params(temperature=0.5)
+    plan = StepPlan(3, new_requests=[NewRequest("r", params, 7, [1, 2])])
+    back = StepPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert back.new_requests[0].params == params
+
+
+@pytest.mark.slow
+def test_embedded_model_fills_a_schema(llm_270m):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+              "required": ["city", "population"], "additionalProperties": False}
+    out = llm_270m.generate(["The largest city in France, as JSON:"],
+                            SamplingParams(max_tokens=40, structured_output=StructuredOutput.json_schema(schema)))
+    c = out[0].outputs[0]
+    assert c.finish_reason == "stop", c.text
+    jsonschema.validate(json.loads(c.text), schema)
