@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from .sampler import Sampled
 
 MAX_SPEC_CHARS = 256 * 1024   # a schema, regex or grammar this long is a mistake, not a request
+# Special tokens that grammars spell out as text: Gemma 4's tool-call markers.
+TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_STRING, TOOL_RESPONSE = "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool_response>"
+GRAMMAR_MARKERS = frozenset({TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_STRING, TOOL_RESPONSE})
 # Whitespace between JSON tokens: enough for pretty-printing (a newline and an indent), bounded so a
 # model cannot fill max_tokens with blanks inside a document (llama.cpp's JSON grammars bound it too).
 MAX_JSON_WHITESPACE = 20
@@ -126,9 +129,13 @@ class Grammars:
             raise UserInputError(INSTALL_HINT) from None
         tok = self.tokenizer
         # Special tokens are given as empty strings: xgrammar then never allows them inside the
-        # output (a JSON string may not contain <start_of_turn>); stop tokens end the grammar.
-        vocab = [("" if tok.is_special(i) else tok.backend.id_to_token(i) or "")
-                 for i in range(min(tok.vocab_size, self.vocab_size))]
+        # output (a JSON string may not contain <start_of_turn>); stop tokens end the grammar. The
+        # markers a grammar spells out (Gemma 4's tool calls) keep their text.
+        def text(i: int) -> str:
+            t = tok.backend.id_to_token(i) or ""
+            return t if not tok.is_special(i) or t in GRAMMAR_MARKERS else ""
+
+        vocab = [text(i) for i in range(min(tok.vocab_size, self.vocab_size))]
         stops = sorted(t for t in tok.stop_token_ids if t < self.vocab_size)
         info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.BYTE_FALLBACK, vocab_size=self.vocab_size,
                                       stop_token_ids=stops, add_prefix_space=False)

@@ -12,19 +12,30 @@ otherwise Gemma's turn format (what the Gemma templates render):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UserInputError
 from .tokenizer import Tokenizer
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
 class ChatMessage:
     role: str       # one of ROLES
     content: str
+    tool_calls: tuple[dict, ...] = ()   # assistant: calls it made ({"name", "arguments" (a dict)})
+    name: str | None = None             # tool: the function whose result this is
+
+    def template_dict(self) -> dict:
+        d: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [{"type": "function", "function": c} for c in self.tool_calls]
+        if self.name is not None:
+            d["name"] = self.name
+        return d
 
 
 def parse_chat(raw: object, image_placeholder: str | None,
@@ -64,10 +75,38 @@ def parse_chat(raw: object, image_placeholder: str | None,
                                          "({\"type\": \"text\", \"text\": ...})")
                 parts.append(part["text"])
             content = "".join(parts)
+        calls = _tool_calls(m.get("tool_calls"), i) if role == "assistant" else ()
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise UserInputError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append(ChatMessage(role, content))
+        name = m.get("name") if role == "tool" else None
+        if name is not None and not isinstance(name, str):
+            raise UserInputError(f"messages[{i}].name must be a string")
+        out.append(ChatMessage(role, content, calls, name))
     return out, urls
+
+
+def _tool_calls(raw: object, i: int) -> tuple[dict, ...]:
+    """An assistant message's OpenAI tool_calls -> ({"name", "arguments" as a dict}, ...)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise UserInputError(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for j, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, dict) else None
+        args = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except json.JSONDecodeError:
+                args = None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(args, dict):
+            raise UserInputError(f"messages[{i}].tool_calls[{j}] must be {{\"function\": {{\"name\": ..., "
+                                 "\"arguments\": <a JSON object or its text>}}")
+        out.append({"name": fn["name"], "arguments": args})
+    return tuple(out)
 
 
 class ChatFormatter:
@@ -86,22 +125,30 @@ class ChatFormatter:
     def source(self) -> str:
         return "checkpoint template" if self._template is not None else "gemma turn format"
 
-    def render(self, messages: list[ChatMessage]) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """The checkpoint's template declares tools itself (else the caller describes them)."""
+        return self._template is not None and "tools" in (self.tokenizer.chat_template or "")
+
+    def render(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> str:
+        """`tools`: OpenAI function tools, passed to a template that renders them (`renders_tools`)."""
         if self._template is None:
             return gemma_turns(messages)
         from jinja2 import TemplateError
 
         tok = self.tokenizer
+        extra = {"tools": tools} if tools else {}
         try:
-            return self._template.render(messages=[{"role": m.role, "content": m.content} for m in messages],
+            return self._template.render(messages=[m.template_dict() for m in messages],
                                          add_generation_prompt=True, bos_token=tok.special_text(tok.bos_token_id),
-                                         eos_token=tok.special_text(tok.eos_token_id))
+                                         eos_token=tok.special_text(tok.eos_token_id), **extra)
         except TemplateError as exc:
             raise UserInputError(f"chat template: {exc}") from None
 
-    def encode(self, messages: list[ChatMessage], expand: Callable[[str], str] | None = None) -> list[int]:
+    def encode(self, messages: list[ChatMessage], expand: Callable[[str], str] | None = None,
+               tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered conversation; `expand` rewrites the text first (image placeholders)."""
-        text = self.render(messages)
+        text = self.render(messages, tools)
         if expand is not None:
             text = expand(text)
         bos = self.tokenizer.special_text(self.tokenizer.bos_token_id)
@@ -111,7 +158,9 @@ class ChatFormatter:
 
 def gemma_turns(messages: list[ChatMessage]) -> str:
     """Gemma's turn format (without BOS: the tokenizer adds it). System text opens the first user
-    turn; turns must alternate user / assistant, starting with user."""
+    turn; turns must alternate user / assistant, starting with user. Tool results are a user turn
+    (consecutive ones together); an assistant's tool calls are written as the JSON it was asked for."""
+    messages = _fold_tools(messages)
     system = []
     i = 0
     while i < len(messages) and messages[i].role in ("system", "developer"):
@@ -133,6 +182,24 @@ def gemma_turns(messages: list[ChatMessage]) -> str:
         out.append(f"<start_of_turn>{'model' if m.role == 'assistant' else 'user'}\n{text}<end_of_turn>\n")
     out.append("<start_of_turn>model\n")
     return "".join(out)
+
+
+def _fold_tools(messages: list[ChatMessage]) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
+    for m in messages:
+        if m.role == "tool":
+            text = f"Result of {m.name or 'the function'}: {m.content}"
+            if out and out[-1].role == "user" and out[-1].name == "tool":
+                out[-1] = ChatMessage("user", out[-1].content + "\n" + text, name="tool")
+            else:
+                out.append(ChatMessage("user", text, name="tool"))
+        elif m.tool_calls:
+            calls = [json.dumps({"name": c["name"], "parameters": c["arguments"]}, ensure_ascii=False)
+                     for c in m.tool_calls]
+            out.append(ChatMessage("assistant", "\n".join(filter(None, [m.content.strip()] + calls))))
+        else:
+            out.append(m)
+    return out
 
 
 def _raise(message: str):

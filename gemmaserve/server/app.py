@@ -11,6 +11,10 @@ prompt length, KV budget) before the request reaches the engine, so a stream tha
 fails for an internal error or its deadline. Tokenising, chat templating and parsing large bodies run
 on worker threads: the event loop only moves bytes, so /health answers at once whatever the prompts.
 
+Structured output: `response_format` (json_object, json_schema: always enforced) on both endpoints;
+`tools` / `tool_choice` on chat, in the model's own call format (server/tools.py). The grammar is
+compiled on a worker thread; a bad schema or tool spec is a 400 before anything is queued.
+
 Lifecycle (ServerState): LOADING (the engine loads on a thread; /health 503) -> READY -> DRAINING
 (SIGTERM: /health and new requests 503, running ones finish or, after --shutdown-timeout, are aborted),
 then exit; FAILED when the engine did not load or its thread died.
@@ -26,6 +30,7 @@ import json
 import logging
 import threading
 import time
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -39,15 +44,17 @@ from ..engine.images import decode_data_url, expand_prompt, place_images
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import RequestOutput
 from ..engine.sampling_params import SamplingParams
+from ..engine.structured_output import INSTALL_HINT, TOOL_RESPONSE
 from ..errors import UserInputError
+from ..models.chat_template import ChatFormatter, ChatMessage, parse_chat
 from .async_engine import AsyncEngine, DeadlineExceeded, EngineDeadError
-from ..models.chat_template import ChatFormatter, parse_chat
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import (
     ApiError, ChatRequest, CompletionRequest, chat_logprobs, completion_logprobs, now, parse, reject_unsupported,
     sampling_params, usage,
 )
+from .tools import ToolCalling, ToolFormat, parse_tools
 
 log = logging.getLogger(__name__)
 
@@ -326,6 +333,7 @@ class OpenAIServer:
         reject_unsupported(req)
         prompts = await asyncio.to_thread(self._completion_prompts, req.prompt)
         params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETIONS_MAX_TOKENS)
+        await self._check_grammar(params, "response_format")
         self._check_fits(prompts, params, "prompt")
         self._check_queue(len(prompts) * params.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -366,26 +374,51 @@ class OpenAIServer:
         return self._stream(rid, "text_completion", req, prompts, outputs, choices)
 
     # -- chat ------------------------------------------------------------------------------------------
-    def _chat_prompt(self, raw_messages: list) -> tuple[_Prompt, list]:
-        """Messages -> the prompt through the chat template, and its images in place. Decodes images
-        and tokenises: called on a worker thread."""
+    def _chat_prompt(self, raw_messages: list, calling: ToolCalling | None = None) -> tuple[_Prompt, list]:
+        """Messages -> the prompt through the chat template (tools offered as `calling` says), and its
+        images in place. Decodes images and tokenises: called on a worker thread."""
         layout = self.engine.image_layout
         try:
             messages, urls = parse_chat(raw_messages, layout.placeholder if layout is not None else None)
+            tools = None
+            if calling is not None and calling.format is ToolFormat.NATIVE:
+                tools = [t.openai() for t in calling.offered]
+            elif calling is not None:
+                messages = [ChatMessage("system", calling.preamble())] + messages
             images = self._chat_images(urls) if urls else []
             expand = (lambda text: expand_prompt(text, images, layout)) if urls else None
-            ids = self.chat.encode(messages, expand)
+            ids = self.chat.encode(messages, expand, tools)
             items = place_images(ids, images, layout) if urls else []
         except UserInputError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         return _Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids), items
+
+    def _tool_calling(self, req: ChatRequest) -> ToolCalling | None:
+        calling = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer)
+        if calling is None:
+            return None
+        if req.response_format is not None and req.response_format.get("type") not in (None, "text"):
+            raise ApiError(400, "response_format cannot be combined with tools", param="response_format")
+        if calling.format is ToolFormat.NATIVE and not self.chat.renders_tools:
+            calling = dataclasses.replace(calling, format=ToolFormat.JSON)   # only a template declares native tools
+        return calling
+
+    async def _check_grammar(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's grammar on a worker thread (cached: the engine's check is then free)."""
+        if params.structured_output is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
+        except UserInputError as exc:
+            raise ApiError(400, str(exc), param=param) from None
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: ChatRequest = parse(ChatRequest, await self._json(request))
         self._check_model(req.model)
         reject_unsupported(req)
-        prompt, items = await asyncio.to_thread(self._chat_prompt, req.messages)
+        calling = self._tool_calling(req)
+        prompt, items = await asyncio.to_thread(self._chat_prompt, req.messages, calling)
         ids = prompt.ids
         limit = self.engine.max_model_len
         if len(ids) >= limit:
@@ -393,33 +426,51 @@ class OpenAIServer:
                                 f"{len(ids)}", param="messages", code="context_length_exceeded")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens if max_tokens is not None else limit - len(ids))
+        if calling is not None:
+            try:
+                grammar = calling.structured_output()
+            except ImportError:
+                raise ApiError(400, INSTALL_HINT, param="tools") from None
+            native = calling.format is ToolFormat.NATIVE   # its markers are special tokens: keep them to parse
+            params = params.replace(structured_output=grammar, skip_special_tokens=params.skip_special_tokens and not native,
+                                    stop=params.stop + ([TOOL_RESPONSE] if native else []))
+        await self._check_grammar(params, "tools" if calling is not None else "response_format")
         self._check_fits([prompt], params, "messages", items)
         self._check_queue(params.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = self.async_engine.generate(rid, [(prompt.text, prompt.ids)], params, self._deadline(arrival, req),
                                              images=[items])
         if req.stream:
-            return _sse(self._stream_chat(rid, req, prompt, params, outputs))
+            return _sse(self._stream_chat(rid, req, prompt, params, outputs, calling))
         finals = await self._collect(request, outputs)
         choices = []
         for (_, k), out in sorted(finals.items()):
             c = out.outputs[0]
-            choices.append({"index": k, "message": {"role": "assistant", "content": c.text},
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            message, finish = _assistant_message(c, calling)
+            choices.append({"index": k, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
                             "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if c.logprobs is not None else None})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
                              "choices": choices, "usage": self._usage([prompt], finals)})
 
     def _stream_chat(self, rid: str, req: ChatRequest, prompt: _Prompt, params: SamplingParams,
-                     outputs) -> AsyncIterator[str]:
+                     outputs, calling: ToolCalling | None = None) -> AsyncIterator[str]:
+        """With tools offered, a choice's text is held until it finishes: whether it is a call is known
+        only then (its content and calls come in one delta)."""
         def choices(_: int, c) -> list[dict]:
             out = []
             lp = chat_logprobs(self.tokenizer, c.delta_logprobs) if c.delta_logprobs else None
-            if c.delta_text or lp:
+            finish = c.finish_reason
+            if calling is None and (c.delta_text or lp):
                 out.append({"index": c.index, "delta": {"content": c.delta_text}, "logprobs": lp,
                             "finish_reason": None})
+            elif calling is not None and c.finished:
+                message, finish = _assistant_message(c, calling)
+                delta = {"content": message["content"]}
+                if "tool_calls" in message:
+                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
+                out.append({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None})
             if c.finished:   # OpenAI closes each choice with an empty delta
-                out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
+                out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish,
                             "stop_reason": c.stop_reason})
             return out
 
@@ -497,6 +548,18 @@ class OpenAIServer:
         completion = sum(len(o.outputs[0].token_ids) for o in finals.values())
         cached = sum({pi: o.num_cached_tokens for (pi, _), o in finals.items()}.values())
         return usage(sum(len(p.ids) for p in prompts), completion, cached)
+
+
+def _assistant_message(c, calling: ToolCalling | None) -> tuple[dict, str | None]:
+    """A finished completion -> (the assistant message, finish_reason): tool calls parsed out of the
+    text when tools were offered ("tool_calls" then)."""
+    if calling is None:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    content, calls = calling.parse(c.text)
+    message: dict = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
 
 def _raise_if_failed(c) -> None:

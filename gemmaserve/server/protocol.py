@@ -53,7 +53,7 @@ _STOP = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 256},
                    {"type": "array", "maxItems": MAX_STOP_STRINGS,
                     "items": {"type": "string", "minLength": 1, "maxLength": 256}}, {"type": "null"}]}
 _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"enum": ["system", "developer", "user", "assistant"]},
+    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
     "content": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {
         "type": "object", "required": ["type", "text"],
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}

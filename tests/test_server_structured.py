@@ -1,0 +1,188 @@
+"""Structured output and tool calling over HTTP, on tiny random models (sampling at temperature 1:
+unconstrained they would write anything): response_format json_object / json_schema, tools in the
+JSON format (no tool tokens) and in Gemma 4's native format (a vocabulary with its tool tokens and a
+template that declares tools), streamed and not; bad schemas and tool specs are 400s."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from gemmaserve.config.engine import EngineConfig
+from gemmaserve.engine.llm_engine import LLMEngine
+from gemmaserve.server.background import BackgroundServer
+from gemmaserve.server.config import ServerConfig
+from gemmaserve.server.tools import gemma_arguments
+
+from helpers import assert_server_kv_clean, fresh_seed, save_checkpoint, tiny_hf_model
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("xgrammar")
+
+SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer",
+                                                                                    "minimum": 0, "maximum": 9}},
+          "required": ["kind", "legs"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+HOT = dict(temperature=1.0, max_tokens=200)   # a random model spends many tokens on whitespace
+USER = [{"role": "user", "content": "abc"}]
+NATIVE_SPECIALS = {290: "<|tool_call>", 291: "<tool_call|>", 292: '<|"|>', 293: "<|tool_response>"}
+NATIVE_TEMPLATE = ("{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n"
+                   "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}model:")
+
+
+def _server(path):
+    engine = LLMEngine(EngineConfig(model=str(path), page_size=4, max_num_seqs=8))
+    return BackgroundServer(engine, ServerConfig(served_model_name="m"))
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_path):
+    with _server(tiny_path) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def _complete(choices) -> list:
+    """The choices that finished before max_tokens (at least one must)."""
+    done = [c for c in choices if c.finish_reason != "length"]
+    assert done, [c.message for c in choices]
+    return done
+
+
+def _valid_calls(choice, allowed: dict[str, dict]) -> list:
+    assert choice.finish_reason == "tool_calls", (choice.finish_reason, choice.message)
+    calls = choice.message.tool_calls
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), allowed[call.function.name])
+    return calls
+
+
+def test_response_format_json_schema_and_json_object(client):
+    r = client.chat.completions.create(model="m", messages=USER, n=3, seed=fresh_seed(), **HOT,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "pet", "schema": SCHEMA}})
+    done = [c for c in r.choices if c.finish_reason == "stop"]
+    assert done, [c.finish_reason for c in r.choices]
+    for c in done:
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    r = client.completions.create(model="m", prompt="abc", seed=1, temperature=1.0, max_tokens=120,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:   # cut at max_tokens: still the start of an object
+        assert r.choices[0].text.lstrip().startswith("{")
+
+
+def test_tools_in_json_format_required_named_and_streamed(client, srv):
+    allowed = {"get_weather": WEATHER, "get_time": TIME}
+    r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="required", n=4,
+                                       seed=fresh_seed(), **HOT)
+    for c in _complete(r.choices):
+        _valid_calls(c, allowed)
+    r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, seed=fresh_seed(), n=4, **HOT,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    for c in _complete(r.choices):
+        assert [call.function.name for call in _valid_calls(c, allowed)] == ["get_time"]
+    # A conversation that already called a tool and got its result.
+    history = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_time", "content": "12:00"}]
+    stream = client.chat.completions.create(model="m", messages=history, tools=TOOLS, n=4, stream=True,
+                                            seed=fresh_seed(), **HOT,
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}})
+    chunks = [ch.choices[0] for ch in stream if ch.choices]
+    finish = {d.index: d.finish_reason for d in chunks if d.finish_reason}
+    calls = {d.index: d.delta.tool_calls for d in chunks if d.delta.tool_calls}
+    assert sorted(finish) == [0, 1, 2, 3] and "tool_calls" in finish.values(), finish
+    for i, reason in finish.items():
+        assert (reason == "tool_calls") == (i in calls)
+    for got in calls.values():
+        assert got[0].function.name == "get_time" and json.loads(got[0].function.arguments)["zone"] in ("utc", "cet")
+    # auto: free text unless the whole answer is a call; either way a well-formed message.
+    r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, seed=1, temperature=1.0, max_tokens=8)
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    assert_server_kv_clean(srv)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"messages": USER + [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
+                                                                                              "arguments": "[1"}}]}]},
+     "messages"),
+])
+def test_bad_structured_requests_are_400s(client, srv, body, param):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(**{"model": "m", "messages": USER, "max_tokens": 4, **body})
+    assert exc.value.body["param"] == param, exc.value.body
+    assert_server_kv_clean(srv)
+
+
+def test_native_gemma4_tool_calls(tmp_path):
+    """A vocabulary with Gemma 4's tool tokens and a template that declares tools: calls are written
+    <|tool_call>call:NAME{...}<tool_call|>, constrained to each tool's schema, and parsed back."""
+    path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "m")
+    tok = json.loads((path / "tokenizer.json").read_text())
+    for i, text in NATIVE_SPECIALS.items():
+        tok["added_tokens"].append(dict(id=i, content=text, single_word=False, lstrip=False, rstrip=False,
+                                        normalized=False, special=True))
+        tok["model"]["vocab"][text] = i
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": NATIVE_TEMPLATE}))
+    allowed = {"get_weather": WEATHER, "get_time": TIME}
+    with _server(path) as s:
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+        # One call each: after it only the end of the answer is allowed (a random model would write bytes).
+        r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="required", n=4,
+                                           parallel_tool_calls=False, seed=fresh_seed(), **HOT)
+        for c in _complete(r.choices):
+            _valid_calls(c, allowed)
+            assert not c.message.content
+        r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, seed=fresh_seed(), n=4, **HOT,
+                                           parallel_tool_calls=False,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        for c in _complete(r.choices):
+            assert [call.function.name for call in _valid_calls(c, allowed)] == ["get_weather"]
+        assert_server_kv_clean(s)
+
+
+def test_gemma_argument_syntax():
+    q = '<|"|>'
+    text = (f"{{city:{q}São, {{Paulo}}]{q},days:3,ok:true,none:null,ratio:-1.5e2,"
+            f"list:[{q}a{q}, 2, [true]],nested:{{deep:{{x:{q}y{q}}}}},{q}quoted key{q}:1}}")
+    assert gemma_arguments(text) == {"city": "São, {Paulo}]", "days": 3, "ok": True, "none": None, "ratio": -150.0,
+                                     "list": ["a", 2, [True]], "nested": {"deep": {"x": "y"}}, "quoted key": 1}
+    assert gemma_arguments("{}") == {}
+    for bad in ("{city:" + q + "x}", "{a:1", "[1]", "{a:1}}", "{a 1}", "{a:tru}"):
+        with pytest.raises(ValueError):
+            gemma_arguments(bad)
