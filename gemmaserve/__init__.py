@@ -13,11 +13,14 @@ if TYPE_CHECKING:
     from .engine.llm import LLM
     from .engine.request import CompletionOutput, RequestOutput
     from .engine.sampling_params import SamplingParams
+    from .engine.structured_output import GrammarKind, StructuredOutput
 
 _LAZY = {"LLM": ".engine.llm", "SamplingParams": ".engine.sampling_params", "RequestOutput": ".engine.request",
-         "CompletionOutput": ".engine.request"}
+         "CompletionOutput": ".engine.request", "StructuredOutput": ".engine.structured_output",
+         "GrammarKind": ".engine.structured_output"}
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "UserInputError"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StructuredOutput", "GrammarKind",
+           "UserInputError"]
 __version__ = "0.1.0"
 
 
