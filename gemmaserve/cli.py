@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import logging
 import sys
@@ -85,8 +86,10 @@ def _generate(args: argparse.Namespace) -> int:
     images = [list(args.image) for _ in args.prompts] if args.image else None
     if len(args.prompts) == 1 and params.n == 1 and not args.json:
         # One prompt: stream the continuation to the terminal as it is generated.
+        deltas = llm.stream(args.prompts, params, images=images)
+        first = next(deltas, None)   # the request is checked before anything is printed
         print(args.prompts[0], end="", flush=True)
-        for delta in llm.stream(args.prompts, params, images=images):
+        for delta in itertools.chain([first] if first is not None else [], deltas):
             print(delta.outputs[0].delta_text, end="", flush=True)
         print(flush=True)
     else:
