@@ -199,3 +199,33 @@ def test_killing_the_decode_engine_mid_request_fails_only_that_request(cluster, 
         _completion(cluster["router"], PROMPTS[0], stream=False, max_tokens=2)   # the rest still serves (200)
     finally:
         _stop(*(p for p in (router, doomed) if p is not None))
+
+
+def test_nixl_runtime_moves_the_same_bytes(model_dir, single):
+    """The NIXL (UCX) runtime on host memory: same output, same bytes as torch.distributed."""
+    from gemmaserve.engine.sampling_params import SamplingParams
+    from gemmaserve.transfer.runtime import import_nixl
+
+    try:
+        import_nixl()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    common = ("--model", model_dir, *ENGINE_ARGS, "--kv-transfer-timeout", "10")   # auto: Gemma prefers nixl
+    prefill, pport = serve_process("--role", "prefill", *common)
+    decode, dport = serve_process("--role", "decode", *common)
+    router = None
+    try:
+        _wait_ready(pport)
+        _wait_ready(dport)
+        assert _get(f"http://127.0.0.1:{dport}/disagg/info")["runtime"] == "nixl"
+        router, rport = _router([pport], [dport])
+        _wait_ready(rport)
+        want = single.generate(PROMPTS[1:], SamplingParams(max_tokens=12), use_tqdm=False)[0].outputs[0].text
+        assert _completion(rport, PROMPTS[1], stream=True) == want
+        specs = single.engine.model.kv_layer_specs(torch.float32)
+        n = len(single.engine.tokenize(PROMPTS[1]))
+        expected = sum((n if s.window is None else min(n, s.window - 1)) * s.bytes_per_token() for s in specs)
+        assert _get(f"http://127.0.0.1:{dport}/disagg/info")["stats"]["bytes"] == expected
+        _kv_clean(pport)
+    finally:
+        _stop(*(p for p in (router, decode, prefill) if p is not None))
