@@ -33,6 +33,7 @@ BENCHMARKS = {
     "load": ("HTTP server under concurrent streamed requests: TTFT, ITL, tokens/s vs offline", True),
     "soak": ("HTTP server under faults (disconnects, deadlines, overload, bad input): leaks and accounting", True),
     "quality": ("quantised CPU weights against fp32 (and llama.cpp): perplexity, greedy agreement", False),
+    "kv-transfer": ("disaggregated serving: KV bytes per request (V2 vs V1), latency against one engine", False),
 }
 
 
@@ -73,7 +74,7 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     for name, (text, engine_options) in BENCHMARKS.items():
         sub = kinds.add_parser(name, help=text)
         if with_bench:
-            module = importlib.import_module(f".bench.{name}", __package__)
+            module = importlib.import_module(f".bench.{name.replace('-', '_')}", __package__)
             module.add_arguments(sub)
             if engine_options:
                 add_options(sub, EngineConfig, "engine")
