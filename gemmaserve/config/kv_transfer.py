@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import UserInputError
-from ..transfer.runtime import RUNTIMES, RuntimeInfo
 from .options import number, option
 
+if TYPE_CHECKING:   # the command line builds its parser from this module without importing torch
+    from ..transfer.runtime import RuntimeInfo
+
 ROLES = ("both", "prefill", "decode")
+RUNTIMES = ("nixl", "torch")   # transfer/runtime.py implements them
 RUNTIME_CHOICES = ("auto", *RUNTIMES)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .plan import LayerSpan, TransferPlan, plan_transfer
-from .runtime import RUNTIMES, RuntimeInfo, TransferSink, TransferSource, TransferTimeout, probe
+from .runtime import RuntimeInfo, TransferSink, TransferSource, TransferTimeout, probe
 
 
 def make_source(name: str, device: torch.device) -> TransferSource:
@@ -30,5 +30,5 @@ def make_sink(name: str, device: torch.device, host: str) -> TransferSink:
     return TorchSink(device, host)
 
 
-__all__ = ["LayerSpan", "RUNTIMES", "RuntimeInfo", "TransferPlan", "TransferSink", "TransferSource", "TransferTimeout",
+__all__ = ["LayerSpan", "RuntimeInfo", "TransferPlan", "TransferSink", "TransferSource", "TransferTimeout",
            "make_sink", "make_source", "plan_transfer", "probe"]

@@ -19,7 +19,6 @@ from typing import Protocol
 
 import torch
 
-RUNTIMES = ("nixl", "torch")
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ def probe(name: str, device: torch.device) -> RuntimeInfo:
         if device.type != "cuda" and not dist.is_gloo_available():
             return RuntimeInfo("torch", True, "this torch build has no gloo")
         return RuntimeInfo("torch", True)
-    raise ValueError(f"unknown transfer runtime {name!r}")
+    raise ValueError(f"unknown transfer runtime {name!r} (nixl or torch)")
 
 
 class TransferTimeout(RuntimeError):
