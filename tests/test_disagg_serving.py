@@ -175,6 +175,23 @@ def test_transfer_from_a_dead_prefill_engine_fails_alone(cluster):
     _kv_clean(cluster["decode"])
 
 
+def test_the_router_passes_over_engines_that_are_down(cluster):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]   # nothing listens there once closed
+    router, rport = _router([dead, cluster["prefill"]], [dead, cluster["decode"]])
+    try:
+        _wait_ready(rport)   # /health: one engine of each role is enough
+        for _ in range(2):   # round robin: each request meets the dead engines first once
+            _completion(rport, PROMPTS[0], stream=False, max_tokens=2)
+        health = _get(f"http://127.0.0.1:{rport}/health")
+        assert health["prefill"][f"http://127.0.0.1:{dead}"] == "unreachable"
+    finally:
+        _stop(router)
+
+
 def test_killing_the_decode_engine_mid_request_fails_only_that_request(cluster, model_dir):
     """The router answers an OpenAI error; the prefill engine keeps no page, and what it staged is
     freed within the transfer timeout; the other decode engine goes on serving."""

@@ -162,6 +162,8 @@ def test_handoff_to_another_manager_and_page_size_gives_the_single_engine_tokens
     handoff.reserve("z", prompt)
     assert decode.kv.stats().pages_used > 0
     handoff.cancel("z")
+    handoff.reserve("never-started", prompt)   # its client left before the response began
+    assert handoff.expire(max_age=0.0) == 1 and handoff.num_reserved == 0
     with pytest.raises(NoKVRoom):
         handoff.reserve("big", list(range(5, 20000)))
     for eng in (prefill, decode):

@@ -140,23 +140,31 @@ class DecodeHandoff:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.signature = spec_signature(engine.kv.specs)
-        self._reserved: set[str] = set()
+        self._reserved: dict[str, float] = {}   # request id -> when its pages were reserved
 
     def reserve(self, request_id: str, prompt_token_ids: list[int]) -> None:
         if not self.engine.kv.allocate_computed(request_id, prompt_token_ids, len(prompt_token_ids)):
             raise NoKVRoom(f"no free KV pages for a {len(prompt_token_ids)}-token prompt now")
-        self._reserved.add(request_id)
+        self._reserved[request_id] = time.monotonic()
 
     def cancel(self, request_id: str) -> None:
-        if request_id in self._reserved:
-            self._reserved.discard(request_id)
+        if self._reserved.pop(request_id, None) is not None:
             self.engine.kv.free(request_id)
+
+    def expire(self, max_age: float) -> int:
+        """Free reservations older than `max_age` seconds (a request that never started: its client
+        left before the response began). Returns how many."""
+        cutoff = time.monotonic() - max_age
+        old = [rid for rid, t in self._reserved.items() if t < cutoff]
+        for rid in old:
+            log.warning("KV reservation of request %s was never used: freed", rid)
+            self.cancel(rid)
+        return len(old)
 
     def adopt(self, engine: LLMEngine, request_id: str, plan: TransferPlan, buffer: torch.Tensor, first_token: int,
               first_logprob: TokenLogprob | None) -> list[RequestOutput]:
-        if request_id not in self._reserved:
+        if self._reserved.pop(request_id, None) is None:
             raise RuntimeError(f"request {request_id} has no reserved pages")
-        self._reserved.discard(request_id)
         req = engine.request(request_id)
         scatter(engine.runner.kv_cache, engine.kv, request_id, plan, buffer)
         engine.scheduler.start_computed(req)

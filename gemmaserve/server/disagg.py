@@ -81,6 +81,7 @@ class DisaggServer(OpenAIServer):
         self.prefill: PrefillHandoff | None = None
         self.decode: DecodeHandoff | None = None
         self._stop = threading.Event()
+        self._tasks: set[asyncio.Task] = set()
         super().__init__(engine, config)
         auth = [Depends(self._authorize)]
         self.app.add_api_route("/disagg/info", self.info, methods=["GET"], dependencies=auth)
@@ -103,12 +104,19 @@ class DisaggServer(OpenAIServer):
                 host = socket.gethostname()
             self.sink = make_sink(runtime, engine.device, host)
             self.decode = DecodeHandoff(engine)
+            threading.Thread(target=self._expire_loop, name="gemmaserve-kv-expiry", daemon=True).start()
         log.info("%s engine %s: KV transfer runtime %s, KV manager %s", self.role, self.engine_id, runtime,
                  engine.kv.name)
 
     def _expire_loop(self) -> None:
-        while not self._stop.wait(min(1.0, self.transfer.kv_transfer_timeout / 4)):
-            self.prefill.expire()
+        """Prefill: staged KV nobody fetched. Decode: reservations whose request never started (twice
+        the timeout: a transfer in progress has given up by then)."""
+        timeout = self.transfer.kv_transfer_timeout
+        while not self._stop.wait(min(1.0, timeout / 4)):
+            if self.prefill is not None:
+                self.prefill.expire()
+            elif self.async_engine.alive:
+                self.async_engine.post(lambda eng: self.decode.expire(2 * timeout))
 
     # -- /disagg routes ------------------------------------------------------------------------------
     async def info(self) -> dict:
@@ -201,14 +209,14 @@ class DisaggServer(OpenAIServer):
             raise ApiError(400, f"the transferred KV cannot serve this engine: {why}", code="transfer_mismatch")
         try:
             await self.async_engine.call(lambda eng: self.decode.reserve(gid, ids))
-        except NoKVRoom as exc:   # the staged KV stays: the router may try another decode engine
-            raise ApiError(503, str(exc), code="kv_cache_full") from None
-        try:
             buffer = await asyncio.to_thread(
                 self.sink.receive, desc["source"], tid, int(desc["nbytes"]), self.engine.device,
                 self.transfer.kv_transfer_timeout, lambda op, body: self._call(url, "POST", f"/disagg/control/{op}", body))
-        except BaseException as exc:
+        except NoKVRoom as exc:   # the staged KV stays: the router may try another decode engine
+            raise ApiError(503, str(exc), code="kv_cache_full") from None
+        except BaseException as exc:   # cancelled too (the client left): the reservation goes
             self.async_engine.post(lambda eng: self.decode.cancel(gid))
+            self._background(self._release, url, tid)
             self.stats.failures += 1
             if isinstance(exc, TransferTimeout):
                 raise ApiError(504, str(exc), code="kv_transfer_timeout") from None
@@ -217,8 +225,7 @@ class DisaggServer(OpenAIServer):
                 raise ApiError(502, f"KV transfer from the prefill engine failed: {exc}",
                                code="kv_transfer_failed") from None
             raise
-        finally:
-            asyncio.create_task(asyncio.to_thread(self._release, url, tid))
+        self._background(self._release, url, tid)
         self.stats.transfers += 1
         self.stats.bytes += buffer.numel()
         self.stats.seconds += time.perf_counter() - started
@@ -238,6 +245,12 @@ class DisaggServer(OpenAIServer):
             self.async_engine.post(lambda eng: self.decode.cancel(gid))
 
     # -- talking to the prefill engine ----------------------------------------------------------------
+    def _background(self, fn, *args) -> None:
+        """Run fn(*args) on a worker thread; the task is kept until it ends (asyncio holds tasks weakly)."""
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(fn, *args))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _call(self, base: str, method: str, path: str, body: dict | None = None) -> dict:
         headers = {"Content-Type": "application/json"}
         if self.config.api_key:
