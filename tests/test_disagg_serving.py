@@ -237,11 +237,14 @@ def test_nixl_runtime_moves_the_same_bytes(model_dir, single):
         assert _get(f"http://127.0.0.1:{dport}/disagg/info")["runtime"] == "nixl"
         router, rport = _router([pport], [dport])
         _wait_ready(rport)
-        want = single.generate(PROMPTS[1:], SamplingParams(max_tokens=12), use_tqdm=False)[0].outputs[0].text
-        assert _completion(rport, PROMPTS[1], stream=True) == want
+        wants = [o.outputs[0].text for o in single.generate(PROMPTS, SamplingParams(max_tokens=12), use_tqdm=False)]
+        for prompt, want in zip(PROMPTS, wants):   # a second transfer reads a region registered after the first
+            assert _completion(rport, prompt, stream=True) == want
         specs = single.engine.model.kv_layer_specs(torch.float32)
-        n = len(single.engine.tokenize(PROMPTS[1]))
-        expected = sum((n if s.window is None else min(n, s.window - 1)) * s.bytes_per_token() for s in specs)
+        expected = 0
+        for prompt in PROMPTS:
+            n = len(single.engine.tokenize(prompt))
+            expected += sum((n if s.window is None else min(n, s.window - 1)) * s.bytes_per_token() for s in specs)
         assert _get(f"http://127.0.0.1:{dport}/disagg/info")["stats"]["bytes"] == expected
         _kv_clean(pport)
     finally:

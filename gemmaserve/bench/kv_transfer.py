@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from datetime import date
 from pathlib import Path
@@ -58,20 +59,23 @@ def transfer_bytes(shape: str, length: int, page_size: int = 16) -> dict:
 
 
 # -- end to end --------------------------------------------------------------------------------------
-def _start(args: list[str]) -> tuple[subprocess.Popen, int]:
+def _start(args: list[str], logs: Path) -> tuple[subprocess.Popen, int]:
+    """`gemmaserve ARGS --port 0`, its stderr in a file under `logs` (a pipe nobody drains would block it)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.Popen([sys.executable, "-m", "gemmaserve", *args, "--port", "0"], stderr=subprocess.PIPE,
-                            text=True, env=env)
+    role = args[args.index("--role") + 1] if "--role" in args else args[0]
+    log = logs / f"{role}-{time.monotonic_ns()}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "gemmaserve", *args, "--port", "0"], stderr=log.open("w"),
+                            stdout=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line and proc.poll() is not None:
-            raise RuntimeError(f"`gemmaserve {' '.join(args)}` exited")
-        m = re.search(r"Uvicorn running on http://[\d.]+:(\d+)", line)
+        m = re.search(r"Uvicorn running on http://[\d.]+:(\d+)", log.read_text())
         if m:
             return proc, int(m.group(1))
+        if proc.poll() is not None:
+            raise RuntimeError(f"`gemmaserve {' '.join(args)}` exited; see {log}")
+        time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("server did not start")
+    raise RuntimeError(f"server did not start; see {log}")
 
 
 def _ready(port: int) -> None:
@@ -93,7 +97,11 @@ def _timed(port: int, prompt: str, max_tokens: int) -> tuple[float, float, str]:
                                  {"Content-Type": "application/json"})
     start = time.perf_counter()
     first, text = None, []
-    with urllib.request.urlopen(req, timeout=600) as resp:
+    try:
+        resp = urllib.request.urlopen(req, timeout=600)
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"HTTP {exc.code} from port {port}: {exc.read().decode()[:500]}") from None
+    with resp:
         for line in resp:
             if not line.startswith(b"data: {"):
                 continue
@@ -108,18 +116,20 @@ def end_to_end(args: argparse.Namespace) -> dict:
     engine = ["--model", args.model, "--max-num-seqs", "4"]
     prompt = " ".join(f"word{i % 97}" for i in range(args.prompt_tokens // 2))
     procs = []
+    logs = Path(args.out).parent / "kv_transfer_logs"
+    logs.mkdir(parents=True, exist_ok=True)
     try:
-        single, sport = _start(["serve", *engine])
+        single, sport = _start(["serve", *engine], logs)
         procs.append(single)
         _ready(sport)
         transfer = ["--kv-transfer-runtime", args.runtime]
-        pre, pport = _start(["serve", "--role", "prefill", *engine, *transfer])
-        dec, dport = _start(["serve", "--role", "decode", *engine, *transfer])
+        pre, pport = _start(["serve", "--role", "prefill", *engine, *transfer], logs)
+        dec, dport = _start(["serve", "--role", "decode", *engine, *transfer], logs)
         procs += [pre, dec]
         _ready(pport)
         _ready(dport)
         router, rport = _start(["router", "--prefill", f"http://127.0.0.1:{pport}", "--decode",
-                                f"http://127.0.0.1:{dport}"])
+                                f"http://127.0.0.1:{dport}"], logs)
         procs.append(router)
         _ready(rport)
         with urllib.request.urlopen(f"http://127.0.0.1:{dport}/disagg/info") as r:

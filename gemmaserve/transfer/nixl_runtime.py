@@ -3,8 +3,9 @@ NIXL agents (UCX backend: DRAM on the CPU, VRAM on GPUs).
 
     prefill (source)                                  decode (sink)
     register_memory(staged buffer)
-    offer -> {agent name, agent metadata, buffer descriptors}  (travels in the transfer descriptor)
-                                                      add_remote_agent(metadata)      once per source agent
+    offer -> {agent name, partial agent metadata (this buffer's registration + connection info),
+              buffer descriptors}  (travels in the transfer descriptor)
+                                                      add_remote_agent(metadata)      per transfer: adds its region
                                                       register_memory(receive buffer)
                                                       initialize_xfer("READ", local, remote) + transfer
                                                       poll check_xfer_state: DONE / ERR / timeout
@@ -40,10 +41,13 @@ class NixlSource:
 
     def offer(self, transfer_id: str, buffer: torch.Tensor) -> dict:
         with self._lock:
-            reg = self.agent.register_memory(self.agent.get_reg_descs(buffer))
+            reg_descs = self.agent.get_reg_descs(buffer)
+            reg = self.agent.register_memory(reg_descs)
             self._regs[transfer_id] = (buffer, reg)
             descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(buffer))
-            meta = self.agent.get_agent_metadata()
+            # This buffer's registration (and how to connect): a sink that knows this agent from an
+            # earlier transfer only learns the new region this way (else NIXL_ERR_NOT_FOUND).
+            meta = self.agent.get_partial_agent_metadata(reg_descs, inc_conn_info=True)
         return {"agent": self.name, "metadata": base64.b64encode(meta).decode(),
                 "descs": base64.b64encode(descs).decode()}
 
@@ -74,9 +78,8 @@ class NixlSink:
         remote = str(source["agent"])
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         with self._lock:
-            if remote not in self._remotes:
-                self.agent.add_remote_agent(base64.b64decode(source["metadata"]))
-                self._remotes.add(remote)
+            self.agent.add_remote_agent(base64.b64decode(source["metadata"]))   # adds this transfer's region
+            self._remotes.add(remote)
             reg = self.agent.register_memory(self.agent.get_reg_descs(buffer))
             handle = None
         try:
