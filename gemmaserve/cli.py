@@ -35,6 +35,7 @@ BENCHMARKS = {
     "soak": ("HTTP server under faults (disconnects, deadlines, overload, bad input): leaks and accounting", True),
     "quality": ("quantised CPU weights against fp32 (and llama.cpp): perplexity, greedy agreement", False),
     "grammar": ("structured output: per-step mask cost of xgrammar vs llguidance, and engine tokens/s", True),
+    "kv-transfer": ("disaggregated serving: KV bytes per request (V2 vs V1), latency against one engine", False),
 }
 
 
@@ -57,16 +58,25 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     srv = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     from .server.config import ServerConfig
 
+    from .config.kv_transfer import KVTransferConfig
+
     add_options(srv, ServerConfig, "server")
     add_options(srv, EngineConfig, "engine")
+    add_options(srv, KVTransferConfig, "disaggregated serving")
     srv.set_defaults(handler=_serve)
+
+    rtr = commands.add_parser("router", help="one OpenAI endpoint over prefill and decode engines (serve --role)")
+    from .server.router_config import add_arguments as add_router_arguments
+
+    add_router_arguments(rtr)
+    rtr.set_defaults(handler=_router)
 
     bench = commands.add_parser("bench", help="run a benchmark and write JSON")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     for name, (text, engine_options) in BENCHMARKS.items():
         sub = kinds.add_parser(name, help=text)
         if with_bench:
-            module = importlib.import_module(f".bench.{name}", __package__)
+            module = importlib.import_module(f".bench.{name.replace('-', '_')}", __package__)
             module.add_arguments(sub)
             if engine_options:
                 add_options(sub, EngineConfig, "engine")
@@ -114,13 +124,29 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .config.kv_transfer import KVTransferConfig
     from .engine.llm_engine import LLMEngine
     from .server.config import ServerConfig
     from .server.runner import serve
 
     server_config = from_namespace(ServerConfig, args)
     engine_config = from_namespace(EngineConfig, args)
+    transfer = from_namespace(KVTransferConfig, args)
+    if transfer.disaggregated:
+        from .server.disagg import serve_role
+
+        engine_config = engine_config.replace(kv_transfer=transfer)
+        serve_role(lambda: LLMEngine(engine_config), server_config, transfer)
+        return 0
     serve(lambda: LLMEngine(engine_config), server_config)   # listens (503 "loading") while the model loads
+    return 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    from .server.router import serve_router
+    from .server.router_config import config_from
+
+    serve_router(config_from(args))
     return 0
 
 

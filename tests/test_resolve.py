@@ -133,7 +133,7 @@ def _gemma4_prefs(multimodal: bool):
 @pytest.mark.parametrize("multimodal", [False, True])
 def test_gemma4_prefers_v2_scratch_on_for_text_off_for_multimodal(multimodal, caplog):
     prefs, specs = _gemma4_prefs(multimodal)
-    assert prefs == ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not multimodal)
+    assert prefs == ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not multimodal, kv_transfer_runtime="nixl")
     r = _resolve(prefs=prefs, specs=specs)
     assert (r.kv_cache_manager, r.swa_scratch_reuse, r.enable_prefix_caching, r.demotions) == (
         "v2", not multimodal, True, ())

@@ -13,6 +13,8 @@ from .options import number, option, positive_int, size
 if TYPE_CHECKING:   # torch is imported only when a dtype or device is resolved: `--help` stays fast
     import torch
 
+    from .kv_transfer import KVTransferConfig
+
 # Names of torch dtypes, looked up on first use.
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "fp32", "bf16", "float16")
@@ -73,6 +75,8 @@ class EngineConfig:
     suppress_media_tokens: bool | None = option(
         None, negatable=True,
         help="never sample the tokenizer's image/audio/video placeholder tokens (default: on for text-only models)")
+    # Set by `serve --role prefill|decode` (no engine flag): config/kv_transfer.py.
+    kv_transfer: "KVTransferConfig | None" = None
     # Benchmark only, no flag: pin V2's pool split at this sliding share (emulates per-life-cycle pools).
     kv_pool_split: float | None = None
 

@@ -9,11 +9,14 @@ work is a clear error; an "auto" value that cannot work is demoted and logged.
     swa_scratch_reuse    the model's preference (text: on)  v2, a backend with scratch pages, KV-sharing
                                                             layers reading the last writer of their group
     enable_prefix_caching  on                               v2
+    kv_transfer_runtime  the model's preference (Gemma: nixl) a disaggregated role; one that works here and,
+                         (config/kv_transfer.py)              for v2, can move v2's pages
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,7 +25,9 @@ from ..errors import UserInputError
 from ..kv.groups import derive_groups
 from ..kv.spec import LayerSpec
 from ..models.base import ModelPreferences
+from ..transfer.runtime import RuntimeInfo
 from .engine import EngineConfig
+from .kv_transfer import resolve_transfer_runtime
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +38,35 @@ class CacheOptions:
     swa_scratch_reuse: bool
     enable_prefix_caching: bool
     demotions: tuple[str, ...]
+    kv_transfer_runtime: str | None = None   # disaggregated roles only
 
 
 def resolve_cache_options(config: EngineConfig, prefs: ModelPreferences, backend: BackendCapabilities,
-                          specs: list[LayerSpec]) -> CacheOptions:
+                          specs: list[LayerSpec], probe: Callable[[str], RuntimeInfo] | None = None) -> CacheOptions:
+    """`probe(runtime name)`: what a KV transfer runtime can do here (needed for a disaggregated role)."""
     demotions: list[str] = []
 
     def demote(what: str, why: str) -> None:
         demotions.append(f"{what} ({why})")
         log.info("auto resolution: %s because %s", what, why)
 
+    # 0. KV transfer runtime (disaggregated roles).
+    runtime = None
+    if config.kv_transfer is not None and config.kv_transfer.disaggregated:
+        if probe is None:
+            raise ValueError("a disaggregated role needs a transfer runtime probe")
+        runtime = resolve_transfer_runtime(config.kv_transfer, prefs.kv_transfer_runtime, probe, demote)
+
     # 1. KV cache manager.
     manager = prefs.kv_cache_manager if config.kv_cache_manager == "auto" else config.kv_cache_manager
     if manager == "v2" and not backend.shared_arena:
         why = f"attention backend {backend.name!r} cannot read per-layer pages of a shared arena"
+        if config.kv_cache_manager == "v2":
+            raise UserInputError(f"--kv-cache-manager v2 is not available: {why}")
+        manager = "v1"
+        demote("kv_cache_manager auto -> v1", why)
+    if manager == "v2" and runtime is not None and not runtime.moves_v2_pages:
+        why = f"KV transfer runtime {runtime.name!r} cannot move v2's pages"
         if config.kv_cache_manager == "v2":
             raise UserInputError(f"--kv-cache-manager v2 is not available: {why}")
         manager = "v1"
@@ -71,7 +91,7 @@ def resolve_cache_options(config: EngineConfig, prefs: ModelPreferences, backend
             raise UserInputError(f"--enable-prefix-caching is not available: {why}; use --kv-cache-manager v2")
         caching = False
         demote("enable_prefix_caching auto -> off", why)
-    return CacheOptions(manager, scratch, caching, tuple(demotions))
+    return CacheOptions(manager, scratch, caching, tuple(demotions), runtime.name if runtime else None)
 
 
 def _scratch_blocker(manager: str, backend: BackendCapabilities, specs: list[LayerSpec],

@@ -13,6 +13,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from ..errors import UserInputError
 from ..kv import create_kv_manager
 from ..models.loader import LoadedModel, load_model
 from ..models.multimodal import ProcessedImage
+from ..transfer.runtime import probe as probe_transfer
 from .detokenizer import IncrementalDetokenizer
 from .images import ImageItem, ImageLimits, expand_prompt, load_image, place_images
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
@@ -90,7 +92,7 @@ class LLMEngine:
                                         self.device)
         self.backend = select_backend(config.attention_backend, self.device, specs)
         self.cache_options = resolve_cache_options(config, self.model.engine_preferences(), self.backend.capabilities,
-                                                   specs)
+                                                   specs, probe=lambda name: probe_transfer(name, self.device))
         self.kv = create_kv_manager(self.cache_options.kv_cache_manager, specs, config.page_size,
                                     config.kv_budget_bytes(self.device),
                                     enable_prefix_caching=self.cache_options.enable_prefix_caching,
@@ -124,6 +126,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}        # engine id -> unfinished request
         self._groups: dict[str, list[Request]] = {}    # user id -> its n completions (until all finish)
         self._ids = itertools.count()
+        # Called with each computed step before it is committed (its requests' pages still held):
+        # a disaggregated prefill engine copies a finished prompt's KV out here (engine/kv_handoff.py).
+        self.step_observers: list[Callable[[StepPlan, StepResult], None]] = []
         self.info = EngineInfo(
             model=config.model, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             weights=_weights_label(loaded, self.dtype),
@@ -321,7 +326,14 @@ class LLMEngine:
             log.warning("a launched step of %d sequences failed (%r); retrying them one by one", len(plan.seqs), exc)
             return plan, self._one_by_one(plan)
 
+    def commit_step(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Commit a step computed elsewhere (a disaggregated decode engine takes the first token its
+        prefill engine sampled this way). Returns the outputs, as `step` does."""
+        return self._update(plan, result)
+
     def _update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        for observe in self.step_observers:
+            observe(plan, result)
         outputs = []
         for req in self.scheduler.update_from_output(plan, result):
             if req.is_finished:

@@ -80,6 +80,18 @@ class Scheduler:
         self._by_id[request.request_id] = request
         self.waiting.append(request)
 
+    def start_computed(self, request: Request) -> None:
+        """Run a waiting request whose prompt was computed elsewhere (a disaggregated prefill engine):
+        its pages are allocated (`KVCacheManager.allocate_computed`) and filled, and its first token
+        is a sample in flight, which `update_from_output` commits."""
+        self.waiting.remove(request)
+        request.num_computed_tokens = len(request.prompt_token_ids)
+        request.num_pending_samples += 1
+        request.status = RequestStatus.RUNNING
+        request.admitted_order = self._admissions
+        self._admissions += 1
+        self.running.append(request)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -169,6 +169,13 @@ class KVCacheManager(ABC):
         False and no change when the pool cannot supply the pages. A new sequence adopts `chain`
         (its block hashes, as for `lookup`) and keeps extending it."""
 
+    def allocate_computed(self, seq_id: str, token_ids: list[int], num_computed: int) -> bool:
+        """Pages for a new sequence whose first `num_computed` tokens were computed elsewhere (a
+        disaggregated prefill engine): every block the next query reads, fresh, for the caller to
+        fill. Atomic like `allocate`. These blocks are never offered to the prefix cache (a sliding
+        group's first block may be filled only from the window on)."""
+        raise NotImplementedError(f"KV manager {self.name} cannot take KV computed elsewhere")
+
     def commit(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         """After a forward pass computed tokens up to `num_computed`."""
 

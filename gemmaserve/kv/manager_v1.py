@@ -69,6 +69,15 @@ class KVCacheManagerV1(KVCacheManager):
         table.extend(pages)
         return True
 
+    def allocate_computed(self, seq_id, token_ids, num_computed) -> bool:
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id} already holds pages")
+        pages = self.pool.allocate(self._group.num_blocks(num_computed))
+        if pages is None:
+            return False
+        self._tables[seq_id] = pages
+        return True
+
     def free(self, seq_id: str) -> None:
         table = self._tables.pop(seq_id, None)
         if table:

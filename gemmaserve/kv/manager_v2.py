@@ -297,6 +297,33 @@ class KVCacheManagerV2(KVCacheManager):
         seq.room = min(t.end * g.tokens_per_page for g, t in zip(self._groups, seq.tables))
         return True
 
+    def allocate_computed(self, seq_id, token_ids, num_computed) -> bool:
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already holds pages")
+        spans = [(g.first_needed_block(num_computed), g.num_blocks(num_computed)) for g in self._groups]
+        side_need = {True: 0, False: 0}
+        for g, (first, end) in zip(self._groups, spans):
+            side_need[g.sliding] += (end - first) * g.num_layers
+        need = sum(side_need.values())
+        if self.pool.num_free + self.cache.evictable_pages < need:
+            return False
+        if self._caps is not None and any(self._held[side] + side_need[side] > cap for side, cap in self._caps.items()):
+            return False
+        while self.pool.num_free < need:
+            self._destroy(self.cache.evict_oldest())
+        # registered = end: the received blocks never enter the prefix cache.
+        seq = _Seq([_BlockTable(first, registered=end) for first, end in spans], num_computed)
+        for g, (first, end) in zip(self._groups, spans):
+            for _ in range(first, end):
+                slot = self.rows[g.index].add(g.index, self.pool.allocate(g.num_layers), False)
+                slot.ref = 1
+                self._held[g.sliding] += len(slot.pages)
+                seq.pages += len(slot.pages)
+                seq.tables[g.index].append(slot)
+        seq.room = min(t.end * g.tokens_per_page for g, t in zip(self._groups, seq.tables))
+        self._seqs[seq_id] = seq
+        return True
+
     def record_prefix_query(self, query_tokens: int, hit_tokens: int) -> None:
         if self.enable_prefix_caching:
             self._query_tokens += query_tokens

@@ -32,6 +32,7 @@ class ModelPreferences:
 
     kv_cache_manager: Literal["v1", "v2"] = "v1"
     swa_scratch_reuse: bool = False
+    kv_transfer_runtime: Literal["nixl", "torch"] = "torch"   # disaggregated serving (config/kv_transfer.py)
 
 
 @dataclass

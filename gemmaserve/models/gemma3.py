@@ -246,7 +246,8 @@ class Gemma3ForCausalLM(CausalLM):
     def engine_preferences(self) -> ModelPreferences:
         """Gemma 3 prefers the sliding-window-aware KV manager; scratch reuse is on for text-only
         checkpoints (an image must never be split across prefill chunks, so multimodal keeps it off)."""
-        return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not self.config.multimodal)
+        return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not self.config.multimodal,
+                                kv_transfer_runtime="nixl")
 
     def kv_layer_specs(self, dtype: torch.dtype) -> list[LayerSpec]:
         return self.config.kv_layer_specs(dtype)

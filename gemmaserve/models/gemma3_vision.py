@@ -110,7 +110,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     def engine_preferences(self) -> ModelPreferences:
         # Scratch pages would hold an image's keys only until the next layer: off (seed 004).
-        return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=False)
+        return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=False, kv_transfer_runtime="nixl")
 
     # -- images ----------------------------------------------------------------------------------
     @property

@@ -415,7 +415,8 @@ class Gemma4ForCausalLM(CausalLM):
     def engine_preferences(self) -> ModelPreferences:
         """V2 for this geometry (windows, 512-wide global heads, KV-less shared layers); scratch on for
         text-only checkpoints, off for multimodal ones (an image must not be split across chunks)."""
-        return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not self.config.multimodal)
+        return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=not self.config.multimodal,
+                                kv_transfer_runtime="nixl")
 
     def kv_layer_specs(self, dtype: torch.dtype) -> list[LayerSpec]:
         return self.config.kv_layer_specs(dtype)

@@ -283,7 +283,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                                                  dtype)
 
     def engine_preferences(self) -> ModelPreferences:
-        return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=False)
+        return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=False, kv_transfer_runtime="nixl")
 
     @property
     def image_layout(self) -> ImageLayout:

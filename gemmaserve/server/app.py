@@ -325,6 +325,15 @@ class OpenAIServer:
                                 f"retry after {RETRY_AFTER_S}s", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[tuple[str, list[int]]],
+                     params: SamplingParams, deadline: float | None, images: list[list] | None = None):
+        """Start generating: the async iterator of (prompt index, output). A disaggregated role
+        (server/disagg.py) starts from another engine's KV instead."""
+        if req.kv_transfer_params is not None:
+            raise ApiError(400, "kv_transfer_params needs a server started with --role prefill or decode",
+                           param="kv_transfer_params")
+        return self.async_engine.generate(rid, prompts, params, deadline, images=images)
+
     # -- completions -----------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -337,8 +346,7 @@ class OpenAIServer:
         self._check_fits(prompts, params, "prompt")
         self._check_queue(len(prompts) * params.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        outputs = self.async_engine.generate(rid, [(p.text, p.ids) for p in prompts], params,
-                                             self._deadline(arrival, req))
+        outputs = await self._start(req, rid, [(p.text, p.ids) for p in prompts], params, self._deadline(arrival, req))
         if req.stream:
             return _sse(self._stream_completion(rid, req, prompts, params, outputs))
         finals = await self._collect(request, outputs)
@@ -438,8 +446,8 @@ class OpenAIServer:
         self._check_fits([prompt], params, "messages", items)
         self._check_queue(params.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self.async_engine.generate(rid, [(prompt.text, prompt.ids)], params, self._deadline(arrival, req),
-                                             images=[items])
+        outputs = await self._start(req, rid, [(prompt.text, prompt.ids)], params, self._deadline(arrival, req),
+                                    images=[items])
         if req.stream:
             return _sse(self._stream_chat(rid, req, prompt, params, outputs, calling))
         finals = await self._collect(request, outputs)

@@ -100,19 +100,22 @@ class AsyncEngine:
 
     # -- called from the event loop ------------------------------------------------------------------
     async def generate(self, request_id: str, prompts: list[tuple[str, list[int]]], params: SamplingParams,
-                       deadline: float | None = None, images: list[list] | None = None
+                       deadline: float | None = None, images: list[list] | None = None,
+                       adopt: Callable[[LLMEngine, str], list[RequestOutput]] | None = None
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every prompt with `params` (and its images, from LLMEngine.prepare_images); yield
         (prompt index, output of one completion) as they come. Leaving early (an error, a
         disconnect: the consumer is cancelled) aborts what is left; passing `deadline`
-        (time.monotonic()) raises DeadlineExceeded there, after aborting."""
+        (time.monotonic()) raises DeadlineExceeded there, after aborting. `adopt(engine, id)` runs
+        on the engine thread right after each prompt is added (a disaggregated decode engine starts
+        it from received KV there) and returns outputs to deliver at once."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         remaining = len(prompts) * params.n
         self._posted += remaining
-        self._commands.put(lambda: self._add(sink, ids, prompts, params, images))
+        self._commands.put(lambda: self._add(sink, ids, prompts, params, images, adopt))
         self.active += 1
         reason = "abort"
         try:
@@ -152,6 +155,10 @@ class AsyncEngine:
 
         self._commands.put(run)
         return await fut
+
+    def post(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Run fn(engine) on the engine thread between steps; nobody waits for it."""
+        self._commands.put(lambda: fn(self.engine))
 
     def call_blocking(self, fn: Callable[[LLMEngine], Any], timeout: float = 60.0) -> Any:
         """`call` for plain threads (tests, tools)."""
@@ -214,7 +221,8 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("the engine stopped"))
 
     def _add(self, sink: _Sink, ids: list[str], prompts: list[tuple[str, list[int]]],
-             params: SamplingParams, images: list[list] | None = None) -> None:
+             params: SamplingParams, images: list[list] | None = None,
+             adopt: Callable[[LLMEngine, str], list[RequestOutput]] | None = None) -> None:
         self._added += len(prompts) * params.n
         added = []
         try:
@@ -227,6 +235,8 @@ class AsyncEngine:
                 self._sinks[gid] = sink
                 self.metrics.prompt_tokens.inc(len(tokens))
                 self.metrics.admitted.inc(params.n)
+                if adopt is not None:
+                    self._dispatch(adopt(self.engine, gid))
         except Exception as exc:   # normally caught by the handler's own checks first
             self._abort(added)
             sink.put(exc)

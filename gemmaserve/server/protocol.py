@@ -79,6 +79,8 @@ class _Common(_Strict):
     user: str | None = None
     # vLLM-style extensions
     top_k: int | None = _doc(minimum=0)
+    # disaggregated serving: set by `gemmaserve router` only (server/disagg.py)
+    kv_transfer_params: dict[str, Any] | None = None
     min_p: float | None = _doc(minimum=0, maximum=1)
     repetition_penalty: float | None = _doc(minimum=REPETITION_PENALTY_RANGE[0], maximum=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
