@@ -83,7 +83,7 @@ class ModelRunner:
             self.encoder_cache.release(req_id)
         for new in plan.new_requests:
             self.sampling[new.req_id] = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.device,
-                                                             self.grammars)
+                                                             self.grammars, new.output_token_ids)
             if new.images:
                 self.images[new.req_id] = new.images
         self.tables.update_slots(plan.slot_updates)

@@ -14,7 +14,7 @@ tensors until someone asks for the ids (`Sampled.resolve`), so the next step can
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,10 +32,13 @@ class SamplingState:
     prompt_seen: torch.Tensor | None = None   # [V] bool: tokens of the prompt (repetition penalty)
     counts: torch.Tensor | None = None        # [V] float: times each token was generated
     grammar: GrammarState | None = None       # structured output: what may come next
+    earlier: list[int] = field(default_factory=list)   # generated before this runner met the request
 
     @classmethod
     def create(cls, params: SamplingParams, seed: int, prompt_token_ids: list[int], device: torch.device,
-               grammars: Grammars | None = None):
+               grammars: Grammars | None = None, output_token_ids: list[int] = ()):
+        """`output_token_ids`: tokens the request already generated elsewhere (disaggregated serving):
+        its grammar accepts them and penalties count them."""
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         grammar = None
@@ -43,13 +46,18 @@ class SamplingState:
             if grammars is None:
                 raise ValueError("a structured request needs the engine's grammars")
             grammar = grammars.matcher(params.structured_output)
-        return cls(params, generator, list(prompt_token_ids), grammar=grammar)
+            for t in output_token_ids:
+                grammar.accept(t)
+        return cls(params, generator, list(prompt_token_ids), grammar=grammar, earlier=list(output_token_ids))
 
     def penalty_tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.counts is None:
             self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             self.prompt_seen[to_device(self.prompt_token_ids, torch.long, device)] = True
             self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            if self.earlier:
+                self.counts.index_add_(0, to_device(self.earlier, torch.long, device),
+                                       torch.ones(len(self.earlier), device=device))
         return self.prompt_seen, self.counts
 
 

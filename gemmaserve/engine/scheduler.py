@@ -143,7 +143,7 @@ class Scheduler:
             req = s.request
             if not req.sampling_sent:
                 plan.new_requests.append(NewRequest(req.request_id, req.params, req.seed, req.prompt_token_ids,
-                                                    req.images))
+                                                    req.images, list(req.output_token_ids)))
                 req.sampling_sent = True
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             deltas, new_table = self._table_deltas(req)

@@ -45,6 +45,9 @@ class NewRequest:
     seed: int
     prompt_token_ids: list[int]      # repetition penalty reads them
     images: list[ImageItem] = field(default_factory=list)   # the runner encodes each once, when a chunk first covers it
+    # Tokens sampled before this runner met the request (another engine's, under disaggregated serving):
+    # its grammar and penalty counts start after them.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -219,6 +219,12 @@ class GrammarState:
         self.matcher = matcher
         self._pending: tuple["Sampled", int] | None = None
 
+    def accept(self, token: int) -> None:
+        """A token sampled elsewhere (before this matcher existed)."""
+        self.catch_up()
+        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+            raise UserInputError(f"token {token} does not fit the request's grammar")
+
     def sampled(self, step: "Sampled", row: int) -> None:
         self._pending = (step, row)
 
