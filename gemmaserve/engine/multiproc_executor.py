@@ -44,13 +44,18 @@ START_TIMEOUT_S = 600     # a worker's start (imports) and again its shard's loa
 STOP_TIMEOUT_S = 10
 
 
+# Spawned workers import the parent's main script: unguarded, it runs again in each of them.
+_SPAWN_HINT = ("; a script that starts a tensor-parallel engine must do so under `if __name__ == \"__main__\":` "
+               "(workers are spawned processes that import the main script)")
+
+
 class TensorParallelError(RuntimeError):
     """The tensor-parallel group failed (a rank raised, died or stopped answering): the engine has to
     be restarted."""
 
 
 class MultiprocExecutor:
-    def __init__(self, config: EngineConfig, procs: list, conns: list, comm):
+    def __init__(self, config: EngineConfig, procs: list, conns: list, comm, threads_before: int | None = None):
         self.config = config
         self.world_size = config.tensor_parallel_size
         self.procs = procs            # index r - 1: rank r
@@ -58,7 +63,7 @@ class MultiprocExecutor:
         self.comm = comm
         self.runner: ModelRunner | None = None
         self._broken: str | None = None
-        self._finalizer = weakref.finalize(self, _stop, procs, conns)
+        self._finalizer = weakref.finalize(self, _stop, procs, conns, threads_before)
 
     @classmethod
     def start(cls, config: EngineConfig) -> "MultiprocExecutor":
@@ -73,9 +78,8 @@ class MultiprocExecutor:
                                  "process: shut the other one down first)")
         device = config.torch_device()
         devices = _rank_devices(device, tp)
-        threads = max(1, torch.get_num_threads() // tp)
-        if device.type == "cpu":   # N ranks share the cores: one set of threads each, not N oversubscribed
-            torch.set_num_threads(threads)
+        threads_before = torch.get_num_threads()
+        threads = max(1, threads_before // tp)   # CPU: N ranks share the cores, a share of the threads each
         store = dist.TCPStore(HOST, 0, tp, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         ctx = mp.get_context("spawn")
@@ -88,7 +92,9 @@ class MultiprocExecutor:
             theirs.close()
             procs.append(proc)
             conns.append(ours)
-        executor = cls(config, procs, conns, None)
+        executor = cls(config, procs, conns, None, threads_before if device.type == "cpu" else None)
+        if device.type == "cpu":
+            torch.set_num_threads(threads)   # given back by shutdown
         executor._expect("up")
         executor.comm = join_group(0, tp, store, device)
         log.info("tensor parallel: %d ranks on %s (%s)", tp, ", ".join(map(str, devices)),
@@ -183,7 +189,8 @@ class MultiprocExecutor:
                     try:
                         msg = conn.recv()
                     except EOFError:
-                        msg = ("error", f"exited with code {proc.exitcode}")
+                        proc.join(STOP_TIMEOUT_S)
+                        msg = ("error", f"exited with code {proc.exitcode}{_SPAWN_HINT if stage == 'up' else ''}")
                     if msg[0] == stage:
                         break
                     self._finalizer()
@@ -191,7 +198,8 @@ class MultiprocExecutor:
                 if not proc.is_alive():
                     self._finalizer()
                     raise TensorParallelError(f"tensor-parallel rank {rank} exited with code {proc.exitcode} "
-                                              f"while starting (waiting for {stage!r})")
+                                              f"while starting (waiting for {stage!r})"
+                                              f"{_SPAWN_HINT if stage == 'up' else ''}")
                 if time.monotonic() > deadline:
                     self._finalizer()
                     raise TensorParallelError(f"tensor-parallel rank {rank} did not report {stage!r} within "
@@ -223,8 +231,9 @@ def _rank_devices(device: torch.device, tp: int) -> list[torch.device]:
     return [torch.device("cuda", first + r) for r in range(tp)]
 
 
-def _stop(procs: list, conns: list) -> None:
-    """Ask every worker to stop, then end those that do not; leave the group (at most once)."""
+def _stop(procs: list, conns: list, threads_before: int | None) -> None:
+    """Ask every worker to stop, then end those that do not; leave the group; give this process its
+    threads back (at most once)."""
     import torch.distributed as dist
 
     data = pickle.dumps(("stop",))
@@ -243,3 +252,5 @@ def _stop(procs: list, conns: list) -> None:
         conn.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if threads_before is not None:
+        torch.set_num_threads(threads_before)
