@@ -135,3 +135,19 @@ def test_a_dead_worker_fails_requests_with_a_clear_error(tmp_path):
         assert again.finish_reason == "error" and "must be restarted" in again.error
     finally:
         llm.engine.shutdown()
+
+
+def test_embedded_gguf_quantised_two_ranks_match_one():
+    """The embedded 270M on its default CPU path: GGUF tensors dequantised then sliced, Q4_K groups
+    sliced exactly, int8 kernels and the fbgemm head per shard; greedy tokens equal one process's."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=8)
+    one = LLM(max_num_seqs=4)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    del one
+    two = LLM(max_num_seqs=4, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == want
+        assert "int4" in two.engine.info.weights   # the sliced Q4_K groups stayed 4-bit
+    finally:
+        two.engine.shutdown()
