@@ -72,8 +72,12 @@ def join_group(rank: int, world_size: int, store, device: torch.device) -> Distr
 
 def worker_main(args: WorkerArgs, conn) -> None:
     """The worker process's entry point (torch.multiprocessing, spawn)."""
+    import signal
+
     import torch.distributed as dist
 
+    # Ctrl-C reaches the whole process group: rank 0 decides (a server drains first), workers follow it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         device = torch.device(args.device)
         if device.type == "cuda":
