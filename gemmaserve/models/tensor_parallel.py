@@ -250,7 +250,7 @@ def shard_model(model: nn.Module, shard: TensorParallelShard, device: torch.devi
 
 def parallelize(model: nn.Module, plan: ShardPlan) -> None:
     """After loading (and quantisation): add the collectives where partial results meet."""
-    comm, rows_of = plan.shard.comm, vocab_rows
+    comm = plan.shard.comm
     for name in plan.attention:
         attn = model.get_submodule(name)
         attn.o_proj = AllReduceOutput(attn.o_proj, comm)
@@ -260,7 +260,7 @@ def parallelize(model: nn.Module, plan: ShardPlan) -> None:
     for name in plan.experts:
         _set(model, name, AllReduceOutput(model.get_submodule(name), comm))
     for name, vocab in plan.embeddings.items():
-        start = plan.shard.rank * rows_of(vocab, comm.world_size)
+        start = plan.shard.rank * vocab_rows(vocab, comm.world_size)
         _set(model, name, VocabParallelEmbedding(model.get_submodule(name), comm, start, vocab))
 
 
