@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         "kv_cache_dtype": engine.info.kv_cache_dtype,
         "prompt_tokens": len(prompt_ids),
         "new_tokens": args.new_tokens, "repeats": args.repeats, "load_seconds": round(engine.info.load_seconds, 2),
-        "torch_threads": torch.get_num_threads(), "rows": [],
+        "torch_threads": torch.get_num_threads(), "tensor_parallel_size": config.tensor_parallel_size, "rows": [],
     }
     result["peak_rss_mb_before_references"] = _peak_rss_mb()
     hf = None
@@ -185,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
             fns["llama_cpp"] = lambda: llama.decode_tok_s(prompt_ids, b, args.new_tokens, ctx)
         med = _alternating(fns, args.repeats)
         step_ms = b / med["ours"] * 1e3
-        mm = matmul_ms(llm, prompt_ids, b)
+        # The replay runs this process's modules alone: under tensor parallelism their collectives have no peers.
+        mm = matmul_ms(llm, prompt_ids, b) if config.tensor_parallel_size == 1 else float("nan")
         row = {"batch": b, "ours_tok_s": round(med["ours"], 2), "step_ms": round(step_ms, 2),
                "matmuls_alone_ms": round(mm, 2), "step_over_matmuls": round(step_ms / mm, 3)}
         if llama is not None:
@@ -277,7 +278,9 @@ def _report(result: dict, out: Path) -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     nan = float("nan")
     print(f"decode tokens/s, {result['model']} ({result['dtype']}, weights {result['weights']}) on "
-          f"{result['machine']}, {result['torch_threads']} threads, prompt {result['prompt_tokens']} tokens, "
+          f"{result['machine']}, {result['torch_threads']} threads"
+          f"{' x %d tensor-parallel ranks' % result['tensor_parallel_size'] if result['tensor_parallel_size'] > 1 else ''}"
+          f", prompt {result['prompt_tokens']} tokens, "
           f"{result['new_tokens']} new tokens, median of {result['repeats']}; llama.cpp: {result.get('llama_cpp', '-')}")
     print(f"{'batch':>5} {'ours':>10} {'llama.cpp':>10} {'ours/llama':>10} {'HF generate':>12} {'ours/HF':>8} "
           f"{'step ms':>8} {'matmuls ms':>10} {'step/mm':>8}")

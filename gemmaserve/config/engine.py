@@ -75,6 +75,10 @@ class EngineConfig:
     suppress_media_tokens: bool | None = option(
         None, negatable=True,
         help="never sample the tokenizer's image/audio/video placeholder tokens (default: on for text-only models)")
+    tensor_parallel_size: int = option(1, parse=positive_int,
+                                       help="split the model over this many devices, one worker process each "
+                                            "(torch.distributed: NCCL on CUDA, gloo on the CPU); 1 = one process. "
+                                            "KV budgets are per device")
     # Set by `serve --role prefill|decode` (no engine flag): config/kv_transfer.py.
     kv_transfer: "KVTransferConfig | None" = None
     # Benchmark only, no flag: pin V2's pool split at this sliding share (emulates per-life-cycle pools).
@@ -114,6 +118,15 @@ class EngineConfig:
             raise UserInputError(f"kv_pool_split must be a float in (0, 1), got {self.kv_pool_split!r}")
         if self.kv_pool_split is not None and self.enable_prefix_caching is not False:
             raise UserInputError("kv_pool_split (a benchmark knob) needs enable_prefix_caching=False")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise UserInputError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and self.kv_cache_dtype.startswith("fp8"):
+            raise UserInputError("kv_cache_dtype fp8 is not supported with tensor_parallel_size > 1 yet (its "
+                                 "calibration pass runs on one process)")
+        if tp > 1 and self.kv_transfer is not None and self.kv_transfer.disaggregated:
+            raise UserInputError("a prefill or decode role with tensor_parallel_size > 1 is not supported yet (the "
+                                 "KV handoff reads and writes one process's cache)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
 

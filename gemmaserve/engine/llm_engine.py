@@ -25,13 +25,14 @@ from ..units import format_bytes
 from ..config.resolve import resolve_cache_options
 from ..errors import UserInputError
 from ..kv import create_kv_manager
-from ..models.loader import LoadedModel, load_model
+from ..models.loader import LoadedModel
 from ..models.multimodal import ProcessedImage
 from ..transfer.runtime import probe as probe_transfer
 from .detokenizer import IncrementalDetokenizer
+from .executor import create_executor
 from .images import ImageItem, ImageLimits, expand_prompt, load_image, place_images
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
-from .model_runner import ModelRunner, PendingStep
+from .model_runner import PendingStep
 from .request import FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -60,6 +61,7 @@ class EngineInfo:
     kv_bytes: int
     load_seconds: float
     warmup_seconds: float = 0.0
+    tensor_parallel_size: int = 1
 
 
 def _weights_label(loaded: LoadedModel, dtype: torch.dtype) -> str:
@@ -76,8 +78,9 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
+        self.executor = create_executor(config)   # tensor parallelism: workers start loading their shards
         if loaded is None:
-            loaded = load_model(config.model, self.dtype, self.device, config.quantized_weights(self.device))
+            loaded = self.executor.load_model(self.dtype, self.device)
         self.loaded = loaded
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         limit = self.model.max_position_embeddings
@@ -86,7 +89,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
 
         kv_dtype = config.torch_kv_dtype(self.dtype)
-        specs = self.model.kv_layer_specs(kv_dtype)
+        specs = self.executor.local_kv_specs(self.model.kv_layer_specs(kv_dtype))   # one device's KV heads
         if kv_dtype == FP8_DTYPE:
             specs = calibrate_kv_scales(self.model, specs, calibration_tokens(self.tokenizer, self.model.vocab_size),
                                         self.device)
@@ -115,7 +118,8 @@ class LLMEngine:
         self.suppressed_token_ids = sorted(t for t in self.tokenizer.media_token_ids
                                            if t < self.model.vocab_size) if suppress else []
         self.grammars = Grammars(self.tokenizer, self.model.vocab_size)   # built on first use
-        self.runner = ModelRunner(self.model, self.backend, self.kv.layout, self.kv.groups, self.kv.layer_slot, specs,
+        self.runner = self.executor.create_runner(self.model, self.backend, self.kv.layout, self.kv.groups,
+                                  self.kv.layer_slot, specs,
                                   self.device, cuda_graphs=use_graphs, max_model_len=self.max_model_len,
                                   max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
                                   suppress_token_ids=self.suppressed_token_ids, grammars=self.grammars)
@@ -140,7 +144,7 @@ class LLMEngine:
             async_scheduling=self.async_scheduling,
             kv_pages=self.kv.num_pages,
             kv_page_size=self.kv.page_size, kv_bytes=self.kv.num_pages * self.kv.page_bytes,
-            load_seconds=loaded.load_seconds)
+            load_seconds=loaded.load_seconds, tensor_parallel_size=config.tensor_parallel_size)
         if self.device.type == "cuda":
             self.info = dataclasses.replace(self.info, warmup_seconds=self._warm_up())
         log.info("engine ready: %s", self.info)
@@ -272,6 +276,10 @@ class LLMEngine:
     def request(self, request_id: str) -> Request:
         """An unfinished engine request by its engine id (a group of n > 1 has ids "<id>#<index>")."""
         return self._requests[request_id]
+
+    def shutdown(self) -> None:
+        """Stop what the executor started (tensor-parallel workers); also runs at interpreter exit."""
+        self.executor.shutdown()
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort every unfinished completion of a request, wherever it is (queued, prefilling,

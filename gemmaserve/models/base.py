@@ -22,6 +22,7 @@ from torch import nn
 from ..attention.base import BatchAttention
 from ..errors import UserInputError
 from ..kv.spec import LayerSpec
+from .layers import Attention, GeGLU
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,14 @@ class CausalLM(nn.Module, ABC):
         raise UserInputError(f"{type(self).__name__} cannot load GGUF files")
 
     def shard_sizes(self, fused_name: str) -> tuple[int, ...]:
-        """Rows of each part of a fused weight (`stacked`), in shard order."""
-        raise NotImplementedError
+        """Rows of each part of a fused weight (`stacked`), in shard order, as the module holding it
+        has them (a tensor-parallel rank holds its share of each part)."""
+        owner = self.get_submodule(fused_name.rsplit(".", 2)[0])
+        if isinstance(owner, Attention):
+            return owner.p.qkv_sizes
+        if isinstance(owner, GeGLU):
+            return (owner.intermediate, owner.intermediate)
+        raise UserInputError(f"{fused_name} is not a fused weight of this model")
 
     def map_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         for raw, tensor in tensors:

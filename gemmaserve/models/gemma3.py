@@ -312,10 +312,3 @@ class Gemma3ForCausalLM(CausalLM):
         if rest not in table:
             raise UserInputError(f"unexpected tensor {name!r} in a gemma3 GGUF file")
         return f"model.layers.{layer}.{table[rest]}", rest.endswith("norm.weight")
-
-    def shard_sizes(self, fused_name: str) -> tuple[int, ...]:
-        cfg = self.config
-        if "qkv_proj" in fused_name:
-            return (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
-                    cfg.num_key_value_heads * cfg.head_dim)
-        return (cfg.intermediate_size, cfg.intermediate_size)

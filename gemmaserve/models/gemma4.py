@@ -520,10 +520,3 @@ class Gemma4ForCausalLM(CausalLM):
             raise UserInputError(f"unexpected tensor {name!r} in a gemma4 GGUF file of "
                                  f"{self.config.num_hidden_layers} blocks")
         return self.checkpoint_name(f"model.layers.{parts[1]}.{self._GGUF_LAYER[parts[2]]}"), False
-
-    def shard_sizes(self, fused_name: str) -> tuple[int, ...]:
-        layer = self.model.layers[int(fused_name.split(".")[2])]
-        if "qkv_proj" in fused_name:
-            return layer.self_attn.p.qkv_sizes
-        inter = layer.mlp.intermediate
-        return (inter, inter)

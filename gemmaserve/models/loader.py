@@ -16,7 +16,11 @@ from ..errors import UserInputError
 from .base import CausalLM
 from .embedded import EMBEDDED_MODELS, cache_dir, resolve_embedded
 from .registry import model_class_for_gguf, model_class_for_hf
+from .tensor_parallel import ShardPlan, TensorParallelShard, check_shardable, parallelize, shard_model
 from .tokenizer import Tokenizer
+
+# A checkpoint's tensors in our names; a tensor-parallel rank gets the plan of its slices.
+Weights = Callable[[CausalLM, "ShardPlan | None"], Iterator[tuple[str, torch.Tensor]]]
 
 
 class SourceKind(enum.Enum):
@@ -57,30 +61,59 @@ def resolve_model(name: str) -> ModelSource:
                          "or checkpoint directory")
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: bool = False) -> LoadedModel:
-    """`quantized` (CPU, fp32 activations): a GGUF file's weights stay quantised (`quant.py`)."""
+def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: bool = False,
+               shard: TensorParallelShard | None = None) -> LoadedModel:
+    """`quantized` (CPU, fp32 activations): a GGUF file's weights stay quantised (`quant.py`).
+    `shard`: load this tensor-parallel rank's slices only (models/tensor_parallel.py)."""
     start = time.perf_counter()
     source = resolve_model(name)
     formats = None
     if source.kind is SourceKind.GGUF:
-        model, tokenizer, formats = _load_gguf(source.path, dtype, device, quantized)
+        model, tokenizer, formats = _load_gguf(source.path, dtype, device, quantized, shard)
     else:
-        model, tokenizer = _load_hf_dir(source.path, dtype, device)
+        model, tokenizer = _load_hf_dir(source.path, dtype, device, shard)
+    if shard is not None:
+        parallelize(model, model.tensor_parallel_plan)
     return LoadedModel(model.eval(), tokenizer, source, time.perf_counter() - start, formats)
 
 
-def build_model(model_class: type[CausalLM], config, weights: Callable[[CausalLM], Iterator[tuple[str, torch.Tensor]]],
-                dtype: torch.dtype, device: torch.device) -> CausalLM:
+def build_model(model_class: type[CausalLM], config, weights: Weights, dtype: torch.dtype, device: torch.device,
+                shard: TensorParallelShard | None = None) -> CausalLM:
     """Instantiate on the target device in the target dtype (no random init), then fill it from
-    `weights(model)` (our tensor names: the model maps checkpoint names itself)."""
-    with torch.device(device):
-        model = model_class(config, dtype)
-    model.load_weights(weights(model))
+    `weights(model, plan)` (our tensor names: the model maps checkpoint names itself). A
+    tensor-parallel rank builds with full shapes on the CPU (untouched memory costs nothing), takes
+    its local shapes on the device, then reads only its slices."""
+    if shard is None:
+        with torch.device(device):
+            model = model_class(config, dtype)
+        model.load_weights(weights(model, None))
+        return model
+    model = model_class(config, dtype)
+    model.tensor_parallel_plan = shard_model(model, shard, device)
+    model.load_weights(weights(model, model.tensor_parallel_plan))
     return model
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
-               quantized: bool) -> tuple[CausalLM, Tokenizer, dict[str, int] | None]:
+def check_tensor_parallel(name: str, tp: int) -> None:
+    """UserInputError if model `name` cannot be split over `tp` ranks; reads only its config (the
+    model is built on the meta device, no weights)."""
+    source = resolve_model(name)
+    if source.kind is SourceKind.GGUF:
+        from .gguf_file import GGUFFile
+
+        gguf = GGUFFile(source.path)
+        model_class = model_class_for_gguf(gguf.get("general.architecture"))
+        config = model_class.config_class.from_gguf(gguf)
+    else:
+        model_class, config = _hf_config(source.path)
+    with torch.device("meta"):
+        check_shardable(model_class(config), tp)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: bool,
+               shard: TensorParallelShard | None) -> tuple[CausalLM, Tokenizer, dict[str, int] | None]:
+    """A tensor-parallel rank dequantises each tensor whole, then keeps its slice (GGUF blocks do
+    not align with every slice; the exact 4-bit groups are sliced where they do)."""
     from .gguf_file import GGUFFile
 
     gguf = GGUFFile(path)
@@ -90,17 +123,22 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
     quantized = quantized and any(t.quant_type not in ("F32", "F16", "BF16") for t in gguf.tensors())
     int4 = {}
 
-    def weights(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(model: CausalLM, plan: ShardPlan | None) -> Iterator[tuple[str, torch.Tensor]]:
         for t in gguf.tensors():
             name, one_plus_w = model.gguf_name(t.name)
             if name is None:
                 continue
+            part = plan.slice_for(name) if plan is not None else None
             if quantized and (groups := gguf.int4_groups(t.name)) is not None:
-                int4[name] = groups
+                groups = groups if part is None else part.read_int4(groups)
+                if groups is not None:
+                    int4[name] = groups
             tensor = gguf.load(t.name)
+            if part is not None:
+                tensor = part.read(tensor)
             yield name, tensor - 1.0 if one_plus_w else tensor  # GGUF stores Gemma 3 norms as 1 + w
 
-    model = build_model(model_class, config, weights, dtype, device)
+    model = build_model(model_class, config, weights, dtype, device, shard)
     formats = None
     if quantized:
         from .quant import quantize_model
@@ -112,26 +150,35 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
     return model, tokenizer, formats
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, Tokenizer]:
-    from safetensors import safe_open
-
+def _hf_config(path: Path) -> tuple[type[CausalLM], object]:
     try:
         cfg = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as exc:
         raise UserInputError(f"{path / 'config.json'} is not valid JSON: {exc}") from exc
     model_class = model_class_for_hf(cfg.get("architectures"), cfg.get("model_type"))
-    config = model_class.config_class.from_hf(cfg)
+    return model_class, model_class.config_class.from_hf(cfg)
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device,
+                 shard: TensorParallelShard | None) -> tuple[CausalLM, Tokenizer]:
+    """A tensor-parallel rank reads only its slices from the files (safetensors' `get_slice`)."""
+    from safetensors import safe_open
+
+    model_class, config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UserInputError(f"model directory {str(path)!r} has no *.safetensors files")
 
-    def weights(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(model: CausalLM, plan: ShardPlan | None) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(str(file), framework="pt") as fh:
                 for raw_name in fh.keys():
                     name = model.checkpoint_name(raw_name)
-                    if name is not None:
-                        yield name, fh.get_tensor(raw_name).to(torch.float32)
+                    if name is None:
+                        continue
+                    part = plan.slice_for(name) if plan is not None else None
+                    tensor = fh.get_tensor(raw_name) if part is None else part.read(fh.get_slice(raw_name))
+                    yield name, tensor.to(torch.float32)
 
-    model = build_model(model_class, config, weights, dtype, device)
+    model = build_model(model_class, config, weights, dtype, device, shard)
     return model, Tokenizer.from_checkpoint_dir(path)

@@ -1,0 +1,75 @@
+"""Where the model runs: the layer between the engine and its model runner(s).
+
+    LLMEngine --StepPlan--> runner = executor.create_runner(...)
+        InProcessExecutor   one ModelRunner in this process                   (tensor_parallel_size 1)
+        MultiprocExecutor   rank 0's ModelRunner here + one worker process     (tensor_parallel_size N)
+                            per other rank, each running every plan too         engine/multiproc_executor.py
+
+The engine asks its executor to load the model (a rank loads its shard), to say what one device's
+KV cache holds per layer (`local_kv_specs`: a rank stores only its KV heads, so pages and budgets are
+per-rank bytes) and to build the runner; it then drives that runner (`apply`, `launch`, `execute`)
+the same way whichever executor built it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..config.engine import EngineConfig
+from ..kv.spec import LayerSpec
+from ..models.loader import LoadedModel, load_model
+from .model_runner import ModelRunner, PendingStep
+from .step import StepPlan, StepResult
+
+
+class StepRunner(Protocol):
+    """What the engine calls on a runner (ModelRunner's interface)."""
+
+    graphs: Any
+
+    def apply(self, plan: StepPlan) -> None: ...
+
+    def launch(self, plan: StepPlan, only: list[int] | None = None) -> PendingStep: ...
+
+    def execute(self, plan: StepPlan, only: list[int] | None = None) -> StepResult: ...
+
+
+class Executor(Protocol):
+    def load_model(self, dtype: torch.dtype, device: torch.device) -> LoadedModel: ...
+
+    def local_kv_specs(self, specs: list[LayerSpec]) -> list[LayerSpec]: ...
+
+    def create_runner(self, *args: Any, **kwargs: Any) -> StepRunner:
+        """ModelRunner's arguments."""
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class InProcessExecutor:
+    config: EngineConfig
+
+    def load_model(self, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+        return load_model(self.config.model, dtype, device, self.config.quantized_weights(device))
+
+    def local_kv_specs(self, specs: list[LayerSpec]) -> list[LayerSpec]:
+        return specs
+
+    def create_runner(self, *args: Any, **kwargs: Any) -> ModelRunner:
+        return ModelRunner(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """Tensor parallelism starts its workers here (they load their shards while this process loads
+    rank 0's)."""
+    if config.tensor_parallel_size == 1:
+        return InProcessExecutor(config)
+    from .multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor.start(config)
