@@ -18,6 +18,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -116,8 +117,8 @@ def end_to_end(args: argparse.Namespace) -> dict:
     engine = ["--model", args.model, "--max-num-seqs", "4"]
     prompt = " ".join(f"word{i % 97}" for i in range(args.prompt_tokens // 2))
     procs = []
-    logs = Path(args.out).parent / "kv_transfer_logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="gemmaserve-kv-transfer-"))   # the servers' stderr, for a failed run
+    print(f"server logs: {logs}", flush=True)
     try:
         single, sport = _start(["serve", *engine], logs)
         procs.append(single)
