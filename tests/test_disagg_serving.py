@@ -7,6 +7,7 @@ only the window tail of its sliding layers may travel."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -80,10 +81,9 @@ def model_dir(tmp_path_factory):
     return str(save_checkpoint(tiny_hf_model(fresh_seed(), sliding_window=WINDOW), tmp_path_factory.mktemp("m")))
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    common = ("--model", model_dir, *ENGINE_ARGS, "--kv-transfer-runtime", "torch", "--kv-transfer-timeout", "3")
+@contextlib.contextmanager
+def _start_cluster(*common: str):
+    """A prefill engine, a decode engine (both `serve` with `common`) and the router, all ready."""
     prefill, pport = serve_process("--role", "prefill", *common)
     decode, dport = serve_process("--role", "decode", *common)
     router = None
@@ -95,6 +95,14 @@ def cluster(model_dir):
         yield {"prefill": pport, "decode": dport, "router": rport, "procs": (prefill, decode, router)}
     finally:
         _stop(*(p for p in (router, decode, prefill) if p is not None))
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with _start_cluster("--model", model_dir, *ENGINE_ARGS, "--kv-transfer-runtime", "torch",
+                        "--kv-transfer-timeout", "3") as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -247,16 +255,10 @@ def test_nixl_runtime_moves_the_same_bytes(model_dir, single):
         import_nixl()
     except ImportError as exc:
         pytest.skip(str(exc))
-    common = ("--model", model_dir, *ENGINE_ARGS, "--kv-transfer-timeout", "10")   # auto: Gemma prefers nixl
-    prefill, pport = serve_process("--role", "prefill", *common)
-    decode, dport = serve_process("--role", "decode", *common)
-    router = None
-    try:
-        _wait_ready(pport)
-        _wait_ready(dport)
+    # auto: Gemma prefers nixl
+    with _start_cluster("--model", model_dir, *ENGINE_ARGS, "--kv-transfer-timeout", "10") as c:
+        pport, dport, rport = c["prefill"], c["decode"], c["router"]
         assert _get(f"http://127.0.0.1:{dport}/disagg/info")["runtime"] == "nixl"
-        router, rport = _router([pport], [dport])
-        _wait_ready(rport)
         wants = [o.outputs[0].text for o in single.generate(PROMPTS, SamplingParams(max_tokens=12), use_tqdm=False)]
         for prompt, want in zip(PROMPTS, wants):   # a second transfer reads a region registered after the first
             assert _completion(rport, prompt, stream=True) == want
@@ -267,5 +269,3 @@ def test_nixl_runtime_moves_the_same_bytes(model_dir, single):
             expected += sum((n if s.window is None else min(n, s.window - 1)) * s.bytes_per_token() for s in specs)
         assert _get(f"http://127.0.0.1:{dport}/disagg/info")["stats"]["bytes"] == expected
         _kv_clean(pport)
-    finally:
-        _stop(*(p for p in (router, decode, prefill) if p is not None))

@@ -31,7 +31,7 @@ from ..config.options import format_bytes, positive_int
 from ..kv import KVCacheManagerV1, KVCacheManagerV2
 from ..models.embedded import DEFAULT_MODEL
 from ..transfer.plan import plan_transfer
-from .shapes import SHAPES
+from .shapes import SHAPES, parse_shapes_and_lengths
 
 DEFAULT_SHAPES = "gemma3-27b,gemma4-31b"
 
@@ -161,18 +161,7 @@ def end_to_end(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UserInputError
-
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    unknown = [s for s in shapes if s not in SHAPES]
-    if unknown or not shapes:
-        raise UserInputError(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
-    try:
-        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    except ValueError:
-        raise UserInputError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
-    if not lengths or min(lengths) < 1:
-        raise UserInputError("--lengths must be positive")
+    shapes, lengths = parse_shapes_and_lengths(args.shapes, args.lengths)
     result = {"benchmark": "kv-transfer", "date": date.today().isoformat(),
               "bytes": [transfer_bytes(s, n) for s in shapes for n in lengths]}
     print(f"{'shape':<12}{'tokens':>8}{'V1 sends':>12}{'V2 sends':>12}{'(full':>12}{'+ sliding)':>12}{'saved':>8}")

@@ -23,7 +23,7 @@ import torch
 from ..config.options import format_bytes, parse_size, positive_int
 from ..kv import KVCacheManagerV1, KVCacheManagerV2
 from ..kv.groups import derive_groups
-from .shapes import SHAPES
+from .shapes import SHAPES, parse_shapes_and_lengths
 
 DEFAULT_SHAPES = "gemma3-4b,gemma3-27b,gemma4-e2b,gemma4-31b"
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -125,18 +125,7 @@ def _fill(sim: _Sim, length: int, cap: int = 100_000) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UserInputError
-
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    unknown = [s for s in shapes if s not in SHAPES]
-    if unknown or not shapes:
-        raise UserInputError(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
-    try:
-        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    except ValueError:
-        raise UserInputError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
-    if not lengths or min(lengths) < 1:
-        raise UserInputError("--lengths must be positive")
+    shapes, lengths = parse_shapes_and_lengths(args.shapes, args.lengths)
     budget = parse_size(args.budget)
     kv_dtype = args.kv_cache_dtype
     rows = [measure(s, n, args.chunk, args.page_size, budget, KV_DTYPES[kv_dtype]) for s in shapes for n in lengths]

@@ -30,3 +30,20 @@ class ModelShape:
 
 
 SHAPES = {name: ModelShape(name) for name in (*GEMMA3_CONFIGS, *GEMMA4_CONFIGS)}
+
+
+def parse_shapes_and_lengths(shapes_text: str, lengths_text: str) -> tuple[list[str], list[int]]:
+    """--shapes (names in SHAPES) and --lengths (token counts), comma-separated."""
+    from ..errors import UserInputError
+
+    shapes = [s.strip() for s in shapes_text.split(",") if s.strip()]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown or not shapes:
+        raise UserInputError(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+    try:
+        lengths = [int(x) for x in lengths_text.split(",") if x.strip()]
+    except ValueError:
+        raise UserInputError(f"--lengths must be comma-separated integers, got {lengths_text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise UserInputError("--lengths must be positive")
+    return shapes, lengths
