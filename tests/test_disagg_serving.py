@@ -142,8 +142,9 @@ def test_greedy_output_equals_a_single_engine(cluster, single):
     assert _get(f"http://127.0.0.1:{cluster['router']}/v1/models")["data"][0]["id"]
 
 
-def test_structured_output_and_penalties_continue_on_the_decode_engine(cluster, single):
-    """The decode engine's grammar and penalty counts start after the token the prefill engine sampled."""
+def test_grammars_penalties_and_seeds_continue_on_the_decode_engine(cluster, single):
+    """The decode engine's grammar, penalty counts and seeded generator start after the token the prefill
+    engine sampled."""
     pytest.importorskip("xgrammar")
     from gemmaserve.engine.sampling_params import SamplingParams
     from gemmaserve.engine.structured_output import StructuredOutput
@@ -154,7 +155,9 @@ def test_structured_output_and_penalties_continue_on_the_decode_engine(cluster, 
             ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
              SamplingParams(max_tokens=16, structured_output=StructuredOutput.json_schema(schema))),
             ({"presence_penalty": 1.5, "frequency_penalty": 1.0},
-             SamplingParams(max_tokens=16, presence_penalty=1.5, frequency_penalty=1.0))):
+             SamplingParams(max_tokens=16, presence_penalty=1.5, frequency_penalty=1.0)),
+            ({"temperature": 1.0, "top_k": 20, "seed": 77},   # the decode engine's generator skips the first draw
+             SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=77))):
         want = single.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].text
         status, raw = _post(f"http://127.0.0.1:{cluster['router']}/v1/completions",
                             {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, **extra})

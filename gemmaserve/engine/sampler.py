@@ -33,6 +33,18 @@ class SamplingState:
     counts: torch.Tensor | None = None        # [V] float: times each token was generated
     grammar: GrammarState | None = None       # structured output: what may come next
     earlier: list[int] = field(default_factory=list)   # generated before this runner met the request
+    draws_to_skip: int = 0   # the draws that produced `earlier` elsewhere: the generator replays them first
+
+    def skip_draws(self, vocab: int, device: torch.device) -> None:
+        """Advance the generator past the draws made for `earlier` by another engine, so a seeded
+        request continues as if it had run here all along. torch's multinomial consumes randomness by
+        the size of the distribution, not its values (tests/test_disagg_serving.py checks the outcome),
+        so a draw from a uniform one of the same size stands in for each."""
+        if self.draws_to_skip:
+            uniform = torch.ones(vocab, device=device)
+            for _ in range(self.draws_to_skip):
+                torch.multinomial(uniform, 1, generator=self.generator)
+            self.draws_to_skip = 0
 
     @classmethod
     def create(cls, params: SamplingParams, seed: int, prompt_token_ids: list[int], device: torch.device,
@@ -48,7 +60,8 @@ class SamplingState:
             grammar = grammars.matcher(params.structured_output)
             for t in output_token_ids:
                 grammar.accept(t)
-        return cls(params, generator, list(prompt_token_ids), grammar=grammar, earlier=list(output_token_ids))
+        return cls(params, generator, list(prompt_token_ids), grammar=grammar, earlier=list(output_token_ids),
+                   draws_to_skip=0 if params.greedy else len(output_token_ids))
 
     def penalty_tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.counts is None:
@@ -145,6 +158,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], grammars: Grammars
             any_top_p=any(p.top_p < 1.0 for p in params), any_min_p=any(p.min_p > 0 for p in params),
         )
         for j, i in enumerate(random_rows):
+            states[i].skip_draws(probs.shape[-1], dev)
             tokens[i] = torch.multinomial(probs[j], 1, generator=states[i].generator)[0]
     one = None
     for i in penalized:   # the drawn token counts from the next step on
