@@ -30,7 +30,6 @@ import json
 import logging
 import threading
 import time
-import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -402,13 +401,11 @@ class OpenAIServer:
         return _Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids), items
 
     def _tool_calling(self, req: ChatRequest) -> ToolCalling | None:
-        calling = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer)
-        if calling is None:
-            return None
-        if req.response_format is not None and req.response_format.get("type") not in (None, "text"):
+        calling = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer,
+                              self.chat.renders_tools)
+        if calling is not None and req.response_format is not None and req.response_format.get("type") not in (
+                None, "text"):
             raise ApiError(400, "response_format cannot be combined with tools", param="response_format")
-        if calling.format is ToolFormat.NATIVE and not self.chat.renders_tools:
-            calling = dataclasses.replace(calling, format=ToolFormat.JSON)   # only a template declares native tools
         return calling
 
     async def _check_grammar(self, params: SamplingParams, param: str) -> None:

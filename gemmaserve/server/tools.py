@@ -33,6 +33,7 @@ from .protocol import ApiError
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _NATIVE_CALL = re.compile(re.escape(CALL_BEGIN) + r"call:([A-Za-z0-9_.-]+)(\{.*?\})" + re.escape(CALL_END), re.S)
+_SCALAR = re.compile(r"[^,}\]\s]+")   # a number, true, false or null in Gemma's argument syntax
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 
 
@@ -41,9 +42,12 @@ class ToolFormat(enum.Enum):
     JSON = "json"
 
 
-def tool_format(tokenizer: Tokenizer) -> ToolFormat:
-    return (ToolFormat.NATIVE if all(tokenizer.token_to_id(t) is not None for t in (CALL_BEGIN, CALL_END, STRING_DELIM))
-            else ToolFormat.JSON)
+def tool_format(tokenizer: Tokenizer, template_declares_tools: bool) -> ToolFormat:
+    """NATIVE needs both the tool tokens and a chat template that declares tools (nothing else can
+    offer tools in the model's own syntax)."""
+    native = template_declares_tools and all(tokenizer.token_to_id(t) is not None
+                                             for t in (CALL_BEGIN, CALL_END, STRING_DELIM))
+    return ToolFormat.NATIVE if native else ToolFormat.JSON
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,8 @@ def _call(name: str, arguments: dict) -> dict:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def parse_tools(tools: list | None, choice: object, parallel: bool, tokenizer: Tokenizer) -> ToolCalling | None:
+def parse_tools(tools: list | None, choice: object, parallel: bool, tokenizer: Tokenizer,
+                template_declares_tools: bool) -> ToolCalling | None:
     """The request's tools and tool_choice, checked; None when no tool is offered."""
     if choice is not None and not tools and choice != "none":
         raise ApiError(400, "tool_choice needs tools", param="tool_choice")
@@ -158,7 +163,7 @@ def parse_tools(tools: list | None, choice: object, parallel: bool, tokenizer: T
     elif choice not in ("auto", "required"):
         raise ApiError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
                             "{\"name\": ...}}", param="tool_choice")
-    return ToolCalling(tuple(parsed), choice, named, parallel, tool_format(tokenizer))
+    return ToolCalling(tuple(parsed), choice, named, parallel, tool_format(tokenizer, template_declares_tools))
 
 
 def gemma_arguments(text: str) -> dict:
@@ -176,6 +181,40 @@ def _skip(text: str, i: int) -> int:
     return i
 
 
+def _items(text: str, i: int, close: str, read, out):
+    """The comma-separated items of an object or array opened at text[i], up to `close`: `read`
+    returns (item, end); a (key, value) item goes into a dict, anything else onto a list."""
+    i = _skip(text, i + 1)
+    while not text.startswith(close, i):
+        item, i = read(text, i)
+        if isinstance(out, dict):
+            out[item[0]] = item[1]
+        else:
+            out.append(item)
+        i = _skip(text, i)
+        if text.startswith(",", i):
+            i = _skip(text, i + 1)
+        elif not text.startswith(close, i):
+            raise ValueError(f"expected ',' or '{close}'")
+    return out, i + 1
+
+
+def _member(text: str, i: int):
+    """key:value inside an object; keys are bare or <|"|>-quoted."""
+    if text.startswith(STRING_DELIM, i):
+        key, i = _value(text, i)
+    else:
+        colon = text.find(":", i)
+        if colon < 0:
+            raise ValueError("a key without a value")
+        key, i = text[i:colon].strip(), colon
+    i = _skip(text, i)
+    if not text.startswith(":", i):
+        raise ValueError("expected ':'")
+    value, i = _value(text, i + 1)
+    return (key, value), i
+
+
 def _value(text: str, i: int):
     i = _skip(text, i)
     if text.startswith(STRING_DELIM, i):
@@ -184,37 +223,10 @@ def _value(text: str, i: int):
             raise ValueError("unterminated string")
         return text[i + len(STRING_DELIM):end], end + len(STRING_DELIM)
     if text.startswith("{", i):
-        out, i = {}, _skip(text, i + 1)
-        while not text.startswith("}", i):
-            if text.startswith(STRING_DELIM, i):
-                key, i = _value(text, i)
-            else:
-                colon = text.find(":", i)
-                if colon < 0:
-                    raise ValueError("a key without a value")
-                key, i = text[i:colon].strip(), colon
-            i = _skip(text, i)
-            if not text.startswith(":", i):
-                raise ValueError("expected ':'")
-            out[key], i = _value(text, i + 1)
-            i = _skip(text, i)
-            if text.startswith(",", i):
-                i = _skip(text, i + 1)
-            elif not text.startswith("}", i):
-                raise ValueError("expected ',' or '}'")
-        return out, i + 1
+        return _items(text, i, "}", _member, {})
     if text.startswith("[", i):
-        items, i = [], _skip(text, i + 1)
-        while not text.startswith("]", i):
-            item, i = _value(text, i)
-            items.append(item)
-            i = _skip(text, i)
-            if text.startswith(",", i):
-                i = _skip(text, i + 1)
-            elif not text.startswith("]", i):
-                raise ValueError("expected ',' or ']'")
-        return items, i + 1
-    m = re.compile(r"[^,}\]\s]+").match(text, i)
+        return _items(text, i, "]", _value, [])
+    m = _SCALAR.match(text, i)
     if m is None:
         raise ValueError("expected a value")
     return json.loads(m.group(0)), m.end()
