@@ -136,6 +136,18 @@ def test_greedy_output_equals_a_single_engine(cluster, single):
         assert len(single.engine.tokenize(prompt)) > 5 * WINDOW
         assert _completion(cluster["router"], prompt, stream=False) == want
         assert _completion(cluster["router"], prompt, stream=True) == want
+    # Usage as one engine counts it: the prompt once, every generated token (the prefill engine's first one too).
+    ids = single.engine.tokenize(PROMPTS[1])
+    for stream in (False, True):
+        body = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": stream,
+                "stream_options": {"include_usage": True} if stream else None}
+        status, raw = _post(f"http://127.0.0.1:{cluster['router']}/v1/completions", body)
+        assert status == 200, raw
+        if stream:
+            events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+            raw = [e for e in events[:-1] if json.loads(e).get("usage")][-1]
+        usage = json.loads(raw)["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), 12), usage
     status, raw = _post(f"http://127.0.0.1:{cluster['router']}/v1/chat/completions",
                         {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 4})
     assert status == 200 and json.loads(raw)["choices"][0]["message"]["content"], raw
