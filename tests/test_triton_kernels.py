@@ -209,6 +209,14 @@ def test_fused_elementwise_kernels_match_the_torch_ops(dtype, layout):
 
     assert close(FK.rms_norm(x, wp, kind), FO._norm_ref(x, wp, kind))
     assert close(FK.rms_norm(x, None, kind), FO._norm_ref(x, None, kind))
+    # A transposed input whose leading dim is 1 (Gemma 3's projector, one image) reshapes to a view
+    # with stride != 1 along the normed dim: the kernels must not read it as contiguous rows.
+    xt = (torch.randn(1, 96, 7, generator=gen) * 3).to(dtype).transpose(1, 2)
+    assert xt.reshape(-1, 96).stride(-1) != 1
+    assert close(FK.rms_norm(xt, wp, kind), FO._norm_ref(xt, wp, kind))
+    r1, h1 = FK.add_rms_norm(xt, xt, wp, wn, kind)
+    r2, h2 = FO.add_rms_norm(xt, xt, wp, wn, kind)
+    assert close(r1, r2) and close(h1, h2)
     for s in (None, scale):
         r1, h1 = FK.add_rms_norm(r, x, wp, wn, kind, s)
         r2, h2 = FO.add_rms_norm(r, x, wp, wn, kind, s)

@@ -98,7 +98,10 @@ def _gelu_mul_kernel(gu_ptr, out_ptr, s_g, s_o, I: tl.constexpr, BLOCK: tl.const
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1])
+    """x as rows [R, N] with unit stride along N (the kernels take a row stride only). reshape keeps
+    a transposed input strided when it can: [1, N, M].transpose(1, 2) comes back with stride N."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] <= 1 else x2.contiguous()
 
 
 def _warps(n: int) -> int:
