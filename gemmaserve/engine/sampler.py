@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..device import to_device
+from ..rowops import row_argmax
 from .request import TokenLogprob
 from .sampling_params import SamplingParams
 from .structured_output import Grammars, GrammarState
@@ -143,8 +144,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], grammars: Grammars
         logits = raw.clone()
         rows = to_device(penalized, torch.long, dev)
         logits[rows] = apply_penalties(logits[rows], [states[i] for i in penalized])
-    # max's indices are argmax's (the first maximum on ties), 3x faster on the CPU: 113 vs 331 us per 262k row
-    tokens = logits.max(dim=-1).indices
+    tokens = row_argmax(logits)   # the first maximum on ties; through block maxima on the CPU (rowops.py)
     random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if random_rows:
         rows = to_device(random_rows, torch.long, dev)

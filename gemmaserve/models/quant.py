@@ -1,34 +1,44 @@
 """Quantised weights on the CPU: a GGUF file's weights stay quantised instead of being expanded to fp32.
 
-Two weight formats, each on PyTorch's own CPU kernels (the rest of the model runs in fp32):
+Two weight formats (the rest of the model runs in fp32):
 
     INT8   per output row: w = q * s,               q int8 [N, K],     s [N]
     INT4   per 32 inputs:  w = (q - 8) * s + z,      q 0..15 packed,    s, z [K/32, N]  (_weight_int4pack_mm_for_cpu)
-
-INT8 runs on `_weight_int8pack_mm` (bf16 activations), except the tied output head, which runs on
-fbgemm's dynamic int8 linear where PyTorch has it (x86): activations quantised per call to uint8 (per
-tensor), int8 x int8 products with VNNI. Measured on the development VM (2 cores, AVX512-VNNI) for the
-262k x 640 head, 1 thread: 14 ms at batch 1 and 24 ms at batch 8, against 27 / 73 ms weight-only. Only
-the head: per-tensor activation quantisation is harmless on the final-normed hidden state (perplexity
-of the 270M on bench quality's text 22.52, weight-only 22.42, fp32 22.50) but not on the layers' inputs,
-whose outliers it crushes (24.93 with every matrix on fbgemm). The head's top logits are then recomputed
-exactly (`QuantEmbedding.as_head`). Without VNNI fbgemm's AVX2 kernel can
-saturate 8-bit x 8-bit pairs, so activations use 7 bits there (`reduce_range`).
 
 Each GGUF tensor goes to the format nearest to it. Q4_K is exactly INT4: its sub-blocks of 32 are
 w = d*sc*q - dmin*m, so s = d*sc and z = 8s - dmin*m, read from the blocks (not re-fitted). Every other
 type (Q8_0, Q5_0, Q6_K, F16, ...) has more than 4 bits of precision, so INT8 per row is nearer: its
 rounding step is max|w| / 127 of the row, a fraction of the source's own step. A fused weight (q/k/v,
-gate/up) is INT4 only when all its parts are Q4_K. Scales are bf16 (what the kernels take); INT8 picks
-scales that are bf16 values, so the stored q fit them exactly.
+gate/up) is INT4 only when all its parts are Q4_K. Scales are bf16 (what the weight-only kernels take);
+INT8 picks scales that are bf16 values, so the stored q fit them exactly.
 
-The tied embedding / output head (60% of the 270M's bytes) is INT8 too: the head is a matmul on the
-packed rows, a lookup dequantises the rows it reads.
+Kernels. PyTorch's weight-only kernels (`_weight_int8pack_mm`, bf16 activations; the int4 one) are
+made for one row: at 8 rows they run 4x slower per row than fbgemm's int8 x int8 linear, which
+quantises its input per call. Gemma's hidden states carry a few channels hundreds of times larger
+than the rest; quantised as they are, those set the step and the other channels drown (greedy
+agreement with fp32 over bench quality's text 84% at 8 rows). So fbgemm's inputs are rotated first:
+x W^T = (x R)(W R)^T for an orthogonal R (`Rotation`), W R is what is quantised and packed, and R
+spreads an outlier over every channel; rows are scaled to one range first, so each gets its own step.
+Where the matmul is compute-bound (prefill chunks) the activations' rounding error runs through the
+kernel too (two passes: activations then cost nothing). Which kernel runs where:
+
+    MLP (gate/up, down as INT8)           rotated fbgemm at every row count (one copy)
+    attention (q/k/v, o) and INT4 layers  their own kernel for one row (bf16 activations / exact int4);
+                                          a rotated fbgemm copy for 2-63 rows (decode batches), and
+                                          for prefill chunks (INT8: two passes; INT4 expands exactly)
+    tied output head                      fbgemm, unrotated (the table is shared with lookups), then
+                                          its 32 highest logits per row recomputed exactly
+
+Measured on the 270M (bench quality's text, KL divergence from our fp32 path, mean over positions):
+one row at a time 0.0047, 8-row chunks 0.0058, 256-row chunks 0.0046; llama.cpp on the same file
+0.0050 (one token at a time and in 512-token batches); all weight-only 0.0049. Without VNNI fbgemm's
+AVX2 kernel can saturate 8-bit x 8-bit pairs, so activations use 7 bits there (`reduce_range`).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +46,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+
+from ..rowops import row_topk_indices
 
 GROUP = 32
 
@@ -103,11 +115,11 @@ def int8_rows(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.T
 
 
 class Int8Kernel(enum.Enum):
-    FBGEMM_DYNAMIC = "fbgemm"        # quantized::linear_dynamic, uint8 activations
-    WEIGHT_ONLY = "weight-only"      # aten::_weight_int8pack_mm, bf16 activations
+    FBGEMM_DYNAMIC = "fbgemm"        # quantized::linear_dynamic: uint8 activations, quantised per call
+    WEIGHT_ONLY = "weight-only"      # aten::_weight_int8pack_mm: bf16 activations
 
 
-def default_head_kernel() -> Int8Kernel:
+def default_int8_kernel() -> Int8Kernel:
     return Int8Kernel.FBGEMM_DYNAMIC if "fbgemm" in torch.backends.quantized.supported_engines \
         else Int8Kernel.WEIGHT_ONLY
 
@@ -120,12 +132,65 @@ def _cpu_has_vnni() -> bool:
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
-class Int8Matmul:
-    """x [M, K] @ (q * s)^T for int8 rows q [N, K], bf16 scales s [N], on `kernel`."""
+def _hadamard(n: int) -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix of order n (a power of two)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
 
-    def __init__(self, q: torch.Tensor, s: torch.Tensor, kernel: Int8Kernel):
-        self.kernel, self.out_features = kernel, q.shape[0]
-        self._q, self._s = q, s
+
+@dataclass(frozen=True)
+class Rotation:
+    """An orthogonal R = A (x) H of order K = n * b, applied to the last dim: x R = vec(A^T X H) for
+    X = x seen as [n, b]. H is the Hadamard matrix of the largest power-of-two b <= 128 dividing K;
+    A a Hadamard matrix too when n is a power of two, else a fixed (seeded) random orthogonal matrix.
+    Either way one outlier channel of x lands on all K channels of x R with 1/sqrt(K) of its size."""
+
+    a_t: torch.Tensor   # [n, n] = A^T
+    h: torch.Tensor     # [b, b]
+
+    MAX_BLOCK = 128
+
+    @classmethod
+    def for_width(cls, k: int) -> "Rotation":
+        b = 1
+        while k % (2 * b) == 0 and 2 * b <= cls.MAX_BLOCK:
+            b *= 2
+        n = k // b
+        if n & (n - 1) == 0:
+            a = _hadamard(n)
+        else:
+            a, r = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(n), dtype=torch.float64))
+            a = a * torch.sign(torch.diagonal(r))[None, :]   # the unique QR with a positive diagonal
+        return cls(a.t().float().contiguous(), _hadamard(b).float())
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> x R."""
+        n, b = self.a_t.shape[0], self.h.shape[0]
+        y = torch.matmul(x.reshape(-1, b), self.h).view(-1, n, b)
+        return torch.matmul(self.a_t, y).view(x.shape) if n > 1 else y.view(x.shape)
+
+    def undo(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> x R^T (R^-1)."""
+        n, b = self.a_t.shape[0], self.h.shape[0]
+        y = torch.matmul(x.reshape(-1, b), self.h.t()).view(-1, n, b)
+        return torch.matmul(self.a_t.t(), y).view(x.shape) if n > 1 else y.view(x.shape)
+
+
+class Int8Matmul:
+    """x [M, K] @ (q * s)^T for int8 rows q [N, K], bf16 scales s [N], on `kernel`. With a
+    `rotation` (fbgemm only), q * s is the rotated weight W R and each call rotates its input the same
+    way. fbgemm quantises its input per tensor; rows are first scaled to one range (and the outputs
+    back), so each row gets its own step and one sequence's range never coarsens another's."""
+
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, kernel: Int8Kernel, rotation: Rotation | None = None,
+                 keep_rows: bool = True):
+        """`keep_rows=False`: hold fbgemm's packed copy only (`dequantize` then unpacks it, slowly)."""
+        if rotation is not None and kernel is not Int8Kernel.FBGEMM_DYNAMIC:
+            raise ValueError("rotated weights need activations quantised per call (fbgemm)")
+        self.kernel, self.out_features, self.rotation = kernel, q.shape[0], rotation
+        self._q, self._s = (q, s) if keep_rows or kernel is Int8Kernel.WEIGHT_ONLY else (None, None)
         if kernel is Int8Kernel.FBGEMM_DYNAMIC:
             with warnings.catch_warnings():   # PyTorch flags quantized tensors as legacy; fbgemm's kernels are current
                 warnings.simplefilter("ignore")
@@ -133,14 +198,44 @@ class Int8Matmul:
                 self._packed = torch.ops.quantized.linear_prepack(wq, None)
             self._reduce_range = not _cpu_has_vnni()
 
-    def dequantize(self) -> torch.Tensor:
-        return self._q.float() * self._s.float()[:, None]
+    @classmethod
+    def for_layer(cls, w: torch.Tensor) -> "Int8Matmul":
+        """A layer's fp32 weight [N, K]: rotated on fbgemm where PyTorch has it, else weight-only."""
+        if default_int8_kernel() is Int8Kernel.WEIGHT_ONLY:
+            return cls(*int8_rows(w), Int8Kernel.WEIGHT_ONLY)
+        rotation = Rotation.for_width(w.shape[1])
+        return cls(*int8_rows(rotation.apply(w.float())), Int8Kernel.FBGEMM_DYNAMIC, rotation, keep_rows=False)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def dequantize(self) -> torch.Tensor:
+        """The weight [N, K] in the inputs' own basis."""
+        if self._q is None:
+            qw = torch.ops.quantized.linear_unpack(self._packed)[0]
+            w = qw.int_repr().float() * qw.q_per_channel_scales().float()[:, None]
+        else:
+            w = self._q.float() * self._s.float()[:, None]
+        return w if self.rotation is None else self.rotation.undo(w)
+
+    def __call__(self, x: torch.Tensor, two_pass: bool = False) -> torch.Tensor:
+        """`two_pass` (fbgemm): run the activations' rounding error through the kernel too, so
+        activations cost no accuracy (error ~1/256 of one pass's); twice the work, worth it where the
+        kernel is compute-bound (prefill chunks)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.kernel is Int8Kernel.FBGEMM_DYNAMIC:
-            y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self._packed, self._reduce_range)
+            x2 = x2.float()
+            if self.rotation is not None:
+                x2 = self.rotation.apply(x2)
+            row_max = None
+            if x2.shape[0] > 1:
+                row_max = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
+                x2 = x2 / row_max
+            x2 = x2.contiguous()
+            y = torch.ops.quantized.linear_dynamic(x2, self._packed, self._reduce_range)
+            if two_pass:   # the kernel rounds x2 as quantize_per_tensor_dynamic does: add what it lost
+                rounded = torch.quantize_per_tensor_dynamic(x2, torch.quint8, self._reduce_range).dequantize()
+                y += torch.ops.quantized.linear_dynamic(x2 - rounded, self._packed, self._reduce_range)
+            if row_max is not None:
+                y = y.mul_(row_max)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self._q, self._s)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
@@ -148,49 +243,69 @@ class Int8Matmul:
 
 class QuantLinear(nn.Module):
     """y = x W^T with W in INT8 or INT4 (see the module docstring); x fp32 or bf16, y in x's dtype.
-    From `PREFILL_ROWS` rows on (prefill chunks) the weight is expanded to fp32 for the call and the
-    product runs on MKL's GEMM: measured on 2 cores, 512 rows of the 270M's gate/up take 9.7 ms that
-    way against 18.5 ms in `_weight_int8pack_mm` (the packed kernels are made for few rows)."""
+
+    Single rows (batch-1 decode) run the weight's own form. Several rows run `batched` where it
+    exists: a rotated int8 copy on fbgemm, which at 8 rows is 2-5x faster than the weight-only and
+    int4 kernels (those are made for one row). Without a copy (no fbgemm), from `PREFILL_ROWS` rows on
+    (prefill chunks) the weight is expanded to fp32 for the call and the product runs on the fp32 GEMM.
+    A layer whose own form is the rotated int8 (MLP, see `quantize_model`) needs no copy."""
 
     PREFILL_ROWS = 64
 
     def __init__(self, in_features: int, out_features: int, fmt: WeightFormat):
         super().__init__()
         self.in_features, self.out_features, self.format = in_features, out_features, fmt
+        self.batched: Int8Matmul | None = None
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, kernel: Int8Kernel = Int8Kernel.WEIGHT_ONLY) -> "QuantLinear":
+    def from_float(cls, w: torch.Tensor, kernel: Int8Kernel | None = None, batched: bool = False) -> "QuantLinear":
+        """INT8 rows of an fp32 weight; `kernel` None: the layers' default (`Int8Matmul.for_layer`).
+        `batched`: add the rotated int8 copy for several rows."""
         mod = cls(w.shape[1], w.shape[0], WeightFormat.INT8)
-        mod.int8 = Int8Matmul(*int8_rows(w), kernel)
+        mod.int8 = Int8Matmul.for_layer(w) if kernel is None else Int8Matmul(*int8_rows(w), kernel)
+        if batched:
+            mod._add_batched(w)
         return mod
 
     @classmethod
-    def from_int4(cls, g: Int4Groups) -> "QuantLinear":
+    def from_int4(cls, g: Int4Groups, batched: bool = False) -> "QuantLinear":
         n, k = g.q.shape
         mod = cls(k, n, WeightFormat.INT4)
-        mod.groups = g   # what prefill expands (the packed layout is the kernel's own)
+        mod.groups = g   # exact, for `dequantize` (the packed layout is the kernel's own)
         mod.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(g.q.to(torch.int32), 1))
         # [K/32, N, 2]: scale and the value at q = 8
         mod.register_buffer("scales", torch.stack([g.scale, 8 * g.scale - g.minus], -1).transpose(0, 1)
                             .contiguous().to(torch.bfloat16))
+        if batched:
+            mod._add_batched(g.dequantize())
         return mod
+
+    def _add_batched(self, w: torch.Tensor) -> None:
+        if default_int8_kernel() is Int8Kernel.FBGEMM_DYNAMIC:
+            self.batched = Int8Matmul.for_layer(w)
 
     def dequantize(self) -> torch.Tensor:
         return self.int8.dequantize() if self.format is WeightFormat.INT8 else self.groups.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() >= self.PREFILL_ROWS * self.in_features:
-            return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
+        rows = x.numel() // self.in_features
+        # INT4 is exact: prefill chunks keep it (expanded); the copy serves decode batches only
+        if self.batched is not None and 1 < rows and (rows < self.PREFILL_ROWS or self.format is WeightFormat.INT8):
+            return self.batched(x, two_pass=rows >= self.PREFILL_ROWS)
         if self.format is WeightFormat.INT8:
-            return self.int8(x)
-        shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(),
-                                                       self.qweight, GROUP, self.scales)
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+            if self.int8.kernel is Int8Kernel.FBGEMM_DYNAMIC or rows < self.PREFILL_ROWS:
+                return self.int8(x, two_pass=rows >= self.PREFILL_ROWS)
+        elif rows < self.PREFILL_ROWS:
+            shape = x.shape
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(),
+                                                           self.qweight, GROUP, self.scales)
+            return y.to(x.dtype).view(*shape[:-1], self.out_features)
+        return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
 
     def extra_repr(self) -> str:
         kernel = f", kernel={self.int8.kernel.value}" if self.format is WeightFormat.INT8 else ""
-        return f"in={self.in_features}, out={self.out_features}, format={self.format.value}{kernel}"
+        batched = ", batched=fbgemm" if self.batched is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, format={self.format.value}{kernel}{batched}"
 
 
 class QuantEmbedding(nn.Module):
@@ -212,7 +327,7 @@ class QuantEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = q.shape
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s)
-        self.head = Int8Matmul(q, s, kernel or default_head_kernel()) if head else None
+        self.head = Int8Matmul(q, s, kernel or default_int8_kernel()) if head else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -227,7 +342,7 @@ class QuantEmbedding(nn.Module):
         logits = self.head(hidden)
         if self.head.kernel is Int8Kernel.FBGEMM_DYNAMIC and logits.numel():
             flat, h = logits.view(-1, self.num_embeddings), hidden.reshape(-1, self.embedding_dim).float()
-            top = flat.topk(min(self.REFINE, self.num_embeddings), dim=-1).indices          # [M, k]
+            top = row_topk_indices(flat, min(self.REFINE, self.num_embeddings))           # [M, k]
             exact = torch.einsum("mh,mkh->mk", h, self(top))
             flat.scatter_(-1, top, exact.to(flat.dtype))
         return logits
@@ -238,7 +353,7 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
     """Replace every `Linear` and `Embedding` of a loaded fp32 `CausalLM` by its quantised form, in
     place. `int4`: exact groups of the checkpoint's Q4_K weights by our tensor name (before fusing
     q/k/v and gate/up: a fused weight is INT4 only if all its parts are). Returns a count per format."""
-    from .layers import Embedding, Linear
+    from .layers import Embedding, GeGLU, Linear
 
     parts_of: dict[str, dict[int, Int4Groups]] = {}
     for name, groups in int4.items():
@@ -276,7 +391,12 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
             parts = parts_of.get(wname, {})
             if groups is None and parts and len(parts) == len(model.shard_sizes(wname)):
                 groups = Int4Groups.cat([parts[i] for i in range(len(parts))])
-            new = QuantLinear.from_int4(groups) if groups is not None else QuantLinear.from_float(weight)
+            if groups is not None:
+                new = QuantLinear.from_int4(groups, batched=True)
+            elif isinstance(model.get_submodule(parent), GeGLU):   # int8 activations at every row count
+                new = QuantLinear.from_float(weight)
+            else:   # bf16 activations for single rows (see the module docstring)
+                new = QuantLinear.from_float(weight, Int8Kernel.WEIGHT_ONLY, batched=True)
             counts[new.format.value] += 1
             del weight
         setattr(model.get_submodule(parent), attr, new)
