@@ -209,6 +209,13 @@ def test_scoring_equals_paged_logits():
     torch.testing.assert_close(s.logprobs, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(s.argmax, logits[:-1].argmax(-1))
     assert s.perplexity == pytest.approx(float(torch.exp(-ref.double().mean())), rel=1e-5)
+    # KL from a reference: zero against itself (any chunking), positive against another model
+    kept = score(ours, ids, chunk=7, keep_logprobs=True)
+    assert kept.full_logprobs.shape == (len(ids) - 1, hf.config.vocab_size)
+    same = score(ours, ids, chunk=1, reference=kept)
+    assert same.kl.shape == (len(ids) - 1,) and same.mean_kl < 1e-6
+    other = ours_from_hf(tiny_hf_model(fresh_seed() + 1))
+    assert score(other, ids, chunk=5, reference=kept).mean_kl > 1e-3
 
 
 def test_decode_bench_runs_and_notes_a_missing_reference(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .scoring import Scores
+from .scoring import Scores, kl_from
 
 
 class LlamaCppReference:
@@ -41,14 +41,17 @@ class LlamaCppReference:
         `Llama` makes single-sequence contexts only)."""
         return _BatchContext(self, n_ctx, n_seq)
 
-    def score(self, ids: list[int]) -> Scores:
+    def score(self, ids: list[int], reference: Scores | None = None) -> Scores:
+        """Teacher-forced, as `scoring.score` (its KL from `reference`'s log-probabilities if given)."""
         llm = self._model(len(ids) + 8, logits_all=True)
         llm.eval(ids)
         logits = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
         target = torch.tensor(ids[1:])
-        lp = torch.log_softmax(logits[:-1], -1).gather(1, target[:, None])[:, 0]
+        log_softmax = torch.log_softmax(logits[:-1], -1)
+        lp = log_softmax.gather(1, target[:, None])[:, 0]
         two = logits[:-1].topk(2, dim=-1)
-        return Scores(lp, two.indices[:, 0], two.values[:, 0] - two.values[:, 1])
+        kl = None if reference is None else kl_from(reference.full_logprobs, log_softmax)
+        return Scores(lp, two.indices[:, 0], two.values[:, 0] - two.values[:, 1], kl)
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
         llm = self._model(len(prompt) + n + 8)

@@ -2,10 +2,12 @@
 
 Three models over the same file: ours with every weight expanded to fp32 (the reference), ours with the
 quantised weights (`--dtype auto`), and llama.cpp on the same file when `llama-cpp-python` is installed.
-Figures: perplexity over a fixed text (teacher-forced; ours through the real paged path, `scoring.py`),
-and greedy agreement with the fp32 reference over fixed completion prompts: tokens until the first
-divergence, and the reference's top-2 logit margin at that step (a divergence where the reference
-itself barely decided is rounding, one at a clear margin is a defect).
+Figures: perplexity over a fixed text (teacher-forced; ours through the real paged path, `scoring.py`;
+the quantised model both in prefill chunks and one token at a time, since the two run different
+kernels), the KL divergence of each from our fp32 path's next-token distribution there, and greedy
+agreement with the fp32 reference over fixed completion prompts: tokens until the first divergence,
+and the reference's top-2 logit margin at that step (a divergence where the reference itself barely
+decided is rounding, one at a clear margin is a defect).
 """
 
 from __future__ import annotations
@@ -102,13 +104,16 @@ def run(args: argparse.Namespace) -> int:
     text_ids = tok.encode(TEXT)
     result: dict = {"benchmark": "quality", "date": date.today().isoformat(), "model": args.model,
                     "weights": quant.weight_formats, "text_tokens": len(text_ids), "new_tokens": args.new_tokens}
-    s_ref, s_q = score(ref.model, text_ids), score(quant.model, text_ids)
-    engines = {"ours_fp32": s_ref, "ours_quantized": s_q}
+    s_ref = score(ref.model, text_ids, keep_logprobs=True)
+    # Prefill kernels (256-row chunks) and decode kernels (one row at a time, as batch-1 decode runs)
+    engines = {"ours_fp32": s_ref, "ours_quantized": score(quant.model, text_ids, reference=s_ref),
+               "ours_quantized_decode": score(quant.model, text_ids, chunk=1, reference=s_ref)}
     llama = LlamaCppReference.open(resolve_model(args.model).path, args.threads or torch.get_num_threads())
     result["llama_cpp"] = llama.version if llama else "not installed (pip install llama-cpp-python)"
     if llama:
-        engines["llama_cpp"] = llama.score(text_ids)
+        engines["llama_cpp"] = llama.score(text_ids, reference=s_ref)
     result["perplexity"] = {k: round(v.perplexity, 4) for k, v in engines.items()}
+    result["kl_from_fp32"] = {k: round(v.mean_kl, 5) for k, v in engines.items() if v.mean_kl is not None}
     result["text_argmax_agreement_vs_fp32"] = {k: round(float((v.argmax == s_ref.argmax).float().mean()), 4)
                                                for k, v in engines.items() if k != "ours_fp32"}
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -131,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("weights", "perplexity", "text_argmax_agreement_vs_fp32", "llama_cpp")}))
+    print(json.dumps({k: result[k] for k in ("weights", "perplexity", "kl_from_fp32", "text_argmax_agreement_vs_fp32",
+                                             "llama_cpp")}))
     print(f"wrote {out}")
     return 0

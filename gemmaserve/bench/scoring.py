@@ -1,6 +1,7 @@
 """Teacher-forced scoring of one token sequence by our model (for perplexity and agreement figures):
 the sequence runs through the real paged path (V1 manager, torch attention) in chunks, and each
-position's next-token log-probability, argmax and top-2 margin are kept (not the [T, vocab] logits)."""
+position's next-token log-probability, argmax and top-2 margin are kept. The [T, vocab] log-softmax
+is kept only when asked (a reference for `kl_from`), the KL divergence from one when given."""
 
 from __future__ import annotations
 
@@ -14,13 +15,28 @@ class Scores:
     logprobs: torch.Tensor   # [T-1] log p(ids[i+1] | ids[:i+1])
     argmax: torch.Tensor     # [T-1] the model's top token after ids[:i+1]
     margin: torch.Tensor     # [T-1] top-1 minus top-2 logit there
+    kl: torch.Tensor | None = None              # [T-1] KL(reference || this model), if a reference was given
+    full_logprobs: torch.Tensor | None = None   # [T-1, vocab], if kept
 
     @property
     def perplexity(self) -> float:
         return float(torch.exp(-self.logprobs.double().mean()))
 
+    @property
+    def mean_kl(self) -> float | None:
+        return None if self.kl is None else float(self.kl.double().mean())
 
-def score(model, ids: list[int], chunk: int = 256, page_size: int = 16) -> Scores:
+
+def kl_from(reference: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """Per row KL(p || q) for log-probabilities `reference` (p) and `logprobs` (q), [n, vocab] -> [n]."""
+    p = reference.float()
+    return (p.exp() * (p - logprobs.float())).sum(-1)
+
+
+def score(model, ids: list[int], chunk: int = 256, page_size: int = 16, keep_logprobs: bool = False,
+          reference: Scores | None = None) -> Scores:
+    """`chunk`: rows per forward (1 runs the decode kernels); `reference`: a Scores with
+    `full_logprobs` of the same ids, to measure this model's KL divergence from."""
     from ..attention.base import AttentionMetadata
     from ..attention.torch_backend import TorchAttentionBackend
     from ..kv.manager_v1 import KVCacheManagerV1
@@ -31,7 +47,7 @@ def score(model, ids: list[int], chunk: int = 256, page_size: int = 16) -> Score
     backend = TorchAttentionBackend()
     cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
     target = torch.tensor(ids[1:] + [0])
-    lp, top, margin = [], [], []
+    lp, top, margin, full, kl = [], [], [], [], []
     with torch.inference_mode():
         for start in range(0, len(ids), chunk):
             end = min(start + chunk, len(ids))
@@ -42,8 +58,15 @@ def score(model, ids: list[int], chunk: int = 256, page_size: int = 16) -> Score
                                        backend.begin_batch(md, cache)))
             logits = model.compute_logits(hidden).float()
             kv.commit("s", ids, end)
-            lp.append(torch.log_softmax(logits, -1).gather(1, target[start:end, None])[:, 0])
+            log_softmax = torch.log_softmax(logits, -1)
+            lp.append(log_softmax.gather(1, target[start:end, None])[:, 0])
+            if keep_logprobs:
+                full.append(log_softmax)
+            if reference is not None:
+                ref_rows = reference.full_logprobs[start:end]   # T-1 rows: the last chunk has one fewer
+                kl.append(kl_from(ref_rows, log_softmax[:len(ref_rows)]))
             two = logits.topk(2, dim=-1)
             top.append(two.indices[:, 0])
             margin.append(two.values[:, 0] - two.values[:, 1])
-    return Scores(torch.cat(lp)[:-1], torch.cat(top)[:-1], torch.cat(margin)[:-1])
+    return Scores(torch.cat(lp)[:-1], torch.cat(top)[:-1], torch.cat(margin)[:-1],
+                  torch.cat(kl) if kl else None, torch.cat(full)[:-1] if full else None)

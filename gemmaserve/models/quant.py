@@ -22,17 +22,19 @@ spreads an outlier over every channel; rows are scaled to one range first, so ea
 Where the matmul is compute-bound (prefill chunks) the activations' rounding error runs through the
 kernel too (two passes: activations then cost nothing). Which kernel runs where:
 
-    MLP (gate/up, down as INT8)           rotated fbgemm at every row count (one copy)
-    attention (q/k/v, o) and INT4 layers  their own kernel for one row (bf16 activations / exact int4);
-                                          a rotated fbgemm copy for 2-63 rows (decode batches), and
-                                          for prefill chunks (INT8: two passes; INT4 expands exactly)
-    tied output head                      fbgemm, unrotated (the table is shared with lookups), then
-                                          its 32 highest logits per row recomputed exactly
+    MLP (gate/up, down as INT8)   rotated fbgemm at every row count (one copy)
+    attention q/k/v (INT8)        weight-only for one row (bf16 activations); a rotated fbgemm copy for
+                                  2-63 rows (decode batches) and for prefill chunks (two passes)
+    INT4 (Q4_K: o_proj, down)     the exact int4 kernel; prefill chunks expand it exactly (a rotated
+                                  int8 copy for several rows flipped a greedy choice the fp32 path
+                                  made by a 0.45 logit margin: the exact weights stay)
+    tied output head              fbgemm, unrotated (the table is shared with lookups), then its 32
+                                  highest logits per row recomputed exactly
 
-Measured on the 270M (bench quality's text, KL divergence from our fp32 path, mean over positions):
-one row at a time 0.0047, 8-row chunks 0.0058, 256-row chunks 0.0046; llama.cpp on the same file
-0.0050 (one token at a time and in 512-token batches); all weight-only 0.0049. Without VNNI fbgemm's
-AVX2 kernel can saturate 8-bit x 8-bit pairs, so activations use 7 bits there (`reduce_range`).
+Measured on the 270M (`bench quality`: KL divergence of the next-token distribution from our fp32
+path over its text, mean): 0.0046 in prefill chunks, 0.0047 one token at a time, 0.0054 in 8-row
+chunks (one pass); llama.cpp on the same file 0.0050; every matrix weight-only 0.0049. Without VNNI
+fbgemm's AVX2 kernel can saturate 8-bit x 8-bit pairs, so activations use 7 bits there (`reduce_range`).
 """
 
 from __future__ import annotations
@@ -289,8 +291,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        # INT4 is exact: prefill chunks keep it (expanded); the copy serves decode batches only
-        if self.batched is not None and 1 < rows and (rows < self.PREFILL_ROWS or self.format is WeightFormat.INT8):
+        if rows > 1 and self.batched is not None:
             return self.batched(x, two_pass=rows >= self.PREFILL_ROWS)
         if self.format is WeightFormat.INT8:
             if self.int8.kernel is Int8Kernel.FBGEMM_DYNAMIC or rows < self.PREFILL_ROWS:
@@ -392,7 +393,7 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
             if groups is None and parts and len(parts) == len(model.shard_sizes(wname)):
                 groups = Int4Groups.cat([parts[i] for i in range(len(parts))])
             if groups is not None:
-                new = QuantLinear.from_int4(groups, batched=True)
+                new = QuantLinear.from_int4(groups)   # exact: a rotated int8 copy flips clear greedy margins
             elif isinstance(model.get_submodule(parent), GeGLU):   # int8 activations at every row count
                 new = QuantLinear.from_float(weight)
             else:   # bf16 activations for single rows (see the module docstring)
