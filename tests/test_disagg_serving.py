@@ -100,8 +100,10 @@ def _start_cluster(*common: str):
 @pytest.fixture(scope="module")
 def cluster(model_dir):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # 10 s: long enough for a decode engine that compiles a grammar first on a loaded 2-core CI machine
+    # (3 s expired a staged transfer once), short enough for the kill test's 20 s wait for cleanup.
     with _start_cluster("--model", model_dir, *ENGINE_ARGS, "--kv-transfer-runtime", "torch",
-                        "--kv-transfer-timeout", "3") as c:
+                        "--kv-transfer-timeout", "10") as c:
         yield c
 
 

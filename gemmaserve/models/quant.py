@@ -247,10 +247,10 @@ class QuantLinear(nn.Module):
     """y = x W^T with W in INT8 or INT4 (see the module docstring); x fp32 or bf16, y in x's dtype.
 
     Single rows (batch-1 decode) run the weight's own form. Several rows run `batched` where it
-    exists: a rotated int8 copy on fbgemm, which at 8 rows is 2-5x faster than the weight-only and
-    int4 kernels (those are made for one row). Without a copy (no fbgemm), from `PREFILL_ROWS` rows on
-    (prefill chunks) the weight is expanded to fp32 for the call and the product runs on the fp32 GEMM.
-    A layer whose own form is the rotated int8 (MLP, see `quantize_model`) needs no copy."""
+    exists: a rotated int8 copy on fbgemm, 2-3x faster at 8 rows than the weight-only kernel (made for
+    one row). Otherwise, from `PREFILL_ROWS` rows on (prefill chunks), an INT4 or weight-only weight is
+    expanded to fp32 for the call and the product runs on the fp32 GEMM. A layer whose own form is the
+    rotated int8 (the MLP, see `quantize_model`) needs no copy."""
 
     PREFILL_ROWS = 64
 
@@ -265,12 +265,12 @@ class QuantLinear(nn.Module):
         `batched`: add the rotated int8 copy for several rows."""
         mod = cls(w.shape[1], w.shape[0], WeightFormat.INT8)
         mod.int8 = Int8Matmul.for_layer(w) if kernel is None else Int8Matmul(*int8_rows(w), kernel)
-        if batched:
-            mod._add_batched(w)
+        if batched and default_int8_kernel() is Int8Kernel.FBGEMM_DYNAMIC:
+            mod.batched = Int8Matmul.for_layer(w)
         return mod
 
     @classmethod
-    def from_int4(cls, g: Int4Groups, batched: bool = False) -> "QuantLinear":
+    def from_int4(cls, g: Int4Groups) -> "QuantLinear":
         n, k = g.q.shape
         mod = cls(k, n, WeightFormat.INT4)
         mod.groups = g   # exact, for `dequantize` (the packed layout is the kernel's own)
@@ -278,13 +278,7 @@ class QuantLinear(nn.Module):
         # [K/32, N, 2]: scale and the value at q = 8
         mod.register_buffer("scales", torch.stack([g.scale, 8 * g.scale - g.minus], -1).transpose(0, 1)
                             .contiguous().to(torch.bfloat16))
-        if batched:
-            mod._add_batched(g.dequantize())
         return mod
-
-    def _add_batched(self, w: torch.Tensor) -> None:
-        if default_int8_kernel() is Int8Kernel.FBGEMM_DYNAMIC:
-            self.batched = Int8Matmul.for_layer(w)
 
     def dequantize(self) -> torch.Tensor:
         return self.int8.dequantize() if self.format is WeightFormat.INT8 else self.groups.dequantize()
@@ -393,7 +387,7 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
             if groups is None and parts and len(parts) == len(model.shard_sizes(wname)):
                 groups = Int4Groups.cat([parts[i] for i in range(len(parts))])
             if groups is not None:
-                new = QuantLinear.from_int4(groups)   # exact: a rotated int8 copy flips clear greedy margins
+                new = QuantLinear.from_int4(groups)   # exact at every row count (see the module docstring)
             elif isinstance(model.get_submodule(parent), GeGLU):   # int8 activations at every row count
                 new = QuantLinear.from_float(weight)
             else:   # bf16 activations for single rows (see the module docstring)
