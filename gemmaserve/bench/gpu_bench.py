@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from .gpu_check import copy_bandwidth, decode_bandwidth
+from .sections import run_sections
 from .synthetic import random_model
 
 GiB = 1 << 30
@@ -417,34 +418,16 @@ def main(argv: list[str]) -> int:
     hbm = copy_bandwidth()
     res["hbm_copy_GB_s"] = round(hbm)
     print("HBM copy", res["hbm_copy_GB_s"], "GB/s", flush=True)
-    for name in sections:
-        t = time.perf_counter()
-        try:
-            if name == "roofline":
-                section_roofline(res, hbm)
-            elif name == "attention":
-                res["attention"] = decode_bandwidth(hbm)
-            elif name == "prefill":
-                section_prefill(res)
-            elif name == "throughput":
-                section_throughput(res)
-            elif name == "pressure":
-                section_pressure(res)
-            elif name == "profile":
-                section_profile(res)
-            elif name == "engine":
-                section_engine(res, hbm)
-            elif name == "first":
-                section_first_request(res)
-            else:
-                raise ValueError(f"unknown section {name}")
-        except Exception as exc:  # keep the other sections' figures
-            import traceback
-
-            traceback.print_exc()
-            res[f"{name}_error"] = repr(exc)
-        res[f"{name}_seconds"] = round(time.perf_counter() - t, 1)
-        out.write_text(json.dumps(res, indent=2))
+    run_sections(res, sections, {
+        "roofline": lambda: section_roofline(res, hbm),
+        "attention": lambda: res.__setitem__("attention", decode_bandwidth(hbm)),
+        "prefill": lambda: section_prefill(res),
+        "throughput": lambda: section_throughput(res),
+        "pressure": lambda: section_pressure(res),
+        "profile": lambda: section_profile(res),
+        "engine": lambda: section_engine(res, hbm),
+        "first": lambda: section_first_request(res),
+    }, out)
     print(json.dumps(res, indent=1))
     return 0
 

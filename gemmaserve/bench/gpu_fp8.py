@@ -22,11 +22,13 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from .gpu_bench import GiB, _engine, _prompts
+from .sections import run_sections
 from .synthetic import random_model
 
 FP8 = torch.float8_e4m3fn
@@ -325,28 +327,15 @@ def main(argv: list[str]) -> int:
     cuda = torch.cuda.is_available()
     res: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d")}
-    for name in args.sections:
-        t = time.perf_counter()
-        try:
-            if name == "capacity":
-                section_capacity(res, shapes, decode_shapes)
-            elif not cuda:
-                res[name] = "skipped: no CUDA"
-            elif name == "kernels":
-                section_kernels(res)
-            elif name == "agreement":
-                section_agreement(res, shapes)
-            elif name == "sensitivity":
-                section_sensitivity(res, shapes)
-            else:
-                raise ValueError(f"unknown section {name}")
-        except Exception as exc:   # keep the other sections' figures
-            import traceback
+    def on_cuda(section: Callable[[], None], name: str) -> Callable[[], None]:
+        return section if cuda else lambda: res.__setitem__(name, "skipped: no CUDA")
 
-            traceback.print_exc()
-            res[f"{name}_error"] = repr(exc)
-        res[f"{name}_seconds"] = round(time.perf_counter() - t, 1)
-        out.write_text(json.dumps(res, indent=2))
+    run_sections(res, args.sections, {
+        "capacity": lambda: section_capacity(res, shapes, decode_shapes),
+        "kernels": on_cuda(lambda: section_kernels(res), "kernels"),
+        "agreement": on_cuda(lambda: section_agreement(res, shapes), "agreement"),
+        "sensitivity": on_cuda(lambda: section_sensitivity(res, shapes), "sensitivity"),
+    }, out)
     print(json.dumps(res, indent=1))
     print(summary(res))
     return 0

@@ -30,6 +30,7 @@ import torch
 
 from .gpu_bench import GiB, _engine, _prompts, _run_all, replay_ms
 from .gpu_check import copy_bandwidth
+from .sections import run_sections
 from .synthetic import GEMMA4_CONFIGS, random_model
 
 SHAPES = tuple(GEMMA4_CONFIGS)
@@ -279,26 +280,12 @@ def main(argv: list[str]) -> int:
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     hbm = copy_bandwidth()
     res["hbm_copy_GB_s"] = round(hbm)
-    for name in args.sections:
-        t = time.perf_counter()
-        try:
-            if name == "check":
-                section_check(res, [v for v in args.variants.split(",") if v])
-            elif name == "roofline":
-                section_roofline(res, hbm, shapes)
-            elif name == "throughput":
-                section_throughput(res, shapes)
-            elif name == "pressure":
-                section_pressure(res, shapes, repeats=args.repeats)
-            else:
-                raise ValueError(f"unknown section {name}")
-        except Exception as exc:   # keep the other sections' figures
-            import traceback
-
-            traceback.print_exc()
-            res[f"{name}_error"] = repr(exc)
-        res[f"{name}_seconds"] = round(time.perf_counter() - t, 1)
-        out.write_text(json.dumps(res, indent=2))
+    run_sections(res, args.sections, {
+        "check": lambda: section_check(res, [v for v in args.variants.split(",") if v]),
+        "roofline": lambda: section_roofline(res, hbm, shapes),
+        "throughput": lambda: section_throughput(res, shapes),
+        "pressure": lambda: section_pressure(res, shapes, repeats=args.repeats),
+    }, out)
     print(json.dumps(res, indent=1))
     print(summary(res))
     return 0

@@ -56,6 +56,7 @@ from ..models.base import CausalLM
 from ..models.loader import LoadedModel, ModelSource, SourceKind, build_model
 from ..models.registry import model_class_for_hf
 from ..models.tokenizer import Tokenizer
+from .sections import run_sections
 from .synthetic import GEMMA4_CONFIGS, gemma3_config
 
 if TYPE_CHECKING:
@@ -576,22 +577,11 @@ def main(argv: list[str]) -> int:
     res: dict = {"device": machine, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
                  "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"), "shapes": shapes,
                  "workload": asdict(work)}
-    for name in args.sections:
-        t = time.perf_counter()
-        try:
-            if name == "check":
-                section_check(res, device)
-            elif name == "ttft":
-                section_ttft(res, shapes, device, dtype, work)
-            else:
-                section_throughput(res, shapes, device, dtype, work)
-        except Exception as exc:   # keep the other sections' figures
-            import traceback
-
-            traceback.print_exc()
-            res[f"{name}_error"] = repr(exc)
-        res[f"{name}_seconds"] = round(time.perf_counter() - t, 1)
-        out.write_text(json.dumps(res, indent=2))
+    run_sections(res, args.sections, {
+        "check": lambda: section_check(res, device),
+        "ttft": lambda: section_ttft(res, shapes, device, dtype, work),
+        "throughput": lambda: section_throughput(res, shapes, device, dtype, work),
+    }, out)
     print(json.dumps(res, indent=1))
     print(summary(res))
     return 0
