@@ -102,6 +102,12 @@ def test_layer_int8_rotates_and_steps_per_row():
         ref = x.double() @ w.double().t()
         err = (lin(x).double() - ref).norm(dim=-1) / ref.norm(dim=-1)
         assert err.max().item() < 2e-2, err
+    # Prefill chunks take two passes: against the stored (dequantised) weight, activations cost ~nothing
+    x = torch.randn(QuantLinear.PREFILL_ROWS, 640, generator=gen)
+    x[:, 17] *= 300
+    ref = x.double() @ lin.dequantize().double().t()
+    rel = lambda y: ((y.double() - ref).norm() / ref.norm()).item()   # noqa: E731
+    assert rel(lin(x)) < 5e-4 < 2e-3 < rel(lin.int8(x))   # one pass: the rounding of int8 activations
     unrotated = QuantLinear.from_float(w, Int8Kernel.FBGEMM_DYNAMIC)
     assert unrotated.int8.rotation is None
     x = torch.randn(1, 640, generator=gen)
