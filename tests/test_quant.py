@@ -168,6 +168,8 @@ def test_quantize_model_swaps_every_matrix_and_keeps_logits_close():
     if "fbgemm" in torch.backends.quantized.supported_engines:   # int8 activations in the MLP only
         assert layers[0].mlp.gate_up_proj.int8.rotation is not None and layers[1].mlp.down_proj.int8.rotation is not None
         assert layers[1].self_attn.qkv_proj.int8.kernel is Int8Kernel.WEIGHT_ONLY
+        # one rotation per input width, shared (the batched q/k/v copy and the gate/up read the same width)
+        assert layers[1].self_attn.qkv_proj.batched.rotation is layers[0].mlp.gate_up_proj.int8.rotation
     assert isinstance(ours.model.embed_tokens, QuantEmbedding) and ours.model.embed_tokens.head is not None
     assert not any(p.numel() > 64 * 64 for p in ours.parameters())   # no fp32 matrix left
     got = paged_logits(ours, seqs)[0]

@@ -13,7 +13,7 @@ gate/up) is INT4 only when all its parts are Q4_K. Scales are bf16 (what the wei
 INT8 picks scales that are bf16 values, so the stored q fit them exactly.
 
 Kernels. PyTorch's weight-only kernels (`_weight_int8pack_mm`, bf16 activations; the int4 one) are
-made for one row: at 8 rows they run 4x slower per row than fbgemm's int8 x int8 linear, which
+made for one row: at 8 rows they run up to 3x slower than fbgemm's int8 x int8 linear, which
 quantises its input per call. Gemma's hidden states carry a few channels hundreds of times larger
 than the rest; quantised as they are, those set the step and the other channels drown (argmax
 agreement with fp32 over bench quality's text: 84% in 8-row chunks, against 95% rotated). So fbgemm's
@@ -202,11 +202,14 @@ class Int8Matmul:
             self._reduce_range = not _cpu_has_vnni()
 
     @classmethod
-    def for_layer(cls, w: torch.Tensor) -> "Int8Matmul":
-        """A layer's fp32 weight [N, K]: rotated on fbgemm where PyTorch has it, else weight-only."""
+    def for_layer(cls, w: torch.Tensor, rotations: dict[int, Rotation] | None = None) -> "Int8Matmul":
+        """A layer's fp32 weight [N, K]: rotated on fbgemm where PyTorch has it, else weight-only.
+        `rotations`: the ones made so far, by width (every matrix of one width can share one)."""
         if default_int8_kernel() is Int8Kernel.WEIGHT_ONLY:
             return cls(*int8_rows(w), Int8Kernel.WEIGHT_ONLY)
-        rotation = Rotation.for_width(w.shape[1])
+        rotations = {} if rotations is None else rotations
+        k = w.shape[1]
+        rotation = rotations[k] = rotations.get(k) or Rotation.for_width(k)
         return cls(*int8_rows(rotation.apply(w.float())), Int8Kernel.FBGEMM_DYNAMIC, rotation, keep_rows=False)
 
     def dequantize(self) -> torch.Tensor:
@@ -261,13 +264,14 @@ class QuantLinear(nn.Module):
         self.batched: Int8Matmul | None = None
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, kernel: Int8Kernel | None = None, batched: bool = False) -> "QuantLinear":
+    def from_float(cls, w: torch.Tensor, kernel: Int8Kernel | None = None, batched: bool = False,
+                   rotations: dict[int, Rotation] | None = None) -> "QuantLinear":
         """INT8 rows of an fp32 weight; `kernel` None: the layers' default (`Int8Matmul.for_layer`).
-        `batched`: add the rotated int8 copy for several rows."""
+        `batched`: add the rotated int8 copy for several rows. `rotations`: shared, see `for_layer`."""
         mod = cls(w.shape[1], w.shape[0], WeightFormat.INT8)
-        mod.int8 = Int8Matmul.for_layer(w) if kernel is None else Int8Matmul(*int8_rows(w), kernel)
+        mod.int8 = Int8Matmul.for_layer(w, rotations) if kernel is None else Int8Matmul(*int8_rows(w), kernel)
         if batched and default_int8_kernel() is Int8Kernel.FBGEMM_DYNAMIC:
-            mod.batched = Int8Matmul.for_layer(w)
+            mod.batched = Int8Matmul.for_layer(w, rotations)
         return mod
 
     @classmethod
@@ -358,6 +362,7 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
             fused, idx = model.stacked[part]
             parts_of.setdefault(f"{prefix}.{fused}.{leaf}", {})[idx] = groups
     counts = {f.value: 0 for f in WeightFormat} | {"embedding_int8": 0, "float32": 0}
+    rotations: dict[int, Rotation] = {}   # one per input width, shared by its matrices
     # By name, one module at a time, holding no reference to the replaced one: each fp32 weight is
     # freed as soon as its quantised form exists. Tables go last, freed before fbgemm packs its copy,
     # so loading peaks at the fp32 model's size (the 262k-row table alone is 671 MB in fp32).
@@ -390,9 +395,9 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
             if groups is not None:
                 new = QuantLinear.from_int4(groups)   # exact at every row count (see the module docstring)
             elif isinstance(model.get_submodule(parent), GeGLU):   # int8 activations at every row count
-                new = QuantLinear.from_float(weight)
+                new = QuantLinear.from_float(weight, rotations=rotations)
             else:   # bf16 activations for single rows (see the module docstring)
-                new = QuantLinear.from_float(weight, Int8Kernel.WEIGHT_ONLY, batched=True)
+                new = QuantLinear.from_float(weight, Int8Kernel.WEIGHT_ONLY, batched=True, rotations=rotations)
             counts[new.format.value] += 1
             del weight
         setattr(model.get_submodule(parent), attr, new)
