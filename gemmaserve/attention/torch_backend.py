@@ -35,15 +35,29 @@ class _Where:
     offsets: torch.Tensor  # [*shape]
     _rows: torch.Tensor | None = None
 
+    def rows(self, cache: torch.Tensor, col: int) -> torch.Tensor:
+        """Row numbers of these positions of column `col` in `cache` [pages, T, ...] seen as rows of
+        tokens (computed once for every layer of the group)."""
+        if self._rows is None:
+            self._rows = self.pages * cache.shape[1] + self.offsets
+        return self._rows[col]
+
     def gather(self, cache: torch.Tensor, col: int) -> torch.Tensor:
         """cache [pages, T, ...] at these positions of column `col` -> [*shape, ...]. One
         index_select over the cache seen as rows of tokens: 5x faster on the CPU than indexing by
         (page, offset) pairs, which computes the same row numbers element by element."""
-        if self._rows is None:
-            self._rows = self.pages * cache.shape[1] + self.offsets
-        rows = self._rows[col]
-        flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
-        return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, *cache.shape[2:])
+        rows = self.rows(cache, col)
+        return _token_rows(cache).index_select(0, rows.reshape(-1)).view(*rows.shape, *cache.shape[2:])
+
+    def write(self, cache: torch.Tensor, col: int, x: torch.Tensor) -> None:
+        """cache at these positions of column `col` = x [n, ...] (one index_copy_, like `gather`)."""
+        if cache.dtype == FP8_DTYPE:   # no fp8 index_copy_ on the CPU: copy the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        _token_rows(cache).index_copy_(0, self.rows(cache, col), x)
+
+
+def _token_rows(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
 
 
 @dataclass
@@ -136,6 +150,14 @@ class TorchBatchAttention(BatchAttention):
         self._plans[(group, window, bidirectional)] = plan
         return plan
 
+    @staticmethod
+    def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                gqa: bool) -> torch.Tensor:
+        """q [B, Hq, D] (one token per row), k/v [B, K, Hkv, D] -> [B, Hq, D]."""
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           scale=scale, enable_gqa=gqa)
+        return o.squeeze(2)
+
     def last_tokens(self, seqs):
         return TorchBatchAttention(self.md.last_tokens(seqs), self.kv_cache, self.specs)
 
@@ -148,23 +170,22 @@ class TorchBatchAttention(BatchAttention):
         k_scale, v_scale = layer_scales(self.specs, layer)
         if self.specs[layer].owns_kv:
             w = self._write_plan(group)
-            k_cache[w.pages[col], w.offsets] = quantize(k, k_scale) if fp8 else k.to(k_cache.dtype)
-            v_cache[w.pages[col], w.offsets] = quantize(v, v_scale) if fp8 else v.to(v_cache.dtype)
+            w.write(k_cache, col, quantize(k, k_scale) if fp8 else k.to(k_cache.dtype))
+            w.write(v_cache, col, quantize(v, v_scale) if fp8 else v.to(v_cache.dtype))
 
         def gather(cache: torch.Tensor, keys: _Where, kv_scale: float) -> torch.Tensor:
             x = keys.gather(cache, col)
             return dequantize(x, kv_scale, q.dtype) if fp8 else x.to(q.dtype)   # no-op for "auto"
 
         plan = self._plan(group, window, bidirectional)
-        out = torch.empty_like(q)
         gqa = q.shape[1] != k_cache.shape[2]
+        if plan.decode_rows is not None and not plan.prefill:   # every row a decode row, in order
+            return self._decode(q, gather(k_cache, plan.decode_keys, k_scale), gather(v_cache, plan.decode_keys, v_scale),
+                                plan.decode_mask, scale, gqa)
+        out = torch.empty_like(q)
         if plan.decode_rows is not None:
-            keys = plan.decode_keys
-            kk = gather(k_cache, keys, k_scale).transpose(1, 2)   # [B, Hkv, K, D]
-            vv = gather(v_cache, keys, v_scale).transpose(1, 2)
-            qq = q[plan.decode_rows].unsqueeze(2)                  # [B, Hq, 1, D]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=plan.decode_mask, scale=scale, enable_gqa=gqa)
-            out[plan.decode_rows] = o.squeeze(2)
+            out[plan.decode_rows] = self._decode(q[plan.decode_rows], gather(k_cache, plan.decode_keys, k_scale),
+                                                 gather(v_cache, plan.decode_keys, v_scale), plan.decode_mask, scale, gqa)
         for start, end, keys, mask in plan.prefill:
             kk = gather(k_cache, keys, k_scale).transpose(0, 1).unsqueeze(0)   # [1, Hkv, K, D]
             vv = gather(v_cache, keys, v_scale).transpose(0, 1).unsqueeze(0)

@@ -87,6 +87,7 @@ def _greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 def run(args: argparse.Namespace) -> int:
     from ..config.engine import EngineConfig
+    from ..engine.compiled_decode import unavailable
     from ..engine.llm import LLM
     from ..models.loader import load_model, resolve_model
     from .llama_cpp_ref import LlamaCppReference
@@ -108,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
     # Prefill kernels (256-row chunks) and decode kernels (one row at a time, as batch-1 decode runs)
     engines = {"ours_fp32": s_ref, "ours_quantized": score(quant.model, text_ids, reference=s_ref),
                "ours_quantized_decode": score(quant.model, text_ids, chunk=1, reference=s_ref)}
+    if unavailable() is None:   # the compiled decode step (what the engine runs once it is compiled)
+        engines["ours_quantized_decode_compiled"] = score(quant.model, text_ids, chunk=1, reference=s_ref,
+                                                          compiled=True)
     llama = LlamaCppReference.open(resolve_model(args.model).path, args.threads or torch.get_num_threads())
     result["llama_cpp"] = llama.version if llama else "not installed (pip install llama-cpp-python)"
     if llama:
@@ -118,8 +122,13 @@ def run(args: argparse.Namespace) -> int:
                                                for k, v in engines.items() if k != "ours_fp32"}
     prompts = [tok.encode(p) for p in PROMPTS]
     gold = _greedy(LLM.from_config(EngineConfig(model=args.model, dtype="float32"), ref), prompts, args.new_tokens)
-    others = {"ours_quantized": _greedy(LLM.from_config(EngineConfig(model=args.model, dtype="auto"), quant),
+    others = {"ours_quantized": _greedy(LLM.from_config(EngineConfig(model=args.model, dtype="auto",
+                                                                     cpu_compile="off"), quant),
                                         prompts, args.new_tokens)}
+    if unavailable() is None:
+        others["ours_quantized_compiled"] = _greedy(
+            LLM.from_config(EngineConfig(model=args.model, dtype="auto", cpu_compile="on"), quant), prompts,
+            args.new_tokens)
     if llama:
         others["llama_cpp"] = [llama.greedy(p, args.new_tokens) for p in prompts]
     rows = []

@@ -5,6 +5,7 @@ is kept only when asked (a reference for `kl_from`), the KL divergence from one 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,18 +35,29 @@ def kl_from(reference: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def score(model, ids: list[int], chunk: int = 256, page_size: int = 16, keep_logprobs: bool = False,
-          reference: Scores | None = None) -> Scores:
+          reference: Scores | None = None, compiled: bool = False) -> Scores:
     """`chunk`: rows per forward (1 runs the decode kernels); `reference`: a Scores with
-    `full_logprobs` of the same ids, to measure this model's KL divergence from."""
+    `full_logprobs` of the same ids, to measure this model's KL divergence from. `compiled` (chunk 1
+    only): every step through the compiled decode graph (engine/compiled_decode.py), as the engine
+    runs batch-1 decode once it is compiled."""
     from ..attention.base import AttentionMetadata
     from ..attention.torch_backend import TorchAttentionBackend
+    from ..engine.compiled_decode import CompiledDecode
     from ..kv.manager_v1 import KVCacheManagerV1
     from ..models.base import ModelInputs
 
+    if compiled and chunk != 1:
+        raise ValueError("only decode steps (chunk=1) are compiled")
     specs = model.kv_layer_specs(torch.float32)
     kv = KVCacheManagerV1(specs, page_size, -(-len(ids) // page_size) * len(specs) + 8)
     backend = TorchAttentionBackend()
-    cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
+    # One page more: the compiled graph's warm-up writes to it (the null page).
+    cache = backend.allocate_kv_cache(specs, dataclasses.replace(kv.layout, num_pages=kv.layout.num_pages + 1),
+                                      torch.device("cpu"))
+    step = None
+    if compiled:
+        step = CompiledDecode(model, backend, cache, kv.layer_slot, kv.groups, kv.layout.num_pages, max_batch=1)
+        step.start(wait=True)
     target = torch.tensor(ids[1:] + [0])
     lp, top, margin, full, kl = [], [], [], [], []
     with torch.inference_mode():
@@ -54,9 +66,12 @@ def score(model, ids: list[int], chunk: int = 256, page_size: int = 16, keep_log
             if not kv.allocate("s", ids, start, end, prefill=end - start > 1):
                 raise RuntimeError("scoring KV pool too small")
             md = AttentionMetadata([end - start], [end], kv.group_tables(["s"]), kv.layer_slot)
-            hidden = model(ModelInputs(torch.tensor(ids[start:end]), torch.arange(start, end),
-                                       backend.begin_batch(md, cache)))
-            logits = model.compute_logits(hidden).float()
+            if step is not None:
+                logits = step.run(torch.tensor(ids[start:end]), torch.arange(start, end), md).float()
+            else:
+                hidden = model(ModelInputs(torch.tensor(ids[start:end]), torch.arange(start, end),
+                                           backend.begin_batch(md, cache)))
+                logits = model.compute_logits(hidden).float()
             kv.commit("s", ids, end)
             log_softmax = torch.log_softmax(logits, -1)
             lp.append(log_softmax.gather(1, target[start:end, None])[:, 0])

@@ -62,6 +62,7 @@ class EngineInfo:
     load_seconds: float
     warmup_seconds: float = 0.0
     tensor_parallel_size: int = 1
+    cpu_compile: str = "off"   # compiled CPU decode steps at engine start: off, waiting, compiling, ready
 
 
 def _weights_label(loaded: LoadedModel, dtype: torch.dtype) -> str:
@@ -122,7 +123,8 @@ class LLMEngine:
                                   self.kv.layer_slot, specs,
                                   self.device, cuda_graphs=use_graphs, max_model_len=self.max_model_len,
                                   max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
-                                  suppress_token_ids=self.suppressed_token_ids, grammars=self.grammars)
+                                  suppress_token_ids=self.suppressed_token_ids, grammars=self.grammars,
+                                  cpu_compile=self._cpu_compile_mode(loaded))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.async_scheduling = (config.async_scheduling == "on"
                                  or (config.async_scheduling == "auto" and self.device.type == "cuda"))
@@ -141,6 +143,7 @@ class LLMEngine:
             swa_scratch_reuse=self.cache_options.swa_scratch_reuse,
             prefix_caching=self.cache_options.enable_prefix_caching,
             attention_backend=self.backend.capabilities.name, cuda_graphs=self.runner.graphs is not None,
+            cpu_compile=self.runner.compiled.state.value if getattr(self.runner, "compiled", None) else "off",
             async_scheduling=self.async_scheduling,
             kv_pages=self.kv.num_pages,
             kv_page_size=self.kv.page_size, kv_bytes=self.kv.num_pages * self.kv.page_bytes,
@@ -148,6 +151,18 @@ class LLMEngine:
         if self.device.type == "cuda":
             self.info = dataclasses.replace(self.info, warmup_seconds=self._warm_up())
         log.info("engine ready: %s", self.info)
+
+    def _cpu_compile_mode(self, loaded: LoadedModel) -> str:
+        from .compiled_decode import unavailable
+
+        mode = self.config.cpu_compile_mode(self.device, bool(loaded.weight_formats))
+        why = unavailable() if mode != "off" else None
+        if why is not None:
+            if mode == "on":
+                raise UserInputError(f"--cpu-compile on: {why}")
+            log.info("CPU decode steps stay eager: %s", why)
+            return "off"
+        return mode
 
     def _warm_up(self) -> float:
         """Run a full-budget prefill step (two sequences, lengths not multiples of 16) and a few decode
@@ -276,6 +291,15 @@ class LLMEngine:
     def request(self, request_id: str) -> Request:
         """An unfinished engine request by its engine id (a group of n > 1 has ids "<id>#<index>")."""
         return self._requests[request_id]
+
+    def compile_now(self) -> float:
+        """Finish compiling CPU decode steps now, if this engine compiles them at all (benchmarks time
+        the steady state). Returns the compile's seconds (0 without one)."""
+        compiled = getattr(self.runner, "compiled", None)
+        if compiled is None:
+            return 0.0
+        compiled.start(wait=True)
+        return compiled.compile_seconds
 
     def shutdown(self) -> None:
         """Stop what the executor started (tensor-parallel workers); also runs at interpreter exit."""

@@ -35,14 +35,20 @@ from .structured_output import Grammars
 from .step import DEVICE_TOKEN, SeqStep, StepPlan, StepResult
 
 
+# "auto" compiling starts after this many eager decode steps: a short run never pays for it.
+COMPILE_AFTER_STEPS = 64
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, layout: KVLayout, groups: tuple[KVGroup, ...],
                  layer_slot: tuple[tuple[int, int], ...], specs: list[LayerSpec], device: torch.device,
                  cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0,
                  encoder_cache_bytes: int = 256 * 2**20, suppress_token_ids: list[int] | None = None,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, cpu_compile: str = "off"):
         """`suppress_token_ids`: never sampled (their logits become -inf before the sampler).
-        `grammars`: matchers for requests with structured output."""
+        `grammars`: matchers for requests with structured output. `cpu_compile`: decode steps through
+        torch.compile (compiled_decode.py): "on" compiles now, "auto" in the background once
+        `COMPILE_AFTER_STEPS` eager decode steps have run, "off" never."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -66,6 +72,15 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, backend, self.kv_cache, layer_slot, groups, max_model_len,
                                        layout.num_pages, max_batch, device)
             self.graphs.capture_all()
+        self.compiled = None
+        if cpu_compile != "off":
+            from .compiled_decode import CompiledDecode
+
+            self.compiled = CompiledDecode(model, backend, self.kv_cache, layer_slot, groups, layout.num_pages,
+                                           max(1, max_batch), after_steps=COMPILE_AFTER_STEPS if cpu_compile == "auto"
+                                           else 0)
+            if cpu_compile == "on":
+                self.compiled.start(wait=True)
 
     # -- state the plans keep ---------------------------------------------------------------
     @torch.inference_mode()
@@ -180,6 +195,10 @@ class ModelRunner:
                 return logits
             # A one-token row can be a prefill chunk that does not complete its prompt: no sample.
             return logits[to_device(sampled, torch.long, self.device)] if sampled else None
+        if self.compiled is not None and md.is_decode_only and embeds is None and len(sampled) == len(seqs):
+            logits = self.compiled.run(input_ids, positions, md)
+            if logits is not None:
+                return logits
         attn = self.backend.begin_batch(md, self.kv_cache)
         inputs = ModelInputs(input_ids, positions, attn, inputs_embeds=embeds)
         if len(rows) != end:   # prefill chunks: only the last row of completing sequences is sampled

@@ -41,6 +41,7 @@ fbgemm's AVX2 kernel can saturate 8-bit x 8-bit pairs, so activations use 7 bits
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import opaque
 from ..rowops import row_topk_indices
 
 GROUP = 32
@@ -127,6 +129,7 @@ def default_int8_kernel() -> Int8Kernel:
         else Int8Kernel.WEIGHT_ONLY
 
 
+@functools.cache   # a fact of the machine: read /proc/cpuinfo once, not once per matrix
 def _cpu_has_vnni() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -181,6 +184,27 @@ class Rotation:
         return torch.matmul(self.a_t.t(), y).view(x.shape) if n > 1 else y.view(x.shape)
 
 
+@opaque.opaque_reference
+class PackedInt8(opaque.OpaqueRef):
+    """fbgemm's packed weight, as compiled graphs pass it to `gemmaserve::fbgemm_linear`."""
+
+    def __init__(self, packed, out_features: int):
+        self.packed, self.out_features = packed, out_features
+
+    def cache_key(self) -> tuple:
+        return ("fbgemm", self.out_features)
+
+
+if opaque.SUPPORTED:
+    @torch.library.custom_op("gemmaserve::fbgemm_linear", mutates_args=())
+    def _fbgemm_linear(x: torch.Tensor, w: PackedInt8, out_features: int, reduce_range: bool) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x, w.packed, reduce_range)
+
+    @_fbgemm_linear.register_fake
+    def _(x: torch.Tensor, w: PackedInt8, out_features: int, reduce_range: bool) -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features)
+
+
 class Int8Matmul:
     """x [M, K] @ (q * s)^T for int8 rows q [N, K], bf16 scales s [N], on `kernel`. With a
     `rotation` (fbgemm only), q * s is the rotated weight W R and each call rotates its input the same
@@ -199,6 +223,7 @@ class Int8Matmul:
                 warnings.simplefilter("ignore")
                 wq = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros(len(s), dtype=torch.long), 0)
                 self._packed = torch.ops.quantized.linear_prepack(wq, None)
+            self._handle = PackedInt8(self._packed, self.out_features)
             self._reduce_range = not _cpu_has_vnni()
 
     @classmethod
@@ -236,7 +261,10 @@ class Int8Matmul:
                 row_max = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
                 x2 = x2 / row_max
             x2 = x2.contiguous()
-            y = torch.ops.quantized.linear_dynamic(x2, self._packed, self._reduce_range)
+            if torch.compiler.is_compiling():   # the packed weight is opaque to the compiler
+                y = torch.ops.gemmaserve.fbgemm_linear(x2, self._handle, self.out_features, self._reduce_range)
+            else:
+                y = torch.ops.quantized.linear_dynamic(x2, self._packed, self._reduce_range)
             if two_pass:   # the kernel rounds x2 as quantize_per_tensor_dynamic does: add what it lost
                 rounded = torch.quantize_per_tensor_dynamic(x2, torch.quint8, self._reduce_range).dequantize()
                 y += torch.ops.quantized.linear_dynamic(x2 - rounded, self._packed, self._reduce_range)

@@ -1,0 +1,158 @@
+"""Compiled decode steps on the CPU: the model's forward as one torch.compile graph (inductor's C++ kernels).
+
+An eager CPU decode step runs ~1,500 small torch ops between its matrix products (norms, RoPE,
+casts, rotations, residual adds), ~10 ms of a 25 ms step on the 270M. Compiled, the elementwise work
+fuses into a few C++ loops and the Python between the ops is gone; the matrix products and attention
+stay what they were, called from the graph through custom ops (opaque.py: fbgemm's packed weights,
+attention/handle.py: the step's attention).
+
+    step B=1            graph 1 (static shapes)
+    step 2 <= B <= 63   graph 2 (batch dimension dynamic)      eager otherwise, and for every step
+    every other step    eager (prefill chunks, mixed steps, images, B >= 64)    until the graphs exist
+
+Compiling takes ~25 s per graph on 2 cores (~8 s with inductor's on-disk cache warm), so it runs on a
+background thread: steps stay eager until both graphs exist, then switch. With `wait=True`
+(`--cpu-compile on`) the engine compiles before it starts. Warm-up calls write only the null page
+(the extra page the runner allocates; no sequence ever reads it), so the thread never touches a live
+sequence's KV while eager steps run beside it. A failed compile leaves the engine eager and says why.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+import types
+
+import torch
+from torch import nn
+
+from .. import opaque
+from ..attention.base import AttentionBackend, AttentionMetadata
+from ..attention.handle import AttentionHandle, HandleAttention
+from ..kv.base import GroupTables
+from ..models.base import ModelInputs
+
+log = logging.getLogger(__name__)
+
+# Decode rows from here on run the prefill kernels (models/quant.py's PREFILL_ROWS): not compiled.
+MAX_ROWS = 63
+
+
+class CompileState(enum.Enum):
+    WAITING = "waiting"      # auto: compiles once `after_steps` eager decode steps have run
+    COMPILING = "compiling"
+    READY = "ready"
+    FAILED = "failed"
+
+
+def unavailable() -> str | None:
+    """Why this process cannot compile CPU decode steps, or None if it can (inductor also needs a
+    C++ compiler: without one the compile fails and says so)."""
+    if not opaque.SUPPORTED:
+        return f"torch {torch.__version__} has no opaque objects (needs >= 2.10)"
+    return None
+
+
+def _own_code(method):
+    """`method` as a function with a code object of its own. torch.compile keeps graphs per code
+    object and, with the module guards off, would run one engine's graph on another engine's model
+    (another structure) when both compiled the same method."""
+    fn = method.__func__
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(own, method.__self__)
+
+
+class CompiledDecode:
+    def __init__(self, model: nn.Module, backend: AttentionBackend, kv_cache, layer_slot, groups,
+                 null_page: int, max_batch: int, after_steps: int = 0):
+        """`after_steps`: eager decode steps to run before compiling (0: start now). Short runs
+        (a one-shot `generate`) then never pay for a compile they would not live to use."""
+        self.model = model
+        self.backend = backend
+        self.kv_cache = kv_cache
+        self.layer_slot = layer_slot
+        self.groups = groups
+        self.null_page = null_page
+        self.max_rows = min(MAX_ROWS, max_batch)
+        self.after_steps = after_steps
+        self.handle = AttentionHandle()
+        self._attention = HandleAttention(self.handle)
+        self._compiled = torch.compile(_own_code(self._step), options={
+            # The weights never change after loading: guarding on every module's parameters cost
+            # ~1.4 ms a step (they are graph inputs either way).
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        self.state = CompileState.WAITING
+        self.error: str | None = None
+        self.compile_seconds = 0.0
+        self.eager_steps = 0
+        self._thread: threading.Thread | None = None
+
+    # -- the traced function --------------------------------------------------------------------
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(self.model(ModelInputs(input_ids, positions, self._attention)))
+
+    # -- compiling ------------------------------------------------------------------------------
+    def start(self, wait: bool = False) -> None:
+        """Compile on a background thread (once); `wait`: until it is done, raising if it failed."""
+        if self._thread is None:
+            self.state = CompileState.COMPILING
+            self._thread = threading.Thread(target=self._compile_all, name="gemmaserve-compile", daemon=True)
+            self._thread.start()
+        if wait:
+            self._thread.join()
+            if self.state is CompileState.FAILED:
+                raise RuntimeError(f"compiling the CPU decode step failed: {self.error}")
+
+    def _compile_all(self) -> None:
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for size in (1, 2) if self.max_rows > 1 else (1,):
+                    self._warm_up(size)
+        except Exception as e:   # the engine stays eager; say why once
+            self.error = f"{type(e).__name__}: {e}"
+            self.state = CompileState.FAILED
+            log.warning("CPU decode steps stay eager: compiling them failed (%s)", self.error)
+            return
+        self.compile_seconds = time.perf_counter() - start
+        self.state = CompileState.READY
+        log.info("compiled CPU decode steps in %.1f s", self.compile_seconds)
+
+    def _warm_up(self, size: int) -> None:
+        """Trace and compile the graph for `size` rows (2: the dynamic one) on a batch of the null page."""
+        ids = torch.zeros(size, dtype=torch.long)
+        pos = torch.zeros(size, dtype=torch.long)
+        if size > 1:
+            for t in (ids, pos):
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=max(3, self.max_rows))
+        self.handle.batch = self.backend.begin_batch(self._null_batch(size), self.kv_cache)
+        try:
+            self._compiled(ids, pos)
+        finally:
+            self.handle.batch = None
+
+    def _null_batch(self, size: int) -> AttentionMetadata:
+        """`size` one-token sequences at position 0 whose every page is the null page."""
+        groups = [GroupTables(g, [0] * size, [1] * size, torch.zeros(size, 1, dtype=torch.long),
+                              torch.full((1, g.num_layers), self.null_page, dtype=torch.int32))
+                  for g in self.groups]
+        return AttentionMetadata([1] * size, [1] * size, groups, self.layer_slot)
+
+    # -- running --------------------------------------------------------------------------------
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor | None:
+        """Logits [B, V] of a decode batch (one token per sequence, every row sampled) through the
+        compiled graph, or None when there is none for it yet (the caller runs the step eagerly)."""
+        b = input_ids.shape[0]
+        if self.state is not CompileState.READY or not 1 <= b <= self.max_rows:
+            if self.state is CompileState.WAITING:
+                self.eager_steps += 1
+                if self.eager_steps >= self.after_steps:
+                    self.start()
+            return None
+        self.handle.batch = self.backend.begin_batch(metadata, self.kv_cache)
+        try:
+            return self._compiled(input_ids, positions)
+        finally:
+            self.handle.batch = None

@@ -1,0 +1,118 @@
+"""Compiled CPU decode steps (engine/compiled_decode.py): the same numbers as the eager step, through
+the engine's real path, and eager whenever there is no graph (not yet compiled, failed, mixed steps)."""
+
+import pickle
+
+import pytest
+import torch
+
+from gemmaserve import LLM, SamplingParams
+from gemmaserve.bench.scoring import score
+from gemmaserve.config.engine import EngineConfig
+from gemmaserve.engine.compiled_decode import CompiledDecode, CompileState, unavailable
+from gemmaserve.models.quant import Int8Kernel, QuantEmbedding, quantize_model
+
+from helpers import fresh_seed, ours_from_hf, save_checkpoint, tiny_hf_model
+
+needs_compile = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+
+@needs_compile
+def test_compiled_quantised_decode_matches_the_eager_step():
+    """Every kernel of the quantised path (fbgemm through its custom op, weight-only, the head's exact
+    refinement) inside one graph, sliding and full layers: one token at a time, teacher-forced, the
+    compiled step's distribution is the eager step's up to float reassociation."""
+    seed = fresh_seed()
+    hf = tiny_hf_model(seed, hidden_size=64, intermediate_size=128, head_dim=32)
+    ours = ours_from_hf(hf)
+    quantize_model(ours, {})
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        assert ours.model.embed_tokens.head.kernel is Int8Kernel.FBGEMM_DYNAMIC
+        assert ours.model.layers[0].mlp.gate_up_proj.int8.rotation is not None
+    ids = [2] + torch.randint(3, hf.config.vocab_size, (30,), generator=torch.Generator().manual_seed(seed)).tolist()
+    eager = score(ours, ids, chunk=1, keep_logprobs=True)
+    compiled = score(ours, ids, chunk=1, reference=eager, compiled=True)
+    assert compiled.mean_kl < 1e-4, compiled.kl
+    clear = eager.margin > 0.05
+    assert torch.equal(compiled.argmax[clear], eager.argmax[clear])
+    # a wrong layer order, a stale handle or a missing KV write would move it by ~1 (a different model)
+    other = score(ours_from_hf(tiny_hf_model(seed + 1, hidden_size=64, intermediate_size=128, head_dim=32)), ids,
+                  chunk=1, reference=eager)
+    assert other.mean_kl > 100 * compiled.mean_kl
+
+
+@needs_compile
+def test_engine_runs_decode_batches_through_the_graphs_and_keeps_greedy_tokens(tmp_path):
+    """`--cpu-compile on`: compiled before the engine starts; decode-only steps of 1 and of several
+    sequences run the graphs, prefill and mixed steps stay eager, and every greedy token is the eager
+    engine's (fp32 weights here: compile changes only the order of float sums)."""
+    path = save_checkpoint(tiny_hf_model(fresh_seed(), sliding_window=4), tmp_path / "tiny")
+    eager = LLM(str(path), dtype="float32", cpu_compile="off", max_num_seqs=4)
+    assert eager.engine.runner.compiled is None and eager.engine.info.cpu_compile == "off"
+    comp = LLM.from_config(eager.engine.config.replace(cpu_compile="on"), eager)
+    assert comp.engine.info.cpu_compile == "ready"
+    runner = comp.engine.runner
+    calls: list[int] = []
+    run = runner.compiled.run
+    runner.compiled.run = lambda ids, pos, md: calls.append(len(ids)) or run(ids, pos, md)
+    prompts = ["abcdefghij klmnop qrstuv " * 3, "zyxw vuts " * 2, "hello world"]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in comp.generate(prompts, params)]
+    assert got == want
+    assert 3 in calls   # the three sequences decoding together (the dynamic graph)
+    single = comp.generate(["hello world"], params)[0].outputs[0].token_ids
+    assert single == eager.generate(["hello world"], params)[0].outputs[0].token_ids and calls[-1] == 1
+
+
+def test_auto_compiles_in_the_background_after_its_eager_steps(monkeypatch):
+    """auto: nothing compiles until `after_steps` eager decode steps have run (a short run never pays),
+    then once; until the graphs exist, and for batches they do not cover, the caller runs eagerly."""
+    compiled = CompiledDecode.__new__(CompiledDecode)
+    compiled.state, compiled.after_steps, compiled.eager_steps, compiled.max_rows = CompileState.WAITING, 3, 0, 8
+    started = []
+    monkeypatch.setattr(compiled, "start", lambda wait=False: started.append(wait) or
+                        setattr(compiled, "state", CompileState.COMPILING))
+    ids = torch.zeros(1, dtype=torch.long)
+    for _ in range(5):
+        assert compiled.run(ids, ids, None) is None
+    assert started == [False] and compiled.eager_steps == 3
+    compiled.state = CompileState.READY
+    assert compiled.run(torch.zeros(9, dtype=torch.long), ids, None) is None   # more rows than the graph takes
+
+
+def test_a_failed_compile_leaves_the_engine_eager_and_says_why(monkeypatch, caplog):
+    compiled = CompiledDecode.__new__(CompiledDecode)
+    compiled.state, compiled.error, compiled.max_rows, compiled._thread = CompileState.WAITING, None, 1, None
+
+    def broken(size):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compiled, "_warm_up", broken)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        compiled.start(wait=True)
+    assert compiled.state is CompileState.FAILED and "no C++ compiler" in caplog.text
+    assert compiled.run(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), None) is None
+
+
+def test_cpu_compile_mode_resolution():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = EngineConfig()
+    assert auto.cpu_compile_mode(cpu, quantized=True) == "auto"
+    assert auto.cpu_compile_mode(cpu, quantized=False) == "off"    # fp32 stays the exact eager path
+    assert auto.cpu_compile_mode(cuda, quantized=True) == "off"    # CUDA graphs there
+    assert auto.replace(cpu_compile="on").cpu_compile_mode(cpu, quantized=False) == "on"
+    assert auto.replace(cpu_compile="on", enforce_eager=True).cpu_compile_mode(cpu, quantized=True) == "off"
+    with pytest.raises(Exception, match="cpu_compile must be one of"):
+        EngineConfig(cpu_compile="yes")
+
+
+def test_packed_weights_pickle_to_a_small_key():
+    """The compile cache pickles graph inputs for its key: fbgemm's packed qint8 weights cannot be, and
+    need not be (they are inputs, never baked into the graph)."""
+    emb = QuantEmbedding(torch.randn(64, 32), Int8Kernel.FBGEMM_DYNAMIC
+                         if "fbgemm" in torch.backends.quantized.supported_engines else Int8Kernel.WEIGHT_ONLY)
+    handle = getattr(emb.head, "_handle", None)
+    if handle is None:
+        pytest.skip("no fbgemm in this PyTorch")
+    assert len(pickle.dumps(handle)) < 200
