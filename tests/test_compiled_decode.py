@@ -47,7 +47,7 @@ def test_engine_runs_decode_batches_through_the_graphs_and_keeps_greedy_tokens(t
     sequences run the graphs, prefill and mixed steps stay eager, and every greedy token is the eager
     engine's (fp32 weights here: compile changes only the order of float sums)."""
     path = save_checkpoint(tiny_hf_model(fresh_seed(), sliding_window=4), tmp_path / "tiny")
-    eager = LLM(str(path), dtype="float32", cpu_compile="off", max_num_seqs=4)
+    eager = LLM(str(path), dtype="float32", cpu_compile="off", max_num_seqs=10)
     assert eager.engine.runner.compiled is None and eager.engine.info.cpu_compile == "off"
     comp = LLM.from_config(eager.engine.config.replace(cpu_compile="on"), eager)
     assert comp.engine.info.cpu_compile == "ready"
@@ -55,12 +55,13 @@ def test_engine_runs_decode_batches_through_the_graphs_and_keeps_greedy_tokens(t
     calls: list[int] = []
     run = runner.compiled.run
     runner.compiled.run = lambda ids, pos, md: calls.append(len(ids)) or run(ids, pos, md)
-    prompts = ["abcdefghij klmnop qrstuv " * 3, "zyxw vuts " * 2, "hello world"]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
-    got = [o.outputs[0].token_ids for o in comp.generate(prompts, params)]
-    assert got == want
-    assert 3 in calls   # the three sequences decoding together (the dynamic graph)
+    for prompts in (["abcdefghij klmnop qrstuv " * 3, "zyxw vuts " * 2, "hello world"],   # 3 rows: padded to 4
+                    [f"{w} " * (2 + i) for i, w in enumerate("the cat sat on a mat by the door".split())]):  # 9: dynamic
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+        got = [o.outputs[0].token_ids for o in comp.generate(prompts, params)]
+        assert got == want
+    assert {3, 9} <= set(calls) and runner.compiled.sizes == [1, 2, 4, 8]
     single = comp.generate(["hello world"], params)[0].outputs[0].token_ids
     assert single == eager.generate(["hello world"], params)[0].outputs[0].token_ids and calls[-1] == 1
 
@@ -84,8 +85,9 @@ def test_auto_compiles_in_the_background_after_its_eager_steps(monkeypatch):
 def test_a_failed_compile_leaves_the_engine_eager_and_says_why(monkeypatch, caplog):
     compiled = CompiledDecode.__new__(CompiledDecode)
     compiled.state, compiled.error, compiled.max_rows, compiled._thread = CompileState.WAITING, None, 1, None
+    compiled.sizes = [1]
 
-    def broken(size):
+    def broken(size, dynamic):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(compiled, "_warm_up", broken)

@@ -80,6 +80,8 @@ def test_rotation_is_orthogonal_and_undone(width):
     x = torch.randn(3, width, generator=torch.Generator().manual_seed(fresh_seed()))
     torch.testing.assert_close(rot.apply(x), x @ r, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(rot.undo(rot.apply(x)), x, atol=1e-5, rtol=1e-5)
+    # the butterflies a compiled graph runs instead of the two matmuls
+    torch.testing.assert_close(rot._apply_elementwise(x), x @ r, atol=1e-4, rtol=1e-4)
     one_hot = torch.zeros(width)
     one_hot[width // 3] = 1.0   # an outlier channel is spread over every channel
     assert float(rot.apply(one_hot).abs().max()) < 3 / width ** 0.5

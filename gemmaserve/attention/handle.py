@@ -8,6 +8,9 @@ that must not be traced. The graph instead calls `gemmaserve::batch_attention` w
     compiled graph: ... q, k, v -> batch_attention(q, k, v, handle, layer, ...) -> o_proj ...
     runner, each step: handle.batch = backend.begin_batch(metadata, kv_cache); graph(ids, positions)
 
+A graph for more rows than the batch has pads them (`handle.rows` are real): the op attends for the
+real rows only and returns zeros for the rest, which write no KV and whose logits nobody reads.
+
 The op writes the layer's new K/V into the cache and reads it, a side effect the graph does not see;
 it is safe because every layer's call depends on the previous layer's output (nothing reorders them).
 """
@@ -26,6 +29,7 @@ class AttentionHandle(opaque.OpaqueRef):
 
     def __init__(self) -> None:
         self.batch: BatchAttention | None = None
+        self.rows = 0   # the batch's rows: a graph for more rows pads the rest (they attend to nothing)
 
 
 if opaque.SUPPORTED:
@@ -34,8 +38,16 @@ if opaque.SUPPORTED:
                          layer: int, scale: float, window: int, bidirectional: bool) -> torch.Tensor:
         if handle.batch is None:
             raise RuntimeError("a compiled step ran without a batch attention")
-        return handle.batch(layer, q, k, v, scale=scale, window=None if window < 0 else window,
-                            bidirectional=bidirectional)
+        n = handle.rows
+
+        def rows(x: torch.Tensor | None) -> torch.Tensor | None:
+            return x if x is None or x.shape[0] == n else x[:n]
+
+        o = handle.batch(layer, rows(q), rows(k), rows(v), scale=scale, window=None if window < 0 else window,
+                         bidirectional=bidirectional)
+        if n == q.shape[0]:
+            return o
+        return torch.cat([o, o.new_zeros(q.shape[0] - n, *o.shape[1:])])
 
     @_batch_attention.register_fake
     def _(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, handle: AttentionHandle,

@@ -95,9 +95,13 @@ class TorchBatchAttention(BatchAttention):
         ends = md.query_ends()
         self._query_ends = None if ends is None else torch.tensor(ends)
 
-    def _where(self, tables: GroupTables, seq: int, pos: torch.Tensor) -> _Where:
+    def _where(self, tables: GroupTables, seqs: torch.Tensor, pos: torch.Tensor) -> _Where:
+        """Addresses of positions `pos` of the batch's sequences `seqs` (two int64 tensors of one shape,
+        any number of sequences at once: a step's tables are a handful of tensor ops, not a loop)."""
         t = tables.group.tokens_per_page
-        rows = tables.block_rows[seq][(pos // t - tables.first_block[seq]).to(tables.block_rows.device)]
+        blocks = pos // t - torch.tensor(tables.first_block)[seqs]
+        dev = tables.block_rows.device
+        rows = tables.block_rows[seqs.to(dev), blocks.to(dev)]
         return _Where(tables.slot_pages[rows].long().movedim(-1, 0).cpu(), pos % t)
 
     def _to_device(self, w: _Where) -> _Where:
@@ -105,12 +109,12 @@ class TorchBatchAttention(BatchAttention):
 
     def _write_plan(self, group: int) -> _Where:
         w = self._writes.get(group)
-        if w is None:
-            tables = self.md.groups[group]
-            parts = [self._where(tables, b, torch.arange(seq_len - n, seq_len))
-                     for b, (n, seq_len) in enumerate(zip(self.md.query_lens, self.md.seq_lens))]
-            w = self._to_device(_Where(torch.cat([p.pages for p in parts], dim=1),
-                                       torch.cat([p.offsets for p in parts])))
+        if w is None:   # every new token, in row order
+            lens = torch.tensor(self.md.query_lens)
+            seqs = torch.repeat_interleave(torch.arange(len(lens)), lens)
+            pos = torch.tensor(self.md.seq_lens)[seqs] - lens[seqs] + (torch.arange(len(seqs)) - torch.tensor(
+                self._starts[:-1])[seqs])
+            w = self._to_device(self._where(self.md.groups[group], seqs, pos))
             self._writes[group] = w
         return w
 
@@ -121,31 +125,30 @@ class TorchBatchAttention(BatchAttention):
             return plan
         plan = _Plan()
         md, tables = self.md, self.md.groups[group]
-        decode_rows, decode_pos = [], []
+        decode = []   # sequences with one new token
         for b, (n, seq_len) in enumerate(zip(md.query_lens, md.seq_lens)):
+            if n == 1:
+                decode.append(b)
+                continue
             first_q = seq_len - n
             first_k = 0 if window is None else max(0, first_q - window + 1)
             k_pos = torch.arange(first_k, seq_len)
-            if n == 1:
-                decode_rows.append(self._starts[b])
-                decode_pos.append(k_pos)
-                continue
             q_end = self._query_ends[self._starts[b]:self._starts[b] + n] if bidirectional else None
             mask = visible(torch.arange(first_q, seq_len), k_pos, window, q_end)
             plan.prefill.append((self._starts[b], self._starts[b] + n,
-                                 self._to_device(self._where(tables, b, k_pos)), mask.to(self.device)))
-        if decode_rows:
-            lens = [len(p) for p in decode_pos]
-            width = max(lens)
-            seqs = [b for b, n in enumerate(md.query_lens) if n == 1]
-            # Pad each row by repeating its last key; the mask hides the copies.
-            wheres = [self._where(tables, b, torch.cat([p, p[-1:].expand(width - len(p))]))
-                      for b, p in zip(seqs, decode_pos)]
-            plan.decode_rows = torch.tensor(decode_rows, device=self.device)
-            plan.decode_keys = self._to_device(_Where(torch.stack([w.pages for w in wheres], dim=1),
-                                                      torch.stack([w.offsets for w in wheres])))
-            if min(lens) != width:
-                mask = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
+                                 self._to_device(self._where(tables, torch.full_like(k_pos, b), k_pos)),
+                                 mask.to(self.device)))
+        if decode:   # all at once: keys [B, K], each row padded by repeating its last key (masked)
+            seqs = torch.tensor(decode)
+            ends = torch.tensor(md.seq_lens)[seqs]
+            first = ends - ends if window is None else (ends - window).clamp(min=0)
+            lens = ends - first
+            width = int(lens.max())
+            pos = first[:, None] + torch.minimum(torch.arange(width)[None, :], lens[:, None] - 1)
+            plan.decode_rows = torch.tensor([self._starts[b] for b in decode], device=self.device)
+            plan.decode_keys = self._to_device(self._where(tables, seqs[:, None].expand_as(pos), pos))
+            if int(lens.min()) != width:
+                mask = torch.arange(width)[None, :] < lens[:, None]
                 plan.decode_mask = mask[:, None, None, :].to(self.device)
         self._plans[(group, window, bidirectional)] = plan
         return plan
