@@ -130,7 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.runner import serve
 
     server_config = from_namespace(ServerConfig, args)
-    engine_config = from_namespace(EngineConfig, args)
+    engine_config = from_namespace(EngineConfig, args).replace(serving=True)
     transfer = from_namespace(KVTransferConfig, args)
     if transfer.disaggregated:
         from .server.disagg import serve_role

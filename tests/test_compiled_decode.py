@@ -66,43 +66,40 @@ def test_engine_runs_decode_batches_through_the_graphs_and_keeps_greedy_tokens(t
     assert single == eager.generate(["hello world"], params)[0].outputs[0].token_ids and calls[-1] == 1
 
 
-def test_auto_compiles_in_the_background_after_its_eager_steps(monkeypatch):
-    """auto: nothing compiles until `after_steps` eager decode steps have run (a short run never pays),
-    then once; until the graphs exist, and for batches they do not cover, the caller runs eagerly."""
+def test_without_a_graph_the_caller_runs_eagerly():
+    """Before compiling, after a failed compile, and for more rows than the graphs take: None (eager)."""
     compiled = CompiledDecode.__new__(CompiledDecode)
-    compiled.state, compiled.after_steps, compiled.eager_steps, compiled.max_rows = CompileState.WAITING, 3, 0, 8
-    started = []
-    monkeypatch.setattr(compiled, "start", lambda wait=False: started.append(wait) or
-                        setattr(compiled, "state", CompileState.COMPILING))
+    compiled.state, compiled.max_rows = CompileState.WAITING, 8
     ids = torch.zeros(1, dtype=torch.long)
-    for _ in range(5):
-        assert compiled.run(ids, ids, None) is None
-    assert started == [False] and compiled.eager_steps == 3
+    assert compiled.run(ids, ids, None) is None
     compiled.state = CompileState.READY
-    assert compiled.run(torch.zeros(9, dtype=torch.long), ids, None) is None   # more rows than the graph takes
+    assert compiled.run(torch.zeros(9, dtype=torch.long), ids, None) is None
 
 
-def test_a_failed_compile_leaves_the_engine_eager_and_says_why(monkeypatch, caplog):
-    compiled = CompiledDecode.__new__(CompiledDecode)
-    compiled.state, compiled.error, compiled.max_rows, compiled._thread = CompileState.WAITING, None, 1, None
-    compiled.sizes = [1]
-
-    def broken(size, dynamic):
+def test_a_failed_compile_leaves_the_engine_eager_and_says_why(monkeypatch, caplog, tmp_path):
+    """auto (a server with quantised weights): the engine starts eager and logs why; `on` refuses to start."""
+    def broken(self, size, dynamic):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(compiled, "_warm_up", broken)
+    monkeypatch.setattr(CompiledDecode, "_warm_up", broken)
+    monkeypatch.setattr(EngineConfig, "cpu_compile_mode", lambda self, device, quantized: "on")
+    path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "tiny")
+    llm = LLM(str(path), dtype="float32", max_num_seqs=2)   # cpu_compile auto, resolved to "on" above
+    assert llm.engine.info.cpu_compile == "failed" and "no C++ compiler" in caplog.text
+    out = llm.generate(["hello world"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-        compiled.start(wait=True)
-    assert compiled.state is CompileState.FAILED and "no C++ compiler" in caplog.text
-    assert compiled.run(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), None) is None
+        LLM.from_config(llm.engine.config.replace(cpu_compile="on"), llm)
 
 
 def test_cpu_compile_mode_resolution():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     auto = EngineConfig()
-    assert auto.cpu_compile_mode(cpu, quantized=True) == "auto"
-    assert auto.cpu_compile_mode(cpu, quantized=False) == "off"    # fp32 stays the exact eager path
-    assert auto.cpu_compile_mode(cuda, quantized=True) == "off"    # CUDA graphs there
+    assert auto.cpu_compile_mode(cpu, quantized=True) == "off"     # generate, LLM: not worth a compile
+    served = auto.replace(serving=True)
+    assert served.cpu_compile_mode(cpu, quantized=True) == "on"
+    assert served.cpu_compile_mode(cpu, quantized=False) == "off"  # fp32 stays the exact eager path
+    assert served.cpu_compile_mode(cuda, quantized=True) == "off"  # CUDA graphs there
     assert auto.replace(cpu_compile="on").cpu_compile_mode(cpu, quantized=False) == "on"
     assert auto.replace(cpu_compile="on", enforce_eager=True).cpu_compile_mode(cpu, quantized=True) == "off"
     with pytest.raises(Exception, match="cpu_compile must be one of"):

@@ -57,7 +57,7 @@ def score(model, ids: list[int], chunk: int = 256, page_size: int = 16, keep_log
     step = None
     if compiled:
         step = CompiledDecode(model, backend, cache, kv.layer_slot, kv.groups, kv.layout.num_pages, max_batch=1)
-        step.start(wait=True)
+        step.compile()
     target = torch.tensor(ids[1:] + [0])
     lp, top, margin, full, kl = [], [], [], [], []
     with torch.inference_mode():

@@ -70,9 +70,10 @@ class EngineConfig:
                                              "captured by default on CUDA)")
     cpu_compile: str = option("auto", choices=SCRATCH_CHOICES,
                               help="compile CPU decode steps with torch.compile (inductor's C++ kernels; needs a C++ "
-                                   "compiler): on = before the engine starts (~25 s per graph, less with inductor's "
-                                   "cache warm); auto = on a background thread once 64 decode steps have run, for "
-                                   "quantised weights only (float32 stays the exact eager path); off = never")
+                                   "compiler) while the engine starts: ~2 min on 2 cores the first time, under a "
+                                   "minute with inductor's cache warm; auto = on for `serve` with quantised weights "
+                                   "(a compile that fails there leaves the engine eager, with a warning), off for "
+                                   "`generate` and the Python LLM")
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
                                     help="attention implementation; auto = triton on CUDA, torch on the CPU")
     encoder_cache_memory: int = option(256 << 20, parse=size,
@@ -87,6 +88,8 @@ class EngineConfig:
                                             "KV budgets are per device")
     # Set by `serve --role prefill|decode` (no engine flag): config/kv_transfer.py.
     kv_transfer: "KVTransferConfig | None" = None
+    # Set by `serve` (no flag): a long-lived engine, which `cpu_compile auto` compiles.
+    serving: bool = False
     # Benchmark only, no flag: pin V2's pool split at this sliding share (emulates per-life-cycle pools).
     kv_pool_split: float | None = None
 
@@ -169,11 +172,11 @@ class EngineConfig:
         return self.dtype == "auto" and device.type == "cpu"
 
     def cpu_compile_mode(self, device: torch.device, quantized: bool) -> str:
-        """"on", "auto" (compile in the background) or "off" for this engine's decode steps."""
+        """"on" or "off": whether this engine compiles its decode steps."""
         if device.type != "cpu" or self.enforce_eager or self.tensor_parallel_size > 1:
             return "off"
-        if self.cpu_compile == "auto" and not quantized:
-            return "off"
+        if self.cpu_compile == "auto":
+            return "on" if quantized and self.serving else "off"
         return self.cpu_compile
 
     def torch_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

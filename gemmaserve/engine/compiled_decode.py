@@ -11,18 +11,19 @@ attention/handle.py: the step's attention).
     every other step       eager (prefill chunks, mixed steps, images, B >= 64), and every step until
                            the graphs exist
 
-Compiling takes ~25 s per graph on 2 cores (~10 s with inductor's on-disk cache warm), so it runs on a
-background thread: steps stay eager until every graph exists, then switch. With `wait=True`
-(`--cpu-compile on`) the engine compiles before it starts. Warm-up calls write only the null page
-(the extra page the runner allocates; no sequence ever reads it), so the thread never touches a live
-sequence's KV while eager steps run beside it. A failed compile leaves the engine eager and says why.
+Compiling takes ~25 s per graph on 2 cores (~6-10 s with inductor's on-disk cache warm), so it happens
+where a process lives long enough to win it back: a server compiles while it loads (`/health` says
+loading), a one-shot `generate` or the Python `LLM` does not unless asked (`--cpu-compile`). Not on a
+background thread beside eager steps: tracing holds the GIL, and every torch op of an eager step gives
+it up and waits up to the switch interval for it back (measured: 25 ms steps became 1 s). Warm-up
+calls write only the null page (the extra page the runner allocates; no sequence reads it). A failed
+compile leaves the engine eager and says why.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import threading
 import time
 import types
 
@@ -45,8 +46,7 @@ STATIC_SIZES = (1, 2, 4, 8)
 
 
 class CompileState(enum.Enum):
-    WAITING = "waiting"      # auto: compiles once `after_steps` eager decode steps have run
-    COMPILING = "compiling"
+    WAITING = "waiting"
     READY = "ready"
     FAILED = "failed"
 
@@ -70,9 +70,7 @@ def _own_code(method):
 
 class CompiledDecode:
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv_cache, layer_slot, groups,
-                 null_page: int, max_batch: int, after_steps: int = 0):
-        """`after_steps`: eager decode steps to run before compiling (0: start now). Short runs
-        (a one-shot `generate`) then never pay for a compile they would not live to use."""
+                 null_page: int, max_batch: int):
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
@@ -81,7 +79,6 @@ class CompiledDecode:
         self.null_page = null_page
         self.max_rows = min(MAX_ROWS, max_batch)
         self.sizes = sorted({min(s, self.max_rows) for s in STATIC_SIZES})   # static graphs, by rows
-        self.after_steps = after_steps
         self.handle = AttentionHandle()
         self._attention = HandleAttention(self.handle)
         options = {
@@ -98,42 +95,32 @@ class CompiledDecode:
         self.state = CompileState.WAITING
         self.error: str | None = None
         self.compile_seconds = 0.0
-        self.eager_steps = 0
         self.steps = 0   # steps run through a graph
-        self._thread: threading.Thread | None = None
 
     # -- the traced function --------------------------------------------------------------------
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(self.model(ModelInputs(input_ids, positions, self._attention)))
 
     # -- compiling ------------------------------------------------------------------------------
-    def start(self, wait: bool = False) -> None:
-        """Compile on a background thread (once); `wait`: until it is done, raising if it failed."""
-        if self._thread is None:
-            self.state = CompileState.COMPILING
-            self._thread = threading.Thread(target=self._compile_all, name="gemmaserve-compile", daemon=True)
-            self._thread.start()
-        if wait:
-            self._thread.join()
-            if self.state is CompileState.FAILED:
-                raise RuntimeError(f"compiling the CPU decode step failed: {self.error}")
-
-    def _compile_all(self) -> None:
-        start = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                for size in self.sizes:
-                    self._warm_up(size, dynamic=False)
-                if self.max_rows > self.sizes[-1]:
-                    self._warm_up(self.sizes[-1] + 1, dynamic=True)
-        except Exception as e:   # the engine stays eager; say why once
-            self.error = f"{type(e).__name__}: {e}"
-            self.state = CompileState.FAILED
-            log.warning("CPU decode steps stay eager: compiling them failed (%s)", self.error)
-            return
-        self.compile_seconds = time.perf_counter() - start
-        self.state = CompileState.READY
-        log.info("compiled CPU decode steps in %.1f s", self.compile_seconds)
+    def compile(self) -> None:
+        """Trace and compile every graph (once); raises, with the engine left eager, if that fails."""
+        if self.state is CompileState.WAITING:
+            start = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    for size in self.sizes:
+                        self._warm_up(size, dynamic=False)
+                    if self.max_rows > self.sizes[-1]:
+                        self._warm_up(self.sizes[-1] + 1, dynamic=True)
+            except Exception as e:
+                self.error = f"{type(e).__name__}: {e}"
+                self.state = CompileState.FAILED
+            else:
+                self.compile_seconds = time.perf_counter() - start
+                self.state = CompileState.READY
+                log.info("compiled CPU decode steps in %.1f s", self.compile_seconds)
+        if self.state is CompileState.FAILED:
+            raise RuntimeError(f"compiling the CPU decode step failed: {self.error}")
 
     def _warm_up(self, size: int, dynamic: bool) -> None:
         """Trace and compile the graph for `size` rows (`dynamic`: for any from `size` to `max_rows`)
@@ -162,10 +149,6 @@ class CompiledDecode:
         compiled graph, or None when there is none for it yet (the caller runs the step eagerly)."""
         b = input_ids.shape[0]
         if self.state is not CompileState.READY or not 1 <= b <= self.max_rows:
-            if self.state is CompileState.WAITING:
-                self.eager_steps += 1
-                if self.eager_steps >= self.after_steps:
-                    self.start()
             return None
         size = next((s for s in self.sizes if s >= b), b)
         if size > b:   # padding rows: token 0 at position 0; attention skips them (zeros), no KV written

@@ -62,7 +62,7 @@ class EngineInfo:
     load_seconds: float
     warmup_seconds: float = 0.0
     tensor_parallel_size: int = 1
-    cpu_compile: str = "off"   # compiled CPU decode steps at engine start: off, waiting, compiling, ready
+    cpu_compile: str = "off"   # compiled CPU decode steps: off, ready, failed (then eager)
 
 
 def _weights_label(loaded: LoadedModel, dtype: torch.dtype) -> str:
@@ -153,16 +153,19 @@ class LLMEngine:
         log.info("engine ready: %s", self.info)
 
     def _cpu_compile_mode(self, loaded: LoadedModel) -> str:
+        """The runner's `cpu_compile`: "off", "try" (auto: a failure leaves it eager) or "required"."""
         from .compiled_decode import unavailable
 
-        mode = self.config.cpu_compile_mode(self.device, bool(loaded.weight_formats))
-        why = unavailable() if mode != "off" else None
-        if why is not None:
-            if mode == "on":
-                raise UserInputError(f"--cpu-compile on: {why}")
-            log.info("CPU decode steps stay eager: %s", why)
+        if self.config.cpu_compile_mode(self.device, bool(loaded.weight_formats)) == "off":
             return "off"
-        return mode
+        required = self.config.cpu_compile == "on"
+        why = unavailable()
+        if why is not None:
+            if required:
+                raise UserInputError(f"--cpu-compile on: {why}")
+            log.warning("CPU decode steps stay eager: %s", why)
+            return "off"
+        return "required" if required else "try"
 
     def _warm_up(self) -> float:
         """Run a full-budget prefill step (two sequences, lengths not multiples of 16) and a few decode
@@ -291,15 +294,6 @@ class LLMEngine:
     def request(self, request_id: str) -> Request:
         """An unfinished engine request by its engine id (a group of n > 1 has ids "<id>#<index>")."""
         return self._requests[request_id]
-
-    def compile_now(self) -> float:
-        """Finish compiling CPU decode steps now, if this engine compiles them at all (benchmarks time
-        the steady state). Returns the compile's seconds (0 without one)."""
-        compiled = getattr(self.runner, "compiled", None)
-        if compiled is None:
-            return 0.0
-        compiled.start(wait=True)
-        return compiled.compile_seconds
 
     def shutdown(self) -> None:
         """Stop what the executor started (tensor-parallel workers); also runs at interpreter exit."""

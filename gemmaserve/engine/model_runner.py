@@ -15,6 +15,7 @@ time a chunk covers the image and kept (EncoderCache) for every later chunk.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,9 +35,7 @@ from .sampler import Sampled, SamplingState, sample
 from .structured_output import Grammars
 from .step import DEVICE_TOKEN, SeqStep, StepPlan, StepResult
 
-
-# "auto" compiling starts after this many eager decode steps: a short run never pays for it.
-COMPILE_AFTER_STEPS = 64
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -47,8 +46,8 @@ class ModelRunner:
                  grammars: Grammars | None = None, cpu_compile: str = "off"):
         """`suppress_token_ids`: never sampled (their logits become -inf before the sampler).
         `grammars`: matchers for requests with structured output. `cpu_compile`: decode steps through
-        torch.compile (compiled_decode.py): "on" compiles now, "auto" in the background once
-        `COMPILE_AFTER_STEPS` eager decode steps have run, "off" never."""
+        torch.compile (compiled_decode.py), compiled here: "required" raises if that fails, "try" warns
+        and stays eager, "off" never compiles."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -77,10 +76,13 @@ class ModelRunner:
             from .compiled_decode import CompiledDecode
 
             self.compiled = CompiledDecode(model, backend, self.kv_cache, layer_slot, groups, layout.num_pages,
-                                           max(1, max_batch), after_steps=COMPILE_AFTER_STEPS if cpu_compile == "auto"
-                                           else 0)
-            if cpu_compile == "on":
-                self.compiled.start(wait=True)
+                                           max(1, max_batch))
+            try:
+                self.compiled.compile()
+            except RuntimeError as e:
+                if cpu_compile == "required":
+                    raise
+                log.warning("CPU decode steps stay eager: %s", e)
 
     # -- state the plans keep ---------------------------------------------------------------
     @torch.inference_mode()

@@ -36,6 +36,10 @@ Measured on the 270M (`bench quality`: KL divergence of the next-token distribut
 path over its text, mean): 0.0046 in prefill chunks, 0.0047 one token at a time, 0.0054 in 8-row
 chunks (one pass); llama.cpp on the same file 0.0050; every matrix weight-only 0.0049. Without VNNI
 fbgemm's AVX2 kernel can saturate 8-bit x 8-bit pairs, so activations use 7 bits there (`reduce_range`).
+
+In a compiled decode step (engine/compiled_decode.py) the same kernels run: fbgemm's packed weight
+reaches it through the `gemmaserve::fbgemm_linear` custom op (the compiler cannot trace the packed
+object), and the rotation runs as butterflies the graph fuses with the ops around it.
 """
 
 from __future__ import annotations
