@@ -412,7 +412,8 @@ def test_serve_command(tmp_path):
 
     from helpers import serve_process
 
-    proc, port = serve_process("--max-model-len", "256")
+    # Eager: this test is about the process's life cycle; compiled steps are tests/test_compiled_decode.py's
+    proc, port = serve_process("--max-model-len", "256", "--cpu-compile", "off")
     try:
         deadline = time.monotonic() + 120
         while True:   # it listens at once and answers 503 until the model has loaded

@@ -6,12 +6,13 @@ fuses into a few C++ loops and the Python between the ops is gone; the matrix pr
 stay what they were, called from the graph through custom ops (opaque.py: fbgemm's packed weights,
 attention/handle.py: the step's attention).
 
-    decode step, B <= 8    the graph for 1, 2, 4 or 8 rows (static shapes; B padded up to the size)
-    decode step, B 9-63    one graph whose batch dimension is dynamic
-    every other step       eager (prefill chunks, mixed steps, images, B >= 64), and every step until
-                           the graphs exist
+    decode step, B = 1     a graph for 1 row (static shapes)
+    decode step, B 5-8     a graph for 8 rows (static; the batch padded up)
+    decode step, other B   one graph whose batch dimension is dynamic (2-63)
+    every other step       eager (prefill chunks, mixed steps, images, B >= 64)
 
-Compiling takes ~25 s per graph on 2 cores (~6-10 s with inductor's on-disk cache warm), so it happens
+Compiling takes ~25 s per graph on 2 cores (~6-10 s with inductor's on-disk cache warm): three graphs,
+since each static size is a compile of its own (a graph per power of two up to 8 took 128 s). It happens
 where a process lives long enough to win it back: a server compiles while it loads (`/health` says
 loading), a one-shot `generate` or the Python `LLM` does not unless asked (`--cpu-compile`). Not on a
 background thread beside eager steps: tracing holds the GIL, and every torch op of an eager step gives
@@ -40,9 +41,9 @@ log = logging.getLogger(__name__)
 
 # Decode rows from here on run the prefill kernels (models/quant.py's PREFILL_ROWS): not compiled.
 MAX_ROWS = 63
-# Batches up to 8 rows run a graph compiled for this many rows (padded up); larger ones one graph whose
-# batch dimension is dynamic.
-STATIC_SIZES = (1, 2, 4, 8)
+# Graphs compiled for exactly this many rows; a batch of b rows runs the one of size s if b <= s < 2b
+# (padded up), else the graph whose batch dimension is dynamic.
+STATIC_SIZES = (1, 8)
 
 
 class CompileState(enum.Enum):
@@ -79,6 +80,7 @@ class CompiledDecode:
         self.null_page = null_page
         self.max_rows = min(MAX_ROWS, max_batch)
         self.sizes = sorted({min(s, self.max_rows) for s in STATIC_SIZES})   # static graphs, by rows
+        self.dynamic = any(self._size_for(b) is None for b in range(2, self.max_rows + 1))
         self.handle = AttentionHandle()
         self._attention = HandleAttention(self.handle)
         options = {
@@ -105,13 +107,15 @@ class CompiledDecode:
     def compile(self) -> None:
         """Trace and compile every graph (once); raises, with the engine left eager, if that fails."""
         if self.state is CompileState.WAITING:
+            log.info("compiling CPU decode steps (%d graphs): minutes the first time on a small CPU, seconds once "
+                     "inductor's cache holds them; --cpu-compile off skips it", len(self.sizes) + self.dynamic)
             start = time.perf_counter()
             try:
                 with torch.inference_mode():
                     for size in self.sizes:
                         self._warm_up(size, dynamic=False)
-                    if self.max_rows > self.sizes[-1]:
-                        self._warm_up(self.sizes[-1] + 1, dynamic=True)
+                    if self.dynamic:
+                        self._warm_up(2, dynamic=True)
             except Exception as e:
                 self.error = f"{type(e).__name__}: {e}"
                 self.state = CompileState.FAILED
@@ -123,18 +127,22 @@ class CompiledDecode:
             raise RuntimeError(f"compiling the CPU decode step failed: {self.error}")
 
     def _warm_up(self, size: int, dynamic: bool) -> None:
-        """Trace and compile the graph for `size` rows (`dynamic`: for any from `size` to `max_rows`)
-        on a batch of the null page."""
+        """Trace and compile the graph for `size` rows (`dynamic`: for any from 2 to `max_rows`) on a
+        batch of the null page."""
         ids = torch.zeros(size, dtype=torch.long)
         pos = torch.zeros(size, dtype=torch.long)
         if dynamic:
             for t in (ids, pos):
-                torch._dynamo.mark_dynamic(t, 0, min=size, max=max(size + 1, self.max_rows))
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=max(3, self.max_rows))
         self.handle.batch, self.handle.rows = self.backend.begin_batch(self._null_batch(size), self.kv_cache), size
         try:
             (self._dynamic if dynamic else self._static)(ids, pos)
         finally:
             self.handle.batch = None
+
+    def _size_for(self, b: int) -> int | None:
+        """The static graph a batch of `b` rows runs (padded up to it), or None: the dynamic one."""
+        return next((s for s in self.sizes if b <= s < 2 * b), None)
 
     def _null_batch(self, size: int) -> AttentionMetadata:
         """`size` one-token sequences at position 0 whose every page is the null page."""
@@ -150,13 +158,13 @@ class CompiledDecode:
         b = input_ids.shape[0]
         if self.state is not CompileState.READY or not 1 <= b <= self.max_rows:
             return None
-        size = next((s for s in self.sizes if s >= b), b)
+        size = self._size_for(b) or b
         if size > b:   # padding rows: token 0 at position 0; attention skips them (zeros), no KV written
             input_ids = torch.cat([input_ids, input_ids.new_zeros(size - b)])
             positions = torch.cat([positions, positions.new_zeros(size - b)])
         self.handle.batch, self.handle.rows = self.backend.begin_batch(metadata, self.kv_cache), b
         try:
-            logits = (self._static if size <= self.sizes[-1] else self._dynamic)(input_ids, positions)
+            logits = (self._static if size in self.sizes else self._dynamic)(input_ids, positions)
         finally:
             self.handle.batch = None
         self.steps += 1
