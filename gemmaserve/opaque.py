@@ -30,6 +30,13 @@ class OpaqueRef(OpaqueBase):
     def __getstate__(self) -> tuple:
         return self.cache_key()
 
+    # A reference to a live object: copies share it (pickling above is for cache keys only).
+    def __copy__(self) -> "OpaqueRef":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "OpaqueRef":
+        return self
+
 
 def opaque_reference(cls: type) -> type:
     """Class decorator: register a subclass of `OpaqueRef` as an opaque reference type (a no-op on a

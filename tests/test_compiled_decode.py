@@ -1,6 +1,7 @@
 """Compiled CPU decode steps (engine/compiled_decode.py): the same numbers as the eager step, through
 the engine's real path, and eager whenever there is no graph (not yet compiled, failed, mixed steps)."""
 
+import copy
 import pickle
 
 import pytest
@@ -112,7 +113,8 @@ def test_packed_weights_pickle_to_a_small_key():
     need not be (they are inputs, never baked into the graph)."""
     emb = QuantEmbedding(torch.randn(64, 32), Int8Kernel.FBGEMM_DYNAMIC
                          if "fbgemm" in torch.backends.quantized.supported_engines else Int8Kernel.WEIGHT_ONLY)
-    handle = getattr(emb.head, "_handle", None)
+    handle = getattr(emb.head, "_packed", None)
     if handle is None:
         pytest.skip("no fbgemm in this PyTorch")
     assert len(pickle.dumps(handle)) < 200
+    assert copy.deepcopy(handle) is handle   # a reference to the live packed weight, never a broken copy

@@ -45,14 +45,15 @@ if opaque.SUPPORTED:
 
         o = handle.batch(layer, rows(q), rows(k), rows(v), scale=scale, window=None if window < 0 else window,
                          bidirectional=bidirectional)
-        if n == q.shape[0]:
-            return o
-        return torch.cat([o, o.new_zeros(q.shape[0] - n, *o.shape[1:])])
+        if n < q.shape[0]:
+            o = torch.cat([o, o.new_zeros(q.shape[0] - n, *o.shape[1:])])
+        # The graph lays its next op out by the fake kernel's strides (contiguous) and does not check.
+        return o.contiguous()
 
     @_batch_attention.register_fake
     def _(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, handle: AttentionHandle,
           layer: int, scale: float, window: int, bidirectional: bool) -> torch.Tensor:
-        return torch.empty_like(q)
+        return q.new_empty(q.shape)
 
 
 class HandleAttention(BatchAttention):

@@ -141,7 +141,7 @@ class TorchBatchAttention(BatchAttention):
         if decode:   # all at once: keys [B, K], each row padded by repeating its last key (masked)
             seqs = torch.tensor(decode)
             ends = torch.tensor(md.seq_lens)[seqs]
-            first = ends - ends if window is None else (ends - window).clamp(min=0)
+            first = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)
             lens = ends - first
             width = int(lens.max())
             pos = first[:, None] + torch.minimum(torch.arange(width)[None, :], lens[:, None] - 1)

@@ -70,8 +70,8 @@ class EngineConfig:
                                              "captured by default on CUDA)")
     cpu_compile: str = option("auto", choices=SCRATCH_CHOICES,
                               help="compile CPU decode steps with torch.compile (inductor's C++ kernels; needs a C++ "
-                                   "compiler) while the engine starts: ~2 min on 2 cores the first time, under a "
-                                   "minute with inductor's cache warm; auto = on for `serve` with quantised weights "
+                                   "compiler) while the engine starts: ~3 min on 2 cores the first time, ~25 s "
+                                   "with inductor's cache warm; auto = on for `serve` with quantised weights "
                                    "(a compile that fails there leaves the engine eager, with a warning), off for "
                                    "`generate` and the Python LLM")
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,

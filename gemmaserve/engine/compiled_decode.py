@@ -11,8 +11,8 @@ attention/handle.py: the step's attention).
     decode step, other B   one graph whose batch dimension is dynamic (2-63)
     every other step       eager (prefill chunks, mixed steps, images, B >= 64)
 
-Compiling takes ~25 s per graph on 2 cores (~6-10 s with inductor's on-disk cache warm): three graphs,
-since each static size is a compile of its own (a graph per power of two up to 8 took 128 s). It happens
+Compiling the three graphs took 171 s on 2 cores from an empty inductor cache, 25 s with it warm (each
+static size is a compile of its own, hence no graph per power of two). It happens
 where a process lives long enough to win it back: a server compiles while it loads (`/health` says
 loading), a one-shot `generate` or the Python `LLM` does not unless asked (`--cpu-compile`). Not on a
 background thread beside eager steps: tracing holds the GIL, and every torch op of an eager step gives
@@ -97,7 +97,6 @@ class CompiledDecode:
         self.state = CompileState.WAITING
         self.error: str | None = None
         self.compile_seconds = 0.0
-        self.steps = 0   # steps run through a graph
 
     # -- the traced function --------------------------------------------------------------------
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -167,5 +166,4 @@ class CompiledDecode:
             logits = (self._static if size in self.sizes else self._dynamic)(input_ids, positions)
         finally:
             self.handle.batch = None
-        self.steps += 1
         return logits[:b]

@@ -246,8 +246,8 @@ class Int8Matmul:
             with warnings.catch_warnings():   # PyTorch flags quantized tensors as legacy; fbgemm's kernels are current
                 warnings.simplefilter("ignore")
                 wq = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros(len(s), dtype=torch.long), 0)
-                self._packed = torch.ops.quantized.linear_prepack(wq, None)
-            self._handle = PackedInt8(self._packed, self.out_features)
+                # one owner of the packed weight: the handle that compiled graphs pass around too
+                self._packed = PackedInt8(torch.ops.quantized.linear_prepack(wq, None), self.out_features)
             self._reduce_range = not _cpu_has_vnni()
 
     @classmethod
@@ -264,7 +264,7 @@ class Int8Matmul:
     def dequantize(self) -> torch.Tensor:
         """The weight [N, K] in the inputs' own basis."""
         if self._q is None:
-            qw = torch.ops.quantized.linear_unpack(self._packed)[0]
+            qw = torch.ops.quantized.linear_unpack(self._packed.packed)[0]
             w = qw.int_repr().float() * qw.q_per_channel_scales().float()[:, None]
         else:
             w = self._q.float() * self._s.float()[:, None]
@@ -286,12 +286,12 @@ class Int8Matmul:
                 x2 = x2 / row_max
             x2 = x2.contiguous()
             if torch.compiler.is_compiling():   # the packed weight is opaque to the compiler
-                y = torch.ops.gemmaserve.fbgemm_linear(x2, self._handle, self.out_features, self._reduce_range)
+                y = torch.ops.gemmaserve.fbgemm_linear(x2, self._packed, self.out_features, self._reduce_range)
             else:
-                y = torch.ops.quantized.linear_dynamic(x2, self._packed, self._reduce_range)
+                y = torch.ops.quantized.linear_dynamic(x2, self._packed.packed, self._reduce_range)
             if two_pass:   # the kernel rounds x2 as quantize_per_tensor_dynamic does: add what it lost
                 rounded = torch.quantize_per_tensor_dynamic(x2, torch.quint8, self._reduce_range).dequantize()
-                y += torch.ops.quantized.linear_dynamic(x2 - rounded, self._packed, self._reduce_range)
+                y += torch.ops.quantized.linear_dynamic(x2 - rounded, self._packed.packed, self._reduce_range)
             if row_max is not None:
                 y = y.mul_(row_max)
         else:
