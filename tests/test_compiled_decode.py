@@ -19,10 +19,12 @@ needs_compile = pytest.mark.skipif(unavailable() is not None, reason=str(unavail
 
 
 @needs_compile
-def test_compiled_quantised_decode_matches_the_eager_step():
+@pytest.mark.parametrize("kv_manager", ["v2", "v1"])
+def test_compiled_quantised_decode_matches_the_eager_step(kv_manager):
     """Every kernel of the quantised path (fbgemm through its custom op, weight-only, the head's exact
     refinement) inside one graph, sliding and full layers: one token at a time, teacher-forced, the
-    compiled step's distribution is the eager step's up to float reassociation."""
+    compiled step's distribution is the eager step's up to float reassociation. With V2's one arena
+    attention is traced into the graph; with V1 the graph calls it through the opaque op."""
     seed = fresh_seed()
     hf = tiny_hf_model(seed, hidden_size=64, intermediate_size=128, head_dim=32)
     ours = ours_from_hf(hf)
@@ -32,7 +34,7 @@ def test_compiled_quantised_decode_matches_the_eager_step():
         assert ours.model.layers[0].mlp.gate_up_proj.int8.rotation is not None
     ids = [2] + torch.randint(3, hf.config.vocab_size, (30,), generator=torch.Generator().manual_seed(seed)).tolist()
     eager = score(ours, ids, chunk=1, keep_logprobs=True)
-    compiled = score(ours, ids, chunk=1, reference=eager, compiled=True)
+    compiled = score(ours, ids, chunk=1, reference=eager, compiled=True, kv_manager=kv_manager)
     assert compiled.mean_kl < 1e-4, compiled.kl
     clear = eager.margin > 0.05
     assert torch.equal(compiled.argmax[clear], eager.argmax[clear])
@@ -53,6 +55,7 @@ def test_engine_runs_decode_batches_through_the_graphs_and_keeps_greedy_tokens(t
     comp = LLM.from_config(eager.engine.config.replace(cpu_compile="on"), eager)
     assert comp.engine.info.cpu_compile == "ready"
     runner = comp.engine.runner
+    assert runner.compiled.attention_path == "traced"   # Gemma's default V2 arena: attention in the graph
     calls: list[int] = []
     run = runner.compiled.run
     runner.compiled.run = lambda ids, pos, md: calls.append(len(ids)) or run(ids, pos, md)

@@ -27,37 +27,96 @@ from .base import AttentionBackend, AttentionMetadata, BackendCapabilities, Batc
 from .kv_quant import FP8_DTYPE, dequantize, layer_scales, quantize
 
 
+@dataclass(frozen=True)
+class TokenRows:
+    """A layer's K and V caches [pages, T, Hkv, D] seen as rows of tokens [pages * T, Hkv, D], and as
+    `kv` [pages * T, 2, Hkv, D] where a token's K and V are adjacent (the shared arena): there one
+    index op reads or writes both. Built once per cache (views cost a few us per call on the CPU)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    kv: torch.Tensor | None
+
+    @classmethod
+    def of(cls, k_cache: torch.Tensor, v_cache: torch.Tensor) -> "TokenRows":
+        # One index op over token rows is 5x faster on the CPU than indexing by (page, offset) pairs.
+        k = k_cache.view(k_cache.shape[0] * k_cache.shape[1], *k_cache.shape[2:])
+        v = v_cache.view(v_cache.shape[0] * v_cache.shape[1], *v_cache.shape[2:])
+        kv = None
+        token = k[0].numel()
+        if (k.dtype == v.dtype and k.stride() == v.stride() and k.stride(0) == 2 * token
+                and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+                and v.data_ptr() - k.data_ptr() == token * k.element_size()):
+            kv = k.as_strided((k.shape[0], 2, *k.shape[1:]), (k.stride(0), token, *k.stride()[1:]))
+        return cls(k, v, kv)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    def write(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: tuple[float, float]) -> None:
+        """Token rows `rows` [n] = k, v [n, Hkv, D] (quantised to fp8 with `scales` for an fp8 cache)."""
+        fp8 = self.dtype == FP8_DTYPE
+        if fp8:
+            k, v = quantize(k, scales[0]), quantize(v, scales[1])
+        elif k.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        # no fp8 index_copy_ on the CPU: copy the bytes
+        as_bytes = (lambda x: x.view(torch.uint8)) if fp8 else (lambda x: x)
+        if self.kv is not None:
+            as_bytes(self.kv).index_copy_(0, rows, as_bytes(torch.stack((k, v), 1)))
+        else:
+            as_bytes(self.k).index_copy_(0, rows, as_bytes(k))
+            as_bytes(self.v).index_copy_(0, rows, as_bytes(v))
+
+    def read(self, rows: torch.Tensor, shape: tuple[int, ...], scales: tuple[float, float],
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at token rows `rows` [prod(shape)] -> two [*shape, Hkv, D] of `dtype`."""
+        if self.kv is not None:
+            kv = self.kv.index_select(0, rows).view(*shape, *self.kv.shape[1:])
+            k, v = kv.select(-3, 0), kv.select(-3, 1)
+        else:
+            k = self.k.index_select(0, rows).view(*shape, *self.k.shape[1:])
+            v = self.v.index_select(0, rows).view(*shape, *self.v.shape[1:])
+        if self.dtype == FP8_DTYPE:
+            return dequantize(k, scales[0], dtype), dequantize(v, scales[1], dtype)
+        return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
+
+
 @dataclass
 class _Where:
-    """Storage addresses of a set of positions: page per group column, and offset in the page."""
+    """Storage addresses of a set of positions [*shape]: page per group column, and offset in the page."""
 
     pages: torch.Tensor    # [columns, *shape]
     offsets: torch.Tensor  # [*shape]
-    _rows: torch.Tensor | None = None
+    tokens_per_page: int
+    _rows: list[torch.Tensor] | None = None
 
-    def rows(self, cache: torch.Tensor, col: int) -> torch.Tensor:
-        """Row numbers of these positions of column `col` in `cache` [pages, T, ...] seen as rows of
-        tokens (computed once for every layer of the group)."""
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.offsets.shape)
+
+    def rows_matrix(self) -> torch.Tensor:
+        """Token rows [columns, *shape] of these positions in each column's caches."""
+        return self.pages * self.tokens_per_page + self.offsets
+
+    def rows(self, col: int) -> torch.Tensor:
+        """Token rows [prod(shape)] of these positions in column `col`'s caches (computed once for
+        every column of the group)."""
         if self._rows is None:
-            self._rows = self.pages * cache.shape[1] + self.offsets
+            rows = self.rows_matrix()
+            self._rows = list(rows.reshape(rows.shape[0], -1).contiguous().unbind(0))
         return self._rows[col]
 
-    def gather(self, cache: torch.Tensor, col: int) -> torch.Tensor:
-        """cache [pages, T, ...] at these positions of column `col` -> [*shape, ...]. One
-        index_select over the cache seen as rows of tokens: 5x faster on the CPU than indexing by
-        (page, offset) pairs, which computes the same row numbers element by element."""
-        rows = self.rows(cache, col)
-        return _token_rows(cache).index_select(0, rows.reshape(-1)).view(*rows.shape, *cache.shape[2:])
 
-    def write(self, cache: torch.Tensor, col: int, x: torch.Tensor) -> None:
-        """cache at these positions of column `col` = x [n, ...] (one index_copy_, like `gather`)."""
-        if cache.dtype == FP8_DTYPE:   # no fp8 index_copy_ on the CPU: copy the bytes
-            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
-        _token_rows(cache).index_copy_(0, self.rows(cache, col), x)
-
-
-def _token_rows(cache: torch.Tensor) -> torch.Tensor:
-    return cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+def addresses(tables: GroupTables, seqs: torch.Tensor, pos: torch.Tensor) -> _Where:
+    """Addresses of positions `pos` of the batch's sequences `seqs` (two int64 tensors of one shape,
+    any number of sequences at once: a step's tables are a handful of tensor ops, not a loop)."""
+    t = tables.group.tokens_per_page
+    blocks = pos // t - torch.tensor(tables.first_block)[seqs]
+    dev = tables.block_rows.device
+    rows = tables.block_rows[seqs.to(dev), blocks.to(dev)]
+    return _Where(tables.slot_pages[rows].long().movedim(-1, 0).cpu(), pos % t, t)
 
 
 @dataclass
@@ -81,10 +140,12 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
 
 class TorchBatchAttention(BatchAttention):
     def __init__(self, md: AttentionMetadata, kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
-                 specs: list[LayerSpec]):
+                 specs: list[LayerSpec], token_rows: list[TokenRows]):
         self.md = md
         self.kv_cache = kv_cache
         self.specs = specs
+        self.token_rows = token_rows
+        self.scales = [layer_scales(specs, layer) for layer in range(len(specs))]
         self.device = kv_cache[0][0].device if kv_cache else torch.device("cpu")
         self._plans: dict[tuple[int, int | None, bool], _Plan] = {}
         self._writes: dict[int, _Where] = {}
@@ -95,26 +156,16 @@ class TorchBatchAttention(BatchAttention):
         ends = md.query_ends()
         self._query_ends = None if ends is None else torch.tensor(ends)
 
-    def _where(self, tables: GroupTables, seqs: torch.Tensor, pos: torch.Tensor) -> _Where:
-        """Addresses of positions `pos` of the batch's sequences `seqs` (two int64 tensors of one shape,
-        any number of sequences at once: a step's tables are a handful of tensor ops, not a loop)."""
-        t = tables.group.tokens_per_page
-        blocks = pos // t - torch.tensor(tables.first_block)[seqs]
-        dev = tables.block_rows.device
-        rows = tables.block_rows[seqs.to(dev), blocks.to(dev)]
-        return _Where(tables.slot_pages[rows].long().movedim(-1, 0).cpu(), pos % t)
-
     def _to_device(self, w: _Where) -> _Where:
-        return _Where(w.pages.to(self.device), w.offsets.to(self.device))
+        return _Where(w.pages.to(self.device), w.offsets.to(self.device), w.tokens_per_page)
 
     def _write_plan(self, group: int) -> _Where:
         w = self._writes.get(group)
         if w is None:   # every new token, in row order
-            lens = torch.tensor(self.md.query_lens)
-            seqs = torch.repeat_interleave(torch.arange(len(lens)), lens)
-            pos = torch.tensor(self.md.seq_lens)[seqs] - lens[seqs] + (torch.arange(len(seqs)) - torch.tensor(
-                self._starts[:-1])[seqs])
-            w = self._to_device(self._where(self.md.groups[group], seqs, pos))
+            lens, ends = self.md.query_lens, self.md.seq_lens
+            seqs = torch.tensor([b for b, n in enumerate(lens) for _ in range(n)])
+            pos = torch.tensor([p for n, end in zip(lens, ends) for p in range(end - n, end)])
+            w = self._to_device(addresses(self.md.groups[group], seqs, pos))
             self._writes[group] = w
         return w
 
@@ -136,7 +187,7 @@ class TorchBatchAttention(BatchAttention):
             q_end = self._query_ends[self._starts[b]:self._starts[b] + n] if bidirectional else None
             mask = visible(torch.arange(first_q, seq_len), k_pos, window, q_end)
             plan.prefill.append((self._starts[b], self._starts[b] + n,
-                                 self._to_device(self._where(tables, torch.full_like(k_pos, b), k_pos)),
+                                 self._to_device(addresses(tables, torch.full_like(k_pos, b), k_pos)),
                                  mask.to(self.device)))
         if decode:   # all at once: keys [B, K], each row padded by repeating its last key (masked)
             seqs = torch.tensor(decode)
@@ -146,7 +197,7 @@ class TorchBatchAttention(BatchAttention):
             width = int(lens.max())
             pos = first[:, None] + torch.minimum(torch.arange(width)[None, :], lens[:, None] - 1)
             plan.decode_rows = torch.tensor([self._starts[b] for b in decode], device=self.device)
-            plan.decode_keys = self._to_device(self._where(tables, seqs[:, None].expand_as(pos), pos))
+            plan.decode_keys = self._to_device(addresses(tables, seqs[:, None].expand_as(pos), pos))
             if int(lens.min()) != width:
                 mask = torch.arange(width)[None, :] < lens[:, None]
                 plan.decode_mask = mask[:, None, None, :].to(self.device)
@@ -162,37 +213,31 @@ class TorchBatchAttention(BatchAttention):
         return o.squeeze(2)
 
     def last_tokens(self, seqs):
-        return TorchBatchAttention(self.md.last_tokens(seqs), self.kv_cache, self.specs)
+        return TorchBatchAttention(self.md.last_tokens(seqs), self.kv_cache, self.specs, self.token_rows)
 
     def __call__(self, layer, q, k, v, *, scale, window, softcap=None, bidirectional=False):
         if softcap is not None:
             raise NotImplementedError("attention soft-capping is not used by Gemma 3/4 text models")
+        # Every line here runs once per layer and step: an eager decode step at batch 1 spends more
+        # time in this method than in its attention arithmetic.
         group, col = self.md.layer_slot[layer]
-        k_cache, v_cache = self.kv_cache[layer]
-        fp8 = k_cache.dtype == FP8_DTYPE
-        k_scale, v_scale = layer_scales(self.specs, layer)
+        cache, scales = self.token_rows[layer], self.scales[layer]
         if self.specs[layer].owns_kv:
-            w = self._write_plan(group)
-            w.write(k_cache, col, quantize(k, k_scale) if fp8 else k.to(k_cache.dtype))
-            w.write(v_cache, col, quantize(v, v_scale) if fp8 else v.to(v_cache.dtype))
-
-        def gather(cache: torch.Tensor, keys: _Where, kv_scale: float) -> torch.Tensor:
-            x = keys.gather(cache, col)
-            return dequantize(x, kv_scale, q.dtype) if fp8 else x.to(q.dtype)   # no-op for "auto"
-
+            cache.write(self._write_plan(group).rows(col), k, v, scales)
         plan = self._plan(group, window, bidirectional)
-        gqa = q.shape[1] != k_cache.shape[2]
-        if plan.decode_rows is not None and not plan.prefill:   # every row a decode row, in order
-            return self._decode(q, gather(k_cache, plan.decode_keys, k_scale), gather(v_cache, plan.decode_keys, v_scale),
-                                plan.decode_mask, scale, gqa)
+        gqa = q.shape[1] != cache.k.shape[1]
+        if plan.decode_rows is not None:
+            keys = plan.decode_keys
+            kk, vv = cache.read(keys.rows(col), keys.shape, scales, q.dtype)
+            if not plan.prefill:   # every row a decode row, in order
+                return self._decode(q, kk, vv, plan.decode_mask, scale, gqa)
         out = torch.empty_like(q)
         if plan.decode_rows is not None:
-            out[plan.decode_rows] = self._decode(q[plan.decode_rows], gather(k_cache, plan.decode_keys, k_scale),
-                                                 gather(v_cache, plan.decode_keys, v_scale), plan.decode_mask, scale, gqa)
+            out[plan.decode_rows] = self._decode(q[plan.decode_rows], kk, vv, plan.decode_mask, scale, gqa)
         for start, end, keys, mask in plan.prefill:
-            kk = gather(k_cache, keys, k_scale).transpose(0, 1).unsqueeze(0)   # [1, Hkv, K, D]
-            vv = gather(v_cache, keys, v_scale).transpose(0, 1).unsqueeze(0)
-            qq = q[start:end].transpose(0, 1).unsqueeze(0)                     # [1, Hq, n, D]
+            kk, vv = cache.read(keys.rows(col), keys.shape, scales, q.dtype)
+            kk, vv = kk.transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)   # [1, Hkv, K, D]
+            qq = q[start:end].transpose(0, 1).unsqueeze(0)                                # [1, Hq, n, D]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out[start:end] = o[0].transpose(0, 1)
         return out
@@ -229,10 +274,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._specs: list[LayerSpec] = []
+        self._rows_of: tuple[list, list[TokenRows]] | None = None   # (kv_cache, its token rows)
 
     def allocate_kv_cache(self, specs, layout: KVLayout, device):
         self._specs = list(specs)
         return allocate_paged_kv(specs, layout, device)
 
+    def _token_rows(self, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> list[TokenRows]:
+        if self._rows_of is None or self._rows_of[0] is not kv_cache:
+            self._rows_of = (kv_cache, [TokenRows.of(k, v) for k, v in kv_cache])
+        return self._rows_of[1]
+
     def begin_batch(self, metadata, kv_cache):
-        return TorchBatchAttention(metadata, kv_cache, self._specs)
+        return TorchBatchAttention(metadata, kv_cache, self._specs, self._token_rows(kv_cache))

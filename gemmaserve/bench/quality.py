@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                "ours_quantized_decode": score(quant.model, text_ids, chunk=1, reference=s_ref)}
     if unavailable() is None:   # the compiled decode step (what the engine runs once it is compiled)
         engines["ours_quantized_decode_compiled"] = score(quant.model, text_ids, chunk=1, reference=s_ref,
-                                                          compiled=True)
+                                                          compiled=True, kv_manager="v2")
     llama = LlamaCppReference.open(resolve_model(args.model).path, args.threads or torch.get_num_threads())
     result["llama_cpp"] = llama.version if llama else "not installed (pip install llama-cpp-python)"
     if llama:

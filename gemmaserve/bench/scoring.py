@@ -35,28 +35,37 @@ def kl_from(reference: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def score(model, ids: list[int], chunk: int = 256, page_size: int = 16, keep_logprobs: bool = False,
-          reference: Scores | None = None, compiled: bool = False) -> Scores:
+          reference: Scores | None = None, compiled: bool = False, kv_manager: str = "v1") -> Scores:
     """`chunk`: rows per forward (1 runs the decode kernels); `reference`: a Scores with
     `full_logprobs` of the same ids, to measure this model's KL divergence from. `compiled` (chunk 1
     only): every step through the compiled decode graph (engine/compiled_decode.py), as the engine
-    runs batch-1 decode once it is compiled."""
+    runs batch-1 decode once it is compiled; with `kv_manager` "v2" (the engine's for Gemma) its
+    attention is traced into the graph, with "v1" the graph calls it through an op."""
     from ..attention.base import AttentionMetadata
     from ..attention.torch_backend import TorchAttentionBackend
     from ..engine.compiled_decode import CompiledDecode
     from ..kv.manager_v1 import KVCacheManagerV1
+    from ..kv.manager_v2 import KVCacheManagerV2
     from ..models.base import ModelInputs
 
     if compiled and chunk != 1:
         raise ValueError("only decode steps (chunk=1) are compiled")
     specs = model.kv_layer_specs(torch.float32)
-    kv = KVCacheManagerV1(specs, page_size, -(-len(ids) // page_size) * len(specs) + 8)
+    pages = -(-len(ids) // page_size) * len(specs) + 8
+    if kv_manager == "v1":
+        kv = KVCacheManagerV1(specs, page_size, pages)
+    elif kv_manager == "v2":
+        kv = KVCacheManagerV2(specs, page_size, pages, enable_prefix_caching=False, enable_scratch=False)
+    else:
+        raise ValueError(f"kv_manager must be v1 or v2, got {kv_manager!r}")
     backend = TorchAttentionBackend()
     # One page more: the compiled graph's warm-up writes to it (the null page).
     cache = backend.allocate_kv_cache(specs, dataclasses.replace(kv.layout, num_pages=kv.layout.num_pages + 1),
                                       torch.device("cpu"))
     step = None
     if compiled:
-        step = CompiledDecode(model, backend, cache, kv.layer_slot, kv.groups, kv.layout.num_pages, max_batch=1)
+        step = CompiledDecode(model, backend, cache, kv.layer_slot, kv.groups, kv.layout.num_pages, max_batch=1,
+                              specs=specs, tokens_per_page=kv.layout.tokens_per_page)
         step.compile()
     target = torch.tensor(ids[1:] + [0])
     lp, top, margin, full, kl = [], [], [], [], []

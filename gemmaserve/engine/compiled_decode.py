@@ -2,9 +2,11 @@
 
 An eager CPU decode step runs ~1,500 small torch ops between its matrix products (norms, RoPE,
 casts, rotations, residual adds), ~10 ms of a 25 ms step on the 270M. Compiled, the elementwise work
-fuses into a few C++ loops and the Python between the ops is gone; the matrix products and attention
-stay what they were, called from the graph through custom ops (opaque.py: fbgemm's packed weights,
-attention/handle.py: the step's attention).
+fuses into a few C++ loops and the Python between the ops is gone; the matrix products stay what they
+were (fbgemm's packed weights through a custom op, opaque.py). Attention is traced too where the KV
+cache is one arena of one geometry (attention/traced.py: the cache and the step's tables are graph
+inputs, the new K/V come out of the graph and are written after it); elsewhere (KV manager V1, an fp8
+cache) the graph calls the step's eager attention through an opaque op (attention/handle.py).
 
     decode step, B = 1     a graph for 1 row (static shapes)
     decode step, B 5-8     a graph for 8 rows (static; the batch padded up)
@@ -34,7 +36,9 @@ from torch import nn
 from .. import opaque
 from ..attention.base import AttentionBackend, AttentionMetadata
 from ..attention.handle import AttentionHandle, HandleAttention
+from ..attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDecodeAttention
 from ..kv.base import GroupTables
+from ..kv.spec import LayerSpec
 from ..models.base import ModelInputs
 
 log = logging.getLogger(__name__)
@@ -71,13 +75,21 @@ def _own_code(method):
 
 class CompiledDecode:
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv_cache, layer_slot, groups,
-                 null_page: int, max_batch: int):
+                 null_page: int, max_batch: int, specs: list[LayerSpec] | None = None,
+                 tokens_per_page: tuple[int, ...] = ()):
+        """`specs` and `tokens_per_page` (the KV layout's): to trace attention when the cache allows
+        (attention/traced.py); without them, or where it does not, attention runs through the op."""
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
         self.layer_slot = layer_slot
         self.groups = groups
         self.null_page = null_page
+        layout = DecodeLayout.of(specs, kv_cache, layer_slot, tokens_per_page, null_page) if specs else "no layer specs"
+        self.layout = layout if isinstance(layout, DecodeLayout) else None
+        self.attention_path = "traced" if self.layout else f"opaque op ({layout})"
+        if self.layout is not None:   # masked keys read this row: finite values, whatever was there
+            self.layout.kv[self.layout.null_row].zero_()
         self.max_rows = min(MAX_ROWS, max_batch)
         self.sizes = sorted({min(s, self.max_rows) for s in STATIC_SIZES})   # static graphs, by rows
         self.dynamic = any(self._size_for(b) is None for b in range(2, self.max_rows + 1))
@@ -99,15 +111,22 @@ class CompiledDecode:
         self.compile_seconds = 0.0
 
     # -- the traced function --------------------------------------------------------------------
-    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(self.model(ModelInputs(input_ids, positions, self._attention)))
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor | None = None,
+              keys: list[torch.Tensor] | None = None):
+        """Logits, and the new K/V to commit when attention is traced (else None: the op wrote them)."""
+        if kv is None:
+            return self.model.compute_logits(self.model(ModelInputs(input_ids, positions, self._attention))), None
+        attention = TracedDecodeAttention(self.layout, kv, keys)
+        logits = self.model.compute_logits(self.model(ModelInputs(input_ids, positions, attention)))
+        return logits, attention.new_kv()
 
     # -- compiling ------------------------------------------------------------------------------
     def compile(self) -> None:
         """Trace and compile every graph (once); raises, with the engine left eager, if that fails."""
         if self.state is CompileState.WAITING:
-            log.info("compiling CPU decode steps (%d graphs): minutes the first time on a small CPU, seconds once "
-                     "inductor's cache holds them; --cpu-compile off skips it", len(self.sizes) + self.dynamic)
+            log.info("compiling CPU decode steps (%d graphs, attention %s): minutes the first time on a small CPU, "
+                     "seconds once inductor's cache holds them; --cpu-compile off skips it",
+                     len(self.sizes) + self.dynamic, self.attention_path)
             start = time.perf_counter()
             try:
                 with torch.inference_mode():
@@ -133,11 +152,7 @@ class CompiledDecode:
         if dynamic:
             for t in (ids, pos):
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=max(3, self.max_rows))
-        self.handle.batch, self.handle.rows = self.backend.begin_batch(self._null_batch(size), self.kv_cache), size
-        try:
-            (self._dynamic if dynamic else self._static)(ids, pos)
-        finally:
-            self.handle.batch = None
+        self._run(ids, pos, self._null_batch(size), size, compiling=dynamic)
 
     def _size_for(self, b: int) -> int | None:
         """The static graph a batch of `b` rows runs (padded up to it), or None: the dynamic one."""
@@ -158,12 +173,33 @@ class CompiledDecode:
         if self.state is not CompileState.READY or not 1 <= b <= self.max_rows:
             return None
         size = self._size_for(b) or b
-        if size > b:   # padding rows: token 0 at position 0; attention skips them (zeros), no KV written
+        if size > b:   # padding rows: token 0 at position 0, attending to nothing else, writing no KV
             input_ids = torch.cat([input_ids, input_ids.new_zeros(size - b)])
             positions = torch.cat([positions, positions.new_zeros(size - b)])
-        self.handle.batch, self.handle.rows = self.backend.begin_batch(metadata, self.kv_cache), b
-        try:
-            logits = (self._static if size in self.sizes else self._dynamic)(input_ids, positions)
-        finally:
-            self.handle.batch = None
-        return logits[:b]
+        return self._run(input_ids, positions, metadata, b)[:b]
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, b: int,
+             compiling: bool = False) -> torch.Tensor:
+        """One step of `b` real rows through the graph for `len(input_ids)` rows. `compiling`: the
+        dynamic graph's first call, whose traced widths (and batch) are marked dynamic."""
+        size = input_ids.shape[0]
+        graph = self._static if size in self.sizes and not compiling else self._dynamic
+        if self.layout is None:
+            self.handle.batch, self.handle.rows = self.backend.begin_batch(metadata, self.kv_cache), b
+            try:
+                return graph(input_ids, positions)[0]
+            finally:
+                self.handle.batch = None
+        tracing = self.state is CompileState.WAITING
+        # Tracing: each kind's width is a dynamic dimension, traced at a size of its own (distinct
+        # from the others' and from any batch size, or torch.compile would tie them into one symbol).
+        widths = [MIN_WIDTH + 9 + 2 * i for i in range(len(self.layout.kinds))] if tracing else None
+        tables = DecodeTables.build(self.layout, metadata, size, widths)
+        if tracing:
+            for t in tables.keys:
+                torch._dynamo.mark_dynamic(t, 2, min=MIN_WIDTH, max=1 << 24)
+                if compiling:
+                    torch._dynamo.mark_dynamic(t, 1, min=2, max=max(3, self.max_rows))
+        logits, new_kv = graph(input_ids, positions, self.layout.kv, tables.keys)
+        tables.commit(self.layout, new_kv)
+        return logits

@@ -76,7 +76,7 @@ class ModelRunner:
             from .compiled_decode import CompiledDecode
 
             self.compiled = CompiledDecode(model, backend, self.kv_cache, layer_slot, groups, layout.num_pages,
-                                           max(1, max_batch))
+                                           max(1, max_batch), specs, layout.tokens_per_page)
             try:
                 self.compiled.compile()
             except RuntimeError as e:

@@ -1,0 +1,154 @@
+"""Decode attention that a compiled graph traces: the KV cache and the step's addresses as tensor inputs.
+
+Called through an opaque op (attention/handle.py), a compiled CPU decode step spends ~200 us a layer
+in Python, dispatch and cold caches between the matrix products, around ~10 us of arithmetic. Where
+every layer's K/V lives in one arena with one geometry (KV manager V2: page p of every layer is the
+same bytes, layers differ only in which pages they use), the whole cache is one tensor of token
+rows [pages * T, 2, Hkv, D] and the graph reads it like any other input:
+
+    runner   tables = DecodeTables.build(...)     per attention kind, the rows of each row's old keys
+                                                  [cols, B, W] (-1: masked); write rows [owning layers, B]
+    graph    per layer: old = kv[rows of its column]; attend over [old, the new token's k/v]
+             -> logits, and every owning layer's new k/v [layers, B, 2, Hkv, D]
+    runner   kv[write rows] = new k/v             (one index_copy_ for every layer)
+
+The graph writes nothing: a new token's K/V joins its own row's keys inside the graph and reaches the
+cache after it, so there is no side effect to order and no input to mutate. Keys a row must not see
+(padding up to the batch's widest row, rows that pad the batch) are -1: the graph masks them and reads
+the null page's first row instead (zeroed: finite, as masked values must be). Each kind's width W is a
+dynamic dimension of the graph (one graph for every context length), at least 2: torch.compile
+specialises sizes 0 and 1, so narrower tables are padded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..kv.spec import LayerSpec
+from .base import AttentionMetadata, BatchAttention
+from .kv_quant import FP8_DTYPE
+from .torch_backend import TokenRows, addresses
+
+MIN_WIDTH = 2
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """What stays fixed across steps: the arena's token rows and each layer's place in the tables."""
+
+    kv: torch.Tensor                            # [pages * T, 2, Hkv, D], every layer's view of the arena
+    tokens_per_page: int
+    null_row: int                               # first row of the null page (masked keys read it)
+    kinds: tuple[tuple[int, int | None], ...]   # (group, window) of each attention kind, in first-use order
+    slot: tuple[tuple[int, int], ...]           # per layer: (kind, column of its group)
+    owners: tuple[int, ...]                     # layers that store K/V, in layer order
+    source: tuple[int, ...]                     # per layer: the layer whose K/V it reads (itself if it owns)
+
+    @classmethod
+    def of(cls, specs: list[LayerSpec], kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+           layer_slot: tuple[tuple[int, int], ...], tokens_per_page: tuple[int, ...],
+           null_page: int) -> "DecodeLayout | str":
+        """The layout, or why this cache cannot be read as one tensor (the step then attends through
+        the opaque op)."""
+        if not kv_cache:
+            return "the model has no attention layers"
+        rows = [TokenRows.of(k, v) for k, v in kv_cache]
+        first = rows[0].kv
+        if first is None:
+            return "K/V are not one arena (KV manager V1)"
+        if first.dtype == FP8_DTYPE:
+            return "an fp8 cache is read through the opaque op"
+        same = all(r.kv is not None and r.kv.data_ptr() == first.data_ptr() and r.kv.shape == first.shape
+                   and r.kv.stride() == first.stride() and r.kv.dtype == first.dtype for r in rows)
+        if not same or len(set(tokens_per_page)) != 1:
+            return "layers of different page geometry"
+        kinds: list[tuple[int, int | None]] = []
+        slot = []
+        for layer, spec in enumerate(specs):
+            group, col = layer_slot[layer]
+            kind = (group, spec.window)
+            if kind not in kinds:
+                kinds.append(kind)
+            slot.append((kinds.index(kind), col))
+        owners = tuple(i for i, s in enumerate(specs) if s.owns_kv)
+        source = tuple(i if s.owns_kv else s.kv_source for i, s in enumerate(specs))
+        t = tokens_per_page[0]
+        return cls(first, t, null_page * t, tuple(kinds), tuple(slot), owners, source)
+
+
+@dataclass
+class DecodeTables:
+    """One decode step's addresses: the tensor inputs of the graph, and where its new K/V go."""
+
+    keys: list[torch.Tensor]    # per kind: [cols, rows, W] token rows of each row's old keys, -1: masked
+    writes: torch.Tensor        # [owning layers, rows] token row of each layer's new K/V
+
+    @classmethod
+    def build(cls, layout: DecodeLayout, md: AttentionMetadata, rows: int,
+              widths: list[int] | None = None) -> "DecodeTables":
+        """Tables for a decode batch (one new token per sequence) padded to `rows` rows: padding
+        rows see only their own new token and write to the null page. `widths`: per kind, at least
+        this many key columns (warm-up gives each kind a width of its own: torch.compile would
+        otherwise take equal sizes for one symbol)."""
+        b = md.num_seqs
+        seqs = torch.arange(b)
+        ends = torch.tensor(md.seq_lens)   # the new token sits at ends - 1
+        written: dict[int, torch.Tensor] = {}   # group -> [cols, b]
+        keys = []
+        for i, (group, window) in enumerate(layout.kinds):
+            tables = md.groups[group]
+            if group not in written:
+                written[group] = addresses(tables, seqs, ends - 1).rows_matrix()
+            first = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)
+            old = ends - 1 - first                        # visible keys before the new token
+            width = max(MIN_WIDTH, int(old.max()), widths[i] if widths else 0)
+            j = torch.arange(width)[None, :]
+            visible = j < old[:, None]                    # [b, W]
+            pos = first[:, None] + torch.minimum(j, (old[:, None] - 1).clamp(min=0))
+            at = torch.where(visible, addresses(tables, seqs[:, None].expand_as(pos), pos).rows_matrix(), -1)
+            if rows > b:   # padding rows: nothing old to see
+                at = torch.cat([at, at.new_full((at.shape[0], rows - b, width), -1)], 1)
+            keys.append(at)
+        writes = torch.stack([written[layout.kinds[layout.slot[layer][0]][0]][layout.slot[layer][1]]
+                              for layer in layout.owners])
+        if rows > b:
+            writes = torch.cat([writes, writes.new_full((writes.shape[0], rows - b), layout.null_row)], 1)
+        return cls(keys, writes)
+
+    def commit(self, layout: DecodeLayout, new_kv: torch.Tensor) -> None:
+        """Write the graph's new K/V [owning layers, rows, 2, Hkv, D] to the cache."""
+        layout.kv.index_copy_(0, self.writes.reshape(-1), new_kv.reshape(-1, *layout.kv.shape[1:]))
+
+
+class TracedDecodeAttention(BatchAttention):
+    """The attention a compiled decode step traces (built inside the traced function from its inputs).
+    After the forward, `new_kv()` holds what the runner commits."""
+
+    def __init__(self, layout: DecodeLayout, kv: torch.Tensor, keys: list[torch.Tensor]):
+        self.layout, self.kv, self.keys = layout, kv, keys
+        self._new: dict[int, torch.Tensor] = {}   # owning layer -> [rows, 2, Hkv, D]
+
+    def __call__(self, layer, q, k, v, *, scale, window, softcap=None, bidirectional=False):
+        if softcap is not None:
+            raise NotImplementedError("attention soft-capping is not used by Gemma 3/4 text models")
+        kind, col = self.layout.slot[layer]
+        at = self.keys[kind][col]                                          # [B, W]
+        b, w = at.shape
+        visible = at >= 0
+        old = self.kv.index_select(0, torch.where(visible, at, self.layout.null_row).reshape(-1))
+        old = old.view(b, w, *self.kv.shape[1:])                           # [B, W, 2, Hkv, D]
+        mask = torch.cat([visible, visible.new_ones(b, 1)], 1)[:, None, None, :]   # the new token: visible
+        if k is not None:
+            self._new[layer] = torch.stack((k, v), 1).to(self.kv.dtype)
+        new = self._new[self.layout.source[layer]]
+        kv = torch.cat([old, new[:, None]], 1).to(q.dtype)                 # [B, W + 1, 2, Hkv, D]
+        keys, values = kv.select(2, 0).transpose(1, 2), kv.select(2, 1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                           enable_gqa=q.shape[1] != keys.shape[1])
+        return o.squeeze(2)
+
+    def new_kv(self) -> torch.Tensor:
+        return torch.stack([self._new[layer] for layer in self.layout.owners])
