@@ -11,7 +11,7 @@ from gemmaserve import LLM, SamplingParams
 from gemmaserve.bench.scoring import score
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.engine.compiled_decode import CompiledDecode, CompileState, unavailable
-from gemmaserve.models.quant import Int8Kernel, QuantEmbedding, quantize_model
+from gemmaserve.models.quant import Int8Kernel, Int8Matmul, int8_rows, quantize_model
 
 from helpers import fresh_seed, ours_from_hf, save_checkpoint, tiny_hf_model
 
@@ -114,10 +114,9 @@ def test_cpu_compile_mode_resolution():
 def test_packed_weights_pickle_to_a_small_key():
     """The compile cache pickles graph inputs for its key: fbgemm's packed qint8 weights cannot be, and
     need not be (they are inputs, never baked into the graph)."""
-    emb = QuantEmbedding(torch.randn(64, 32), Int8Kernel.FBGEMM_DYNAMIC
-                         if "fbgemm" in torch.backends.quantized.supported_engines else Int8Kernel.WEIGHT_ONLY)
-    handle = getattr(emb.head, "_packed", None)
-    if handle is None:
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
         pytest.skip("no fbgemm in this PyTorch")
+    # quantized::linear_dynamic's packed weight (CPUs without VNNI; FbgemmTensors elsewhere: plain tensors)
+    handle = Int8Matmul(*int8_rows(torch.randn(64, 32)), Int8Kernel.FBGEMM_DYNAMIC, fbgemm_tensors=False)._packed
     assert len(pickle.dumps(handle)) < 200
     assert copy.deepcopy(handle) is handle   # a reference to the live packed weight, never a broken copy

@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import fresh_seed, ours_from_hf, paged_logits, tiny_hf_model
 
-from gemmaserve.models.quant import (GROUP, Int4Groups, Int8Kernel, QuantEmbedding, QuantLinear, Rotation,
-                                     WeightFormat, int8_rows, q4_k_groups, quantize_model)
+from gemmaserve.models.quant import (GROUP, FbgemmTensors, Int4Groups, Int8Kernel, Int8Matmul, QuantEmbedding,
+                                     QuantLinear, Rotation, WeightFormat, int8_rows, q4_k_groups, quantize_model)
 
 # fbgemm quantises activations per call (uint8, per tensor): a few tenths of a percent more error than
 # the weight-only kernel's bf16 activations.
@@ -117,6 +117,25 @@ def test_layer_int8_rotates_and_steps_per_row():
     ref = x.double() @ w.double().t()
     rel = lambda m: ((m(x).double() - ref).norm() / ref.norm()).item()   # noqa: E731
     assert rel(lin) < rel(unrotated) / 3   # the outlier sets the step unless rotated away
+
+
+@pytest.mark.skipif(not FbgemmTensors.available(), reason="needs fbgemm with VNNI and its tensor-packed linear")
+def test_fbgemm_tensor_packed_linear_equals_linear_dynamic():
+    """The two ways into fbgemm's int8 linear (plain tensors, quantized tensors) quantise activations the
+    same way and give the same products, one pass and two, at every row count; the tensor-packed
+    weight reads back exactly."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    q, s = int8_rows(torch.randn(384, 640, generator=gen) * 0.05)
+    tensors = Int8Matmul(q, s, Int8Kernel.FBGEMM_DYNAMIC, keep_rows=False)
+    quantized = Int8Matmul(q, s, Int8Kernel.FBGEMM_DYNAMIC, fbgemm_tensors=False)
+    assert tensors._tensors is not None and quantized._packed is not None
+    for rows in (1, 8, QuantLinear.PREFILL_ROWS + 5):
+        x = torch.randn(rows, 640, generator=gen)
+        x[:, 3] *= 50
+        for two_pass in (False, True):
+            a, b = tensors(x, two_pass), quantized(x, two_pass)
+            assert (a - b).abs().max() <= 1e-6 * b.abs().max(), (rows, two_pass)
+    assert torch.allclose(tensors.dequantize(), q.float() * s.float()[:, None], rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("kernel,tol", KERNELS)

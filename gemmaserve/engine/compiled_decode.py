@@ -173,7 +173,7 @@ class CompiledDecode:
         if self.state is not CompileState.READY or not 1 <= b <= self.max_rows:
             return None
         size = self._size_for(b) or b
-        if size > b:   # padding rows: token 0 at position 0, attending to nothing else, writing no KV
+        if size > b:   # padding rows: token 0 at position 0; they see nothing real and write at most the null page
             input_ids = torch.cat([input_ids, input_ids.new_zeros(size - b)])
             positions = torch.cat([positions, positions.new_zeros(size - b)])
         return self._run(input_ids, positions, metadata, b)[:b]
