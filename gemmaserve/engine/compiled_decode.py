@@ -3,7 +3,7 @@
 An eager CPU decode step runs ~1,500 small torch ops between its matrix products (norms, RoPE,
 casts, rotations, residual adds), ~10 ms of a 25 ms step on the 270M. Compiled, the elementwise work
 fuses into a few C++ loops and the Python between the ops is gone; the matrix products stay what they
-were (fbgemm's packed weights through a custom op, opaque.py). Attention is traced too where the KV
+were (fbgemm through custom ops, models/quant.py). Attention is traced too where the KV
 cache is one arena of one geometry (attention/traced.py: the cache and the step's tables are graph
 inputs, the new K/V come out of the graph and are written after it); elsewhere (KV manager V1, an fp8
 cache) the graph calls the step's eager attention through an opaque op (attention/handle.py).
@@ -13,7 +13,7 @@ cache) the graph calls the step's eager attention through an opaque op (attentio
     decode step, other B   one graph whose batch dimension is dynamic (2-63)
     every other step       eager (prefill chunks, mixed steps, images, B >= 64)
 
-Compiling the three graphs took 171 s on 2 cores from an empty inductor cache, 25 s with it warm (each
+Compiling the three graphs took 273 s on 2 cores from an empty inductor cache, 26-31 s with it warm (each
 static size is a compile of its own, hence no graph per power of two). It happens
 where a process lives long enough to win it back: a server compiles while it loads (`/health` says
 loading), a one-shot `generate` or the Python `LLM` does not unless asked (`--cpu-compile`). Not on a
