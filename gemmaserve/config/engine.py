@@ -70,7 +70,7 @@ class EngineConfig:
                                              "captured by default on CUDA)")
     cpu_compile: str = option("auto", choices=SCRATCH_CHOICES,
                               help="compile CPU decode steps with torch.compile (inductor's C++ kernels; needs a C++ "
-                                   "compiler) while the engine starts: ~4-5 min on 2 cores the first time, ~30 s "
+                                   "compiler) while the engine starts: 4-8 min on 2 cores the first time, ~30 s "
                                    "with inductor's cache warm; auto = on for `serve` with quantised weights "
                                    "(a compile that fails there leaves the engine eager, with a warning), off for "
                                    "`generate` and the Python LLM")

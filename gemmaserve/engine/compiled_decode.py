@@ -13,7 +13,8 @@ cache) the graph calls the step's eager attention through an opaque op (attentio
     decode step, other B   one graph whose batch dimension is dynamic (2-63)
     every other step       eager (prefill chunks, mixed steps, images, B >= 64)
 
-Compiling the three graphs took 273 s on 2 cores from an empty inductor cache, 26-31 s with it warm (each
+Compiling the three graphs took 4-8 min on 2 cores the first time (273 s with inductor's cache holding
+the kernels they share with earlier graphs, ~500 s from an empty one), 26-31 s with it warm (each
 static size is a compile of its own, hence no graph per power of two). It happens
 where a process lives long enough to win it back: a server compiles while it loads (`/health` says
 loading), a one-shot `generate` or the Python `LLM` does not unless asked (`--cpu-compile`). Not on a
