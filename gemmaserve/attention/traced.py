@@ -52,7 +52,7 @@ class DecodeLayout:
            layer_slot: tuple[tuple[int, int], ...], tokens_per_page: tuple[int, ...],
            null_page: int) -> "DecodeLayout | str":
         """The layout, or why this cache cannot be read as one tensor (the step then attends through
-        the opaque op)."""
+        the opaque op). Zeroes the null page's first row, which masked keys read."""
         if not kv_cache:
             return "the model has no attention layers"
         rows = [TokenRows.of(k, v) for k, v in kv_cache]
@@ -76,6 +76,7 @@ class DecodeLayout:
         owners = tuple(i for i, s in enumerate(specs) if s.owns_kv)
         source = tuple(i if s.owns_kv else s.kv_source for i, s in enumerate(specs))
         t = tokens_per_page[0]
+        first[null_page * t].zero_()   # masked keys read this row: finite values, whatever was there
         return cls(first, t, null_page * t, tuple(kinds), tuple(slot), owners, source)
 
 

@@ -89,8 +89,6 @@ class CompiledDecode:
         layout = DecodeLayout.of(specs, kv_cache, layer_slot, tokens_per_page, null_page) if specs else "no layer specs"
         self.layout = layout if isinstance(layout, DecodeLayout) else None
         self.attention_path = "traced" if self.layout else f"opaque op ({layout})"
-        if self.layout is not None:   # masked keys read this row: finite values, whatever was there
-            self.layout.kv[self.layout.null_row].zero_()
         self.max_rows = min(MAX_ROWS, max_batch)
         self.sizes = sorted({min(s, self.max_rows) for s in STATIC_SIZES})   # static graphs, by rows
         self.dynamic = any(self._size_for(b) is None for b in range(2, self.max_rows + 1))

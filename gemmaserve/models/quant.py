@@ -306,7 +306,7 @@ class Int8Matmul:
         self._packed: PackedInt8 | None = None
         if kernel is Int8Kernel.FBGEMM_DYNAMIC:
             self._reduce_range = not _cpu_has_vnni()
-            if FbgemmTensors.available() and not self._reduce_range and fbgemm_tensors:
+            if fbgemm_tensors and FbgemmTensors.available():   # VNNI: no reduce_range
                 self._tensors = FbgemmTensors.pack(q, s)
             else:
                 with warnings.catch_warnings():   # PyTorch flags quantized tensors as legacy; fbgemm's kernels are current
