@@ -110,13 +110,14 @@ class DecodeTables:
             visible = j < old[:, None]                    # [b, W]
             pos = first[:, None] + torch.minimum(j, (old[:, None] - 1).clamp(min=0))
             at = torch.where(visible, addresses(tables, seqs[:, None].expand_as(pos), pos).rows_matrix(), -1)
-            if rows > b:   # padding rows: nothing old to see
-                at = torch.cat([at, at.new_full((at.shape[0], rows - b, width), -1)], 1)
-            keys.append(at)
-        writes = torch.stack([written[layout.kinds[layout.slot[layer][0]][0]][layout.slot[layer][1]]
-                              for layer in layout.owners])
-        if rows > b:
-            writes = torch.cat([writes, writes.new_full((writes.shape[0], rows - b), layout.null_row)], 1)
+            # One memory layout whatever the batch (padding rows: nothing old to see): a compiled
+            # graph guards on its inputs' strides, and another layout would compile it again.
+            padded = at.new_full((at.shape[0], rows, width), -1)
+            padded[:, :b] = at
+            keys.append(padded)
+        writes = torch.full((len(layout.owners), rows), layout.null_row, dtype=torch.long)   # padding: null page
+        writes[:, :b] = torch.stack([written[layout.kinds[layout.slot[layer][0]][0]][layout.slot[layer][1]]
+                                     for layer in layout.owners])
         return cls(keys, writes)
 
     def commit(self, layout: DecodeLayout, new_kv: torch.Tensor) -> None:

@@ -108,6 +108,7 @@ class CompiledDecode:
         self.state = CompileState.WAITING
         self.error: str | None = None
         self.compile_seconds = 0.0
+        self.refused_recompiles = 0   # decode steps run eagerly because their batch needed a new graph
 
     # -- the traced function --------------------------------------------------------------------
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor | None = None,
@@ -175,7 +176,18 @@ class CompiledDecode:
         if size > b:   # padding rows: token 0 at position 0; they see nothing real and write at most the null page
             input_ids = torch.cat([input_ids, input_ids.new_zeros(size - b)])
             positions = torch.cat([positions, positions.new_zeros(size - b)])
-        return self._run(input_ids, positions, metadata, b)[:b]
+        try:
+            # A batch the graphs' guards reject would compile again, for seconds to minutes inside a
+            # step while every request waits: run that step eagerly instead, and say so once.
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._run(input_ids, positions, metadata, b)[:b]
+        except RuntimeError as e:
+            if "fail_on_recompile" not in str(e):
+                raise
+            self.refused_recompiles += 1
+            if self.refused_recompiles == 1:
+                log.warning("a decode batch of %d rows needs a new graph; such steps run eagerly: %s", b, e)
+            return None
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, b: int,
              compiling: bool = False) -> torch.Tensor:
