@@ -92,3 +92,29 @@ def test_paged_attention_matches_dense(manager, scratch, backend_name):
         step += 1
     if scratch:
         assert step > 1  # scratch pages were used in the first (11-token) chunk of windows of 5
+
+
+@pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_gathers_into_one_reused_buffer_read_what_fresh_ones_do(manager):
+    """CPU gathers land in the backend's one buffer (no fresh ~70 MB block per layer): same K/V as a
+    fresh gather, the block reused while it is big enough and grown when it is not."""
+    kv = KVCacheManagerV1(SPECS, 2, 64) if manager == "v1" else KVCacheManagerV2(SPECS, 2, 64,
+                                                                                 enable_prefix_caching=False)
+    backend = TorchAttentionBackend()
+    cache = backend.allocate_kv_cache(SPECS, kv.layout, torch.device("cpu"))
+    for k, v in cache:
+        k.normal_(generator=torch.Generator().manual_seed(fresh_seed()))
+        v.normal_()
+    rows = backend._token_rows(cache)
+    buffer = backend._gather
+    for layer in (0, 1):
+        n = rows[layer].k.shape[0]
+        for shape in ((3, 5), (2, 2), (4, n)):
+            idx = torch.randint(0, n, (shape[0] * shape[1],))
+            want = rows[layer].read(idx, shape, (1.0, 1.0), F32)
+            got = rows[layer].read(idx, shape, (1.0, 1.0), F32, buffer)
+            assert all(torch.equal(w, g) for w, g in zip(want, got))
+            assert got[0].untyped_storage().data_ptr() == buffer._bytes.untyped_storage().data_ptr()
+    held = buffer._bytes
+    rows[0].read(torch.zeros(4, dtype=torch.long), (2, 2), (1.0, 1.0), F32, buffer)
+    assert buffer._bytes is held   # smaller gathers reuse the block
