@@ -7,7 +7,8 @@ import torch
 from helpers import fresh_seed, ours_from_hf, paged_logits, tiny_hf_model
 
 from gemmaserve.models.quant import (GROUP, FbgemmTensors, Int4Groups, Int8Kernel, Int8Matmul, QuantEmbedding,
-                                     QuantLinear, Rotation, WeightFormat, int8_rows, q4_k_groups, quantize_model)
+                                     QuantLinear, Rotation, WeightFormat, int8_blocks, int8_rows, q4_k_groups,
+                                     quantize_model)
 
 # fbgemm quantises activations per call (uint8, per tensor): a few tenths of a percent more error than
 # the weight-only kernel's bf16 activations.
@@ -119,6 +120,22 @@ def test_layer_int8_rotates_and_steps_per_row():
     assert rel(lin) < rel(unrotated) / 3   # the outlier sets the step unless rotated away
 
 
+@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="no fbgemm in this PyTorch")
+def test_batched_copy_takes_two_passes_at_every_row_count():
+    """q/k/v keep a weight-only form for one row and a rotated fbgemm copy for several: the copy runs
+    two passes at any row count (decode batches included), so a batch is as accurate as one row."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    w = torch.randn(384, 640, generator=gen) * 0.05
+    lin = QuantLinear.from_float(w, Int8Kernel.WEIGHT_ONLY, batched=True)
+    assert lin.int8.kernel is Int8Kernel.WEIGHT_ONLY and lin.batched.rotation is not None
+    for rows in (2, 8):
+        x = torch.randn(rows, 640, generator=gen)
+        x[:, 17] *= 300
+        ref = x.double() @ lin.batched.dequantize().double().t()
+        rel = lambda y: ((y.double() - ref).norm() / ref.norm()).item()   # noqa: E731
+        assert rel(lin(x)) < 5e-4 < 2e-3 < rel(lin.batched(x)), rows   # one pass: int8 activations' rounding
+
+
 @pytest.mark.skipif(not FbgemmTensors.available(), reason="needs fbgemm with VNNI and its tensor-packed linear")
 def test_fbgemm_tensor_packed_linear_equals_linear_dynamic():
     """The two ways into fbgemm's int8 linear (plain tensors, quantized tensors) quantise activations the
@@ -140,19 +157,33 @@ def test_fbgemm_tensor_packed_linear_equals_linear_dynamic():
 
 @pytest.mark.parametrize("kernel,tol", KERNELS)
 def test_quant_embedding_lookup_and_head(kernel, tol):
-    w = torch.randn(1000, 64, generator=torch.Generator().manual_seed(fresh_seed()))
+    """A Q8_0-like table (int8 values, an fp16 scale per block of 32) is kept exactly: lookups and
+    the head's highest logits are the table's own; the head's scan is per-row int8 within `tol`."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    q8 = torch.randint(-126, 127, (1000, 2, 32), generator=gen, dtype=torch.int8)
+    q8[..., 7] = 127   # as Q8_0 quantises: each block's largest value is +-127 times its scale
+    q8 = q8.view(1000, 64)
+    d = (torch.rand(1000, 2, generator=gen) * 0.01 + 1e-3).half()
+    w = (q8.float().view(1000, 2, 32) * d.float()[..., None]).view(1000, 64)
     emb = QuantEmbedding(w, kernel)
+    assert torch.equal(emb.qweight, q8) and torch.equal(emb.scales, d)
     ids = torch.tensor([0, 999, 5, 5])
-    q, s = int8_rows(w)
-    assert torch.equal(emb(ids), q[ids].float() * s[ids].float()[:, None])
-    h = torch.randn(2, 64, generator=torch.Generator().manual_seed(fresh_seed() + 1))
-    ref = h.double() @ (q.double() * s.double()[:, None]).t()
+    assert torch.equal(emb(ids), w[ids])
+    h = torch.randn(2, 64, generator=gen)
+    ref = h.double() @ w.double().t()
     got = emb.as_head(h)
     assert ((got.double() - ref).norm() / ref.norm()).item() < tol
-    if kernel is Int8Kernel.FBGEMM_DYNAMIC:   # the highest logits are recomputed exactly
-        top = emb.head(h).topk(QuantEmbedding.REFINE, dim=-1).indices   # the rows fbgemm ranked highest
-        torch.testing.assert_close(got.gather(1, top).double(), ref.gather(1, top), rtol=1e-5, atol=1e-5)
-        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    top = emb.head(h).topk(QuantEmbedding.REFINE, dim=-1).indices   # the rows the scan ranked highest
+    torch.testing.assert_close(got.gather(1, top).double(), ref.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert not torch.equal(emb.head.dequantize(), w)   # (the scan itself is per row: not the table)
+
+
+def test_int8_blocks_fall_back_to_rows_for_odd_widths():
+    w = torch.randn(10, 24, generator=torch.Generator().manual_seed(fresh_seed()))
+    q, s = int8_blocks(w)
+    assert s.shape == (10, 1) and s.dtype == torch.float16
+    assert ((q.float() * s.float() - w).abs() <= s.float() / 2 + 1e-7).all()
 
 
 def test_quantize_model_swaps_every_matrix_and_keeps_logits_close():

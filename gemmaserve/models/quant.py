@@ -1,9 +1,10 @@
 """Quantised weights on the CPU: a GGUF file's weights stay quantised instead of being expanded to fp32.
 
-Two weight formats (the rest of the model runs in fp32):
+Three weight formats (the rest of the model runs in fp32):
 
     INT8   per output row: w = q * s,               q int8 [N, K],     s [N]
     INT4   per 32 inputs:  w = (q - 8) * s + z,      q 0..15 packed,    s, z [K/32, N]  (_weight_int4pack_mm_for_cpu)
+    INT8 blocks, tables:   w = q * s per 32 inputs,  q int8 [N, K],     s fp16 [N, K/32] (Q8_0 exactly; lookups only)
 
 Each GGUF tensor goes to the format nearest to it. Q4_K is exactly INT4: its sub-blocks of 32 are
 w = d*sc*q - dmin*m, so s = d*sc and z = 8s - dmin*m, read from the blocks (not re-fitted). Every other
@@ -24,17 +25,19 @@ Where the matmul is compute-bound (prefill chunks) the activations' rounding err
 kernel too (two passes: activations then cost nothing). Which kernel runs where:
 
     MLP (gate/up, down as INT8)   rotated fbgemm at every row count (one copy)
-    attention q/k/v (INT8)        weight-only for one row (bf16 activations); a rotated fbgemm copy for
-                                  2-63 rows (decode batches) and for prefill chunks (two passes)
+    attention q/k/v (INT8)        weight-only for one row (bf16 activations); a rotated fbgemm copy, two
+                                  passes, for several (decode batches: one pass cost KL 0.0054 in 8-row
+                                  chunks against 0.0047 one row at a time; prefill chunks)
     INT4 (Q4_K: o_proj, down)     the exact int4 kernel; prefill chunks expand it exactly (a rotated
                                   int8 copy for several rows flipped a greedy choice the fp32 path
                                   made by a 0.45 logit margin: the exact weights stay)
-    tied output head              fbgemm, unrotated (the table is shared with lookups), then its 32
-                                  highest logits per row recomputed exactly
+    tied output head              a per-row INT8 copy of the table (fbgemm, unrotated), then its 32
+                                  highest logits per row recomputed exactly from the table's blocks
 
 Measured on the 270M (`bench quality`: KL divergence of the next-token distribution from our fp32
-path over its text, mean): 0.0046 in prefill chunks, 0.0047 one token at a time, 0.0054 in 8-row
-chunks (one pass); llama.cpp on the same file 0.0050; every matrix weight-only 0.0049. Without VNNI
+path over its text, mean): 0.0023 in prefill chunks, 0.0027 one token at a time and in 8-row chunks;
+llama.cpp on the same file 0.0050. (With the table in per-row INT8 too: 0.0046 / 0.0048, and 0.0054 in
+8-row chunks while q/k/v took one pass there.) Without VNNI
 fbgemm's AVX2 kernel can saturate 8-bit x 8-bit pairs, so activations use 7 bits there (`reduce_range`).
 
 fbgemm is entered through plain tensors where it can be (`FbgemmTensors`: VNNI CPUs) and through
@@ -105,11 +108,11 @@ def q4_k_groups(raw: np.ndarray, shape: tuple[int, int]) -> Int4Groups:
                       torch.from_numpy((dmin * m.astype(np.float32)).reshape(n, k // GROUP)))
 
 
-def _bf16_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Per-row INT8 scales as bf16 values no smaller than amax / 127 (so |q| <= 127)."""
+def _int8_scale(amax: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """INT8 scales as `dtype` values no smaller than amax / 127 (so |q| <= 127)."""
     s = (amax / 127).clamp(min=1e-30)
-    b = s.to(torch.bfloat16)
-    return torch.where(b.float() < s, torch.nextafter(b, torch.tensor(float("inf"), dtype=torch.bfloat16)), b)
+    b = s.to(dtype)
+    return torch.where(b.float() < s, torch.nextafter(b, torch.tensor(float("inf"), dtype=dtype)), b)
 
 
 def int8_rows(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,8 +123,23 @@ def int8_rows(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.T
     s = torch.empty(n, dtype=torch.bfloat16)
     for i in range(0, n, chunk):
         rows = w[i:i + chunk].float()
-        s[i:i + chunk] = _bf16_scale(rows.abs().amax(1))
+        s[i:i + chunk] = _int8_scale(rows.abs().amax(1))
         q[i:i + chunk] = torch.round(rows / s[i:i + chunk].float()[:, None]).clamp_(-127, 127)
+    return q, s
+
+
+def int8_blocks(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 q [N, K], fp16 scales [N, K / 32]): w ~ q * s per block of 32 inputs (of the
+    whole row where K is not a multiple of 32). A Q8_0 source comes back exactly: its block scales
+    are fp16 values of amax / 127, which this computes exactly again."""
+    n, k = w.shape
+    block = GROUP if k % GROUP == 0 else k
+    q = torch.empty(w.shape, dtype=torch.int8)
+    s = torch.empty(n, k // block, dtype=torch.float16)
+    for i in range(0, n, chunk):
+        rows = w[i:i + chunk].float().view(-1, k // block, block)
+        s[i:i + chunk] = _int8_scale(rows.abs().amax(-1), torch.float16)
+        q[i:i + chunk] = torch.round(rows / s[i:i + chunk].float()[..., None]).clamp_(-127, 127).view(-1, k)
     return q, s
 
 
@@ -223,12 +241,21 @@ class PackedInt8(opaque.OpaqueRef):
 
 if opaque.SUPPORTED:
     @torch.library.custom_op("gemmaserve::fbgemm_linear", mutates_args=())
-    def _fbgemm_linear(x: torch.Tensor, w: PackedInt8, out_features: int, reduce_range: bool) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x, w.packed, reduce_range)
+    def _fbgemm_linear(x: torch.Tensor, w: PackedInt8, out_features: int, reduce_range: bool,
+                       two_pass: bool) -> torch.Tensor:
+        return _linear_dynamic(x, w, reduce_range, two_pass)
 
     @_fbgemm_linear.register_fake
-    def _(x: torch.Tensor, w: PackedInt8, out_features: int, reduce_range: bool) -> torch.Tensor:
+    def _(x: torch.Tensor, w: PackedInt8, out_features: int, reduce_range: bool, two_pass: bool) -> torch.Tensor:
         return x.new_empty(x.shape[0], out_features)
+
+
+def _linear_dynamic(x: torch.Tensor, w: PackedInt8, reduce_range: bool, two_pass: bool) -> torch.Tensor:
+    y = torch.ops.quantized.linear_dynamic(x, w.packed, reduce_range)
+    if two_pass:   # as `_fbgemm_int8_product`
+        rounded = torch.quantize_per_tensor_dynamic(x, torch.quint8, reduce_range).dequantize()
+        y += torch.ops.quantized.linear_dynamic(x - rounded, w.packed, reduce_range)
+    return y
 
 
 @dataclass(frozen=True)
@@ -256,19 +283,20 @@ class FbgemmTensors:
         n, k = q.shape
         with warnings.catch_warnings():   # deprecation notes, once per process (see the docstring)
             warnings.simplefilter("ignore")
-            t = cls(torch.zeros(1, dtype=torch.int8).expand(n, k), torch.fbgemm_pack_quantized_matrix(q),
-                    q.sum(1, dtype=torch.int32), s.float(), torch.zeros(n))
+            # row sums in slices: q.sum(1, dtype=int32) converts the whole matrix first (+660 MB for the head)
+            sums = torch.cat([q[i:i + 8192].sum(1, dtype=torch.int32) for i in range(0, n, 8192)])
+            t = cls(torch.zeros(1, dtype=torch.int8).expand(n, k), torch.fbgemm_pack_quantized_matrix(q), sums,
+                    s.float(), torch.zeros(n))
             t(torch.zeros(1, k))
         return t
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] fp32, contiguous -> [M, N]."""
+    def __call__(self, x: torch.Tensor, two_pass: bool = False) -> torch.Tensor:
+        """x [M, K] fp32, contiguous -> [M, N]. `two_pass`: see `Int8Matmul.__call__`."""
         if torch.compiler.is_compiling():
-            y = torch.ops.gemmaserve.fbgemm_int8_linear(x, self.shape, self.packed, self.col_offsets, self.bias)
+            y = torch.ops.gemmaserve.fbgemm_int8_linear(x, self.shape, self.packed, self.col_offsets, self.bias,
+                                                        two_pass)
             return y * self.scales
-        y = torch.fbgemm_linear_int8_weight_fp32_activation(x, self.shape, self.packed, self.col_offsets, 1.0, 0,
-                                                            self.bias)
-        return y.mul_(self.scales)
+        return _fbgemm_int8_product(x, self.shape, self.packed, self.col_offsets, self.bias, two_pass).mul_(self.scales)
 
     def dequantize(self) -> torch.Tensor:
         """The weight [N, K] read back through the kernel (the packed form has no unpack): each row of
@@ -276,15 +304,25 @@ class FbgemmTensors:
         return self(torch.eye(self.shape.shape[1])).t().contiguous()
 
 
+def _fbgemm_int8_product(x: torch.Tensor, shape: torch.Tensor, packed: torch.Tensor, col_offsets: torch.Tensor,
+                         bias: torch.Tensor, two_pass: bool) -> torch.Tensor:
+    """x times the packed integers (weight scale 1; `bias` is zeros, so the second pass may add it again)."""
+    y = torch.fbgemm_linear_int8_weight_fp32_activation(x, shape, packed, col_offsets, 1.0, 0, bias)
+    if two_pass:   # the kernel rounds x as quantize_per_tensor_dynamic does: add what it lost
+        rounded = torch.quantize_per_tensor_dynamic(x, torch.quint8, False).dequantize()
+        y += torch.fbgemm_linear_int8_weight_fp32_activation(x - rounded, shape, packed, col_offsets, 1.0, 0, bias)
+    return y
+
+
 if FbgemmTensors.available():
     @torch.library.custom_op("gemmaserve::fbgemm_int8_linear", mutates_args=())
     def _fbgemm_int8_linear(x: torch.Tensor, shape: torch.Tensor, packed: torch.Tensor, col_offsets: torch.Tensor,
-                            bias: torch.Tensor) -> torch.Tensor:
-        return torch.fbgemm_linear_int8_weight_fp32_activation(x, shape, packed, col_offsets, 1.0, 0, bias)
+                            bias: torch.Tensor, two_pass: bool) -> torch.Tensor:
+        return _fbgemm_int8_product(x, shape, packed, col_offsets, bias, two_pass)
 
     @_fbgemm_int8_linear.register_fake
     def _(x: torch.Tensor, shape: torch.Tensor, packed: torch.Tensor, col_offsets: torch.Tensor,
-          bias: torch.Tensor) -> torch.Tensor:
+          bias: torch.Tensor, two_pass: bool) -> torch.Tensor:
         return x.new_empty(x.shape[0], shape.shape[0])
 
 
@@ -338,12 +376,13 @@ class Int8Matmul:
             w = self._q.float() * self._s.float()[:, None]
         return w if self.rotation is None else self.rotation.undo(w)
 
-    def _fbgemm(self, x: torch.Tensor) -> torch.Tensor:
+    def _fbgemm(self, x: torch.Tensor, two_pass: bool) -> torch.Tensor:
         if self._tensors is not None:
-            return self._tensors(x)
+            return self._tensors(x, two_pass)
         if torch.compiler.is_compiling():   # the packed weight is opaque to the compiler
-            return torch.ops.gemmaserve.fbgemm_linear(x, self._packed, self.out_features, self._reduce_range)
-        return torch.ops.quantized.linear_dynamic(x, self._packed.packed, self._reduce_range)
+            return torch.ops.gemmaserve.fbgemm_linear(x, self._packed, self.out_features, self._reduce_range,
+                                                      two_pass)
+        return _linear_dynamic(x, self._packed, self._reduce_range, two_pass)
 
     def __call__(self, x: torch.Tensor, two_pass: bool = False) -> torch.Tensor:
         """`two_pass` (fbgemm): run the activations' rounding error through the kernel too, so
@@ -359,11 +398,7 @@ class Int8Matmul:
             if x2.shape[0] > 1:
                 row_max = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
                 x2 = x2 / row_max
-            x2 = x2.contiguous()
-            y = self._fbgemm(x2)
-            if two_pass:   # the kernel rounds x2 as quantize_per_tensor_dynamic does: add what it lost
-                rounded = torch.quantize_per_tensor_dynamic(x2, torch.quint8, self._reduce_range).dequantize()
-                y += self._fbgemm(x2 - rounded)
+            y = self._fbgemm(x2.contiguous(), two_pass)
             if row_max is not None:
                 y = y.mul_(row_max)
         else:
@@ -414,8 +449,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > 1 and self.batched is not None:
-            return self.batched(x, two_pass=rows >= self.PREFILL_ROWS)
+        if rows > 1 and self.batched is not None:   # two passes: as exact as the one-row kernel's bf16
+            return self.batched(x, two_pass=True)
         if self.format is WeightFormat.INT8:
             if self.int8.kernel is Int8Kernel.FBGEMM_DYNAMIC or rows < self.PREFILL_ROWS:
                 return self.int8(x, two_pass=rows >= self.PREFILL_ROWS)
@@ -433,43 +468,67 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """An embedding table in INT8 rows: lookups dequantise the rows they read (fp32); `as_head` is the
-    tied output projection (an `Int8Matmul` of the same rows). On fbgemm, whose uint8 activations cost
-    the head a little accuracy, the `REFINE` highest logits of each row are then recomputed exactly
-    (fp32 hidden state against the dequantised rows): the tokens that sampling and the softmax's mass
-    depend on come out as the weights say, the far tail keeps fbgemm's ~1% error."""
+    """An embedding table in INT8 blocks of 32 (`int8_blocks`: a Q8_0 table, GGUF's usual choice for
+    Gemma's, is kept exactly); lookups dequantise the rows they read (fp32). `as_head` is the tied
+    output projection: the kernels take one scale per row, so the head scans an INT8-per-row copy
+    (`Int8Matmul`), then recomputes each row's `REFINE` highest logits exactly (fp32 hidden state
+    against the table's rows): the tokens that sampling and the softmax's mass depend on come out as
+    the weights say, the far tail keeps the scan's ~1% error. (Per-row INT8 alone, table included,
+    doubled the KL divergence from the fp32 path over bench quality's text: 0.0046 vs 0.0023.)"""
 
     REFINE = 32
 
     def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kernel: Int8Kernel | None = None,
                  head: bool = True):
-        """`weight`: the fp32 table, or its (q, s) from `int8_rows` (so the caller can free the table
+        """`weight`: the fp32 table, or its (q, s) from `int8_blocks` (so the caller can free the table
         before the kernel packs its copy). `head=False`: a lookup-only table (Gemma 4's per-layer
         embeddings), no matmul copy."""
         super().__init__()
-        q, s = weight if isinstance(weight, tuple) else int8_rows(weight)
+        q, s = weight if isinstance(weight, tuple) else int8_blocks(weight)
         self.num_embeddings, self.embedding_dim = q.shape
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s)
-        self.head = Int8Matmul(q, s, kernel or default_int8_kernel()) if head else None
+        self.head = None
+        if head:
+            kernel = kernel or default_int8_kernel()
+            rows = int8_rows(_BlockRows(self))
+            # fbgemm keeps only its packed copy; the weight-only kernel reads the rows themselves
+            self.head = Int8Matmul(*rows, kernel, keep_rows=kernel is Int8Kernel.WEIGHT_ONLY)
 
     @property
     def dtype(self) -> torch.dtype:
         return torch.float32
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qweight[ids].float() * self.scales[ids].float()[..., None]
+        q = self.qweight[ids].float()
+        blocks = self.scales.shape[-1]
+        return (q.view(*q.shape[:-1], blocks, -1) * self.scales[ids].float()[..., None]).view(q.shape)
 
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is None:
             raise RuntimeError("this embedding table was quantised for lookups only")
         logits = self.head(hidden)
-        if self.head.kernel is Int8Kernel.FBGEMM_DYNAMIC and logits.numel():
+        if logits.numel():
             flat, h = logits.view(-1, self.num_embeddings), hidden.reshape(-1, self.embedding_dim).float()
             top = row_topk_indices(flat, min(self.REFINE, self.num_embeddings))           # [M, k]
             exact = torch.einsum("mh,mkh->mk", h, self(top))
             flat.scatter_(-1, top, exact.to(flat.dtype))
         return logits
+
+
+@dataclass(frozen=True)
+class _BlockRows:
+    """A `QuantEmbedding`'s table as fp32 rows, dequantised per slice (`int8_rows` reads it in chunks:
+    the 262k-row table never exists in fp32 at once)."""
+
+    table: QuantEmbedding
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.table.num_embeddings, self.table.embedding_dim)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return self.table(torch.arange(self.table.num_embeddings)[rows])
 
 
 def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
@@ -505,10 +564,10 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
         parent, _, attr = mod_name.rpartition(".")
         weight = model.get_submodule(mod_name).weight.data
         if isinstance(model.get_submodule(mod_name), Embedding):
-            rows = int8_rows(weight)
+            blocks = int8_blocks(weight)
             del weight
             setattr(model.get_submodule(parent), attr, nn.Identity())   # drop the fp32 table now
-            new = QuantEmbedding(rows, head_kernel, head=mod_name == model.output_embedding_name())
+            new = QuantEmbedding(blocks, head_kernel, head=mod_name == model.output_embedding_name())
             counts["embedding_int8"] += 1
         else:
             wname = f"{mod_name}.weight"
