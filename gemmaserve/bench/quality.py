@@ -57,6 +57,25 @@ PROMPTS = [
     "The three primary colours are",
     "To make a cup of tea, first",
     "import numpy as np\n\n# Compute the mean of each row of a matrix\n",
+    # Added 2026-12-04: six prompts decide greedy agreement by one or two near-ties; 24 give a count.
+    "The water cycle describes how water moves between",
+    "Here is a short list of fruits that are high in vitamin C:\n1.",
+    "SELECT name, COUNT(*) FROM orders\n",
+    "My grandmother always said that the secret to a good soup is",
+    "The main difference between a virus and a bacterium is",
+    "class Stack:\n    def __init__(self):\n",
+    "Dear hiring manager,\n\nI am writing to apply for",
+    "The first person to walk on the Moon was",
+    "In mathematics, a prime number is",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "The train left the station at dawn, and",
+    "for i in range(10):\n",
+    "Photosynthesis is the process by which plants",
+    "The recipe calls for two cups of flour, one egg and",
+    "A good night's sleep helps the brain",
+    "<html>\n<head>\n<title>",
+    "The history of the printing press begins",
+    "When the storm finally passed, the villagers",
 ]
 
 
@@ -106,9 +125,11 @@ def run(args: argparse.Namespace) -> int:
     result: dict = {"benchmark": "quality", "date": date.today().isoformat(), "model": args.model,
                     "weights": quant.weight_formats, "text_tokens": len(text_ids), "new_tokens": args.new_tokens}
     s_ref = score(ref.model, text_ids, keep_logprobs=True)
-    # Prefill kernels (256-row chunks) and decode kernels (one row at a time, as batch-1 decode runs)
+    # Prefill kernels (256-row chunks), decode kernels (one row at a time, as batch-1 decode runs) and
+    # decode batches' kernels (8 rows at a time)
     engines = {"ours_fp32": s_ref, "ours_quantized": score(quant.model, text_ids, reference=s_ref),
-               "ours_quantized_decode": score(quant.model, text_ids, chunk=1, reference=s_ref)}
+               "ours_quantized_decode": score(quant.model, text_ids, chunk=1, reference=s_ref),
+               "ours_quantized_8_rows": score(quant.model, text_ids, chunk=8, reference=s_ref)}
     if unavailable() is None:   # the compiled decode step (what the engine runs once it is compiled)
         engines["ours_quantized_decode_compiled"] = score(quant.model, text_ids, chunk=1, reference=s_ref,
                                                           compiled=True, kv_manager="v2")
@@ -142,10 +163,18 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     result["greedy"] = rows
+    # Totals: tokens kept before the first divergence, and the largest fp32 margin a divergence overrode
+    result["greedy_totals"] = {name: {
+        "tokens_until_divergence": sum(r[name]["tokens_until_divergence"] for r in rows),
+        "of": len(rows) * args.new_tokens,
+        "diverged": sum(r[name]["ref_margin_there"] is not None for r in rows),
+        "largest_margin_overridden": max((r[name]["ref_margin_there"] for r in rows
+                                          if r[name]["ref_margin_there"] is not None), default=None)}
+        for name in others}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("weights", "perplexity", "kl_from_fp32", "text_argmax_agreement_vs_fp32",
-                                             "llama_cpp")}))
+                                             "greedy_totals", "llama_cpp")}))
     print(f"wrote {out}")
     return 0
