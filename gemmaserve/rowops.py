@@ -46,6 +46,8 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 def row_topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     """[M, V] -> [M, k] int64: the indices of each row's k largest values, largest first."""
     b = _blocked(x)
+    while b > 32 and k * b > x.shape[-1] // 8:   # many candidates: smaller blocks keep them few
+        b //= 2
     if not b or k * b >= x.shape[-1] // 4:
         return x.topk(k, dim=-1).indices
     m = x.shape[0]

@@ -156,18 +156,19 @@ def test_fbgemm_tensor_packed_linear_equals_linear_dynamic():
 
 
 @pytest.mark.parametrize("kernel,tol", KERNELS)
-def test_quant_embedding_lookup_and_head(kernel, tol):
+def test_quant_embedding_lookup_and_head(kernel, tol, monkeypatch):
     """A Q8_0-like table (int8 values, an fp16 scale per block of 32) is kept exactly: lookups and
     the head's highest logits are the table's own; the head's scan is per-row int8 within `tol`."""
     gen = torch.Generator().manual_seed(fresh_seed())
-    q8 = torch.randint(-126, 127, (1000, 2, 32), generator=gen, dtype=torch.int8)
+    n = 1008
+    q8 = torch.randint(-126, 127, (n, 2, 32), generator=gen, dtype=torch.int8)
     q8[..., 7] = 127   # as Q8_0 quantises: each block's largest value is +-127 times its scale
-    q8 = q8.view(1000, 64)
-    d = (torch.rand(1000, 2, generator=gen) * 0.01 + 1e-3).half()
-    w = (q8.float().view(1000, 2, 32) * d.float()[..., None]).view(1000, 64)
+    q8 = q8.view(n, 64)
+    d = (torch.rand(n, 2, generator=gen) * 0.01 + 1e-3).half()
+    w = (q8.float().view(n, 2, 32) * d.float()[..., None]).view(n, 64)
     emb = QuantEmbedding(w, kernel)
     assert torch.equal(emb.qweight, q8) and torch.equal(emb.scales, d)
-    ids = torch.tensor([0, 999, 5, 5])
+    ids = torch.tensor([0, n - 1, 5, 5])
     assert torch.equal(emb(ids), w[ids])
     h = torch.randn(2, 64, generator=gen)
     ref = h.double() @ w.double().t()
@@ -177,6 +178,15 @@ def test_quant_embedding_lookup_and_head(kernel, tol):
     torch.testing.assert_close(got.gather(1, top).double(), ref.gather(1, top), rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert not torch.equal(emb.head.dequantize(), w)   # (the scan itself is per row: not the table)
+    # One row scans a 4-bit copy (where PyTorch has the kernel) and recomputes its SCAN_REFINE highest
+    if emb.scan is not None:
+        monkeypatch.setattr(QuantEmbedding, "SCAN_REFINE", 64)
+        one = emb.as_head(h[:1])[0]
+        scanned = emb.scan(h[:1])[0]
+        assert ((scanned.double() - ref[0]).norm() / ref[0].norm()).item() < 0.1   # 4 bits: a coarse ranking
+        top = scanned.topk(64).indices
+        torch.testing.assert_close(one[top].double(), ref[0, top], rtol=1e-5, atol=1e-5)
+        assert not torch.equal(one, scanned) and one.argmax() == ref[0].argmax()
 
 
 def test_int8_blocks_fall_back_to_rows_for_odd_widths():

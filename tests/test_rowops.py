@@ -13,6 +13,8 @@ def test_argmax_and_topk_equal_torch(width, rows):
     gen = torch.Generator().manual_seed(fresh_seed())
     x = torch.randn(rows, width, generator=gen)
     assert torch.equal(row_topk_indices(x, 32), x.topk(32, dim=-1).indices)
+    k = min(1024, width)   # the 4-bit head scan's refinement: smaller blocks (randn ties: compare values)
+    assert torch.equal(x.gather(1, row_topk_indices(x, k)), x.topk(k, dim=-1).values)
     # ties: two equal maxima in different blocks and in one block; argmax keeps the first
     x[0, width - 3] = x[0, 9] = x[0, 10] = x[0].max() + 1
     assert torch.equal(row_argmax(x), x.max(dim=-1).indices)
