@@ -121,19 +121,21 @@ def test_layer_int8_rotates_and_steps_per_row():
 
 
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="no fbgemm in this PyTorch")
-def test_batched_copy_takes_two_passes_at_every_row_count():
-    """q/k/v keep a weight-only form for one row and a rotated fbgemm copy for several: the copy runs
-    two passes at any row count (decode batches included), so a batch is as accurate as one row."""
+def test_attention_matrices_take_two_passes_from_two_rows():
+    """q/k/v (`two_pass_rows=2`): one row takes one pass, a decode batch two, so a batch is as accurate as
+    the prefill path; the MLP's default keeps one pass up to prefill chunks."""
     gen = torch.Generator().manual_seed(fresh_seed())
     w = torch.randn(384, 640, generator=gen) * 0.05
-    lin = QuantLinear.from_float(w, Int8Kernel.WEIGHT_ONLY, batched=True)
-    assert lin.int8.kernel is Int8Kernel.WEIGHT_ONLY and lin.batched.rotation is not None
-    for rows in (2, 8):
+    qkv, mlp = QuantLinear.from_float(w, two_pass_rows=2), QuantLinear.from_float(w)
+    assert qkv.int8.rotation is not None and qkv.two_pass_rows == 2 and mlp.two_pass_rows == QuantLinear.PREFILL_ROWS
+    for rows in (1, 2, 8):
         x = torch.randn(rows, 640, generator=gen)
         x[:, 17] *= 300
-        ref = x.double() @ lin.batched.dequantize().double().t()
+        ref = x.double() @ qkv.dequantize().double().t()
         rel = lambda y: ((y.double() - ref).norm() / ref.norm()).item()   # noqa: E731
-        assert rel(lin(x)) < 5e-4 < 2e-3 < rel(lin.batched(x)), rows   # one pass: int8 activations' rounding
+        one_pass = rel(mlp(x))
+        assert 2e-3 < one_pass, rows   # int8 activations' rounding
+        assert (rel(qkv(x)) < 5e-4) == (rows > 1) and (rows > 1 or rel(qkv(x)) == one_pass), rows
 
 
 @pytest.mark.skipif(not FbgemmTensors.available(), reason="needs fbgemm with VNNI and its tensor-packed linear")
@@ -229,9 +231,8 @@ def test_quantize_model_swaps_every_matrix_and_keeps_logits_close():
     assert layers[0].mlp.gate_up_proj.format is WeightFormat.INT8
     if "fbgemm" in torch.backends.quantized.supported_engines:   # int8 activations in the MLP only
         assert layers[0].mlp.gate_up_proj.int8.rotation is not None and layers[1].mlp.down_proj.int8.rotation is not None
-        assert layers[1].self_attn.qkv_proj.int8.kernel is Int8Kernel.WEIGHT_ONLY
-        # one rotation per input width, shared (the batched q/k/v copy and the gate/up read the same width)
-        assert layers[1].self_attn.qkv_proj.batched.rotation is layers[0].mlp.gate_up_proj.int8.rotation
+        # one rotation per input width, shared (q/k/v and the gate/up read the same width)
+        assert layers[1].self_attn.qkv_proj.int8.rotation is layers[0].mlp.gate_up_proj.int8.rotation
     assert isinstance(ours.model.embed_tokens, QuantEmbedding) and ours.model.embed_tokens.head is not None
     assert not any(p.numel() > 64 * 64 for p in ours.parameters())   # no fp32 matrix left
     got = paged_logits(ours, seqs)[0]

@@ -24,10 +24,11 @@ first, so each gets its own step.
 Where the matmul is compute-bound (prefill chunks) the activations' rounding error runs through the
 kernel too (two passes: activations then cost nothing). Which kernel runs where:
 
-    MLP (gate/up, down as INT8)   rotated fbgemm at every row count (one copy)
-    attention q/k/v (INT8)        weight-only for one row (bf16 activations); a rotated fbgemm copy, two
-                                  passes, for several (decode batches: one pass cost KL 0.0054 in 8-row
-                                  chunks against 0.0047 one row at a time; prefill chunks)
+    MLP (gate/up, down as INT8)   rotated fbgemm at every row count, two passes in prefill chunks
+    attention q/k/v (INT8)        rotated fbgemm at every row count, two passes from two rows on (with
+                                  one pass, 8-row chunks scored KL 0.0054 against 0.0047 one row at a
+                                  time; one row takes one pass: the weight-only kernel with bf16
+                                  activations was as accurate there, KL 0.0028, and ~2x slower)
     INT4 (Q4_K: o_proj, down)     the exact int4 kernel; prefill chunks expand it exactly (a rotated
                                   int8 copy for several rows flipped a greedy choice the fp32 path
                                   made by a 0.45 logit margin: the exact weights stay)
@@ -409,28 +410,24 @@ class Int8Matmul:
 class QuantLinear(nn.Module):
     """y = x W^T with W in INT8 or INT4 (see the module docstring); x fp32 or bf16, y in x's dtype.
 
-    Single rows (batch-1 decode) run the weight's own form. Several rows run `batched` where it
-    exists: a rotated int8 copy on fbgemm, 2-3x faster at 8 rows than the weight-only kernel (made for
-    one row). Otherwise, from `PREFILL_ROWS` rows on (prefill chunks), an INT4 or weight-only weight is
-    expanded to fp32 for the call and the product runs on the fp32 GEMM. A layer whose own form is the
-    rotated int8 (the MLP, see `quantize_model`) needs no copy."""
+    INT8 on fbgemm (rotated) quantises its input per call: from `two_pass_rows` rows on, it takes two
+    passes (activations then cost no accuracy). From `PREFILL_ROWS` rows on (prefill chunks) an INT4
+    or weight-only weight is expanded to fp32 for the call and the product runs on the fp32 GEMM."""
 
     PREFILL_ROWS = 64
 
-    def __init__(self, in_features: int, out_features: int, fmt: WeightFormat):
+    def __init__(self, in_features: int, out_features: int, fmt: WeightFormat, two_pass_rows: int = PREFILL_ROWS):
         super().__init__()
         self.in_features, self.out_features, self.format = in_features, out_features, fmt
-        self.batched: Int8Matmul | None = None
+        self.two_pass_rows = two_pass_rows
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, kernel: Int8Kernel | None = None, batched: bool = False,
-                   rotations: dict[int, Rotation] | None = None) -> "QuantLinear":
+    def from_float(cls, w: torch.Tensor, kernel: Int8Kernel | None = None,
+                   rotations: dict[int, Rotation] | None = None, two_pass_rows: int = PREFILL_ROWS) -> "QuantLinear":
         """INT8 rows of an fp32 weight; `kernel` None: the layers' default (`Int8Matmul.for_layer`).
-        `batched`: add the rotated int8 copy for several rows. `rotations`: shared, see `for_layer`."""
-        mod = cls(w.shape[1], w.shape[0], WeightFormat.INT8)
+        `rotations`: shared, see `for_layer`."""
+        mod = cls(w.shape[1], w.shape[0], WeightFormat.INT8, two_pass_rows)
         mod.int8 = Int8Matmul.for_layer(w, rotations) if kernel is None else Int8Matmul(*int8_rows(w), kernel)
-        if batched and default_int8_kernel() is Int8Kernel.FBGEMM_DYNAMIC:
-            mod.batched = Int8Matmul.for_layer(w, rotations)
         return mod
 
     @classmethod
@@ -449,11 +446,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > 1 and self.batched is not None:   # two passes: as exact as the one-row kernel's bf16
-            return self.batched(x, two_pass=True)
         if self.format is WeightFormat.INT8:
             if self.int8.kernel is Int8Kernel.FBGEMM_DYNAMIC or rows < self.PREFILL_ROWS:
-                return self.int8(x, two_pass=rows >= self.PREFILL_ROWS)
+                return self.int8(x, two_pass=rows >= self.two_pass_rows)
         elif rows < self.PREFILL_ROWS:
             shape = x.shape
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(),
@@ -463,8 +458,7 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kernel = f", kernel={self.int8.kernel.value}" if self.format is WeightFormat.INT8 else ""
-        batched = ", batched=fbgemm" if self.batched is not None else ""
-        return f"in={self.in_features}, out={self.out_features}, format={self.format.value}{kernel}{batched}"
+        return f"in={self.in_features}, out={self.out_features}, format={self.format.value}{kernel}"
 
 
 class QuantEmbedding(nn.Module):
@@ -621,10 +615,10 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
                 groups = Int4Groups.cat([parts[i] for i in range(len(parts))])
             if groups is not None:
                 new = QuantLinear.from_int4(groups)   # exact at every row count (see the module docstring)
-            elif isinstance(model.get_submodule(parent), GeGLU):   # int8 activations at every row count
+            elif isinstance(model.get_submodule(parent), GeGLU):   # one pass up to prefill chunks
                 new = QuantLinear.from_float(weight, rotations=rotations)
-            else:   # bf16 activations for single rows (see the module docstring)
-                new = QuantLinear.from_float(weight, Int8Kernel.WEIGHT_ONLY, batched=True, rotations=rotations)
+            else:   # attention: two passes from two rows on (see the module docstring)
+                new = QuantLinear.from_float(weight, rotations=rotations, two_pass_rows=2)
             counts[new.format.value] += 1
             del weight
         setattr(model.get_submodule(parent), attr, new)
