@@ -33,7 +33,8 @@ kernel too (two passes: activations then cost nothing). Which kernel runs where:
                                   int8 copy for several rows flipped a greedy choice the fp32 path
                                   made by a 0.45 logit margin: the exact weights stay)
     tied output head              a per-row INT8 copy of the table (fbgemm, unrotated), then its 32
-                                  highest logits per row recomputed exactly from the table's blocks
+                                  highest logits per row recomputed exactly from the table's blocks;
+                                  one row scans a 4-bit copy instead and recomputes its 1,024 highest
 
 Measured on the 270M (`bench quality`: KL divergence of the next-token distribution from our fp32
 path over its text, mean): 0.0023 in prefill chunks, 0.0027 one token at a time and in 8-row chunks;
@@ -617,8 +618,9 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
                 new = QuantLinear.from_int4(groups)   # exact at every row count (see the module docstring)
             elif isinstance(model.get_submodule(parent), GeGLU):   # one pass up to prefill chunks
                 new = QuantLinear.from_float(weight, rotations=rotations)
-            else:   # attention: two passes from two rows on (see the module docstring)
-                new = QuantLinear.from_float(weight, rotations=rotations, two_pass_rows=2)
+            else:   # attention: two passes from two rows on (see the module docstring), from one
+                # where activations get 7 bits (no VNNI): there one row ran the weight-only kernel before
+                new = QuantLinear.from_float(weight, rotations=rotations, two_pass_rows=2 if _cpu_has_vnni() else 1)
             counts[new.format.value] += 1
             del weight
         setattr(model.get_submodule(parent), attr, new)
