@@ -2,6 +2,7 @@
 
 Three models over the same file: ours with every weight expanded to fp32 (the reference), ours with the
 quantised weights (`--dtype auto`), and llama.cpp on the same file when `llama-cpp-python` is installed.
+Ours decodes the greedy prompts as one batch, and (compiled) one at a time as llama.cpp does.
 Figures: perplexity over a fixed text (teacher-forced; ours through the real paged path, `scoring.py`;
 the quantised model both in prefill chunks and one token at a time, since the two run different
 kernels), the KL divergence of each from our fp32 path's next-token distribution there, and greedy
@@ -147,9 +148,11 @@ def run(args: argparse.Namespace) -> int:
                                                                      cpu_compile="off"), quant),
                                         prompts, args.new_tokens)}
     if unavailable() is None:
-        others["ours_quantized_compiled"] = _greedy(
-            LLM.from_config(EngineConfig(model=args.model, dtype="auto", cpu_compile="on"), quant), prompts,
-            args.new_tokens)
+        compiled = LLM.from_config(EngineConfig(model=args.model, dtype="auto", cpu_compile="on"), quant)
+        others["ours_quantized_compiled"] = _greedy(compiled, prompts, args.new_tokens)
+        # one prompt at a time, as llama.cpp's run: the batch-1 kernels (the batch above runs the batched ones)
+        others["ours_quantized_compiled_one_at_a_time"] = [_greedy(compiled, [p], args.new_tokens)[0]
+                                                           for p in prompts]
     if llama:
         others["llama_cpp"] = [llama.greedy(p, args.new_tokens) for p in prompts]
     rows = []
