@@ -190,7 +190,6 @@ def test_quant_embedding_lookup_and_head(kernel, tol, monkeypatch):
         torch.testing.assert_close(one[top].double(), ref[0, top], rtol=1e-5, atol=1e-5)
         assert not torch.equal(one, scanned) and one.argmax() == ref[0].argmax()
         # built in slices of rows (the 262k-row table never exists in fp32): the same copy as in one piece
-        assert emb.scan.group == 64   # the largest group the kernel takes that divides the width
         sliced = type(emb.scan).of(emb, chunk=256)
         assert torch.equal(sliced.packed, emb.scan.packed) and torch.equal(sliced.scales_zeros, emb.scan.scales_zeros)
 

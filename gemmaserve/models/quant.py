@@ -215,8 +215,8 @@ class Rotation:
         sign = torch.tensor([[1.0], [-1.0]], dtype=x.dtype, device=x.device)   # [2, 1]: lo + hi, lo - hi
         h = 1
         while h < b:
-            # one broadcast expression per butterfly (a stack of lo + hi and lo - hi compiles to a
-            # concatenation whose halves the graph's wrapper sets up as views: ~1,200 calls a step)
+            # one broadcast expression per butterfly: a stack of lo + hi and lo - hi compiled to a
+            # concatenation whose halves the graph's wrapper set up as views (~700 calls a step)
             pairs = y.view(-1, n, b // (2 * h), 2, h)
             y = (pairs[..., :1, :] + sign * pairs[..., 1:, :]).view(-1, n, b)
             h *= 2
@@ -474,7 +474,7 @@ class QuantEmbedding(nn.Module):
     doubled the KL divergence from the fp32 path over bench quality's text: 0.0046 vs 0.0023.)"""
 
     REFINE = 32
-    SCAN_REFINE = 1024   # the 4-bit scan's: its tail is coarser (head-alone KL 0.0009 here, 0.0090 at 32)
+    SCAN_REFINE = 1024   # the 4-bit scan's: its tail is coarser (head-alone KL 0.0009 here, 0.0088 at 32)
 
     def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kernel: Int8Kernel | None = None,
                  head: bool = True):
@@ -496,7 +496,7 @@ class QuantEmbedding(nn.Module):
 
     def _scan(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Logits to rank by, and how many of each row's highest to recompute exactly. One row (batch-1
-        decode) scans a 4-bit copy: half the int8 copy's bytes, 4.4 vs 6.6-7.8 ms for the 270M's head;
+        decode) scans a 4-bit copy: half the int8 copy's bytes, 4.8 vs 6.6-7.8 ms for the 270M's head;
         at several rows the 4-bit kernel is slower than fbgemm's int8 one."""
         if self.scan is not None and hidden.numel() == self.embedding_dim:
             return self.scan(hidden), self.SCAN_REFINE
@@ -526,16 +526,13 @@ class QuantEmbedding(nn.Module):
 @dataclass(frozen=True)
 class _Int4Scan:
     """A table [N, K] in 4 bits for `_weight_int4pack_mm_for_cpu` (one row at a time): per group of
-    `group` inputs, w ~ (q - 8) * s + z with s = (max - min) / 15 and z = 8 s + min. Approximate by
-    design: it only ranks the logits that `QuantEmbedding.as_head` then recomputes exactly, so the
-    group is the largest the kernel takes (the 270M's head: 4.4 ms at 128 against 4.8 at 32; the
-    head-alone KL from its exact table over bench quality's text 0.0009 against 0.0005)."""
+    32 inputs, w ~ (q - 8) * s + z with s = (max - min) / 15 and z = 8 s + min. Approximate by
+    design: it only ranks the logits that `QuantEmbedding.as_head` then recomputes exactly. (Groups of
+    128 scan the 270M's head in 4.4 ms instead of 4.8, but raised the one-row KL from fp32 over bench
+    quality's text from 0.0029 to 0.0038: perplexity 22.61 -> 22.73.)"""
 
     packed: torch.Tensor        # uint8 [N, K / 2]
-    scales_zeros: torch.Tensor  # bf16 [K / group, N, 2]
-    group: int
-
-    GROUPS = (128, 64, 32)   # the kernel's group sizes, largest first
+    scales_zeros: torch.Tensor  # bf16 [K / 32, N, 2]
 
     @staticmethod
     def available() -> bool:
@@ -544,23 +541,22 @@ class _Int4Scan:
     @classmethod
     def of(cls, table: QuantEmbedding, chunk: int = 16384) -> "_Int4Scan | None":
         n, k = table.num_embeddings, table.embedding_dim
-        g = next((g for g in cls.GROUPS if k % g == 0), None)
-        if g is None or n % 16:   # the kernel's packing takes rows by 16
+        if k % GROUP or n % 16:   # the kernel's packing takes rows by 16
             return None
         packed = torch.empty(n, k // 2, dtype=torch.uint8)
-        scales_zeros = torch.empty(k // g, n, 2, dtype=torch.bfloat16)
+        scales_zeros = torch.empty(k // GROUP, n, 2, dtype=torch.bfloat16)
         for i in range(0, n, chunk):   # slices: the packing is per row, and no [N, K] temporary exists
-            w = table(torch.arange(i, min(i + chunk, n))).view(-1, k // g, g)
+            w = table(torch.arange(i, min(i + chunk, n))).view(-1, k // GROUP, GROUP)
             lo, hi = w.amin(-1), w.amax(-1)
             step = ((hi - lo) / 15).clamp(min=1e-12)
             q = torch.round((w - lo[..., None]) / step[..., None]).clamp_(0, 15).to(torch.int32).view(-1, k)
             packed[i:i + chunk] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             scales_zeros[:, i:i + chunk] = torch.stack([step, 8 * step + lo], -1).transpose(0, 1)
-        return cls(packed, scales_zeros, g)
+        return cls(packed, scales_zeros)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, hidden.shape[-1]).to(torch.bfloat16).contiguous()
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros).float()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros).float()
 
 
 @dataclass(frozen=True)
