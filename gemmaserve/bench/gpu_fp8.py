@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .gpu_bench import GiB, _engine, _prompts
+from .scoring import first_divergence
 from .sections import run_sections
 from .synthetic import random_model
 
@@ -174,10 +175,6 @@ def _greedy(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     return [done[i] for i in ids]
-
-
-def first_divergence(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def section_agreement(res: dict, shapes, num_prompts: int = 4, prompt_len: int = 512, new_tokens: int = 32) -> None:

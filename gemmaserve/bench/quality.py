@@ -87,10 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-out/quality.json", help="JSON output path")
 
 
-def first_divergence(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def _greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
     from ..engine.sampling_params import SamplingParams
 
@@ -111,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.llm import LLM
     from ..models.loader import load_model, resolve_model
     from .llama_cpp_ref import LlamaCppReference
-    from .scoring import score
+    from .scoring import first_divergence, greedy_totals, score
 
     from ..errors import UserInputError
     from ..models.loader import SourceKind
@@ -167,13 +163,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(row), flush=True)
     result["greedy"] = rows
     # Totals: tokens kept before the first divergence, and the largest fp32 margin a divergence overrode
-    result["greedy_totals"] = {name: {
-        "tokens_until_divergence": sum(r[name]["tokens_until_divergence"] for r in rows),
-        "of": len(rows) * args.new_tokens,
-        "diverged": sum(r[name]["ref_margin_there"] is not None for r in rows),
-        "largest_margin_overridden": max((r[name]["ref_margin_there"] for r in rows
-                                          if r[name]["ref_margin_there"] is not None), default=None)}
-        for name in others}
+    result["greedy_totals"] = greedy_totals(rows, others, args.new_tokens)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -94,3 +94,21 @@ def score(model, ids: list[int], chunk: int = 256, page_size: int = 16, keep_log
             margin.append(two.values[:, 0] - two.values[:, 1])
     return Scores(torch.cat(lp)[:-1], torch.cat(top)[:-1], torch.cat(margin)[:-1],
                   torch.cat(kl) if kl else None, torch.cat(full)[:-1] if full else None)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """Tokens two greedy continuations share before they first differ (the shorter's length if never)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def greedy_totals(rows: list[dict], names, new_tokens: int) -> dict[str, dict]:
+    """Per engine over `rows` (each {name: {"tokens_until_divergence", "ref_margin_there"}}, the
+    margin None where it never diverged): tokens kept, divergences, and the largest reference margin
+    a divergence overrode."""
+    return {name: {
+        "tokens_until_divergence": sum(r[name]["tokens_until_divergence"] for r in rows),
+        "of": len(rows) * new_tokens,
+        "diverged": sum(r[name]["ref_margin_there"] is not None for r in rows),
+        "largest_margin_overridden": max((r[name]["ref_margin_there"] for r in rows
+                                          if r[name]["ref_margin_there"] is not None), default=None)}
+        for name in names}
