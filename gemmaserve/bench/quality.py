@@ -3,9 +3,11 @@
 Three models over the same file: ours with every weight expanded to fp32 (the reference), ours with the
 quantised weights (`--dtype auto`), and llama.cpp on the same file when `llama-cpp-python` is installed.
 Ours decodes the greedy prompts as one batch, and (compiled) one at a time as llama.cpp does.
-Figures: perplexity over a fixed text (teacher-forced; ours through the real paged path, `scoring.py`;
-the quantised model both in prefill chunks and one token at a time, since the two run different
-kernels), the KL divergence of each from our fp32 path's next-token distribution there, and greedy
+Figures: perplexity over fixed passages (`quality_texts.py`; teacher-forced, each passage from its
+start; ours through the real paged path, `scoring.py`; the quantised model in prefill chunks, one token
+at a time and in 8-row chunks, since each runs different kernels), the KL divergence of each from our
+fp32 path's next-token distribution there, the per-token difference of our negative log-likelihood from
+llama.cpp's with its standard error (whether a perplexity gap is more than the text's noise), and greedy
 agreement with the fp32 reference over fixed completion prompts: tokens until the first divergence,
 and the reference's top-2 logit margin at that step (a divergence where the reference itself barely
 decided is rounding, one at a clear margin is a defect).
@@ -14,6 +16,7 @@ decided is rounding, one at a clear margin is a defect).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from datetime import date
 from pathlib import Path
@@ -21,64 +24,6 @@ from pathlib import Path
 import torch
 
 from ..config.options import positive_int
-
-# Our own text (written for this benchmark, so no model has seen it verbatim).
-TEXT = """\
-The harbour town woke before the sun. Fishermen carried nets down the stone steps, and the baker on the
-corner pulled the first loaves from an oven that had burned since midnight. Nobody hurried; the tide
-would wait for no one, but it would also not come in any sooner for being watched.
-
-Mara had lived above the chandlery for eleven years. From her window she could see the breakwater, the
-red light at its end, and beyond it the grey line where the sea met the sky. Every morning she wrote
-down three things in a small notebook: the wind, the colour of the water, and the number of boats that
-went out. Her neighbours thought it was a strange habit. She thought it was the only way to notice that
-the world was changing, slowly, in ways that a single day would never show.
-
-In the spring the notebook showed something odd. The boats went out as before, but fewer of them came
-back before noon, and the ones that did came back light. The older fishermen blamed the weather. The
-younger ones blamed the new trawlers that worked the deep water to the north. Mara did not blame anyone.
-She took her notebook to the harbour master, a patient man with ink on his cuffs, and asked him to read
-it.
-
-He read it twice. Then he opened a drawer and took out a ledger of his own, with columns of dates and
-weights going back thirty years. Together they laid the two books side by side on his desk and compared
-them, page by page, until the light outside turned orange. When they had finished, neither of them
-spoke for a while. The numbers agreed with each other, and what they said was not good news.
-
-That evening the harbour master called a meeting in the church hall. He did not make a speech. He
-simply read out the figures, one year after another, and let the room listen. When he sat down, an old
-woman at the back stood up and said that her father had kept a notebook too, and that she still had it.
-By the end of the week there were nine notebooks on the table, and a plan.
-"""
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Once upon a time, in a small village by the sea,",
-    "The three primary colours are",
-    "To make a cup of tea, first",
-    "import numpy as np\n\n# Compute the mean of each row of a matrix\n",
-    # Added 2026-12-04: six prompts decide greedy agreement by one or two near-ties; 24 give a count.
-    "The water cycle describes how water moves between",
-    "Here is a short list of fruits that are high in vitamin C:\n1.",
-    "SELECT name, COUNT(*) FROM orders\n",
-    "My grandmother always said that the secret to a good soup is",
-    "The main difference between a virus and a bacterium is",
-    "class Stack:\n    def __init__(self):\n",
-    "Dear hiring manager,\n\nI am writing to apply for",
-    "The first person to walk on the Moon was",
-    "In mathematics, a prime number is",
-    "Q: What is the boiling point of water at sea level?\nA:",
-    "The train left the station at dawn, and",
-    "for i in range(10):\n",
-    "Photosynthesis is the process by which plants",
-    "The recipe calls for two cups of flour, one egg and",
-    "A good night's sleep helps the brain",
-    "<html>\n<head>\n<title>",
-    "The history of the printing press begins",
-    "When the storm finally passed, the villagers",
-]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gemma3-270m", help="GGUF file or alias (default: the embedded 270M)")
@@ -107,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.llm import LLM
     from ..models.loader import load_model, resolve_model
     from .llama_cpp_ref import LlamaCppReference
-    from .scoring import first_divergence, greedy_totals, score
+    from .quality_texts import PASSAGES, PROMPTS
+    from .scoring import Scorer, Scores, first_divergence, greedy_totals, paired_nll_difference
 
     from ..errors import UserInputError
     from ..models.loader import SourceKind
@@ -118,26 +64,44 @@ def run(args: argparse.Namespace) -> int:
     ref = load_model(args.model, torch.float32, cpu)
     quant = load_model(args.model, torch.float32, cpu, quantized=True)
     tok = ref.tokenizer
-    text_ids = tok.encode(TEXT)
+    texts = [tok.encode(t) for t in PASSAGES]
+    longest = max(len(t) for t in texts)
     result: dict = {"benchmark": "quality", "date": date.today().isoformat(), "model": args.model,
-                    "weights": quant.weight_formats, "text_tokens": len(text_ids), "new_tokens": args.new_tokens}
-    s_ref = score(ref.model, text_ids, keep_logprobs=True)
+                    "weights": quant.weight_formats, "passages": len(texts),
+                    "text_tokens": [len(t) for t in texts], "new_tokens": args.new_tokens}
     # Prefill kernels (256-row chunks), decode kernels (one row at a time, as batch-1 decode runs) and
-    # decode batches' kernels (8 rows at a time)
-    engines = {"ours_fp32": s_ref, "ours_quantized": score(quant.model, text_ids, reference=s_ref),
-               "ours_quantized_decode": score(quant.model, text_ids, chunk=1, reference=s_ref),
-               "ours_quantized_8_rows": score(quant.model, text_ids, chunk=8, reference=s_ref)}
+    # decode batches' kernels (8 rows at a time); each scorer (and the compiled step) serves every passage
+    reference = Scorer(ref.model, longest)
+    scorers = {"ours_quantized": Scorer(quant.model, longest),
+               "ours_quantized_decode": Scorer(quant.model, longest, chunk=1),
+               "ours_quantized_8_rows": Scorer(quant.model, longest, chunk=8)}
     if unavailable() is None:   # the compiled decode step (what the engine runs once it is compiled)
-        engines["ours_quantized_decode_compiled"] = score(quant.model, text_ids, chunk=1, reference=s_ref,
-                                                          compiled=True, kv_manager="v2")
+        scorers["ours_quantized_decode_compiled"] = Scorer(quant.model, longest, chunk=1, compiled=True,
+                                                           kv_manager="v2")
     llama = LlamaCppReference.open(resolve_model(args.model).path, args.threads or torch.get_num_threads())
     result["llama_cpp"] = llama.version if llama else "not installed (pip install llama-cpp-python)"
-    if llama:
-        engines["llama_cpp"] = llama.score(text_ids, reference=s_ref)
+    parts: dict[str, list] = {"ours_fp32": [], **{k: [] for k in scorers}, **({"llama_cpp": []} if llama else {})}
+    for ids in texts:   # one passage's full fp32 distributions at a time (~0.6 GB each)
+        s_ref = reference.score(ids, keep_logprobs=True)
+        parts["ours_fp32"].append(dataclasses.replace(s_ref, full_logprobs=None))
+        for name, scorer in scorers.items():
+            parts[name].append(scorer.score(ids, reference=s_ref))
+        if llama:
+            parts["llama_cpp"].append(llama.score(ids, reference=s_ref))
+    engines = {k: Scores.cat(v) for k, v in parts.items()}
+    s_ref = engines["ours_fp32"]
     result["perplexity"] = {k: round(v.perplexity, 4) for k, v in engines.items()}
     result["kl_from_fp32"] = {k: round(v.mean_kl, 5) for k, v in engines.items() if v.mean_kl is not None}
     result["text_argmax_agreement_vs_fp32"] = {k: round(float((v.argmax == s_ref.argmax).float().mean()), 4)
                                                for k, v in engines.items() if k != "ours_fp32"}
+    result["perplexity_by_passage"] = {k: [round(p.perplexity, 3) for p in v] for k, v in parts.items()}
+    result["kl_by_passage"] = {k: [round(p.mean_kl, 5) for p in v] for k, v in parts.items()
+                               if v[0].kl is not None}
+    if llama:
+        # Per token, ours minus llama.cpp's negative log-likelihood: mean = log of the perplexities' ratio
+        result["nll_difference_vs_llama_cpp"] = {
+            k: dict(zip(("mean", "standard_error"), (round(x, 5) for x in paired_nll_difference(v, engines["llama_cpp"]))))
+            for k, v in engines.items() if k != "llama_cpp"}
     prompts = [tok.encode(p) for p in PROMPTS]
     gold = _greedy(LLM.from_config(EngineConfig(model=args.model, dtype="float32"), ref), prompts, args.new_tokens)
     others = {"ours_quantized": _greedy(LLM.from_config(EngineConfig(model=args.model, dtype="auto",
@@ -152,8 +116,9 @@ def run(args: argparse.Namespace) -> int:
     if llama:
         others["llama_cpp"] = [llama.greedy(p, args.new_tokens) for p in prompts]
     rows = []
+    margin_scorer = Scorer(ref.model, max(len(p) for p in prompts) + args.new_tokens)
     for i, (text, p, g) in enumerate(zip(PROMPTS, prompts, gold)):
-        margins = score(ref.model, p + g).margin[len(p) - 1:]
+        margins = margin_scorer.score(p + g).margin[len(p) - 1:]
         row = {"prompt": text[:40]}
         for name, toks in others.items():
             d = first_divergence(g, toks[i])
@@ -168,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("weights", "perplexity", "kl_from_fp32", "text_argmax_agreement_vs_fp32",
-                                             "greedy_totals", "llama_cpp")}))
+                                             "nll_difference_vs_llama_cpp", "greedy_totals", "llama_cpp")
+                      if k in result}))
     print(f"wrote {out}")
     return 0
