@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserInputError
+from ..hostmem import release_freed_memory
 from .base import CausalLM
 from .embedded import EMBEDDED_MODELS, cache_dir, resolve_embedded
 from .registry import model_class_for_gguf, model_class_for_hf
@@ -139,11 +140,13 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
             yield name, tensor - 1.0 if one_plus_w else tensor  # GGUF stores Gemma 3 norms as 1 + w
 
     model = build_model(model_class, config, weights, dtype, device, shard)
+    release_freed_memory()   # the dequantised tensors just copied into the model (hostmem.py)
     formats = None
     if quantized:
         from .quant import quantize_model
 
         formats = quantize_model(model, int4)
+        release_freed_memory()
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     tokenizer = Tokenizer.from_gguf(gguf, cache_dir() / "tokenizers" / f"{key}.json")

@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from .. import opaque
+from ..hostmem import release_freed_memory
 from ..rowops import row_topk_indices
 
 GROUP = 32
@@ -610,6 +611,7 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
             blocks = int8_blocks(weight)
             del weight
             setattr(model.get_submodule(parent), attr, nn.Identity())   # drop the fp32 table now
+            release_freed_memory()   # and the fp32 matrices before it, before the table's copies are made
             new = QuantEmbedding(blocks, head_kernel, head=mod_name == model.output_embedding_name())
             counts["embedding_int8"] += 1
         else:
