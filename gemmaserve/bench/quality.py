@@ -108,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
                                                                      cpu_compile="off"), quant),
                                         prompts, args.new_tokens)}
     if unavailable() is None:
-        compiled = LLM.from_config(EngineConfig(model=args.model, dtype="auto", cpu_compile="on"), quant)
+        # Prefix caching off: the one-at-a-time runs would otherwise start from the KV the batch computed
+        compiled = LLM.from_config(EngineConfig(model=args.model, dtype="auto", cpu_compile="on",
+                                                enable_prefix_caching=False), quant)
         others["ours_quantized_compiled"] = _greedy(compiled, prompts, args.new_tokens)
         # one prompt at a time, as llama.cpp's run: the batch-1 kernels (the batch above runs the batched ones)
         others["ours_quantized_compiled_one_at_a_time"] = [_greedy(compiled, [p], args.new_tokens)[0]
