@@ -1,12 +1,12 @@
 """Package arrows point one way (DESIGN.md §3): a package imports only packages below it.
 
-    errors, units, device, rowops, opaque  <-  kv  <-  attention, transfer  <-  models  <-  config  <-  engine  <-  server, bench, cli
+    errors, units, device, hostmem, rowops, opaque  <-  kv  <-  attention, transfer  <-  models  <-  config  <-  engine  <-  server, bench, cli
 """
 
 import ast
 from pathlib import Path
 
-RANK = {"errors": 0, "units": 0, "device": 0, "rowops": 0, "opaque": 0, "kv": 1, "attention": 2, "transfer": 2, "models": 3, "config": 4, "engine": 5,
+RANK = {"errors": 0, "units": 0, "device": 0, "hostmem": 0, "rowops": 0, "opaque": 0, "kv": 1, "attention": 2, "transfer": 2, "models": 3, "config": 4, "engine": 5,
         "server": 6, "bench": 6, "cli": 6, "__main__": 7}
 ROOT = Path(__file__).resolve().parents[1] / "gemmaserve"
 
