@@ -149,7 +149,8 @@ def engine_checks() -> list[dict]:
     path = save_checkpoint(tiny_hf_model(int(time.time()) % 10000, sliding_window=8, num_key_value_heads=2,
                                          head_dim=128, num_attention_heads=4, hidden_size=256),
                            Path(tempfile.mkdtemp()) / "tiny")
-    prompts = ["abcdefghij klmnop qrstuv " * 8, "zyxw vuts " * 3, "hello"]
+    # the last prompt is over 256 tokens: the torch backend's prefill runs in query blocks (torch_backend.py)
+    prompts = ["abcdefghij klmnop qrstuv " * 8, "zyxw vuts " * 3, "hello", "one two three four five six " * 20]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     base = LLM(model=str(path), device="cuda", dtype="float32", attention_backend="torch", kv_cache_manager="v1",
                page_size=16, kv_cache_memory=1 << 30, async_scheduling="off")
