@@ -68,7 +68,7 @@ def test_paired_nll_difference_is_the_log_perplexity_ratio_with_its_error():
     a, b = _scores([-1.0, -2.0, -3.0, -2.0]), _scores([-1.5, -2.0, -2.5, -2.2])
     mean, se = paired_nll_difference(a, b)
     assert mean == pytest.approx(math.log(a.perplexity / b.perplexity))
-    d = torch.tensor([0.5, 0.0, -0.5, -0.2], dtype=torch.float64)   # a's NLL minus b's, per token
+    d = torch.tensor([-0.5, 0.0, 0.5, -0.2], dtype=torch.float64)   # a's NLL minus b's, per token
     assert mean == pytest.approx(float(d.mean())) and se == pytest.approx(float(d.std() / 2))
     assert paired_nll_difference(a, a) == (0.0, 0.0)
     with pytest.raises(ValueError, match="different texts"):
