@@ -11,6 +11,7 @@ from gemmaserve import LLM, SamplingParams
 from gemmaserve.bench.scoring import score
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.engine.compiled_decode import CompiledDecode, CompileState, unavailable
+from gemmaserve.engine.direct_graph import DirectGraph
 from gemmaserve.models.quant import Int8Kernel, Int8Matmul, int8_rows, quantize_model
 
 from helpers import fresh_seed, ours_from_hf, save_checkpoint, tiny_hf_model
@@ -59,6 +60,13 @@ def test_engine_runs_decode_batches_through_the_graphs_and_keeps_greedy_tokens(t
     calls: list[int] = []
     run = runner.compiled.run
     runner.compiled.run = lambda ids, pos, md: calls.append(len(ids)) or run(ids, pos, md)
+    # each graph captured at compile time, checked against Dynamo's call, and called directly since
+    assert set(runner.compiled._direct) == {1, 8, None}
+    assert all(isinstance(d, DirectGraph) and d.verified for d in runner.compiled._direct.values())
+    through_dynamo: list[int] = []
+    for name in ("_static", "_dynamic"):
+        graph = getattr(runner.compiled, name)
+        setattr(runner.compiled, name, lambda *a, graph=graph: through_dynamo.append(len(a[0])) or graph(*a))
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     words = "the cat sat on a mat by the door".split()
     for n in (3, 6, 9):   # the dynamic graph, the 8-row one (padded), the dynamic one again
@@ -68,6 +76,7 @@ def test_engine_runs_decode_batches_through_the_graphs_and_keeps_greedy_tokens(t
         assert got == want
     assert {3, 6, 9} <= set(calls) and runner.compiled.sizes == [1, 8] and runner.compiled.dynamic
     assert runner.compiled.refused_recompiles == 0   # every batch ran the graphs compiled at start
+    assert through_dynamo == []
     single = comp.generate(["hello world"], params)[0].outputs[0].token_ids
     assert single == eager.generate(["hello world"], params)[0].outputs[0].token_ids and calls[-1] == 1
 

@@ -7,6 +7,9 @@ were (fbgemm through custom ops, models/quant.py). Attention is traced too where
 cache is one arena of one geometry (attention/traced.py: the cache and the step's tables are graph
 inputs, the new K/V come out of the graph and are written after it); elsewhere (KV manager V1, an fp8
 cache) the graph calls the step's eager attention through an opaque op (attention/handle.py).
+Inductor writes the code that calls the kernels in C++ where the graph takes no Python objects, and
+once compiled a graph is called without Dynamo's frame evaluation (direct_graph.py): 12.1 vs 13.1 ms
+a batch-1 step of the 270M, the two together.
 
     decode step, B = 1     a graph for 1 row (static shapes)
     decode step, B 5-8     a graph for 8 rows (static; the batch padded up)
@@ -30,6 +33,7 @@ import enum
 import logging
 import time
 import types
+from typing import Callable
 
 import torch
 from torch import nn
@@ -41,6 +45,7 @@ from ..attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDeco
 from ..kv.base import GroupTables
 from ..kv.spec import LayerSpec
 from ..models.base import ModelInputs
+from .direct_graph import DirectGraph
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,11 @@ MAX_ROWS = 63
 # Graphs compiled for exactly this many rows; a batch of b rows runs the one of size s if b <= s < 2b
 # (padded up), else the graph whose batch dimension is dynamic.
 STATIC_SIZES = (1, 8)
+# Inductor's options for the graphs. cpp_wrapper: the code that calls the kernels is C++, not Python
+# (12.2 vs 12.8 ms a batch-1 step of the 270M). The Python wrapper, where a graph takes Python objects
+# (below), checks each op's output sizes and alignment by default: ~500 checks a step, on shapes the
+# trace already proved.
+INDUCTOR_OPTIONS = {"cpp_wrapper": True, "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 
 class CompileState(enum.Enum):
@@ -94,17 +104,16 @@ class CompiledDecode:
         self.dynamic = any(self._size_for(b) is None for b in range(2, self.max_rows + 1))
         self.handle = AttentionHandle()
         self._attention = HandleAttention(self.handle)
-        options = {
-            # The weights never change after loading: guarding on every module's parameters cost
-            # ~1.4 ms a step (they are graph inputs either way).
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-            # The graph's Python wrapper checks each op's output sizes and alignment by default: ~500
-            # checks a step, on shapes the trace already proved.
-            "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+        # The weights never change after loading: guarding on every module's parameters cost ~1.4 ms
+        # a step (they are graph inputs either way). Steps whose graph was captured skip Dynamo
+        # altogether (direct_graph.py).
+        dynamo = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         # Static shapes where they matter most: inductor's kernels for a symbolic batch ran an 8-row
         # step ~25% slower than the same graph compiled for 8 rows.
-        self._static = torch.compile(_own_code(self._step), dynamic=False, options=options)
-        self._dynamic = torch.compile(_own_code(self._step), options=options)
+        self._static = torch.compile(_own_code(self._step), dynamic=False, backend=self._backend, options=dict(dynamo))
+        self._dynamic = torch.compile(_own_code(self._step), backend=self._backend, options=dict(dynamo))
+        self._direct: dict[int | None, DirectGraph | str] = {}   # by static size (None: dynamic), or why not
+        self._tracing: tuple[int | None, tuple[torch.Tensor, ...]] | None = None   # the call being traced
         self.state = CompileState.WAITING
         self.error: str | None = None
         self.compile_seconds = 0.0
@@ -194,11 +203,11 @@ class CompiledDecode:
         """One step of `b` real rows through the graph for `len(input_ids)` rows. `compiling`: the
         dynamic graph's first call, whose traced widths (and batch) are marked dynamic."""
         size = input_ids.shape[0]
-        graph = self._static if size in self.sizes and not compiling else self._dynamic
+        key = size if size in self.sizes and not compiling else None
         if self.layout is None:
             self.handle.batch, self.handle.rows = self.backend.begin_batch(metadata, self.kv_cache), b
             try:
-                return graph(input_ids, positions)[0]
+                return self._call(key, (input_ids, positions))[0]
             finally:
                 self.handle.batch = None
         tracing = self.state is CompileState.WAITING
@@ -211,6 +220,48 @@ class CompiledDecode:
                 torch._dynamo.mark_dynamic(t, 2, min=MIN_WIDTH, max=1 << 24)
                 if compiling:
                     torch._dynamo.mark_dynamic(t, 1, min=2, max=max(3, self.max_rows))
-        logits, new_kv = graph(input_ids, positions, self.layout.kv, tables.keys)
+        logits, new_kv = self._call(key, (input_ids, positions, self.layout.kv, *tables.keys))
         tables.commit(self.layout, new_kv)
         return logits
+
+    def _call(self, key: int | None, call: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, new K/V or None) of the graph `key` (a static size, None: the dynamic one) for the
+        call's tensors (ids, positions[, KV arena, key tables...]): directly where its capture was
+        verified and its guards hold, else through Dynamo (whose first call traces and captures)."""
+        direct = self._direct.get(key)
+        if isinstance(direct, DirectGraph) and direct.verified:
+            out = direct(call)
+            if out is not None:
+                return out[0], (out[1] if len(out) > 1 else None)
+        graph = self._dynamic if key is None else self._static
+        waiting = self.state is CompileState.WAITING
+        if waiting:
+            self._tracing = (key, call)
+            self._direct.pop(key, None)
+        try:
+            result = graph(*call) if len(call) == 2 else graph(*call[:3], list(call[3:]))
+        finally:
+            self._tracing = None
+        direct = self._direct.get(key)
+        if waiting and isinstance(direct, DirectGraph) and not direct.verify(call, result):
+            self._direct[key] = "its direct call returned other tensors than Dynamo's"
+        if waiting and isinstance(self._direct.get(key), str):
+            log.info("decode graph %s runs through Dynamo: %s", key or "dynamic", self._direct[key])
+        return result
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        """Dynamo's backend: inductor, as `torch.compile`'s default, keeping the graph to call it directly."""
+        from torch._inductor.compile_fx import compile_fx
+
+        options = dict(INDUCTOR_OPTIONS)
+        if any(not isinstance(v, (torch.Tensor, torch.SymInt)) for v in example_inputs):
+            # the C++ wrapper's calls into ops cannot pass Python objects (the opaque attention
+            # handle, packed weights): such graphs keep the Python one
+            options["cpp_wrapper"] = False
+        fn = compile_fx(gm, example_inputs, config_patches=options)
+        if self._tracing is not None:
+            key, call = self._tracing
+            # a graph break splits the step in several graphs: none of them is the step
+            self._direct[key] = ("the step traced into several graphs" if key in self._direct
+                                 else DirectGraph.capture(gm, example_inputs, fn, call))
+        return fn
