@@ -157,6 +157,27 @@ def test_fbgemm_tensor_packed_linear_equals_linear_dynamic():
     assert torch.allclose(tensors.dequantize(), q.float() * s.float()[:, None], rtol=1e-6, atol=0)
 
 
+@pytest.mark.skipif(not FbgemmTensors.available(), reason="needs fbgemm with VNNI and its tensor-packed linear")
+def test_fbgemm_op_cpp_kernel_equals_the_python_one():
+    """The C++ kernel (models/fbgemm_cpp.py) that compiled graphs call for gemmaserve::fbgemm_int8_linear
+    gives the Python kernel's products exactly, one pass and two, at one row and several."""
+    from gemmaserve.models import fbgemm_cpp
+    from gemmaserve.models.quant import _fbgemm_int8_product
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    q, s = int8_rows(torch.randn(384, 640, generator=gen) * 0.05)
+    t = FbgemmTensors.pack(q, s)
+    assert fbgemm_cpp.load() is None   # built with inductor's toolchain (compiled decode needs it too)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("gemmaserve::fbgemm_int8_linear", "CPU")
+    for rows in (1, 5):
+        x = torch.randn(rows, 640, generator=gen)
+        x[:, 3] *= 50
+        for two_pass in (False, True):
+            want = _fbgemm_int8_product(x, t.shape, t.packed, t.col_offsets, t.bias, two_pass)
+            got = torch.ops.gemmaserve.fbgemm_int8_linear(x, t.shape, t.packed, t.col_offsets, t.bias, two_pass)
+            assert torch.equal(got, want), (rows, two_pass)
+
+
 @pytest.mark.parametrize("kernel,tol", KERNELS)
 def test_quant_embedding_lookup_and_head(kernel, tol, monkeypatch):
     """A Q8_0-like table (int8 values, an fp16 scale per block of 32) is kept exactly: lookups and

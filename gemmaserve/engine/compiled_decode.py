@@ -44,6 +44,7 @@ from ..attention.handle import AttentionHandle, HandleAttention
 from ..attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDecodeAttention
 from ..kv.base import GroupTables
 from ..kv.spec import LayerSpec
+from ..models import fbgemm_cpp
 from ..models.base import ModelInputs
 from .direct_graph import DirectGraph
 
@@ -137,6 +138,9 @@ class CompiledDecode:
                      "seconds once inductor's cache holds them; --cpu-compile off skips it",
                      len(self.sizes) + self.dynamic, self.attention_path)
             start = time.perf_counter()
+            why = fbgemm_cpp.load()   # before tracing: the graphs then call the op's C++ kernel
+            if why is not None:
+                log.info("compiled steps call the fbgemm op's Python kernel: %s", why)
             try:
                 with torch.inference_mode():
                     for size in self.sizes:

@@ -290,8 +290,7 @@ class FbgemmTensors:
             warnings.simplefilter("ignore")
             # row sums in slices: q.sum(1, dtype=int32) converts the whole matrix first (+660 MB for the head)
             sums = torch.cat([q[i:i + 8192].sum(1, dtype=torch.int32) for i in range(0, n, 8192)])
-            t = cls(torch.zeros(1, dtype=torch.int8).expand(n, k), torch.fbgemm_pack_quantized_matrix(q), sums,
-                    s.float(), torch.zeros(n))
+            t = cls(_zero_weight(n, k), torch.fbgemm_pack_quantized_matrix(q), sums, s.float(), _zero_bias(n))
             t(torch.zeros(1, k))
         return t
 
@@ -307,6 +306,17 @@ class FbgemmTensors:
         """The weight [N, K] read back through the kernel (the packed form has no unpack): each row of
         the identity quantises exactly (scale 1/255), so the products are the stored integers."""
         return self(torch.eye(self.shape.shape[1])).t().contiguous()
+
+
+@functools.cache   # one per shape, shared by every matrix of it: a compiled graph takes it as one input
+def _zero_weight(n: int, k: int) -> torch.Tensor:
+    """`FbgemmTensors.shape`: an int8 [n, k] of zero strides (one byte)."""
+    return torch.zeros(1, dtype=torch.int8).expand(n, k)
+
+
+@functools.cache   # as `_zero_weight`: read-only zeros
+def _zero_bias(n: int) -> torch.Tensor:
+    return torch.zeros(n)
 
 
 def _fbgemm_int8_product(x: torch.Tensor, shape: torch.Tensor, packed: torch.Tensor, col_offsets: torch.Tensor,
