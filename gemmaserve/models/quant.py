@@ -55,7 +55,7 @@ import enum
 import functools
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -182,6 +182,9 @@ class Rotation:
 
     a_t: torch.Tensor   # [n, n] = A^T
     h: torch.Tensor     # [b, b]
+    # [2, 1]: a butterfly's lo + hi, lo - hi (held here: a literal in `_apply_elementwise` would be a
+    # constant of the compiled graph per call, each one more input to pass every step)
+    sign: torch.Tensor = field(default_factory=lambda: torch.tensor([[1.0], [-1.0]]))
 
     MAX_BLOCK = 128
 
@@ -213,7 +216,7 @@ class Rotation:
         [H_b, -H_b]] pairs channels i and i + h), A as a broadcast multiply and sum over the n blocks."""
         n, b = self.a_t.shape[0], self.h.shape[0]
         y = x.reshape(-1, n, b)
-        sign = torch.tensor([[1.0], [-1.0]], dtype=x.dtype, device=x.device)   # [2, 1]: lo + hi, lo - hi
+        sign = self.sign.to(x.dtype)
         h = 1
         while h < b:
             # one broadcast expression per butterfly: a stack of lo + hi and lo - hi compiled to a
