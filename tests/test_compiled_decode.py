@@ -81,6 +81,30 @@ def test_engine_runs_decode_batches_through_the_graphs_and_keeps_greedy_tokens(t
     assert single == eager.generate(["hello world"], params)[0].outputs[0].token_ids and calls[-1] == 1
 
 
+@needs_compile
+def test_a_graph_that_cannot_be_called_directly_runs_through_dynamo(monkeypatch, tmp_path):
+    """A capture that fails (a graph layout not foreseen) costs the direct call only: the engine is
+    compiled, its decode steps run the graphs through Dynamo, and the tokens are the eager engine's."""
+    def unforeseen(cls, *args):
+        raise RuntimeError("unforeseen layout")
+
+    monkeypatch.setattr(DirectGraph, "capture", classmethod(unforeseen))
+    path = save_checkpoint(tiny_hf_model(fresh_seed(), sliding_window=4), tmp_path / "tiny")
+    eager = LLM(str(path), dtype="float32", cpu_compile="off", max_num_seqs=2)
+    comp = LLM.from_config(eager.engine.config.replace(cpu_compile="on"), eager)
+    compiled = comp.engine.runner.compiled
+    assert comp.engine.info.cpu_compile == "ready" and compiled._direct
+    assert all(isinstance(d, str) and "unforeseen layout" in d for d in compiled._direct.values())
+    through_dynamo: list[int] = []
+    graph = compiled._static
+    compiled._static = lambda *a: through_dynamo.append(len(a[0])) or graph(*a)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = ["the cat sat", "on a mat by the door"]
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in comp.generate(prompts, params)] == want
+    assert through_dynamo and set(through_dynamo) <= {1, 2} and compiled.refused_recompiles == 0
+
+
 def test_without_a_graph_the_caller_runs_eagerly():
     """Before compiling, after a failed compile, and for more rows than the graphs take: None (eager)."""
     compiled = CompiledDecode.__new__(CompiledDecode)

@@ -266,6 +266,11 @@ class CompiledDecode:
         if self._tracing is not None:
             key, call = self._tracing
             # a graph break splits the step in several graphs: none of them is the step
-            self._direct[key] = ("the step traced into several graphs" if key in self._direct
-                                 else DirectGraph.capture(gm, example_inputs, fn, call))
+            if key in self._direct:
+                self._direct[key] = "the step traced into several graphs"
+            else:
+                try:
+                    self._direct[key] = DirectGraph.capture(gm, example_inputs, fn, call)
+                except Exception as e:   # a layout not foreseen: this graph runs through Dynamo
+                    self._direct[key] = f"capture failed: {type(e).__name__}: {e}"
         return fn
