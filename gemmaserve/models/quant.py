@@ -216,7 +216,7 @@ class Rotation:
         [H_b, -H_b]] pairs channels i and i + h), A as a broadcast multiply and sum over the n blocks."""
         n, b = self.a_t.shape[0], self.h.shape[0]
         y = x.reshape(-1, n, b)
-        sign = self.sign.to(x.dtype)
+        sign = self.sign.to(x.device, x.dtype)
         h = 1
         while h < b:
             # one broadcast expression per butterfly: a stack of lo + hi and lo - hi compiled to a
