@@ -7,7 +7,8 @@ import torch
 
 from gemmaserve.attention.base import AttentionMetadata
 from gemmaserve.attention import torch_backend
-from gemmaserve.attention.torch_backend import TorchAttentionBackend, query_blocks, visible
+from gemmaserve.attention.blockwise import KEY_BLOCK
+from gemmaserve.attention.torch_backend import TorchAttentionBackend, query_tiles, visible
 from gemmaserve.kv.manager_v1 import KVCacheManagerV1
 from gemmaserve.kv.manager_v2 import KVCacheManagerV2
 from gemmaserve.kv.spec import AttentionKind, LayerSpec
@@ -48,8 +49,8 @@ def _backend(name: str):
 @pytest.mark.parametrize("backend_name, query_block", [("torch", 256), ("torch", 4), ("triton", None)])
 @pytest.mark.parametrize("manager, scratch", [("v1", False), ("v2", False), ("v2", True)])
 def test_paged_attention_matches_dense(manager, scratch, backend_name, query_block, monkeypatch):
-    """`query_block` 4: the torch backend's prefill chunks (11 and 7 tokens) in several query blocks,
-    each reading only the keys it sees (with windows of 5, blocks after the first start past key 0)."""
+    """`query_block` 4: the torch backend's prefill chunks (11 and 7 tokens) in several query tiles,
+    each reading only the key blocks it sees."""
     if query_block is not None:
         monkeypatch.setattr(torch_backend, "QUERY_BLOCK", query_block)
     seed = fresh_seed()
@@ -99,17 +100,19 @@ def test_paged_attention_matches_dense(manager, scratch, backend_name, query_blo
         assert step > 1  # scratch pages were used in the first (11-token) chunk of windows of 5
 
 
-def test_query_blocks_read_only_the_keys_their_queries_see():
-    causal = visible(torch.arange(600), torch.arange(600), None)
-    assert query_blocks(causal, 256) == [(0, 256, 0, 256), (256, 512, 0, 512), (512, 600, 0, 600)]
-    # a window of 100 over queries 20..619 (keys 0..619): each block starts 99 keys before its first query
-    window = visible(torch.arange(20, 620), torch.arange(620), 100)
-    assert query_blocks(window, 256) == [(0, 256, 0, 276), (256, 512, 177, 532), (512, 600, 433, 620)]
-    # an image's tokens (positions 250..269) see the image's later ones: the first block reads to 270
+def test_query_tiles_read_only_the_key_blocks_their_queries_see():
+    assert KEY_BLOCK == 64   # the spans below are in blocks of 64 keys
+    causal = visible(torch.arange(600), torch.arange(640), None)
+    assert query_tiles(causal, 256) == [(0, 256, 0, 256), (256, 512, 0, 512), (512, 600, 0, 640)]
+    # a window of 100 over queries 20..619 (keys 0..639): each tile starts at the block holding the
+    # key 99 before its first query
+    window = visible(torch.arange(20, 620), torch.arange(640), 100)
+    assert query_tiles(window, 256) == [(0, 256, 0, 320), (256, 512, 128, 576), (512, 600, 384, 640)]
+    # an image's tokens (positions 250..269) see the image's later ones: the first tile reads to 270
     q_end = torch.arange(1, 301)
     q_end[250:270] = 270
-    image = visible(torch.arange(300), torch.arange(300), None, q_end)
-    assert query_blocks(image, 256) == [(0, 256, 0, 270), (256, 300, 0, 300)]
+    image = visible(torch.arange(300), torch.arange(320), None, q_end)
+    assert query_tiles(image, 256) == [(0, 256, 0, 320), (256, 300, 0, 320)]
 
 
 @pytest.mark.parametrize("manager", ["v1", "v2"])

@@ -1,7 +1,7 @@
 """Decode attention as a compiled graph traces it (attention/traced.py), run eagerly here: through
 real V2 page tables (sliding windows, a full layer, a KV-sharing layer, scratch pages in the prefill
-chunks), ragged batches padded with extra rows, against dense attention on fresh random K/V; the K/V
-each step commits are what later steps read."""
+chunks), ragged batches padded with extra rows, against dense attention on fresh random K/V and bit
+for bit against the eager backend; the K/V each step commits are what later steps read."""
 
 import dataclasses
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gemmaserve.attention.base import AttentionMetadata
+from gemmaserve.attention.blockwise import KEY_BLOCK
 from gemmaserve.attention.torch_backend import TorchAttentionBackend
 from gemmaserve.attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDecodeAttention
 from gemmaserve.kv.manager_v1 import KVCacheManagerV1
@@ -78,9 +79,12 @@ def test_traced_decode_attention_matches_dense_and_commits_what_later_steps_read
             assert kv.allocate(names[b], toks[b], pos[b], pos[b] + 1, prefill=False)
         md = AttentionMetadata([1] * len(lens), [p + 1 for p in pos], kv.group_tables(names), kv.layer_slot)
         tables = DecodeTables.build(layout, md, rows)
-        for keys in tables.keys:
-            assert keys.shape[1] == rows and keys.shape[2] >= MIN_WIDTH and (keys[:, len(lens):] == -1).all()
-        attn = TracedDecodeAttention(layout, layout.kv, tables.keys)
+        for keys, new_at in zip(tables.keys, tables.new_at):
+            assert keys.shape[1] == rows and keys.shape[2] >= MIN_WIDTH and keys.shape[3] == KEY_BLOCK
+            assert (keys[:, len(lens):] == -1).all() and new_at.shape == (rows, *keys.shape[2:])
+            assert (new_at.flatten(1).sum(1) == 1).all()   # each row's new token, once
+        attn = TracedDecodeAttention(layout, layout.kv, tables.keys, tables.new_at)
+        eager = backend.begin_batch(md, cache)   # writes this step's K/V first: the traced reads none of it
         pad = rows - len(lens)
         for layer, spec in enumerate(SPECS):
             src = layer if spec.owns_kv else spec.kv_source
@@ -89,8 +93,12 @@ def test_traced_decode_attention_matches_dense_and_commits_what_later_steps_read
             if spec.owns_kv:
                 k = torch.cat([torch.stack([K[src][p] for p in pos]), torch.randn(pad, 2, 8, generator=gen)])
                 v = torch.cat([torch.stack([V[src][p] for p in pos]), torch.randn(pad, 2, 8, generator=gen)])
+            want = eager(layer, q[:len(lens)], None if k is None else k[:len(lens)], None if v is None else v[:len(lens)],
+                         scale=0.3, window=spec.window)
             out = attn(layer, q, k, v, scale=0.3, window=spec.window)
             assert torch.isfinite(out).all()
+            # the same bits as the eager backend's decode rows (what a compiled step must reproduce)
+            assert torch.equal(out[:len(lens)], want), (seed, step, layer)
             for b, p in enumerate(pos):
                 ref = _dense(Q[layer][p:p + 1], K[src][:p + 1], V[src][:p + 1], torch.tensor([p]), spec.window, 0.3)
                 err = (out[b] - ref[0]).abs().max().item()

@@ -1,4 +1,4 @@
-"""Reference attention in plain torch (CPU and GPU): gather K/V through page tables, then SDPA.
+"""Reference attention in plain torch (CPU and GPU): gather K/V through page tables, then attend.
 
 Each layer's K and V are views [pages, T, Hkv, D] (T = its tokens per page). For each batch the
 backend resolves positions to (slot row, offset) once per layer group, and to pages once per group
@@ -6,12 +6,16 @@ column (one gather of `slot_pages`), so every layer of a group reuses the same p
 
 * new tokens are written at (page, offset) of their layer (a scratch page is shared by all layers
   of a group: each layer overwrites it before reading it);
-* decode rows (one new token each) are batched: keys padded to the longest row, padding masked;
-* rows with several new tokens (prefill chunks) run one by one with a causal/window mask (where a
-  layer asks, tokens of one image also see the image's later tokens: `AttentionMetadata.image_spans`),
-  in blocks of queries that each read only the keys one of them sees (`query_blocks`).
+* decode rows (one new token each) are batched: each row's keys from the block boundary before its
+  first visible key, padded to the widest row, padding masked;
+* rows with several new tokens (prefill chunks) run one chunk at a time with a causal/window mask
+  (where a layer asks, tokens of one image also see the image's later tokens:
+  `AttentionMetadata.image_spans`), in tiles of queries that each read only the key blocks one of
+  them sees (`query_tiles`).
 
-Only keys a query can see are gathered: a sliding layer reads the last `window` positions.
+The arithmetic is blockwise.py's: a query's result depends only on its own keys, so it is the same
+bits as a decode row or inside a chunk, alone or in any batch. Only keys a query can see are
+gathered (a sliding layer reads the last `window` positions, from a block boundary).
 An fp8 cache (kv_quant.py) is quantised as it is written and dequantised to q's dtype as it is gathered.
 """
 
@@ -21,11 +25,11 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ..kv.base import GroupTables, KVLayout
 from ..kv.spec import LayerSpec
 from .base import AttentionBackend, AttentionMetadata, BackendCapabilities, BatchAttention
+from .blockwise import KEY_BLOCK, attend, block_span
 from .kv_quant import FP8_DTYPE, dequantize, layer_scales, quantize
 
 
@@ -144,32 +148,27 @@ def addresses(tables: GroupTables, seqs: torch.Tensor, pos: torch.Tensor) -> _Wh
 
 
 @dataclass
+class _Keys:
+    """Keys one attention call reads: addresses [*shape] of absolute positions from a block boundary
+    (clamped into the visible span, so padding reads live keys) and which of them each query sees."""
+
+    where: _Where
+    visible: torch.Tensor    # [T, n, nk] bool
+
+
+@dataclass
 class _Plan:
     decode_rows: torch.Tensor | None = None   # [B] row of each decode token in q
-    decode_keys: _Where | None = None         # [B, K] (padding repeats a valid key)
-    decode_mask: torch.Tensor | None = None   # [B, 1, 1, K] True = visible; None if no padding
-    # start, end, keys, mask, and the query blocks of `query_blocks(mask)`
-    prefill: list[tuple[int, int, _Where, torch.Tensor, list[tuple[int, int, int, int]]]] = \
+    decode: _Keys | None = None               # T = B sequences of one query, keys [B, nk]
+    # per prefill chunk: its rows [start, end), the chunk's keys [1, nk], and its query tiles
+    # (q0, q1, k0, k1): queries q0:q1 of the chunk read keys k0:k1 (block-aligned) of the chunk's
+    prefill: list[tuple[int, int, _Where, list[tuple[int, int, int, int, torch.Tensor]]]] = \
         field(default_factory=list)
 
 
-# Queries per SDPA call in a prefill chunk. Given a [n, K] mask whole, PyTorch's CPU flash kernel
-# computes every query against every key (its key blocks are 512 wide, so a causal mask skips none at
-# n = 512); blocks of 256 queries read 3/4 of the keys there: 5.1 ms against 6.9 for one layer of the
-# 270M (4 heads of 256, 512 tokens), with the same results (to 1e-7, as the kernel's own order varies).
+# Queries per attention call in a prefill chunk: each tile reads only the key blocks its queries see
+# (a causal tile sees none after its last query); the results do not depend on the tiling.
 QUERY_BLOCK = 256
-
-
-def query_blocks(mask: torch.Tensor, rows: int = QUERY_BLOCK) -> list[tuple[int, int, int, int]]:
-    """A prefill chunk's [n, K] visibility mask in blocks of `rows` queries: (q0, q1, k0, k1), keys
-    k0:k1 the span any of queries q0:q1 sees (a causal block sees none after its last query)."""
-    blocks = []
-    for q0 in range(0, mask.shape[0], rows):
-        q1 = min(mask.shape[0], q0 + rows)
-        seen = mask[q0:q1].any(0).nonzero()
-        k0, k1 = (int(seen[0]), int(seen[-1]) + 1) if len(seen) else (0, mask.shape[1])
-        blocks.append((q0, q1, k0, k1))
-    return blocks
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
@@ -181,6 +180,18 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
     if window is not None:
         mask &= diff < window
     return mask
+
+
+def query_tiles(mask: torch.Tensor, rows: int = QUERY_BLOCK) -> list[tuple[int, int, int, int]]:
+    """A chunk's [n, K] visibility mask (K a multiple of KEY_BLOCK) in tiles of `rows` queries:
+    (q0, q1, k0, k1), keys k0:k1 the key blocks any of queries q0:q1 sees."""
+    tiles = []
+    for q0 in range(0, mask.shape[0], rows):
+        q1 = min(mask.shape[0], q0 + rows)
+        seen = mask[q0:q1].any(0).nonzero()
+        k0, k1 = block_span(int(seen[0]), int(seen[-1]) + 1) if len(seen) else (0, KEY_BLOCK)
+        tiles.append((q0, q1, k0, k1))
+    return tiles
 
 
 class TorchBatchAttention(BatchAttention):
@@ -224,39 +235,34 @@ class TorchBatchAttention(BatchAttention):
         md, tables = self.md, self.md.groups[group]
         decode = []   # sequences with one new token
         for b, (n, seq_len) in enumerate(zip(md.query_lens, md.seq_lens)):
-            if n == 1:
+            if n == 1 and not bidirectional:
                 decode.append(b)
                 continue
             first_q = seq_len - n
-            first_k = 0 if window is None else max(0, first_q - window + 1)
-            k_pos = torch.arange(first_k, seq_len)
             q_end = self._query_ends[self._starts[b]:self._starts[b] + n] if bidirectional else None
+            first_k = 0 if window is None else max(0, first_q - window + 1)
+            end_k = seq_len if q_end is None else max(seq_len, int(q_end.max()))
+            lo, hi = block_span(first_k, end_k)
+            k_pos = torch.arange(lo, hi)
             mask = visible(torch.arange(first_q, seq_len), k_pos, window, q_end)
-            plan.prefill.append((self._starts[b], self._starts[b] + n,
-                                 self._to_device(addresses(tables, torch.full_like(k_pos, b), k_pos)),
-                                 mask.to(self.device), query_blocks(mask, QUERY_BLOCK)))
-        if decode:   # all at once: keys [B, K], each row padded by repeating its last key (masked)
+            tiles = [(q0, q1, k0, k1, mask[q0:q1, k0:k1].to(self.device)[None])
+                     for q0, q1, k0, k1 in query_tiles(mask)]
+            where = addresses(tables, torch.full_like(k_pos, b), k_pos.clamp(first_k, end_k - 1))
+            plan.prefill.append((self._starts[b], self._starts[b] + n, self._to_device(where), tiles))
+        if decode:   # all at once: keys [B, nk] from each row's first block, padded to the widest
             seqs = torch.tensor(decode)
             ends = torch.tensor(md.seq_lens)[seqs]
             first = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)
-            lens = ends - first
-            width = int(lens.max())
-            pos = first[:, None] + torch.minimum(torch.arange(width)[None, :], lens[:, None] - 1)
+            lo = first // KEY_BLOCK * KEY_BLOCK
+            width = int(((ends - lo + KEY_BLOCK - 1) // KEY_BLOCK).max()) * KEY_BLOCK
+            k_pos = lo[:, None] + torch.arange(width)[None, :]
+            seen = (k_pos >= first[:, None]) & (k_pos < ends[:, None])
+            pos = torch.minimum(torch.maximum(k_pos, first[:, None]), ends[:, None] - 1)
             plan.decode_rows = torch.tensor([self._starts[b] for b in decode], device=self.device)
-            plan.decode_keys = self._to_device(addresses(tables, seqs[:, None].expand_as(pos), pos))
-            if int(lens.min()) != width:
-                mask = torch.arange(width)[None, :] < lens[:, None]
-                plan.decode_mask = mask[:, None, None, :].to(self.device)
+            plan.decode = _Keys(self._to_device(addresses(tables, seqs[:, None].expand_as(pos), pos)),
+                                seen[:, None, :].to(self.device))
         self._plans[(group, window, bidirectional)] = plan
         return plan
-
-    @staticmethod
-    def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                gqa: bool) -> torch.Tensor:
-        """q [B, Hq, D] (one token per row), k/v [B, K, Hkv, D] -> [B, Hq, D]."""
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           scale=scale, enable_gqa=gqa)
-        return o.squeeze(2)
 
     def last_tokens(self, seqs):
         return TorchBatchAttention(self.md.last_tokens(seqs), self.kv_cache, self.specs, self.token_rows,
@@ -272,23 +278,20 @@ class TorchBatchAttention(BatchAttention):
         if self.specs[layer].owns_kv:
             cache.write(self._write_plan(group).rows(col), k, v, scales)
         plan = self._plan(group, window, bidirectional)
-        gqa = q.shape[1] != cache.k.shape[1]
-        if plan.decode_rows is not None:
-            keys = plan.decode_keys
-            kk, vv = cache.read(keys.rows(col), keys.shape, scales, q.dtype, self.gather)
-            if not plan.prefill:   # every row a decode row, in order
-                return self._decode(q, kk, vv, plan.decode_mask, scale, gqa)
+        if plan.decode is not None:
+            keys = plan.decode
+            kk, vv = cache.read(keys.where.rows(col), keys.where.shape, scales, q.dtype, self.gather)
+            o = attend(q[plan.decode_rows].unsqueeze(1), kk, vv, keys.visible, scale).squeeze(1)
+            if not plan.prefill and len(plan.decode_rows) == q.shape[0]:   # every row a decode row, in order
+                return o
         out = torch.empty_like(q)
-        if plan.decode_rows is not None:
-            out[plan.decode_rows] = self._decode(q[plan.decode_rows], kk, vv, plan.decode_mask, scale, gqa)
-        for start, _, keys, mask, blocks in plan.prefill:   # (the decode rows' keys are dead: the buffer is free)
-            kk, vv = cache.read(keys.rows(col), keys.shape, scales, q.dtype, self.gather)
-            kk, vv = kk.transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)   # [1, Hkv, K, D]
-            for q0, q1, k0, k1 in blocks:
-                qq = q[start + q0:start + q1].transpose(0, 1).unsqueeze(0)                  # [1, Hq, n, D]
-                o = F.scaled_dot_product_attention(qq, kk[:, :, k0:k1], vv[:, :, k0:k1], attn_mask=mask[q0:q1, k0:k1],
-                                                   scale=scale, enable_gqa=gqa)
-                out[start + q0:start + q1] = o[0].transpose(0, 1)
+        if plan.decode is not None:
+            out[plan.decode_rows] = o
+        for start, _, where, tiles in plan.prefill:   # (the decode rows' keys are dead: the buffer is free)
+            kk, vv = cache.read(where.rows(col), (1, *where.shape), scales, q.dtype, self.gather)
+            for q0, q1, k0, k1, mask in tiles:
+                out[start + q0:start + q1] = attend(q[start + q0:start + q1][None], kk[:, k0:k1], vv[:, k0:k1],
+                                                    mask, scale)[0]
         return out
 
 

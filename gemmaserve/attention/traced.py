@@ -6,18 +6,21 @@ every layer's K/V lives in one arena with one geometry (KV manager V2: page p of
 same bytes, layers differ only in which pages they use), the whole cache is one tensor of token
 rows [pages * T, 2, Hkv, D] and the graph reads it like any other input:
 
-    runner   tables = DecodeTables.build(...)     per attention kind, the rows of each row's old keys
-                                                  [cols, B, W] (-1: masked); write rows [owning layers, B]
-    graph    per layer: old = kv[rows of its column]; attend over [old, the new token's k/v]
+    runner   tables = DecodeTables.build(...)     per attention kind, the rows of each row's keys in
+                                                  blocks [cols, B, nb, KEY_BLOCK] (-1: masked or the new
+                                                  token, which `new_at` marks); write rows [owners, B]
+    graph    per layer: old = kv[rows of its column], the new token's k/v in its place; attend
              -> logits, and every owning layer's new k/v [layers, B, 2, Hkv, D]
     runner   kv[write rows] = new k/v             (one index_copy_ for every layer)
 
 The graph writes nothing: a new token's K/V joins its own row's keys inside the graph and reaches the
-cache after it, so there is no side effect to order and no input to mutate. Keys a row must not see
-(padding up to the batch's widest row, rows that pad the batch) are -1: the graph masks them and reads
-the null page's first row instead (zeroed: finite, as masked values must be). Each kind's width W is a
-dynamic dimension of the graph (one graph for every context length), at least 2: torch.compile
-specialises sizes 0 and 1, so narrower tables are padded.
+cache after it, so there is no side effect to order and no input to mutate. A row's keys start at the
+block boundary before its first visible key, as the eager backend's do, and go through the same
+blockwise arithmetic (blockwise.py): the same bits as an eager step. Keys a row must not see (before
+its window in its first block, padding up to the batch's widest row, rows that pad the batch) are
+-1: the graph masks them and reads the null page's first row instead (zeroed: finite, as masked
+values must be). Each kind's block count nb is a dynamic dimension of the graph (one graph for every
+context length), at least 2: torch.compile specialises sizes 0 and 1, so shorter tables are padded.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ import torch.nn.functional as F
 
 from ..kv.spec import LayerSpec
 from .base import AttentionMetadata, BatchAttention
+from .blockwise import KEY_BLOCK, attend
 from .kv_quant import FP8_DTYPE
 from .torch_backend import TokenRows
 
-MIN_WIDTH = 2
+MIN_WIDTH = 2   # key blocks
 
 
 @dataclass(frozen=True)
@@ -85,22 +89,23 @@ class DecodeLayout:
 class DecodeTables:
     """One decode step's addresses: the tensor inputs of the graph, and where its new K/V go."""
 
-    keys: list[torch.Tensor]    # per kind: [cols, rows, W] token rows of each row's old keys, -1: masked
-    writes: torch.Tensor        # [owning layers, rows] token row of each layer's new K/V
+    keys: list[torch.Tensor]     # per kind: [cols, rows, nb, KEY_BLOCK] token rows of each row's keys, -1: not read
+    new_at: list[torch.Tensor]   # per kind: [rows, nb, KEY_BLOCK] bool, where the row's new token sits
+    writes: torch.Tensor         # [owning layers, rows] token row of each layer's new K/V
 
     @classmethod
     def build(cls, layout: DecodeLayout, md: AttentionMetadata, rows: int,
               widths: list[int] | None = None) -> "DecodeTables":
         """Tables for a decode batch (one new token per sequence) padded to `rows` rows: padding
         rows see only their own new token and write to the null page. `widths`: per kind, at least
-        this many key columns (warm-up gives each kind a width of its own: torch.compile would
+        this many key blocks (warm-up gives each kind a count of its own: torch.compile would
         otherwise take equal sizes for one symbol). In numpy: the same arithmetic as torch ops took
         ~0.5 ms of a 15 ms batch-1 step (a few microseconds of dispatch per op, ~40 ops)."""
         b, t = md.num_seqs, layout.tokens_per_page
         seqs = np.arange(b)[:, None]
         ends = np.asarray(md.seq_lens, dtype=np.int64)   # the new token sits at ends - 1
         written: dict[int, np.ndarray] = {}   # group -> [cols, b] token row of each new token
-        keys = []
+        keys, new_at = [], []
         for i, (group, window) in enumerate(layout.kinds):
             tables = md.groups[group]
             block_rows = tables.block_rows.cpu().numpy()
@@ -114,20 +119,24 @@ class DecodeTables:
             if group not in written:
                 written[group] = token_rows(ends[:, None] - 1)[..., 0]
             first = np.zeros_like(ends) if window is None else np.maximum(ends - window, 0)
-            old = ends - 1 - first                        # visible keys before the new token
-            width = max(MIN_WIDTH, int(old.max()), widths[i] if widths else 0)
-            j = np.arange(width)[None, :]
-            pos = first[:, None] + np.minimum(j, np.maximum(old - 1, 0)[:, None])
+            lo = first // KEY_BLOCK * KEY_BLOCK
+            nb = max(MIN_WIDTH, int(((ends - lo + KEY_BLOCK - 1) // KEY_BLOCK).max()), widths[i] if widths else 0)
+            pos = lo[:, None] + np.arange(nb * KEY_BLOCK)[None, :]
+            old = (pos >= first[:, None]) & (pos < ends[:, None] - 1)   # visible keys before the new token
             # One memory layout whatever the batch (padding rows: nothing old to see): a compiled
             # graph guards on its inputs' strides, and another layout would compile it again.
-            padded = np.full((slot_pages.shape[1], rows, width), -1, dtype=np.int64)
-            padded[:, :b] = np.where(j < old[:, None], token_rows(pos), -1)
-            keys.append(torch.from_numpy(padded))
+            padded = np.full((slot_pages.shape[1], rows, nb * KEY_BLOCK), -1, dtype=np.int64)
+            padded[:, :b] = np.where(old, token_rows(np.clip(pos, first[:, None], ends[:, None] - 1)), -1)
+            keys.append(torch.from_numpy(padded).view(-1, rows, nb, KEY_BLOCK))
+            at = np.zeros((rows, nb * KEY_BLOCK), dtype=bool)
+            at[np.arange(b), ends - 1 - lo] = True
+            at[b:, 0] = True   # a padding row's new token: position 0
+            new_at.append(torch.from_numpy(at).view(rows, nb, KEY_BLOCK))
         writes = np.full((len(layout.owners), rows), layout.null_row, dtype=np.int64)   # padding: null page
         for n, layer in enumerate(layout.owners):
             kind, col = layout.slot[layer]
             writes[n, :b] = written[layout.kinds[kind][0]][col]
-        return cls(keys, torch.from_numpy(writes))
+        return cls(keys, new_at, torch.from_numpy(writes))
 
     def commit(self, layout: DecodeLayout, new_kv: torch.Tensor) -> None:
         """Write the graph's new K/V [owning layers, rows, 2, Hkv, D] to the cache."""
@@ -138,28 +147,27 @@ class TracedDecodeAttention(BatchAttention):
     """The attention a compiled decode step traces (built inside the traced function from its inputs).
     After the forward, `new_kv()` holds what the runner commits."""
 
-    def __init__(self, layout: DecodeLayout, kv: torch.Tensor, keys: list[torch.Tensor]):
-        self.layout, self.kv, self.keys = layout, kv, keys
+    def __init__(self, layout: DecodeLayout, kv: torch.Tensor, keys: list[torch.Tensor],
+                 new_at: list[torch.Tensor]):
+        self.layout, self.kv, self.keys, self.new_at = layout, kv, keys, new_at
         self._new: dict[int, torch.Tensor] = {}   # owning layer -> [rows, 2, Hkv, D]
 
     def __call__(self, layer, q, k, v, *, scale, window, softcap=None, bidirectional=False):
         if softcap is not None:
             raise NotImplementedError("attention soft-capping is not used by Gemma 3/4 text models")
         kind, col = self.layout.slot[layer]
-        at = self.keys[kind][col]                                          # [B, W]
-        b, w = at.shape
-        visible = at >= 0
-        old = self.kv.index_select(0, torch.where(visible, at, self.layout.null_row).reshape(-1))
-        old = old.view(b, w, *self.kv.shape[1:])                           # [B, W, 2, Hkv, D]
-        mask = torch.cat([visible, visible.new_ones(b, 1)], 1)[:, None, None, :]   # the new token: visible
+        at = self.keys[kind][col].flatten(1)                               # [B, nk]
+        new_at = self.new_at[kind].flatten(1)                              # [B, nk]
+        b, nk = at.shape
+        seen = at >= 0
+        old = self.kv.index_select(0, torch.where(seen, at, self.layout.null_row).reshape(-1))
+        old = old.view(b, nk, *self.kv.shape[1:])                          # [B, nk, 2, Hkv, D]
         if k is not None:
             self._new[layer] = torch.stack((k, v), 1).to(self.kv.dtype)
         new = self._new[self.layout.source[layer]]
-        kv = torch.cat([old, new[:, None]], 1).to(q.dtype)                 # [B, W + 1, 2, Hkv, D]
-        keys, values = kv.select(2, 0).transpose(1, 2), kv.select(2, 1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
-                                           enable_gqa=q.shape[1] != keys.shape[1])
-        return o.squeeze(2)
+        kv = torch.where(new_at[:, :, None, None, None], new[:, None], old).to(q.dtype)
+        o = attend(q.unsqueeze(1), kv.select(2, 0), kv.select(2, 1), (seen | new_at)[:, None, :], scale)
+        return o.squeeze(1)
 
     def new_kv(self) -> torch.Tensor:
         return torch.stack([self._new[layer] for layer in self.layout.owners])

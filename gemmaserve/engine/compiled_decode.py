@@ -44,7 +44,7 @@ from ..attention.handle import AttentionHandle, HandleAttention
 from ..attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDecodeAttention
 from ..kv.base import GroupTables
 from ..kv.spec import LayerSpec
-from ..models import fbgemm_cpp
+from ..models import cpu_kernels
 from ..models.base import ModelInputs
 from .direct_graph import DirectGraph
 
@@ -122,11 +122,11 @@ class CompiledDecode:
 
     # -- the traced function --------------------------------------------------------------------
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor | None = None,
-              keys: list[torch.Tensor] | None = None):
+              keys: list[torch.Tensor] | None = None, new_at: list[torch.Tensor] | None = None):
         """Logits, and the new K/V to commit when attention is traced (else None: the op wrote them)."""
         if kv is None:
             return self.model.compute_logits(self.model(ModelInputs(input_ids, positions, self._attention))), None
-        attention = TracedDecodeAttention(self.layout, kv, keys)
+        attention = TracedDecodeAttention(self.layout, kv, keys, new_at)
         logits = self.model.compute_logits(self.model(ModelInputs(input_ids, positions, attention)))
         return logits, attention.new_kv()
 
@@ -138,9 +138,9 @@ class CompiledDecode:
                      "seconds once inductor's cache holds them; --cpu-compile off skips it",
                      len(self.sizes) + self.dynamic, self.attention_path)
             start = time.perf_counter()
-            why = fbgemm_cpp.load()   # before tracing: the graphs then call the op's C++ kernel
+            why = cpu_kernels.load()   # before tracing: the graphs then call the ops' C++ kernels
             if why is not None:
-                log.info("compiled steps call the fbgemm op's Python kernel: %s", why)
+                log.info("compiled steps call the CPU ops' Python kernels: %s", why)
             try:
                 with torch.inference_mode():
                     for size in self.sizes:
@@ -220,11 +220,13 @@ class CompiledDecode:
         widths = [MIN_WIDTH + 9 + 2 * i for i in range(len(self.layout.kinds))] if tracing else None
         tables = DecodeTables.build(self.layout, metadata, size, widths)
         if tracing:
-            for t in tables.keys:
-                torch._dynamo.mark_dynamic(t, 2, min=MIN_WIDTH, max=1 << 24)
+            for t, at in zip(tables.keys, tables.new_at):
+                torch._dynamo.mark_dynamic(t, 2, min=MIN_WIDTH, max=1 << 18)
+                torch._dynamo.mark_dynamic(at, 1, min=MIN_WIDTH, max=1 << 18)
                 if compiling:
                     torch._dynamo.mark_dynamic(t, 1, min=2, max=max(3, self.max_rows))
-        logits, new_kv = self._call(key, (input_ids, positions, self.layout.kv, *tables.keys))
+                    torch._dynamo.mark_dynamic(at, 0, min=2, max=max(3, self.max_rows))
+        logits, new_kv = self._call(key, (input_ids, positions, self.layout.kv, *tables.keys, *tables.new_at))
         tables.commit(self.layout, new_kv)
         return logits
 
@@ -243,7 +245,9 @@ class CompiledDecode:
             self._tracing = (key, call)
             self._direct.pop(key, None)
         try:
-            result = graph(*call) if len(call) == 2 else graph(*call[:3], list(call[3:]))
+            kinds = len(self.layout.kinds) if self.layout is not None else 0
+            result = graph(*call) if len(call) == 2 else graph(*call[:3], list(call[3:3 + kinds]),
+                                                               list(call[3 + kinds:]))
         finally:
             self._tracing = None
         direct = self._direct.get(key)
