@@ -8,7 +8,7 @@ from helpers import fresh_seed, ours_from_hf, paged_logits, tiny_hf_model
 
 from gemmaserve.models.quant import (GROUP, FbgemmTensors, Int4Groups, Int8Kernel, Int8Matmul, QuantEmbedding,
                                      QuantLinear, Rotation, WeightFormat, int8_blocks, int8_rows, q4_k_groups,
-                                     quantize_model)
+                                     quantize_model, row_affine)
 
 # fbgemm quantises activations per call (uint8, per tensor): a few tenths of a percent more error than
 # the weight-only kernel's bf16 activations.
@@ -61,14 +61,8 @@ def test_int8_rows_fit_bf16_scales(kernel, tol):
     assert bool((err <= s.float()[:, None] / 2 + 1e-7).all())
     lin = QuantLinear.from_float(w, kernel)
     assert lin.int8.kernel is kernel
-    for rows in (1, 5):
+    for rows in (1, 5, 70):
         x = torch.randn(rows, 96, generator=gen)
-        ref = x.double() @ (q.double() * s.double()[:, None]).t()
-        assert ((lin(x).double() - ref).norm() / ref.norm()).item() < tol
-    x = torch.randn(QuantLinear.PREFILL_ROWS, 96, generator=gen)
-    if kernel is Int8Kernel.WEIGHT_ONLY:   # prefill: the expanded weight on the fp32 GEMM
-        torch.testing.assert_close(lin(x), x @ (q.float() * s.float()[:, None]).t(), rtol=1e-5, atol=1e-5)
-    else:                                  # fbgemm is fast at every row count: no expansion
         ref = x.double() @ (q.double() * s.double()[:, None]).t()
         assert ((lin(x).double() - ref).norm() / ref.norm()).item() < tol
 
@@ -81,8 +75,10 @@ def test_rotation_is_orthogonal_and_undone(width):
     x = torch.randn(3, width, generator=torch.Generator().manual_seed(fresh_seed()))
     torch.testing.assert_close(rot.apply(x), x @ r, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(rot.undo(rot.apply(x)), x, atol=1e-5, rtol=1e-5)
-    # the butterflies a compiled graph runs instead of the two matmuls
-    torch.testing.assert_close(rot._apply_elementwise(x), x @ r, atol=1e-4, rtol=1e-4)
+    # what activations go through: the butterflies, then each row mapped onto [0, 1] and back
+    xn, lo, span = row_affine(x, rot)
+    assert float(xn.amin()) == 0.0 and torch.equal(xn.amax(-1), torch.ones(3))
+    torch.testing.assert_close(xn * span + lo, x @ r, atol=1e-4, rtol=1e-4)
     one_hot = torch.zeros(width)
     one_hot[width // 3] = 1.0   # an outlier channel is spread over every channel
     assert float(rot.apply(one_hot).abs().max()) < 3 / width ** 0.5
@@ -98,19 +94,13 @@ def test_layer_int8_rotates_and_steps_per_row():
     lin = QuantLinear.from_float(w)
     assert lin.int8.kernel is Int8Kernel.FBGEMM_DYNAMIC and lin.int8.rotation is not None
     assert ((lin.dequantize() - w).abs().max() / w.abs().max()).item() < 1e-2
-    for rows in (1, 5, QuantLinear.PREFILL_ROWS + 3):
+    for rows in (1, 5, 67):
         x = torch.randn(rows, 640, generator=gen)
         x[:, 17] *= 300          # Gemma-like outlier channel
         x[0] *= 1e4              # a row far louder than the others
         ref = x.double() @ w.double().t()
         err = (lin(x).double() - ref).norm(dim=-1) / ref.norm(dim=-1)
         assert err.max().item() < 2e-2, err
-    # Prefill chunks take two passes: against the stored (dequantised) weight, activations cost ~nothing
-    x = torch.randn(QuantLinear.PREFILL_ROWS, 640, generator=gen)
-    x[:, 17] *= 300
-    ref = x.double() @ lin.dequantize().double().t()
-    rel = lambda y: ((y.double() - ref).norm() / ref.norm()).item()   # noqa: E731
-    assert rel(lin(x)) < 5e-4 < 2e-3 < rel(lin.int8(x))   # one pass: the rounding of int8 activations
     unrotated = QuantLinear.from_float(w, Int8Kernel.FBGEMM_DYNAMIC)
     assert unrotated.int8.rotation is None
     x = torch.randn(1, 640, generator=gen)
@@ -120,62 +110,88 @@ def test_layer_int8_rotates_and_steps_per_row():
     assert rel(lin) < rel(unrotated) / 3   # the outlier sets the step unless rotated away
 
 
-@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="no fbgemm in this PyTorch")
-def test_attention_matrices_take_two_passes_from_two_rows():
-    """q/k/v (`two_pass_rows=2`): one row takes one pass, a decode batch two, so a batch is as accurate as
-    the prefill path; the MLP's default keeps one pass up to prefill chunks."""
+@pytest.mark.parametrize("fmt", ["int8-rotated", "int8-plain", "int8-quantized-tensors", "int8-weight-only", "int4"])
+def test_every_row_is_its_own_whatever_the_batch(fmt):
+    """A row's product is the same bits alone, in a batch of any size and at any place in it, beside
+    rows of any range (a loud row, a constant row): greedy tokens must not depend on the batch. The
+    int8 activations are quantised per call, so this holds only because each row is mapped onto
+    [0, 1] first: without that the same checks fail (mutation-checked: dropping the affine map in
+    `Int8Matmul.__call__` fails every int8-fbgemm case here)."""
     gen = torch.Generator().manual_seed(fresh_seed())
-    w = torch.randn(384, 640, generator=gen) * 0.05
-    qkv, mlp = QuantLinear.from_float(w, two_pass_rows=2), QuantLinear.from_float(w)
-    assert qkv.int8.rotation is not None and qkv.two_pass_rows == 2 and mlp.two_pass_rows == QuantLinear.PREFILL_ROWS
-    for rows in (1, 2, 8):
-        x = torch.randn(rows, 640, generator=gen)
-        x[:, 17] *= 300
-        ref = x.double() @ qkv.dequantize().double().t()
-        rel = lambda y: ((y.double() - ref).norm() / ref.norm()).item()   # noqa: E731
-        one_pass = rel(mlp(x))
-        assert 2e-3 < one_pass, rows   # int8 activations' rounding
-        assert (rel(qkv(x)) < 5e-4) == (rows > 1) and (rows > 1 or rel(qkv(x)) == one_pass), rows
+    w = torch.randn(96, 640, generator=gen) * 0.05
+    if fmt == "int4":
+        rng = np.random.default_rng(fresh_seed())
+        lin = QuantLinear.from_int4(q4_k_groups(_random_q4_k(rng, 96, 640), (96, 640)))
+    elif fmt == "int8-weight-only":
+        lin = QuantLinear.from_float(w, Int8Kernel.WEIGHT_ONLY)
+    else:
+        if "fbgemm" not in torch.backends.quantized.supported_engines:
+            pytest.skip("no fbgemm in this PyTorch")
+        lin = QuantLinear.from_float(w) if fmt == "int8-rotated" else QuantLinear.from_float(w, Int8Kernel.FBGEMM_DYNAMIC)
+        if fmt == "int8-quantized-tensors":
+            q, sc = int8_rows(w)
+            lin.int8 = Int8Matmul(q, sc, Int8Kernel.FBGEMM_DYNAMIC, fbgemm_tensors=False)
+    others = torch.randn(70, 640, generator=gen)
+    others[:, 17] *= 300
+    others[3] *= 1e4     # a loud row
+    others[5] = 0.25     # a constant row
+    row = torch.randn(1, 640, generator=gen)
+    alone = lin(row)
+    for n, at in ((2, 0), (2, 1), (5, 3), (8, 7), (64, 20), (71, 70)):
+        batch = torch.cat([others[:at], row, others[at:n - 1]])
+        assert torch.equal(lin(batch)[at:at + 1], alone), (fmt, n, at)
+    assert torch.equal(lin(others[5:6]), lin(others)[5:6])   # a constant row too
 
 
 @pytest.mark.skipif(not FbgemmTensors.available(), reason="needs fbgemm with VNNI and its tensor-packed linear")
 def test_fbgemm_tensor_packed_linear_equals_linear_dynamic():
     """The two ways into fbgemm's int8 linear (plain tensors, quantized tensors) quantise activations the
-    same way and give the same products, one pass and two, at every row count; the tensor-packed
-    weight reads back exactly."""
+    same way and give the same products at every row count; the tensor-packed weight reads back exactly."""
     gen = torch.Generator().manual_seed(fresh_seed())
     q, s = int8_rows(torch.randn(384, 640, generator=gen) * 0.05)
     tensors = Int8Matmul(q, s, Int8Kernel.FBGEMM_DYNAMIC, keep_rows=False)
     quantized = Int8Matmul(q, s, Int8Kernel.FBGEMM_DYNAMIC, fbgemm_tensors=False)
     assert tensors._tensors is not None and quantized._packed is not None
-    for rows in (1, 8, QuantLinear.PREFILL_ROWS + 5):
+    for rows in (1, 8, 69):
         x = torch.randn(rows, 640, generator=gen)
         x[:, 3] *= 50
-        for two_pass in (False, True):
-            a, b = tensors(x, two_pass), quantized(x, two_pass)
-            assert (a - b).abs().max() <= 1e-6 * b.abs().max(), (rows, two_pass)
+        a, b = tensors(x), quantized(x)
+        # (the quantized-tensor kernel folds the weight scale into its output: an ulp apart, which mapping
+        # the row back from [0, 1] scales by its range)
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), rows
     assert torch.allclose(tensors.dequantize(), q.float() * s.float()[:, None], rtol=1e-6, atol=0)
 
 
-@pytest.mark.skipif(not FbgemmTensors.available(), reason="needs fbgemm with VNNI and its tensor-packed linear")
-def test_fbgemm_op_cpp_kernel_equals_the_python_one():
-    """The C++ kernel (models/fbgemm_cpp.py) that compiled graphs call for gemmaserve::fbgemm_int8_linear
-    gives the Python kernel's products exactly, one pass and two, at one row and several."""
-    from gemmaserve.models import fbgemm_cpp
+def test_cpp_kernels_equal_the_python_ones():
+    """The C++ kernels (models/cpu_kernels.py) that eager steps and compiled graphs call give the Python
+    kernels' results exactly: `row_affine` at every width the models use (rotated or not, a constant
+    row, a loud one), and the fbgemm op at one row and several. (The Python kernels serve where the
+    library cannot be built: the results must not depend on which one ran.)"""
+    from gemmaserve.models import cpu_kernels
     from gemmaserve.models.quant import _fbgemm_int8_product
 
+    assert cpu_kernels.load() is None   # built with inductor's toolchain (compiled decode needs it too)
+    for op in ("row_affine", "fbgemm_int8_linear"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gemmaserve::{op}", "CPU"), op
     gen = torch.Generator().manual_seed(fresh_seed())
-    q, s = int8_rows(torch.randn(384, 640, generator=gen) * 0.05)
-    t = FbgemmTensors.pack(q, s)
-    assert fbgemm_cpp.load() is None   # built with inductor's toolchain (compiled decode needs it too)
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("gemmaserve::fbgemm_int8_linear", "CPU")
-    for rows in (1, 5):
-        x = torch.randn(rows, 640, generator=gen)
-        x[:, 3] *= 50
-        for two_pass in (False, True):
-            want = _fbgemm_int8_product(x, t.shape, t.packed, t.col_offsets, t.bias, two_pass)
-            got = torch.ops.gemmaserve.fbgemm_int8_linear(x, t.shape, t.packed, t.col_offsets, t.bias, two_pass)
-            assert torch.equal(got, want), (rows, two_pass)
+    for width in (640, 2048, 1152, 96, 128, 256, 32):
+        rot = Rotation.for_width(width)
+        for rows in (1, 3, 9):
+            x = torch.randn(rows, width, generator=gen) * 5
+            x[:, 3] *= 100
+            x[rows // 2] = -0.5   # constant: maps to zeros
+            for a_t, block in ((rot.a_t, rot.block), (torch.empty(0, 0), 0)):
+                got = torch.ops.gemmaserve.row_affine(x, a_t, block)
+                want = cpu_kernels.row_affine_reference(x, a_t, block)
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), (width, rows, block)
+    if FbgemmTensors.available():
+        q, s = int8_rows(torch.randn(384, 640, generator=gen) * 0.05)
+        t = FbgemmTensors.pack(q, s)
+        for rows in (1, 5):
+            x = torch.rand(rows, 640, generator=gen)
+            want = _fbgemm_int8_product(x, t.shape, t.packed, t.col_offsets, t.bias)
+            got = torch.ops.gemmaserve.fbgemm_int8_linear(x, t.shape, t.packed, t.col_offsets, t.bias)
+            assert torch.equal(got, want), rows
 
 
 @pytest.mark.parametrize("kernel,tol", KERNELS)
@@ -210,6 +226,9 @@ def test_quant_embedding_lookup_and_head(kernel, tol, monkeypatch):
         top = scanned.topk(64).indices
         torch.testing.assert_close(one[top].double(), ref[0, top], rtol=1e-5, atol=1e-5)
         assert not torch.equal(one, scanned) and one.argmax() == ref[0].argmax()
+        # every row the same bits alone and in batches of any size (the scan goes SCAN_ROWS rows a call)
+        many = torch.cat([torch.randn(4, 64, generator=gen), h[:1], torch.randn(6, 64, generator=gen)])
+        assert torch.equal(emb.as_head(many)[4], one) and torch.equal(emb.as_head(h)[0], one)
         # built in slices of rows (the 262k-row table never exists in fp32): the same copy as in one piece
         sliced = type(emb.scan).of(emb, chunk=256)
         assert torch.equal(sliced.packed, emb.scan.packed) and torch.equal(sliced.scales_zeros, emb.scan.scales_zeros)

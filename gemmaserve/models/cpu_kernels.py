@@ -1,50 +1,235 @@
-"""The C++ kernel of `gemmaserve::fbgemm_int8_linear` (quant.py), for compiled decode graphs.
+"""C++ kernels of our CPU custom ops, built once with inductor's C++ toolchain.
 
-The op is defined in Python (`torch.library.custom_op`), so a compiled graph that calls it leaves
-C++ for Python at every call (the GIL, the arguments converted and back), 45 times a step for the
-270M: a batch-1 step took 12.09 ms with the Python kernel, 11.97 with this one. The kernel below does
-what the Python one does (quant.py's `_fbgemm_int8_product`: PyTorch's fbgemm op, and the activations' rounding error
-through it again where `two_pass`) and registers for the CPU dispatch key, which the dispatcher
-prefers to the Python kernel's CompositeExplicitAutograd one. Built once with inductor's C++
-toolchain (the one compiled graphs need anyway; its cache keeps the library), loaded on demand.
-Where it cannot be built the Python kernel serves, as before."""
+Each op is defined in Python (`torch.library.custom_op`, whose Python kernel always works) and gets
+a C++ kernel here, registered for the CPU dispatch key, which the dispatcher prefers:
+
+* `gemmaserve::row_affine(x, a_t, block)`: the activations of a quantised int8 matrix, rotated
+  (quant.py's `Rotation`: Hadamard butterflies within blocks of `block` channels, then A mixing the
+  blocks) and mapped row by row onto [0, 1]: xn = (x - min) / (max - min). fbgemm quantises its input
+  with one scale per call; a batch of rows that each span exactly [0, 1] gets the scale 1/255 and the
+  zero point 0 whatever else is in it, so every row's product is its own (quant.py's `Int8Matmul`).
+  Both kernels do the same IEEE operations in the same order (butterflies, one scaling, A's sum from
+  j = 0, the affine map), which a test checks. In C++ it is one call instead of ~20 tensor ops.
+* `gemmaserve::fbgemm_int8_linear(x, shape, packed, col_offsets, bias)`: PyTorch's fbgemm int8 x int8
+  linear; from a compiled graph the Python kernel cost a trip into Python per call.
+* `rms_norm`, `gelu_mul`, `rope_tables`, `softcap`, `attend` (fused_ops.py, layers.py,
+  attention/blockwise.py): the C++ kernel makes its Python kernel's ATen calls in the same order, so
+  the same bits. They are ops so that a compiled decode graph calls them as they are: inductor's own
+  fused versions sum and round in other orders (1-5e-7 apart), and a last bit is enough to flip a
+  greedy token. In C++ so that such a call from a graph does not go back into Python.
+
+Built with inductor's toolchain (the one compiled graphs need anyway; no ninja; its cache keeps the
+library across processes: ~30 s the first time, then a load). Where it cannot be built the Python
+kernels serve, with the same results.
+"""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 SOURCE = r"""
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <cmath>
+#include <limits>
+#include <vector>
 
 namespace {
+constexpr int64_t KEY_BLOCK = @KEY_BLOCK@, ROW_TILE = @ROW_TILE@;
+
 at::Tensor fbgemm_int8_linear(const at::Tensor& x, const at::Tensor& shape, const at::Tensor& packed,
-                              const at::Tensor& col_offsets, const at::Tensor& bias, bool two_pass) {
-  at::Tensor y = at::fbgemm_linear_int8_weight_fp32_activation(x, shape, packed, col_offsets, 1.0, 0, bias);
-  if (two_pass) {
-    at::Tensor rounded = at::quantize_per_tensor_dynamic(x, at::kQUInt8, false).dequantize();
-    y.add_(at::fbgemm_linear_int8_weight_fp32_activation(x - rounded, shape, packed, col_offsets, 1.0, 0, bias));
+                              const at::Tensor& col_offsets, const at::Tensor& bias) {
+  return at::fbgemm_linear_int8_weight_fp32_activation(x, shape, packed, col_offsets, 1.0, 0, bias);
+}
+
+// quant.py's row_affine_reference, operation for operation (compiled without FP contraction).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_affine(const at::Tensor& x_in, const at::Tensor& a_t_in,
+                                                          int64_t block) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "row_affine takes a 2-D float tensor");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, k}, x.options());
+  at::Tensor lo = at::empty({m, 1}, x.options());
+  at::Tensor span = at::empty({m, 1}, x.options());
+  const int64_t n = block > 0 ? k / block : 0;
+  const at::Tensor a_t = a_t_in.contiguous();
+  const float* a = n > 1 ? a_t.data_ptr<float>() : nullptr;
+  const float scale = block > 0 ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(block))) : 1.0f;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* lop = lo.data_ptr<float>();
+  float* sp = span.data_ptr<float>();
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> y(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = xp + r * k;
+      float* dst = op + r * k;
+      if (block > 0) {
+        for (int64_t i = 0; i < k; ++i) y[i] = src[i];
+        for (int64_t c = 0; c < n; ++c) {
+          float* yb = y.data() + c * block;
+          for (int64_t h = 1; h < block; h *= 2)
+            for (int64_t i = 0; i < block; i += 2 * h)
+              for (int64_t j = i; j < i + h; ++j) {
+                const float u = yb[j], v = yb[j + h];
+                yb[j] = u + v;
+                yb[j + h] = u - v;
+              }
+          for (int64_t i = 0; i < block; ++i) yb[i] = yb[i] * scale;
+        }
+        if (n > 1) {
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t t = 0; t < block; ++t) {
+              float acc = 0.0f;
+              for (int64_t j = 0; j < n; ++j) {
+                const float p = a[i * n + j] * y[j * block + t];
+                acc = acc + p;
+              }
+              dst[i * block + t] = acc;
+            }
+        } else {
+          for (int64_t i = 0; i < k; ++i) dst[i] = y[i];
+        }
+      } else {
+        for (int64_t i = 0; i < k; ++i) dst[i] = src[i];
+      }
+      float mn = dst[0], mx = dst[0];
+      for (int64_t i = 1; i < k; ++i) {
+        mn = std::min(mn, dst[i]);
+        mx = std::max(mx, dst[i]);
+      }
+      float s = mx - mn;
+      if (!(s > 0.0f)) s = 1.0f;
+      for (int64_t i = 0; i < k; ++i) dst[i] = (dst[i] - mn) / s;
+      lop[r] = mn;
+      sp[r] = s;
+    }
+  });
+  return {out, lo, span};
+}
+// The ops below make the ATen calls of their Python kernels, one for one and in order (same kernels,
+// same bits): fused_ops.py's _norm_ref and _gelu_mul_ref, layers.py's _rope_tables and _softcap,
+// attention/blockwise.py's attend_reference.
+at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, double eps, double offset) {
+  if (x.scalar_type() == at::kFloat && w.has_value() && offset != 0.0) {
+    return at::rms_norm(x, {x.size(-1)}, w->to(at::kFloat) + offset, eps);
   }
-  return y;
+  at::Tensor h = x.to(at::kFloat);
+  if (offset == 0.0) {
+    h = h * at::pow(h.pow(2).mean(-1, true) + eps, -0.5);
+    return (w.has_value() ? h * w->to(at::kFloat) : h).to(x.scalar_type());
+  }
+  h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
+  return (w.has_value() ? h * (w->to(at::kFloat) + offset) : h).to(x.scalar_type());
+}
+
+at::Tensor gelu_mul(const at::Tensor& gate_up, int64_t intermediate) {
+  std::vector<at::Tensor> parts = gate_up.split(intermediate, -1);
+  return at::gelu(parts[0], "tanh") * parts[1];
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, const at::Tensor& inv_freq) {
+  at::Tensor angles = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
+  at::Tensor emb = at::cat({angles, angles}, -1);
+  return {emb.cos(), emb.sin()};
+}
+
+at::Tensor softcap(const at::Tensor& x, double cap) {
+  return at::tanh(x / cap) * cap;
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& visible,
+                  double scale) {
+  const int64_t t = q.size(0), n = q.size(1), hq = q.size(2), d = q.size(3);
+  const int64_t nk = k.size(1), hkv = k.size(2);
+  TORCH_CHECK(nk % KEY_BLOCK == 0, nk, " keys: a multiple of ", KEY_BLOCK, " expected");
+  const int64_t g = hq / hkv, rows = n * g, m = (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE, nb = nk / KEY_BLOCK;
+  at::Tensor qh = (q.to(at::kFloat) * scale).view({t, n, hkv, g, d}).permute({0, 2, 1, 3, 4}).reshape({t * hkv, rows, d});
+  if (m > rows) qh = at::constant_pad_nd(qh, {0, 0, 0, m - rows}, 0);
+  at::Tensor kt = k.to(at::kFloat).permute({0, 2, 3, 1}).reshape({t * hkv, d, nk});
+  at::Tensor s = at::bmm(qh, kt).view({t, hkv, m, nk});
+  at::Tensor mask = visible.view({t, 1, n, 1, nk}).expand({t, 1, n, g, nk}).reshape({t, 1, rows, nk});
+  if (m > rows) mask = at::constant_pad_nd(mask, {0, 0, 0, m - rows}, 1);
+  s = s.masked_fill(mask.bitwise_not(), -std::numeric_limits<double>::infinity());
+  at::Tensor p = at::exp(s - s.amax(-1, true));
+  at::Tensor pb = p.view({t * hkv, m, nb, KEY_BLOCK}).transpose(1, 2).reshape({t * hkv * nb, m, KEY_BLOCK});
+  at::Tensor vb = at::empty({t, hkv, nb, KEY_BLOCK, d + 1}, v.options().dtype(at::kFloat));
+  vb.slice(-1, 0, d).copy_(v.view({t, nb, KEY_BLOCK, hkv, d}).permute({0, 3, 1, 2, 4}));
+  vb.select(-1, d).fill_(1.0);
+  at::Tensor ob = at::bmm(pb, vb.view({t * hkv * nb, KEY_BLOCK, d + 1})).view({t * hkv, nb, m, d + 1});
+  at::Tensor total = nb > 1 ? ob.cumsum(1).select(1, -1) : ob.select(1, 0);
+  at::Tensor out = total.slice(-1, 0, d) / total.slice(-1, d, d + 1);
+  out = out.slice(1, 0, rows).view({t, hkv, n, g, d}).permute({0, 2, 1, 3, 4}).reshape({t, n, hq, d});
+  return out.to(q.scalar_type());
 }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gemmaserve, CPU, m) {
   m.impl("fbgemm_int8_linear", &fbgemm_int8_linear);
+  m.impl("row_affine", &row_affine);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("gelu_mul", &gelu_mul);
+  m.impl("rope_tables", &rope_tables);
+  m.impl("softcap", &softcap);
+  m.impl("attend", &attend);
 }
 """
 
 
+def row_affine_reference(x: torch.Tensor, a_t: torch.Tensor, block: int) -> tuple[torch.Tensor, ...]:
+    """x [M, K] fp32 -> (xn [M, K], lo [M, 1], span [M, 1]): x rotated (butterflies within blocks of
+    `block` channels, scaled by block^-1/2, then the blocks mixed by A: out_i = sum_j a_t[i, j] y_j,
+    summed from j = 0; no rotation where block is 0), then mapped onto [0, 1] per row. The C++
+    kernel's operations in its order, as tensor ops (the fallback, and its specification)."""
+    m, k = x.shape
+    y = x.float()
+    if block:
+        n = k // block
+        y = y.reshape(m, n, block)
+        h = 1
+        while h < block:
+            pairs = y.view(m, n, block // (2 * h), 2, h)
+            u, v = pairs[..., 0, :], pairs[..., 1, :]
+            y = torch.stack((u + v, u - v), -2).view(m, n, block)
+            h *= 2
+        y = y * torch.tensor(1.0 / math.sqrt(block), dtype=torch.float32)
+        if n > 1:
+            acc = torch.zeros_like(y)
+            for j in range(n):
+                acc = acc + a_t[:, j, None] * y[:, j:j + 1, :]
+            y = acc
+        y = y.reshape(m, k)
+    lo = y.amin(-1, keepdim=True)
+    span = y.amax(-1, keepdim=True) - lo
+    span = torch.where(span > 0, span, torch.ones_like(span))
+    return (y - lo) / span, lo, span
+
+
+@torch.library.custom_op("gemmaserve::row_affine", mutates_args=())
+def _row_affine(x: torch.Tensor, a_t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return row_affine_reference(x, a_t, block)
+
+
+@_row_affine.register_fake
+def _(x: torch.Tensor, a_t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), x.new_empty(x.shape[0], 1), x.new_empty(x.shape[0], 1)
+
+
+OPS = ("fbgemm_int8_linear", "row_affine", "rms_norm", "gelu_mul", "rope_tables", "softcap", "attend")
+
+
 @functools.cache   # once per process: the registration is the process's
 def load() -> str | None:
-    """Build (or find in inductor's cache) and load the kernel. None once it serves the op's CPU
-    calls, else why it does not."""
-    from . import quant
+    """Build (or find in inductor's cache) and load the kernels. None once they serve the ops' CPU
+    calls, else why they do not (the Python kernels then serve, with the same results)."""
+    from ..attention import blockwise   # defines gemmaserve::attend
+    from . import fused_ops, layers, quant   # the others
 
-    if not quant.FbgemmTensors.available():
-        return "the op is not used on this CPU (no fbgemm int8 op or no VNNI)"
+    del fused_ops, layers, quant
     try:
         from torch._inductor.codecache import CppCodeCache
 
@@ -52,9 +237,9 @@ def load() -> str | None:
             cache: dict = {}
             cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
 
-        _Build.load(SOURCE)
-    except Exception as e:   # no compiler, no headers: the Python kernel stays
+        _Build.load(SOURCE.replace("@KEY_BLOCK@", str(blockwise.KEY_BLOCK)).replace("@ROW_TILE@", str(blockwise.ROW_TILE)))
+    except Exception as e:   # no compiler, no headers: the Python kernels stay
         return f"{type(e).__name__}: {e}"
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("gemmaserve::fbgemm_int8_linear", "CPU"):
-        return "the library loaded without registering its kernel"
+    if not all(torch._C._dispatch_has_kernel_for_dispatch_key(f"gemmaserve::{op}", "CPU") for op in OPS):
+        return "the library loaded without registering its kernels"
     return None

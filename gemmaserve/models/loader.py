@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from .embedded import EMBEDDED_MODELS, cache_dir, resolve_embedded
 from .registry import model_class_for_gguf, model_class_for_hf
 from .tensor_parallel import ShardPlan, TensorParallelShard, check_shardable, parallelize, shard_model
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # A checkpoint's tensors in our names; a tensor-parallel rank gets the plan of its slices.
 Weights = Callable[[CausalLM, "ShardPlan | None"], Iterator[tuple[str, torch.Tensor]]]
@@ -143,10 +146,14 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
     release_freed_memory()   # the dequantised tensors just copied into the model (hostmem.py)
     formats = None
     if quantized:
+        from . import cpu_kernels
         from .quant import quantize_model
 
         formats = quantize_model(model, int4)
         release_freed_memory()
+        why = cpu_kernels.load()   # the same results without it, in more ops
+        if why is not None:
+            log.info("quantised matrices run their Python kernels: %s", why)
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     tokenizer = Tokenizer.from_gguf(gguf, cache_dir() / "tokenizers" / f"{key}.json")

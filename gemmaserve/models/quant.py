@@ -19,34 +19,32 @@ quantises its input per call. Gemma's hidden states carry a few channels hundred
 than the rest; quantised as they are, those set the step and the other channels drown (argmax
 agreement with fp32 over bench quality's text: 84% in 8-row chunks, against 95% rotated). So fbgemm's
 inputs are rotated first: x W^T = (x R)(W R)^T for an orthogonal R (`Rotation`), W R is what is
-quantised and packed, and R spreads an outlier over every channel; rows are scaled to one range
-first, so each gets its own step.
-Where the matmul is compute-bound (prefill chunks) the activations' rounding error runs through the
-kernel too (two passes: activations then cost nothing). Which kernel runs where:
+quantised and packed, and R spreads an outlier over every channel.
 
-    MLP (gate/up, down as INT8)   rotated fbgemm at every row count, two passes in prefill chunks
-    attention q/k/v (INT8)        rotated fbgemm at every row count, two passes from two rows on (with
-                                  one pass, 8-row chunks scored KL 0.0054 against 0.0047 one row at a
-                                  time; one row takes one pass: the weight-only kernel with bf16
-                                  activations was as accurate there, KL 0.0028, and ~2x slower)
-    INT4 (Q4_K: o_proj, down)     the exact int4 kernel; prefill chunks expand it exactly (a rotated
-                                  int8 copy for several rows flipped a greedy choice the fp32 path
-                                  made by a 0.45 logit margin: the exact weights stay)
-    tied output head              a per-row INT8 copy of the table (fbgemm, unrotated), then its 32
-                                  highest logits per row recomputed exactly from the table's blocks;
-                                  one row scans a 4-bit copy instead and recomputes its 1,024 highest
+Every row's result is its own, whatever else is in the batch and however many rows it has (a greedy
+token must not change with the batch). fbgemm quantises its input with one scale and zero point
+per call, so each rotated row is first mapped onto [0, 1] (xn = (x - lo) / span, cpu_kernels.py's
+`row_affine`): a call whose rows all span exactly [0, 1] gets scale 1/255 and zero point 0 whoever
+shares it, and x W^T = span * (xn W^T) + lo * (the rows' sums of W). Every other kernel here
+computes each row by itself, with no choice that depends on the row count:
 
-Measured on the 270M (`bench quality`: KL divergence of the next-token distribution from our fp32
-path over its text, mean): 0.0023 in prefill chunks, 0.0027 one token at a time and in 8-row chunks;
-llama.cpp on the same file 0.0050. (With the table in per-row INT8 too: 0.0046 / 0.0048, and 0.0054 in
-8-row chunks while q/k/v took one pass there.) Without VNNI
-fbgemm's AVX2 kernel can saturate 8-bit x 8-bit pairs, so activations use 7 bits there (`reduce_range`).
+    MLP and attention (INT8)      rotated fbgemm at every row count, one pass
+    INT4 (Q4_K: o_proj, down)     the exact int4 kernel at every row count (bf16 activations)
+    tied output head              a 4-bit copy of the table ranks each row's logits and its 1,024
+                                  highest are recomputed exactly from the table's blocks (where
+                                  PyTorch lacks the 4-bit kernel: a per-row INT8 copy on fbgemm, 32)
+
+Earlier versions chose kernels by row count (two passes and fp32 expansions in prefill chunks, the
+4-bit scan for one row only) and quantised a batch with one range: the same prompt gave other
+greedy tokens alone and in a batch. (`bench quality` has the quality of this scheme against the
+fp32 path and llama.cpp: BENCHMARKS.md.) Without VNNI fbgemm's AVX2 kernel can saturate 8-bit x
+8-bit pairs, so activations use 7 bits there (`reduce_range`).
 
 fbgemm is entered through plain tensors where it can be (`FbgemmTensors`: VNNI CPUs) and through
 `quantized::linear_dynamic`'s quantized tensors elsewhere (7-bit activations); same products.
 In a compiled decode step (engine/compiled_decode.py) the same kernels run, through custom ops
-(`gemmaserve::fbgemm_int8_linear` with tensor inputs, or `gemmaserve::fbgemm_linear` with the packed
-object as an opaque reference), and the rotation runs as butterflies the graph fuses with the ops around it.
+(`gemmaserve::row_affine`, `gemmaserve::fbgemm_int8_linear` with tensor inputs, or
+`gemmaserve::fbgemm_linear` with the packed object as an opaque reference): the same bits as eager.
 """
 
 from __future__ import annotations
@@ -63,6 +61,7 @@ import torch
 from torch import nn
 
 from .. import opaque
+from . import cpu_kernels  # noqa: F401  (defines gemmaserve::row_affine)
 from ..hostmem import release_freed_memory
 from ..rowops import row_topk_indices
 
@@ -178,13 +177,11 @@ class Rotation:
     """An orthogonal R = A (x) H of order K = n * b, applied to the last dim: x R = vec(A^T X H) for
     X = x seen as [n, b]. H is the Hadamard matrix of the largest power-of-two b <= 128 dividing K;
     A a Hadamard matrix too when n is a power of two, else a fixed (seeded) random orthogonal matrix.
-    Either way one outlier channel of x lands on all K channels of x R with 1/sqrt(K) of its size."""
+    Either way one outlier channel of x lands on all K channels of x R with 1/sqrt(K) of its size.
+    Weights are rotated once with `apply`; activations in `row_affine` (H as butterflies)."""
 
     a_t: torch.Tensor   # [n, n] = A^T
     h: torch.Tensor     # [b, b]
-    # [2, 1]: a butterfly's lo + hi, lo - hi (held here: a literal in `_apply_elementwise` would be a
-    # constant of the compiled graph per call, each one more input to pass every step)
-    sign: torch.Tensor = field(default_factory=lambda: torch.tensor([[1.0], [-1.0]]))
 
     MAX_BLOCK = 128
 
@@ -201,39 +198,32 @@ class Rotation:
             a = a * torch.sign(torch.diagonal(r))[None, :]   # the unique QR with a positive diagonal
         return cls(a.t().float().contiguous(), _hadamard(b).float())
 
+    @property
+    def block(self) -> int:
+        return self.h.shape[0]
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> x R."""
+        """x [..., K] -> x R (two matmuls: for weights, once; activations go through `row_affine`)."""
         n, b = self.a_t.shape[0], self.h.shape[0]
-        if torch.compiler.is_compiling():
-            return self._apply_elementwise(x)
         y = torch.matmul(x.reshape(-1, b), self.h).view(-1, n, b)
         return torch.matmul(self.a_t, y).view(x.shape) if n > 1 else y.view(x.shape)
-
-    def _apply_elementwise(self, x: torch.Tensor) -> torch.Tensor:
-        """`apply` as adds and multiplies only, which a compiled graph fuses into the kernels around
-        it (as two matmuls it is two library calls per matrix: ~1.7 ms of an 8-row decode step). H as
-        log2(b) butterflies (the fast Walsh-Hadamard transform: Sylvester's H_2b = [[H_b, H_b],
-        [H_b, -H_b]] pairs channels i and i + h), A as a broadcast multiply and sum over the n blocks."""
-        n, b = self.a_t.shape[0], self.h.shape[0]
-        y = x.reshape(-1, n, b)
-        sign = self.sign.to(x.device, x.dtype)
-        h = 1
-        while h < b:
-            # one broadcast expression per butterfly: a stack of lo + hi and lo - hi compiled to a
-            # concatenation whose halves the graph's wrapper set up as views (~700 calls a step)
-            pairs = y.view(-1, n, b // (2 * h), 2, h)
-            y = (pairs[..., :1, :] + sign * pairs[..., 1:, :]).view(-1, n, b)
-            h *= 2
-        y = y * (1.0 / math.sqrt(b))
-        if n > 1:
-            y = (self.a_t[None, :, :, None] * y[:, None, :, :]).sum(2)
-        return y.reshape(x.shape)
 
     def undo(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> x R^T (R^-1)."""
         n, b = self.a_t.shape[0], self.h.shape[0]
         y = torch.matmul(x.reshape(-1, b), self.h.t()).view(-1, n, b)
         return torch.matmul(self.a_t.t(), y).view(x.shape) if n > 1 else y.view(x.shape)
+
+
+_NO_ROTATION = torch.empty(0, 0)
+
+
+def row_affine(x: torch.Tensor, rotation: Rotation | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (xn, lo, span): x rotated, then each row mapped onto [0, 1]
+    (cpu_kernels.py: one C++ call where it is built, the same bits where not)."""
+    if rotation is None:
+        return torch.ops.gemmaserve.row_affine(x, _NO_ROTATION, 0)
+    return torch.ops.gemmaserve.row_affine(x, rotation.a_t, rotation.block)
 
 
 @opaque.opaque_reference
@@ -249,21 +239,16 @@ class PackedInt8(opaque.OpaqueRef):
 
 if opaque.SUPPORTED:
     @torch.library.custom_op("gemmaserve::fbgemm_linear", mutates_args=())
-    def _fbgemm_linear(x: torch.Tensor, w: PackedInt8, out_features: int, reduce_range: bool,
-                       two_pass: bool) -> torch.Tensor:
-        return _linear_dynamic(x, w, reduce_range, two_pass)
+    def _fbgemm_linear(x: torch.Tensor, w: PackedInt8, out_features: int, reduce_range: bool) -> torch.Tensor:
+        return _linear_dynamic(x, w, reduce_range)
 
     @_fbgemm_linear.register_fake
-    def _(x: torch.Tensor, w: PackedInt8, out_features: int, reduce_range: bool, two_pass: bool) -> torch.Tensor:
+    def _(x: torch.Tensor, w: PackedInt8, out_features: int, reduce_range: bool) -> torch.Tensor:
         return x.new_empty(x.shape[0], out_features)
 
 
-def _linear_dynamic(x: torch.Tensor, w: PackedInt8, reduce_range: bool, two_pass: bool) -> torch.Tensor:
-    y = torch.ops.quantized.linear_dynamic(x, w.packed, reduce_range)
-    if two_pass:   # as `_fbgemm_int8_product`
-        rounded = torch.quantize_per_tensor_dynamic(x, torch.quint8, reduce_range).dequantize()
-        y += torch.ops.quantized.linear_dynamic(x - rounded, w.packed, reduce_range)
-    return y
+def _linear_dynamic(x: torch.Tensor, w: PackedInt8, reduce_range: bool) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic(x, w.packed, reduce_range)
 
 
 @dataclass(frozen=True)
@@ -291,19 +276,17 @@ class FbgemmTensors:
         n, k = q.shape
         with warnings.catch_warnings():   # deprecation notes, once per process (see the docstring)
             warnings.simplefilter("ignore")
-            # row sums in slices: q.sum(1, dtype=int32) converts the whole matrix first (+660 MB for the head)
-            sums = torch.cat([q[i:i + 8192].sum(1, dtype=torch.int32) for i in range(0, n, 8192)])
+            sums = _int_row_sums(q)
             t = cls(_zero_weight(n, k), torch.fbgemm_pack_quantized_matrix(q), sums, s.float(), _zero_bias(n))
             t(torch.zeros(1, k))
         return t
 
-    def __call__(self, x: torch.Tensor, two_pass: bool = False) -> torch.Tensor:
-        """x [M, K] fp32, contiguous -> [M, N]. `two_pass`: see `Int8Matmul.__call__`."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32, contiguous -> [M, N]."""
         if torch.compiler.is_compiling():
-            y = torch.ops.gemmaserve.fbgemm_int8_linear(x, self.shape, self.packed, self.col_offsets, self.bias,
-                                                        two_pass)
+            y = torch.ops.gemmaserve.fbgemm_int8_linear(x, self.shape, self.packed, self.col_offsets, self.bias)
             return y * self.scales
-        return _fbgemm_int8_product(x, self.shape, self.packed, self.col_offsets, self.bias, two_pass).mul_(self.scales)
+        return _fbgemm_int8_product(x, self.shape, self.packed, self.col_offsets, self.bias).mul_(self.scales)
 
     def dequantize(self) -> torch.Tensor:
         """The weight [N, K] read back through the kernel (the packed form has no unpack): each row of
@@ -323,32 +306,28 @@ def _zero_bias(n: int) -> torch.Tensor:
 
 
 def _fbgemm_int8_product(x: torch.Tensor, shape: torch.Tensor, packed: torch.Tensor, col_offsets: torch.Tensor,
-                         bias: torch.Tensor, two_pass: bool) -> torch.Tensor:
-    """x times the packed integers (weight scale 1; `bias` is zeros, so the second pass may add it again)."""
-    y = torch.fbgemm_linear_int8_weight_fp32_activation(x, shape, packed, col_offsets, 1.0, 0, bias)
-    if two_pass:   # the kernel rounds x as quantize_per_tensor_dynamic does: add what it lost
-        rounded = torch.quantize_per_tensor_dynamic(x, torch.quint8, False).dequantize()
-        y += torch.fbgemm_linear_int8_weight_fp32_activation(x - rounded, shape, packed, col_offsets, 1.0, 0, bias)
-    return y
+                         bias: torch.Tensor) -> torch.Tensor:
+    """x times the packed integers (weight scale 1; `bias` is zeros)."""
+    return torch.fbgemm_linear_int8_weight_fp32_activation(x, shape, packed, col_offsets, 1.0, 0, bias)
 
 
-if FbgemmTensors.available():
+if hasattr(torch, "fbgemm_linear_int8_weight_fp32_activation"):   # (cpu_kernels.py registers its C++ kernel)
     @torch.library.custom_op("gemmaserve::fbgemm_int8_linear", mutates_args=())
     def _fbgemm_int8_linear(x: torch.Tensor, shape: torch.Tensor, packed: torch.Tensor, col_offsets: torch.Tensor,
-                            bias: torch.Tensor, two_pass: bool) -> torch.Tensor:
-        return _fbgemm_int8_product(x, shape, packed, col_offsets, bias, two_pass)
+                            bias: torch.Tensor) -> torch.Tensor:
+        return _fbgemm_int8_product(x, shape, packed, col_offsets, bias)
 
     @_fbgemm_int8_linear.register_fake
     def _(x: torch.Tensor, shape: torch.Tensor, packed: torch.Tensor, col_offsets: torch.Tensor,
-          bias: torch.Tensor, two_pass: bool) -> torch.Tensor:
+          bias: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], shape.shape[0])
 
 
 class Int8Matmul:
     """x [M, K] @ (q * s)^T for int8 rows q [N, K], bf16 scales s [N], on `kernel`. With a
     `rotation` (fbgemm only), q * s is the rotated weight W R and each call rotates its input the same
-    way. fbgemm quantises its input per tensor; rows are first scaled to one range (and the outputs
-    back), so each row gets its own step and one sequence's range never coarsens another's."""
+    way. fbgemm quantises its input per call: each row is first mapped onto [0, 1] (`row_affine`)
+    and the product mapped back, so every row gets its own 8-bit step whatever shares the call."""
 
     def __init__(self, q: torch.Tensor, s: torch.Tensor, kernel: Int8Kernel, rotation: Rotation | None = None,
                  keep_rows: bool = True, fbgemm_tensors: bool = True):
@@ -362,6 +341,8 @@ class Int8Matmul:
         self._packed: PackedInt8 | None = None
         if kernel is Int8Kernel.FBGEMM_DYNAMIC:
             self._reduce_range = not _cpu_has_vnni()
+            # x W^T = span * (xn W^T) + lo * (W's row sums): the sums of the stored integers, scaled
+            self.row_sums = _int_row_sums(q).float() * s.float()
             if fbgemm_tensors and FbgemmTensors.available():   # VNNI: no reduce_range
                 self._tensors = FbgemmTensors.pack(q, s)
             else:
@@ -371,6 +352,7 @@ class Int8Matmul:
                                                                   0)
                     # one owner of the packed weight: the handle that compiled graphs pass around too
                     self._packed = PackedInt8(torch.ops.quantized.linear_prepack(wq, None), self.out_features)
+                    self._fbgemm(torch.zeros(1, q.shape[1]))   # its deprecation note, once per process, here
 
     @classmethod
     def for_layer(cls, w: torch.Tensor, rotations: dict[int, Rotation] | None = None) -> "Int8Matmul":
@@ -394,56 +376,44 @@ class Int8Matmul:
             w = self._q.float() * self._s.float()[:, None]
         return w if self.rotation is None else self.rotation.undo(w)
 
-    def _fbgemm(self, x: torch.Tensor, two_pass: bool) -> torch.Tensor:
+    def _fbgemm(self, x: torch.Tensor) -> torch.Tensor:
         if self._tensors is not None:
-            return self._tensors(x, two_pass)
+            return self._tensors(x)
         if torch.compiler.is_compiling():   # the packed weight is opaque to the compiler
-            return torch.ops.gemmaserve.fbgemm_linear(x, self._packed, self.out_features, self._reduce_range,
-                                                      two_pass)
-        return _linear_dynamic(x, self._packed, self._reduce_range, two_pass)
+            return torch.ops.gemmaserve.fbgemm_linear(x, self._packed, self.out_features, self._reduce_range)
+        return _linear_dynamic(x, self._packed, self._reduce_range)
 
-    def __call__(self, x: torch.Tensor, two_pass: bool = False) -> torch.Tensor:
-        """`two_pass` (fbgemm): run the activations' rounding error through the kernel too, so
-        activations cost no accuracy (error ~1/256 of one pass's); twice the work, worth it where the
-        kernel is compute-bound (prefill chunks)."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.kernel is Int8Kernel.FBGEMM_DYNAMIC:
-            x2 = x2.float()
-            if self.rotation is not None:
-                x2 = self.rotation.apply(x2)
-            row_max = None
-            if x2.shape[0] > 1:
-                row_max = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
-                x2 = x2 / row_max
-            y = self._fbgemm(x2.contiguous(), two_pass)
-            if row_max is not None:
-                y = y.mul_(row_max)
+            xn, lo, span = row_affine(x2.float(), self.rotation)
+            y = self._fbgemm(xn) * span + lo * self.row_sums
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self._q, self._s)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
 
+def _int_row_sums(q: torch.Tensor) -> torch.Tensor:
+    """int32 [N]: each row's sum of an int8 [N, K], in slices (q.sum(1, dtype=int32) converts the whole
+    matrix first: +660 MB for the head)."""
+    return torch.cat([q[i:i + 8192].sum(1, dtype=torch.int32) for i in range(0, q.shape[0], 8192)])
+
+
 class QuantLinear(nn.Module):
     """y = x W^T with W in INT8 or INT4 (see the module docstring); x fp32 or bf16, y in x's dtype.
+    Each row through the same kernel whatever the row count, so each row's result is its own."""
 
-    INT8 on fbgemm (rotated) quantises its input per call: from `two_pass_rows` rows on, it takes two
-    passes (activations then cost no accuracy). From `PREFILL_ROWS` rows on (prefill chunks) an INT4
-    or weight-only weight is expanded to fp32 for the call and the product runs on the fp32 GEMM."""
-
-    PREFILL_ROWS = 64
-
-    def __init__(self, in_features: int, out_features: int, fmt: WeightFormat, two_pass_rows: int = PREFILL_ROWS):
+    def __init__(self, in_features: int, out_features: int, fmt: WeightFormat):
         super().__init__()
         self.in_features, self.out_features, self.format = in_features, out_features, fmt
-        self.two_pass_rows = two_pass_rows
 
     @classmethod
     def from_float(cls, w: torch.Tensor, kernel: Int8Kernel | None = None,
-                   rotations: dict[int, Rotation] | None = None, two_pass_rows: int = PREFILL_ROWS) -> "QuantLinear":
+                   rotations: dict[int, Rotation] | None = None) -> "QuantLinear":
         """INT8 rows of an fp32 weight; `kernel` None: the layers' default (`Int8Matmul.for_layer`).
         `rotations`: shared, see `for_layer`."""
-        mod = cls(w.shape[1], w.shape[0], WeightFormat.INT8, two_pass_rows)
+        mod = cls(w.shape[1], w.shape[0], WeightFormat.INT8)
         mod.int8 = Int8Matmul.for_layer(w, rotations) if kernel is None else Int8Matmul(*int8_rows(w), kernel)
         return mod
 
@@ -462,16 +432,12 @@ class QuantLinear(nn.Module):
         return self.int8.dequantize() if self.format is WeightFormat.INT8 else self.groups.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
         if self.format is WeightFormat.INT8:
-            if self.int8.kernel is Int8Kernel.FBGEMM_DYNAMIC or rows < self.PREFILL_ROWS:
-                return self.int8(x, two_pass=rows >= self.two_pass_rows)
-        elif rows < self.PREFILL_ROWS:
-            shape = x.shape
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(),
-                                                           self.qweight, GROUP, self.scales)
-            return y.to(x.dtype).view(*shape[:-1], self.out_features)
-        return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
+            return self.int8(x)
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(),
+                                                       self.qweight, GROUP, self.scales)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         kernel = f", kernel={self.int8.kernel.value}" if self.format is WeightFormat.INT8 else ""
@@ -489,6 +455,7 @@ class QuantEmbedding(nn.Module):
 
     REFINE = 32
     SCAN_REFINE = 1024   # the 4-bit scan's: its tail is coarser (head-alone KL 0.0009 here, 0.0088 at 32)
+    SCAN_ROWS = 4
 
     def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kernel: Int8Kernel | None = None,
                  head: bool = True):
@@ -509,11 +476,14 @@ class QuantEmbedding(nn.Module):
             self.scan = _Int4Scan.of(self) if _Int4Scan.available() else None
 
     def _scan(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Logits to rank by, and how many of each row's highest to recompute exactly. One row (batch-1
-        decode) scans a 4-bit copy: half the int8 copy's bytes, 4.8 vs 6.6-7.8 ms for the 270M's head;
-        at several rows the 4-bit kernel is slower than fbgemm's int8 one."""
-        if self.scan is not None and hidden.numel() == self.embedding_dim:
-            return self.scan(hidden), self.SCAN_REFINE
+        """Logits to rank by, and how many of each row's highest to recompute exactly: the same method
+        for every row whatever the row count (a row's logits must not depend on its batch). The 4-bit
+        copy where PyTorch has its kernel (half the int8 copy's bytes: 4.8 vs 6.6-7.8 ms for the
+        270M's head at one row), in calls of at most SCAN_ROWS rows (the kernel slows down past 4)."""
+        if self.scan is not None:
+            rows = hidden.reshape(-1, self.embedding_dim)
+            parts = [self.scan(rows[i:i + self.SCAN_ROWS]) for i in range(0, rows.shape[0], self.SCAN_ROWS)]
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)), self.SCAN_REFINE
         return self.head(hidden), self.REFINE
 
     @property
@@ -593,7 +563,7 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
     """Replace every `Linear` and `Embedding` of a loaded fp32 `CausalLM` by its quantised form, in
     place. `int4`: exact groups of the checkpoint's Q4_K weights by our tensor name (before fusing
     q/k/v and gate/up: a fused weight is INT4 only if all its parts are). Returns a count per format."""
-    from .layers import Embedding, GeGLU, Linear
+    from .layers import Embedding, Linear
 
     parts_of: dict[str, dict[int, Int4Groups]] = {}
     for name, groups in int4.items():
@@ -635,11 +605,8 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
                 groups = Int4Groups.cat([parts[i] for i in range(len(parts))])
             if groups is not None:
                 new = QuantLinear.from_int4(groups)   # exact at every row count (see the module docstring)
-            elif isinstance(model.get_submodule(parent), GeGLU):   # one pass up to prefill chunks
+            else:
                 new = QuantLinear.from_float(weight, rotations=rotations)
-            else:   # attention: two passes from two rows on (see the module docstring), from one
-                # where activations get 7 bits (no VNNI): there one row ran the weight-only kernel before
-                new = QuantLinear.from_float(weight, rotations=rotations, two_pass_rows=2 if _cpu_has_vnni() else 1)
             counts[new.format.value] += 1
             del weight
         setattr(model.get_submodule(parent), attr, new)
