@@ -15,6 +15,11 @@ Norm flavour is a parameter (`NormKind`: Gemma 3's (1 + w), Gemma 4's w; no weig
 value and router norms). On the CPU (and whenever Triton cannot run) the same functions run as plain
 torch ops with HF's exact order of roundings; on the GPU the kernels compute in fp32 and round once,
 which differs from HF's bf16 chain only by bf16 rounding.
+
+On the CPU the norms and gelu_mul are custom ops (`gemmaserve::rms_norm`, `gemmaserve::gelu_mul`):
+their Python kernels are the torch ops below, and models/cpu_kernels.py gives them C++ kernels that
+make the same ATen calls. A compiled decode graph calls them as they are instead of fusing its own
+versions (whose sums and tanh round differently), so a compiled step gives the eager step's bits.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def _on_cpu(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu"
+
+
 # -- torch reference (the CPU path; HF's roundings) ----------------------------------------------------
 def _norm_ref(x: torch.Tensor, w: torch.Tensor | None, kind: NormKind) -> torch.Tensor:
     if x.dtype == torch.float32 and w is not None and kind.offset != 0.0:
@@ -55,6 +64,31 @@ def _norm_ref(x: torch.Tensor, w: torch.Tensor | None, kind: NormKind) -> torch.
     return (h if w is None else h * (kind.offset + w.float())).type_as(x)
 
 
+@torch.library.custom_op("gemmaserve::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, w: torch.Tensor | None, eps: float, offset: float) -> torch.Tensor:
+    return _norm_ref(x, w, NormKind(eps, offset))
+
+
+@_rms_norm_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor | None, eps: float, offset: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _gelu_mul_ref(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    gate, up = gate_up.split(intermediate, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+@torch.library.custom_op("gemmaserve::gelu_mul", mutates_args=())
+def _gelu_mul_op(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    return _gelu_mul_ref(gate_up, intermediate)
+
+
+@_gelu_mul_op.register_fake
+def _(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] - intermediate)
+
+
 def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -66,6 +100,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, kind: NormKind) -> torch.T
     """RMSNorm over the last dim; `w` None: no weight (Gemma 4's value and router norms)."""
     if _use_triton(x):
         return _triton().rms_norm(x, w, kind)
+    if _on_cpu(x):
+        return torch.ops.gemmaserve.rms_norm(x, w, kind.eps, kind.offset)
     return _norm_ref(x, w, kind)
 
 
@@ -75,10 +111,10 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, 
     (r, RMSNorm_next(r)), or (r, None) without `w_next`."""
     if _use_triton(x):
         return _triton().add_rms_norm(residual, x, w_post, w_next, kind, scale)
-    r = residual + _norm_ref(x, w_post, kind)
+    r = residual + rms_norm(x, w_post, kind)
     if scale is not None:
         r = r * scale
-    return r, (None if w_next is None else _norm_ref(r, w_next, kind))
+    return r, (None if w_next is None else rms_norm(r, w_next, kind))
 
 
 def qkv_norm_rope(qkv: torch.Tensor, p: "AttentionParams", wq: torch.Tensor, wk: torch.Tensor | None,
@@ -92,22 +128,23 @@ def qkv_norm_rope(qkv: torch.Tensor, p: "AttentionParams", wq: torch.Tensor, wk:
     if _use_triton(qkv):
         return _triton().qkv_norm_rope(qkv, p, wq, wk, cos, sin)
     parts = qkv.split(p.qkv_sizes, dim=-1)
-    q = _rope_ref(_norm_ref(parts[0].view(t, hq, d), wq, p.norm), cos, sin)
+    q = _rope_ref(rms_norm(parts[0].view(t, hq, d), wq, p.norm), cos, sin)
     if not p.owns_kv:
         return q, None, None
     k_raw = parts[1].view(t, hkv, d)
-    k = _rope_ref(_norm_ref(k_raw, wk, p.norm), cos, sin)
+    k = _rope_ref(rms_norm(k_raw, wk, p.norm), cos, sin)
     v = k_raw if p.k_eq_v else parts[2].view(t, hkv, d)
     if p.value_norm:
-        v = _norm_ref(v, None, p.norm)
+        v = rms_norm(v, None, p.norm)
     return q, k, v
 
 
 def gelu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     if _use_triton(gate_up):
         return _triton().gelu_mul(gate_up, intermediate)
-    gate, up = gate_up.split(intermediate, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    if _on_cpu(gate_up):
+        return torch.ops.gemmaserve.gelu_mul(gate_up, intermediate)
+    return _gelu_mul_ref(gate_up, intermediate)
 
 
 def _triton():

@@ -21,7 +21,7 @@ from ..errors import UserInputError
 from ..kv.spec import AttentionKind, LayerSpec
 from .base import CausalLM, ModelInputs, ModelPreferences
 from .fused_ops import NormKind, add_rms_norm, rms_norm
-from .layers import Attention, AttentionParams, Embedding, GeGLU, RMSNorm, RopeParams
+from .layers import Attention, AttentionParams, Embedding, GeGLU, RMSNorm, RopeParams, softcap
 
 _FULL = "full_attention"
 _SLIDING = "sliding_attention"
@@ -275,7 +275,7 @@ class Gemma3ForCausalLM(CausalLM):
         logits = self.model.embed_tokens.as_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+            logits = softcap(logits, cap)
         return logits
 
     # -- weights ----------------------------------------------------------------------------

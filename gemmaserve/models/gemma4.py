@@ -32,7 +32,7 @@ from ..errors import UserInputError
 from ..kv.spec import AttentionKind, LayerSpec
 from .base import CausalLM, ModelInputs, ModelPreferences
 from .fused_ops import NormKind, add_rms_norm, rms_norm
-from .layers import Attention, AttentionParams, Embedding, GeGLU, Linear, RMSNorm, RopeKind, RopeParams
+from .layers import Attention, AttentionParams, Embedding, GeGLU, Linear, RMSNorm, RopeKind, RopeParams, softcap
 from .moe import Experts, Router
 
 log = logging.getLogger(__name__)
@@ -460,7 +460,7 @@ class Gemma4ForCausalLM(CausalLM):
         logits = self.model.embed_tokens.as_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+            logits = softcap(logits, cap)
         return logits
 
     # -- weights ----------------------------------------------------------------------------

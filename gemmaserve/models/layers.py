@@ -42,16 +42,22 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.kind)
 
 
-# On the CPU, MKL runs x @ W^T up to ~3x slower than (W @ x^T)^T when x has few rows (decode
-# batches), most of all for the tall [262k, H] output head. Same math, different loop order.
-_CPU_SMALL_BATCH_ROWS = 64
+# MKL computes x @ W^T in tiles of 4 rows: a row of a full tile comes out the same whatever the row
+# count or its place, a row of a partial tile (and 1-3 rows alone) through other kernels with other
+# roundings (tests/test_row_invariance.py). So products are padded to whole tiles: a row's result is
+# then the same alone as in any batch.
+ROW_TILE = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T for x of shape [T, in]."""
-    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _CPU_SMALL_BATCH_ROWS:
-        return torch.mm(weight, x.t()).t().contiguous()
-    return F.linear(x, weight)
+    """x @ weight^T for x of shape [T, in]; on the CPU each row's result independent of the others."""
+    if x.device.type != "cpu" or x.dim() != 2:
+        return F.linear(x, weight)
+    m = x.shape[0]
+    if not torch.compiler.is_compiling() and m % ROW_TILE == 0:
+        return F.linear(x, weight)
+    # (traced: no branch on a batch size that may be symbolic)
+    return F.linear(torch.cat([x, x.new_zeros(-m % ROW_TILE, x.shape[1])]), weight)[:m]
 
 
 class Linear(nn.Module):
@@ -164,10 +170,51 @@ class RopeParams:
     @staticmethod
     def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, D], computed in fp32 and cast to the activation dtype."""
-        angles = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos, sin of shape [T, D], computed in fp32 and cast to the activation dtype. (On the CPU an
+        op a compiled graph calls as it is: its own cos and sin round differently.)"""
+        if positions.device.type == "cpu":
+            cos, sin = torch.ops.gemmaserve.rope_tables(positions, inv_freq)
+        else:
+            cos, sin = _rope_tables(positions, inv_freq)
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@torch.library.custom_op("gemmaserve::rope_tables", mutates_args=())
+def _rope_tables_op(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rope_tables(positions, inv_freq)
+
+
+@_rope_tables_op.register_fake
+def _(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (positions.shape[0], 2 * inv_freq.shape[0])
+    return inv_freq.new_empty(shape), inv_freq.new_empty(shape)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's final logit soft-capping); an op on the CPU, as `cos_sin`."""
+    if x.device.type == "cpu":
+        return torch.ops.gemmaserve.softcap(x, cap)
+    return _softcap(x, cap)
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+@torch.library.custom_op("gemmaserve::softcap", mutates_args=())
+def _softcap_op(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return _softcap(x, cap)
+
+
+@_softcap_op.register_fake
+def _(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 @dataclass(frozen=True)
