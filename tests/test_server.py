@@ -272,6 +272,8 @@ CHAT = {"model": "gemma3-270m", "messages": [{"role": "user", "content": "Hi"}],
     ("/v1/completions", {**GOOD, "repetition_penalty": 5e-324}, None, 400, "repetition_penalty"),
     ("/v1/completions", {**GOOD, "seed": 2 ** 80}, None, 400, "seed"),
     ("/v1/completions", {**GOOD, "request_timeout": 0}, None, 400, "request_timeout"),
+    # Refused after admission: the completions are withdrawn (test_kv_is_clean_after_everything counts them).
+    ("/v1/completions", {**GOOD, "kv_transfer_params": {"transfer_id": "x"}}, None, 400, "kv_transfer_params"),
     ("/v1/chat/completions", {"model": "gemma3-270m"}, None, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, None, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages"),
