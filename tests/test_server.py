@@ -300,6 +300,20 @@ def test_bad_input_gets_an_openai_error(server, path, body, headers, status, par
     assert err["param"] == param
 
 
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 100}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/completions", {**GOOD, "logprobs": 100}, "logprobs"),
+    ("/v1/completions", {**GOOD, "logprobs": -1}, "logprobs"),
+])
+def test_a_logprob_count_out_of_range_names_its_field_and_the_range(server, path, body, field):
+    from gemmaserve.engine.sampling_params import MAX_LOGPROBS
+
+    code, data = _raw(server, "POST", path, body)
+    assert code == 400 and data["error"]["param"] == field
+    assert data["error"]["message"] == f"{field} must be an integer in [0, {MAX_LOGPROBS}], got {body[field]}"
+
+
 def test_oversized_chunked_body_is_413(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     chunks = (b"x" * 65536 for _ in range(MAX_BODY // 65536 + 2))   # no Content-Length: chunked
