@@ -99,9 +99,13 @@ def _generate(args: argparse.Namespace) -> int:
         deltas = llm.stream(args.prompts, params, images=images)
         first = next(deltas, None)   # the request is checked before anything is printed
         print(args.prompts[0], end="", flush=True)
+        logprobs = []
         for delta in itertools.chain([first] if first is not None else [], deltas):
             print(delta.outputs[0].delta_text, end="", flush=True)
+            logprobs += delta.outputs[0].delta_logprobs or []
         print(flush=True)
+        if params.logprobs is not None:
+            _print_logprobs(llm.tokenizer, logprobs, params.logprobs)
     else:
         outputs = llm.generate(args.prompts, params, images=images)  # a progress bar on a terminal
         for i, out in enumerate(outputs):
@@ -112,6 +116,8 @@ def _generate(args: argparse.Namespace) -> int:
                 if i or c.index:
                     print()
                 print(out.prompt + c.text, flush=True)
+                if c.logprobs is not None:
+                    _print_logprobs(llm.tokenizer, c.logprobs, params.logprobs)
     if args.verbose:
         st = llm.engine.kv.stats()
         info = llm.engine.info
@@ -121,6 +127,20 @@ def _generate(args: argparse.Namespace) -> int:
               f"{st.pages_free} free of {st.num_pages}; prefix hit rate {st.prefix_hit_rate:.1%}; "
               f"preemptions {llm.engine.scheduler.num_preemptions}", file=sys.stderr)
     return 0
+
+
+def _print_logprobs(tokenizer, logprobs: list, k: int) -> None:
+    """One completion's --logprobs as a table under its text: each generated token (quoted, so spaces
+    and newlines show), its natural-log probability, and its `k` most likely alternatives."""
+    def show(token_id: int) -> str:
+        return json.dumps(tokenizer.decode([token_id], skip_special_tokens=False), ensure_ascii=False)
+
+    width = max([len("token")] + [len(show(lp.token_id)) for lp in logprobs])
+    header = f"{'token':<{width}}  logprob"
+    print(header + (f"  top {k}" if k else ""))
+    for lp in logprobs:
+        top = "  ".join(f"{show(t)} {p:.3f}" for t, p in lp.top)
+        print(f"{show(lp.token_id):<{width}}  {lp.logprob:7.3f}  {top}".rstrip(), flush=True)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -264,7 +264,8 @@ def save_gemma4_vision_checkpoint(hf, path: Path) -> Path:
 
 
 def assert_server_kv_clean(background_server, timeout: float = 60.0) -> None:
-    """Once every request has ended: no page held by a request, and the integrity check holds."""
+    """Once every request has ended: no page held by a request, the integrity check holds, and no
+    completion is still counted against the admission bound (--max-queue-len)."""
     import time
 
     engine = background_server.server.async_engine
@@ -279,6 +280,7 @@ def assert_server_kv_clean(background_server, timeout: float = 60.0) -> None:
 
     st = engine.call_blocking(check)
     assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
+    assert engine.bound.count == 0, f"{engine.bound.count} completions still counted as in the server"
 
 
 def serve_process(*args: str, timeout: float = 120.0):

@@ -47,3 +47,40 @@ def test_help_and_argument_errors_do_not_import_torch():
     elapsed = time.perf_counter() - t
     assert res.returncode == 0 and "serve" in res.stdout
     assert elapsed < 1.5, f"gemmaserve --help took {elapsed:.2f}s"   # ~0.15 s on a quiet machine
+
+
+def _words(line: str) -> list[str]:   # a table row without its column padding
+    return line.split()
+
+
+def _tiny_cli(path, *args: str) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-m", "gemmaserve", "generate", "--model", str(path), "--temperature", "0",
+                          "--max-tokens", "4", "--logprobs", "2", *args], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def test_logprobs_without_json_print_a_table_under_each_completion(tmp_path):
+    """`--logprobs K` in the plain-text mode prints, under each completion, one row per generated token:
+    the token (quoted), its logprob and its K best alternatives, the same values as --json gives."""
+    from gemmaserve.engine.llm import LLM
+    from helpers import fresh_seed, save_checkpoint, tiny_hf_model
+
+    path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "m")
+    decode = LLM(model=str(path)).tokenizer.decode
+
+    def rows(completion: dict) -> list[str]:
+        def show(t):
+            return json.dumps(decode([t], skip_special_tokens=False), ensure_ascii=False)
+        return [_words(" ".join([show(lp["token_id"]), f"{lp['logprob']:.3f}"] +
+                                [f"{show(t)} {p:.3f}" for t, p in lp["top"]])) for lp in completion["logprobs"]]
+
+    for prompts in (["abc abc"], ["abc abc", "cab"]):   # one prompt streams; several print when done
+        want = [json.loads(line)["completions"][0] for line in _tiny_cli(path, "--json", *prompts).stdout.splitlines()]
+        lines = _tiny_cli(path, *prompts).stdout.splitlines()
+        tables = [i for i, line in enumerate(lines) if line.split() == ["token", "logprob", "top", "2"]]
+        assert len(tables) == len(prompts), lines
+        for start, completion in zip(tables, want):
+            assert lines[start - 1].endswith(completion["text"])   # the table comes under its completion
+            got = [_words(line) for line in lines[start + 1:start + 5]]
+            assert got == rows(completion)

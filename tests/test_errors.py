@@ -2,6 +2,7 @@
 traceback on the command line."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -117,6 +118,19 @@ def test_budget_smaller_than_one_page_fails_at_startup(tmp_path):
     path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "tiny")
     with pytest.raises(UserInputError, match="too small for this model: one token in every layer needs"):
         LLM(model=str(path), kv_cache_memory=100)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_help_offers_only_the_dtypes_that_work(command):
+    """Every --dtype that --help offers is taken; float16 is refused with its reason, so it is not offered."""
+    res = _cli(command, "--help")
+    offered = re.search(r"--dtype \{([^}]*)\}", res.stdout).group(1).split(",")
+    assert "auto" in offered and "float16" not in offered and "fp16" not in offered
+    for dtype in offered:
+        assert EngineConfig(dtype=dtype).dtype == dtype
+    for refused in ("float16", "fp16", "half"):
+        with pytest.raises(UserInputError, match=f"dtype {refused} overflows on Gemma activations"):
+            EngineConfig(dtype=refused)
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -1,5 +1,7 @@
-"""The README starts with the two commands, and CI runs exactly the second."""
+"""The README starts with the two commands, CI runs exactly the second, and what the README points to
+is in a clone."""
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,3 +30,16 @@ def test_readme_starts_with_run_and_test_commands():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert _commands()[1] in ci
+
+
+def test_readme_points_only_to_what_a_clone_has():
+    """A clone holds the repository alone: every relative link resolves inside it, no path leaves it,
+    and no test count (stale with the next test) is stated."""
+    text = (ROOT / "README.md").read_text()
+    assert "../" not in text, "a path outside the repository"
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "#")):
+            continue
+        path = (ROOT / target.split("#")[0]).resolve()
+        assert path.is_relative_to(ROOT) and path.exists(), target
+    assert not re.search(r"\b\d+ tests\b", text), "a test count"

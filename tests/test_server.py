@@ -272,6 +272,8 @@ CHAT = {"model": "gemma3-270m", "messages": [{"role": "user", "content": "Hi"}],
     ("/v1/completions", {**GOOD, "repetition_penalty": 5e-324}, None, 400, "repetition_penalty"),
     ("/v1/completions", {**GOOD, "seed": 2 ** 80}, None, 400, "seed"),
     ("/v1/completions", {**GOOD, "request_timeout": 0}, None, 400, "request_timeout"),
+    # Refused after admission: the completions are withdrawn (test_kv_is_clean_after_everything counts them).
+    ("/v1/completions", {**GOOD, "kv_transfer_params": {"transfer_id": "x"}}, None, 400, "kv_transfer_params"),
     ("/v1/chat/completions", {"model": "gemma3-270m"}, None, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, None, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages"),
@@ -296,6 +298,20 @@ def test_bad_input_gets_an_openai_error(server, path, body, headers, status, par
     err = data["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 100}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/completions", {**GOOD, "logprobs": 100}, "logprobs"),
+    ("/v1/completions", {**GOOD, "logprobs": -1}, "logprobs"),
+])
+def test_a_logprob_count_out_of_range_names_its_field_and_the_range(server, path, body, field):
+    from gemmaserve.engine.sampling_params import MAX_LOGPROBS
+
+    code, data = _raw(server, "POST", path, body)
+    assert code == 400 and data["error"]["param"] == field
+    assert data["error"]["message"] == f"{field} must be an integer in [0, {MAX_LOGPROBS}], got {body[field]}"
 
 
 def test_oversized_chunked_body_is_413(server):

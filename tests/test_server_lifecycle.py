@@ -10,11 +10,13 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.engine.llm_engine import LLMEngine
+from gemmaserve.server.async_engine import AdmissionBound, QueueFull
 from gemmaserve.server.background import BackgroundServer
 from gemmaserve.server.config import ServerConfig
 
@@ -105,7 +107,7 @@ def test_a_full_queue_answers_429_with_retry_after(tiny_path):
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10
-        while srv.server.async_engine.queue_depth < 2:
+        while srv.server.async_engine.bound.count < 3:   # one runs, two wait
             assert time.monotonic() < deadline
             time.sleep(0.01)
         status, headers, body = _request(srv.port, "POST", "/v1/completions", {"prompt": "ab", "max_tokens": 2})
@@ -115,6 +117,73 @@ def test_a_full_queue_answers_429_with_retry_after(tiny_path):
             t.join(60)
         assert results == [200, 200, 200]
         assert _metric(srv.port, "gemmaserve_http_errors_total", '{status="429"}') == 1
+        assert_server_kv_clean(srv)
+
+
+def test_the_admission_bound_counts_completions_and_takes_anything_while_nothing_waits():
+    bound = AdmissionBound(slots=2, queue_len=2)
+    bound.admit(5)              # nothing waits: taken whatever its size
+    with pytest.raises(QueueFull, match="5 completions are running or waiting \\(at most 4"):
+        bound.admit(1)
+    assert bound.count == 5     # a refusal counts nothing
+    bound.release(3)            # 2: both slots busy, nothing waits
+    bound.admit(2)              # 4: the two queue places
+    with pytest.raises(QueueFull):
+        bound.admit(1)
+    bound.release(1)
+    bound.admit(1)
+    assert bound.count == 4
+    unbounded = AdmissionBound(slots=2, queue_len=None)
+    for _ in range(3):
+        unbounded.admit(100)
+
+
+@pytest.mark.parametrize("n, accepted", [(1, 4), (2, 2)])
+def test_a_burst_never_exceeds_max_num_seqs_plus_max_queue_len(tiny_path, n, accepted):
+    """12 concurrent completions requests (the official client, no retries) against 2 running slots and 2
+    queue places: exactly as many as fit get 200 (4 completions: 4 requests of n=1, or 2 of n=2) and
+    finish, the rest get 429 with Retry-After, and the engine never holds more than 4 completions. The
+    engine's first step waits until the burst has been answered (or 5 s), so none of the accepted ones
+    can finish and make room while requests still arrive: the count is exact, not a race."""
+    openai = pytest.importorskip("openai")
+    burst, refused_expected = 12, 12 - accepted
+    engine = _engine(tiny_path, max_num_seqs=2)
+    answered = threading.Event()
+    peak = [0]
+    step = engine.step
+
+    def gated_step():
+        answered.wait(5)
+        answered.set()   # the gate holds the first step only
+        sched = engine.scheduler
+        peak[0] = max(peak[0], len(sched.running) + len(sched.waiting))   # one scheduler request per completion
+        return step()
+
+    engine.step = gated_step
+    with BackgroundServer(engine, ServerConfig(max_queue_len=2)) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        refused: list[str | None] = []
+        lock = threading.Lock()
+
+        def one(i: int):
+            try:
+                return client.completions.create(model=srv.server.model_name, prompt=f"abc {i}", max_tokens=128,
+                                                 n=n, temperature=0, extra_body={"ignore_eos": True})
+            except openai.RateLimitError as exc:
+                with lock:
+                    refused.append(exc.response.headers.get("retry-after"))
+                    if len(refused) >= refused_expected:
+                        answered.set()
+                return None
+
+        with ThreadPoolExecutor(burst) as pool:
+            results = list(pool.map(one, range(burst)))
+        done = [r for r in results if r is not None]
+        assert (len(done), len(refused)) == (accepted, refused_expected)
+        assert refused == ["1"] * refused_expected
+        assert peak[0] <= 2 + 2
+        for r in done:
+            assert [c.finish_reason for c in r.choices] == ["length"] * n and r.usage.completion_tokens == 128 * n
         assert_server_kv_clean(srv)
 
 

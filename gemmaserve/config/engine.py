@@ -8,16 +8,18 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserInputError
 from ..models.embedded import DEFAULT_MODEL
-from .options import number, option, positive_int, size
+from .options import number, option, positive_int, refusing, size
 
 if TYPE_CHECKING:   # torch is imported only when a dtype or device is resolved: `--help` stays fast
     import torch
 
     from .kv_transfer import KVTransferConfig
 
-# Names of torch dtypes, looked up on first use.
+# Names of torch dtypes, looked up on first use. Only what works is offered; float16 is refused with its reason.
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "fp32", "bf16", "float16")
+DTYPE_CHOICES = ("auto", *_DTYPES)
+_FP16_REFUSAL = "overflows on Gemma activations (values beyond 65504); use bfloat16 or float32"
+_REFUSED_DTYPES = {name: f"dtype {name} {_FP16_REFUSAL}" for name in ("float16", "fp16", "half")}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_MANAGERS = ("auto", "v1", "v2")
 SCRATCH_CHOICES = ("auto", "on", "off")
@@ -35,7 +37,7 @@ _GPU_ACTIVATION_RESERVE = 1 << 30
 @dataclass
 class EngineConfig:
     model: str = option(DEFAULT_MODEL, help="model alias, .gguf file or Hugging Face checkpoint directory")
-    dtype: str = option("auto", choices=DTYPE_CHOICES,
+    dtype: str = option("auto", choices=DTYPE_CHOICES, parse=refusing(_REFUSED_DTYPES),
                         help="weight and activation dtype; auto = bfloat16 on CUDA, float32 on the CPU with a "
                              "GGUF file's quantised weights kept quantised (int8/int4 CPU kernels); float32 = "
                              "every weight expanded to fp32 (the exact reference path)")
@@ -96,10 +98,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
             raise UserInputError("model must be a non-empty string")
+        if isinstance(self.dtype, str) and self.dtype in _REFUSED_DTYPES:
+            raise UserInputError(_REFUSED_DTYPES[self.dtype])
         if self.dtype not in DTYPE_CHOICES:
             raise UserInputError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
-        if self.dtype == "float16":
-            raise UserInputError("float16 overflows on Gemma activations; use bfloat16 or float32")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserInputError(f"{name} must be a positive integer, got {getattr(self, name)!r}")

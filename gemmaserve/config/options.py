@@ -107,3 +107,13 @@ def _checked(value: Any, ok: Callable[[Any], bool], why: str) -> Any:
 
 
 size = _argparse_type(parse_size)
+
+
+def refusing(reasons: dict[str, str]) -> Callable[[str], str]:
+    """The parser of a `choices` option that says why some values, deliberately not offered, are
+    refused (argparse alone would answer a bare "invalid choice")."""
+    def check(text: str) -> str:
+        if text in reasons:
+            raise UserInputError(reasons[text])
+        return text
+    return _argparse_type(check)

@@ -5,7 +5,8 @@
 
 Every error is OpenAI's JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for a bad
 request, 401 for a missing or wrong API key, 404 for an unknown model, 408 past the request's
-deadline, 413 for an oversized body, 429 (with Retry-After) when the waiting queue is full, 503 while
+deadline, 413 for an oversized body, 429 (with Retry-After) when the server holds --max-num-seqs +
+--max-queue-len completions (counted from admission until each leaves the engine), 503 while
 the model loads or the server drains. A handler validates everything it can (types, sampling values,
 prompt length, KV budget) before the request reaches the engine, so a stream that has started only
 fails for an internal error or its deadline. Tokenising, chat templating and parsing large bodies run
@@ -46,7 +47,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.structured_output import INSTALL_HINT, TOOL_RESPONSE
 from ..errors import UserInputError
 from ..models.chat_template import ChatFormatter, ChatMessage, parse_chat
-from .async_engine import AsyncEngine, DeadlineExceeded, EngineDeadError
+from .async_engine import Admission, AsyncEngine, DeadlineExceeded, EngineDeadError, Generation, QueueFull
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import (
@@ -96,7 +97,7 @@ class OpenAIServer:
     def _attach(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.async_engine = AsyncEngine(engine, self.metrics)
+        self.async_engine = AsyncEngine(engine, self.metrics, self.config.max_queue_len)
         self.chat = ChatFormatter(engine.tokenizer)
         self.model_name = self.config.served_model_name or engine.config.model
         self.accepted_names = {self.model_name, engine.config.model}
@@ -314,24 +315,30 @@ class OpenAIServer:
         limits = [t for t in (self.config.request_timeout, req.request_timeout) if t is not None]
         return arrival + min(limits) if limits else None
 
-    def _check_queue(self, completions: int) -> None:
-        """429 when the request would queue beyond --max-queue-len (an empty queue takes any request,
-        so one large request is never refused for its size alone)."""
-        limit = self.config.max_queue_len
-        depth = self.async_engine.queue_depth
-        if limit is not None and depth and depth + completions > limit:
-            raise ApiError(429, f"the server is overloaded: {depth} completions are waiting (limit {limit}); "
-                                f"retry after {RETRY_AFTER_S}s", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+    @contextlib.contextmanager
+    def _admit(self, completions: int):
+        """Admit the request's completions for the block, which posts them through `_start` (429 if
+        the server holds --max-num-seqs + --max-queue-len already; an empty queue takes any request, so
+        one large request is never refused for its size alone). Withdrawn if the block fails first."""
+        try:
+            admission = self.async_engine.admit(completions)
+        except QueueFull as exc:
+            raise ApiError(429, f"the server is overloaded: {exc}; retry after {RETRY_AFTER_S}s", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        try:
+            yield admission
+        finally:
+            self.async_engine.withdraw(admission)
 
     async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[tuple[str, list[int]]],
-                     params: SamplingParams, deadline: float | None, images: list[list] | None = None):
-        """Start generating: the async iterator of (prompt index, output). A disaggregated role
-        (server/disagg.py) starts from another engine's KV instead."""
+                     params: SamplingParams, deadline: float | None, admission: Admission,
+                     images: list[list] | None = None) -> Generation:
+        """Start generating (post to the engine under `admission`): the async iterator of (prompt
+        index, output). A disaggregated role (server/disagg.py) starts from another engine's KV instead."""
         if req.kv_transfer_params is not None:
             raise ApiError(400, "kv_transfer_params needs a server started with --role prefill or decode",
                            param="kv_transfer_params")
-        return self.async_engine.generate(rid, prompts, params, deadline, images=images)
+        return self.async_engine.generate(rid, prompts, params, deadline, images=images, admission=admission)
 
     # -- completions -----------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -343,11 +350,12 @@ class OpenAIServer:
         params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETIONS_MAX_TOKENS)
         await self._check_grammar(params, "response_format")
         self._check_fits(prompts, params, "prompt")
-        self._check_queue(len(prompts) * params.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        outputs = await self._start(req, rid, [(p.text, p.ids) for p in prompts], params, self._deadline(arrival, req))
+        with self._admit(len(prompts) * params.n) as admission:
+            outputs = await self._start(req, rid, [(p.text, p.ids) for p in prompts], params,
+                                        self._deadline(arrival, req), admission)
         if req.stream:
-            return _sse(self._stream_completion(rid, req, prompts, params, outputs))
+            return _sse(self._stream_completion(rid, req, prompts, params, outputs), outputs)
         finals = await self._collect(request, outputs)
         choices = []
         for (pi, k), out in sorted(finals.items()):
@@ -441,12 +449,12 @@ class OpenAIServer:
                                     stop=params.stop + ([TOOL_RESPONSE] if native else []))
         await self._check_grammar(params, "tools" if calling is not None else "response_format")
         self._check_fits([prompt], params, "messages", items)
-        self._check_queue(params.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = await self._start(req, rid, [(prompt.text, prompt.ids)], params, self._deadline(arrival, req),
-                                    images=[items])
+        with self._admit(params.n) as admission:
+            outputs = await self._start(req, rid, [(prompt.text, prompt.ids)], params, self._deadline(arrival, req),
+                                        admission, images=[items])
         if req.stream:
-            return _sse(self._stream_chat(rid, req, prompt, params, outputs, calling))
+            return _sse(self._stream_chat(rid, req, prompt, params, outputs, calling), outputs)
         finals = await self._collect(request, outputs)
         choices = []
         for (_, k), out in sorted(finals.items()):
@@ -656,18 +664,24 @@ def _event(body: dict) -> str:
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events that always close their generator, so a client that disconnects aborts its
-    request at once (not when the generator is garbage-collected)."""
+    """Server-sent events that always close their generator and the generation it reads, so a client
+    that disconnects aborts its request at once (not when the generator is garbage-collected), even one
+    that left before the first event (an unstarted generator's aclose runs none of its code)."""
+
+    def __init__(self, events: AsyncIterator[str], outputs: Generation, **kw):
+        super().__init__(events, **kw)
+        self.outputs = outputs
 
     async def stream_response(self, send) -> None:
         try:
             await super().stream_response(send)
         finally:
             await self.body_iterator.aclose()
+            await self.outputs.aclose()
 
 
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return _EventStream(events, media_type="text/event-stream",
+def _sse(events: AsyncIterator[str], outputs: Generation) -> StreamingResponse:
+    return _EventStream(events, outputs, media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

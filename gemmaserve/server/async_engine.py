@@ -7,6 +7,11 @@ Handlers never touch the engine: they post commands and await their request's qu
 commands between steps, steps while anything is unfinished, and when it falls idle runs the KV
 integrity check once, in slices of a few milliseconds between looks at the command queue: a request
 that arrives meanwhile stops the check (it starts over at the next idle), so it never waits for it.
+
+Admission (`--max-queue-len`): `AdmissionBound` counts every completion from the moment a handler
+admits it (on the event loop, before anything is posted) until it leaves the engine (on the engine
+thread: finished, aborted, timed out or failed), so a burst is counted exactly, whatever the engine
+thread has taken yet.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +39,54 @@ class EngineDeadError(RuntimeError):
 
 class DeadlineExceeded(RuntimeError):
     """A request ran past its deadline; it was aborted and its pages freed."""
+
+
+class QueueFull(RuntimeError):
+    """Admitting the request would take the server past its bound (`AdmissionBound`)."""
+
+    def __init__(self, in_system: int, bound: "AdmissionBound"):
+        super().__init__(f"{in_system} completions are running or waiting (at most {bound.capacity}: "
+                         f"{bound.slots} running, --max-num-seqs, and {bound.queue_len} waiting, --max-queue-len)")
+        self.in_system = in_system
+
+
+@dataclass
+class AdmissionBound:
+    """At most `slots + queue_len` completions in the server at once (a request of n completions for
+    each of p prompts counts n * p): `slots` may run (--max-num-seqs) and `queue_len` more may wait
+    (--max-queue-len; None: unbounded). While nothing waits (at most `slots` in the server) any request
+    is taken, however many completions it has, so a large request is never refused for its size alone.
+    Admitted on the event loop, released on the engine thread: one lock keeps the count exact."""
+    slots: int
+    queue_len: int | None
+    count: int = 0   # completions admitted and not yet out of the engine
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def capacity(self) -> int | None:
+        return None if self.queue_len is None else self.slots + self.queue_len
+
+    def admit(self, completions: int) -> None:
+        """Count `completions`, or raise QueueFull (and count nothing)."""
+        with self._lock:
+            capacity = self.capacity
+            if capacity is not None and self.count > self.slots and self.count + completions > capacity:
+                raise QueueFull(self.count, self)
+            self.count += completions
+
+    def release(self, completions: int) -> None:
+        if completions:
+            with self._lock:
+                self.count -= completions
+
+
+@dataclass
+class Admission:
+    """One request's completions, admitted against the bound. Handed to `AsyncEngine.generate`, which
+    posts them (from then on the engine thread releases each as it leaves), or to
+    `AsyncEngine.withdraw` if the request failed before it was posted."""
+    completions: int
+    settled: bool = False   # posted or withdrawn: the handler no longer owns the count
 
 
 @dataclass
@@ -61,9 +114,10 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics):
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_queue_len: int | None = None):
         self.engine = engine
         self.metrics = metrics
+        self.bound = AdmissionBound(engine.config.max_num_seqs, max_queue_len)
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}          # engine group id -> sink
         self._thread = threading.Thread(target=self._run, name="gemmaserve-engine", daemon=True)
@@ -71,10 +125,6 @@ class AsyncEngine:
         self._checked_idle = True
         self._idle_check: Iterator[None] | None = None   # the idle check in progress
         self.error: BaseException | None = None
-        # Queue depth, lock-free: each counter has one writer (the loop posts, the engine thread adds).
-        self._posted = 0      # completions posted by the loop
-        self._added = 0       # completions the engine thread has taken (added or refused)
-        self._waiting = 0     # the scheduler's waiting queue, published by the engine thread
         self.active = 0       # generate() calls in progress (the event loop's count)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -89,54 +139,51 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    @property
-    def queue_depth(self) -> int:
-        """Completions waiting for admission, including those posted but not yet taken."""
-        return self._waiting + max(0, self._posted - self._added)
+    def admit(self, completions: int) -> Admission:
+        """Admit `completions` against the bound (QueueFull if they do not fit), for `generate`."""
+        self.bound.admit(completions)
+        return Admission(completions)
+
+    def withdraw(self, admission: Admission) -> None:
+        """Uncount an admission that was never posted (its request failed first); once posted, a no-op."""
+        if not admission.settled:
+            admission.settled = True
+            self.bound.release(admission.completions)
 
     def abort_all(self) -> None:
         """Abort every request (shutdown past its grace period): each client gets its final output."""
         self._commands.put(lambda: self._abort(list(self._sinks)))
 
+    def abort(self, ids: list[str], reason: str = "abort") -> None:
+        """Abort these engine requests between steps; `reason` labels them in the metrics."""
+        self._commands.put(lambda: self._abort(ids, reason))
+
     # -- called from the event loop ------------------------------------------------------------------
-    async def generate(self, request_id: str, prompts: list[tuple[str, list[int]]], params: SamplingParams,
-                       deadline: float | None = None, images: list[list] | None = None,
-                       adopt: Callable[[LLMEngine, str], list[RequestOutput]] | None = None
-                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every prompt with `params` (and its images, from LLMEngine.prepare_images); yield
-        (prompt index, output of one completion) as they come. Leaving early (an error, a
-        disconnect: the consumer is cancelled) aborts what is left; passing `deadline`
-        (time.monotonic()) raises DeadlineExceeded there, after aborting. `adopt(engine, id)` runs
-        on the engine thread right after each prompt is added (a disaggregated decode engine starts
-        it from received KV there) and returns outputs to deliver at once."""
+    def generate(self, request_id: str, prompts: list[tuple[str, list[int]]], params: SamplingParams,
+                 deadline: float | None = None, images: list[list] | None = None,
+                 adopt: Callable[[LLMEngine, str], list[RequestOutput]] | None = None,
+                 admission: Admission | None = None) -> "Generation":
+        """Post every prompt with `params` (and its images, from LLMEngine.prepare_images) to the
+        engine now, under `admission` (from `admit`; without one they are admitted here, QueueFull if
+        they do not fit), and return the Generation that yields (prompt index, output of one
+        completion) as they come. `adopt(engine, id)` runs on the engine thread right after each
+        prompt is added (a disaggregated decode engine starts it from received KV there) and returns
+        outputs to deliver at once."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
+        completions = len(prompts) * params.n
+        if admission is None:
+            self.bound.admit(completions)
+        elif admission.settled or admission.completions != completions:
+            raise ValueError(f"an admission of {admission.completions} completions cannot post {completions} "
+                             "(or was settled already)")
+        else:
+            admission.settled = True
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        remaining = len(prompts) * params.n
-        self._posted += remaining
         self._commands.put(lambda: self._add(sink, ids, prompts, params, images, adopt))
         self.active += 1
-        reason = "abort"
-        try:
-            while remaining:
-                wait = None if deadline is None else deadline - time.monotonic()
-                try:
-                    if wait is not None and wait <= 0:
-                        raise TimeoutError
-                    item = await asyncio.wait_for(sink.queue.get(), wait)
-                except TimeoutError:
-                    reason = "timeout"
-                    raise DeadlineExceeded("the request ran past its deadline and was aborted") from None
-                if isinstance(item, BaseException):
-                    raise item
-                if item[1].outputs[0].finished:
-                    remaining -= 1
-                yield item
-        finally:
-            self.active -= 1
-            if remaining:
-                self._commands.put(lambda: self._abort(ids, reason))
+        return Generation(self, sink, ids, completions, deadline)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps and return its result."""
@@ -212,7 +259,6 @@ class AsyncEngine:
                         self._fail_all(exc)
                         continue
                     self._dispatch(outputs)
-                self._waiting = len(eng.scheduler.waiting)
         except BaseException as exc:
             log.exception("engine thread died")
             self.error = exc
@@ -223,7 +269,6 @@ class AsyncEngine:
     def _add(self, sink: _Sink, ids: list[str], prompts: list[tuple[str, list[int]]],
              params: SamplingParams, images: list[list] | None = None,
              adopt: Callable[[LLMEngine, str], list[RequestOutput]] | None = None) -> None:
-        self._added += len(prompts) * params.n
         added = []
         try:
             for i, (gid, (text, tokens)) in enumerate(zip(ids, prompts)):
@@ -238,6 +283,7 @@ class AsyncEngine:
                 if adopt is not None:
                     self._dispatch(adopt(self.engine, gid))
         except Exception as exc:   # normally caught by the handler's own checks first
+            self.bound.release((len(prompts) - len(added)) * params.n)   # these never reached the engine
             self._abort(added)
             sink.put(exc)
 
@@ -245,6 +291,8 @@ class AsyncEngine:
         """Abort engine requests; `reason` labels them in the metrics ("abort", "timeout")."""
         for gid in ids:
             sink = self._sinks.pop(gid, None)
+            if sink is not None:
+                self.bound.release(sink.unfinished[gid])
             for out in self.engine.abort_request(gid):
                 if sink is not None:
                     self._record(sink, out, time.perf_counter(), reason)
@@ -259,6 +307,7 @@ class AsyncEngine:
             self._record(sink, out, now)
             sink.put((sink.prompt_index[out.request_id], out))
             if out.finished:
+                self.bound.release(1)
                 sink.unfinished[out.request_id] -= 1
                 if not sink.unfinished[out.request_id]:   # every completion of this prompt is done
                     del self._sinks[out.request_id]
@@ -286,6 +335,7 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for gid in list(self._sinks):
             sink = self._sinks.pop(gid)
+            self.bound.release(sink.unfinished[gid])
             try:
                 for out in self.engine.abort_request(gid):
                     self._record(sink, out, time.perf_counter(), "error")
@@ -311,6 +361,65 @@ class AsyncEngine:
         self._idle_check = None
         self._checked_idle = True
         return False
+
+
+class Generation:
+    """The outputs of one `AsyncEngine.generate` call: an async iterator of (prompt index, output of
+    one completion). Its requests are in the engine from its creation, so it is a class, not an async
+    generator: closing it (`aclose`, or an error or cancellation while it waits) aborts what is
+    unfinished even if it was never iterated. Past `deadline` (time.monotonic()) it aborts and raises
+    DeadlineExceeded. `on_end` callbacks run once, when it ends however it ends."""
+
+    def __init__(self, owner: AsyncEngine, sink: _Sink, ids: list[str], completions: int,
+                 deadline: float | None):
+        self._owner = owner
+        self._sink = sink
+        self._ids = ids
+        self._remaining = completions   # completions not finished yet
+        self._deadline = deadline
+        self._ended = False
+        self._on_end: list[Callable[[], None]] = []
+
+    def on_end(self, fn: Callable[[], None]) -> None:
+        self._on_end.append(fn)
+
+    def __aiter__(self) -> "Generation":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._remaining or self._ended:
+            self._end("abort")
+            raise StopAsyncIteration
+        try:
+            wait = None if self._deadline is None else self._deadline - time.monotonic()
+            try:
+                if wait is not None and wait <= 0:
+                    raise TimeoutError
+                item = await asyncio.wait_for(self._sink.queue.get(), wait)
+            except TimeoutError:
+                raise DeadlineExceeded("the request ran past its deadline and was aborted") from None
+            if isinstance(item, BaseException):
+                raise item
+        except BaseException as exc:   # an error, the deadline, or the consumer was cancelled (it left)
+            self._end("timeout" if isinstance(exc, DeadlineExceeded) else "abort")
+            raise
+        if item[1].outputs[0].finished:
+            self._remaining -= 1
+        return item
+
+    async def aclose(self) -> None:
+        self._end("abort")
+
+    def _end(self, reason: str) -> None:
+        """Abort what is unfinished (`reason` labels it in the metrics), once."""
+        if self._ended:
+            return
+        self._ended = True
+        self._owner.active -= 1
+        if self._remaining:
+            self._owner.abort(self._ids, reason)
+        for fn in self._on_end:
+            fn()
 
 
 def _set(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

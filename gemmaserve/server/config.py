@@ -21,8 +21,8 @@ class ServerConfig:
     max_image_bytes: int = option(8 << 20, parse=size, help="largest encoded image (after base64 decoding)")
     max_queue_len: int | None = option(
         None, parse=positive_int,
-        help="most completions waiting for admission; a request that would queue beyond it gets 429 with "
-             "Retry-After (default: unbounded)")
+        help="most completions waiting beyond --max-num-seqs running ones: at most their sum are in the server, "
+             "and a request that would exceed it gets 429 with Retry-After (default: unbounded)")
     request_timeout: float | None = option(
         None, parse=number,
         help="seconds a request may take from arrival to its last token; past it the request is aborted, its KV "

@@ -55,6 +55,7 @@ from ..transfer import make_sink, make_source
 from ..transfer.plan import TransferPlan, check_plan
 from ..transfer.runtime import TransferTimeout
 from .app import OpenAIServer
+from .async_engine import Admission, Generation
 from .config import ServerConfig
 from .protocol import ApiError, ChatRequest, CompletionRequest
 
@@ -162,7 +163,8 @@ class DisaggServer(OpenAIServer):
 
     # -- how a request starts -----------------------------------------------------------------------
     async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[tuple[str, list[int]]],
-                     params: SamplingParams, deadline: float | None, images: list[list] | None = None):
+                     params: SamplingParams, deadline: float | None, admission: Admission,
+                     images: list[list] | None = None) -> Generation:
         tp = req.kv_transfer_params
         if tp is None:
             raise ApiError(400, f"this is a {self.role} engine: send requests through `gemmaserve router` "
@@ -175,25 +177,27 @@ class DisaggServer(OpenAIServer):
             raise ApiError(400, "disaggregated serving takes one prompt and n=1 per request", param="prompt")
         gid = f"{rid}-0"   # AsyncEngine's engine id for prompt 0
         if self.role == "prefill":
-            return self._prefill(rid, gid, tid, prompts, params, deadline, images)
+            return self._prefill(rid, gid, tid, prompts, params, deadline, admission, images)
         url = tp.get("prefill_url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ApiError(400, "kv_transfer_params.prefill_url must be an http(s) URL", param="kv_transfer_params")
-        return await self._decode(rid, gid, tid, url.rstrip("/"), prompts, params, deadline, images)
+        return await self._decode(rid, gid, tid, url.rstrip("/"), prompts, params, deadline, admission, images)
 
-    async def _prefill(self, rid, gid, tid, prompts, params, deadline, images):
+    def _prefill(self, rid, gid, tid, prompts, params, deadline, admission, images) -> Generation:
         try:
             self.prefill.expect(gid, tid)
         except ValueError as exc:
             raise ApiError(409, str(exc), param="kv_transfer_params", code="transfer_id_in_use") from None
         try:
-            async for item in self.async_engine.generate(rid, prompts, dataclasses.replace(params, max_tokens=1),
-                                                         deadline, images=images):
-                yield item
-        finally:
+            outputs = self.async_engine.generate(rid, prompts, dataclasses.replace(params, max_tokens=1), deadline,
+                                                 images=images, admission=admission)
+        except BaseException:
             self.prefill.forget(gid)
+            raise
+        outputs.on_end(lambda: self.prefill.forget(gid))
+        return outputs
 
-    async def _decode(self, rid, gid, tid, url, prompts, params, deadline, images):
+    async def _decode(self, rid, gid, tid, url, prompts, params, deadline, admission, images) -> Generation:
         started = time.perf_counter()
         desc = await asyncio.to_thread(self._call, url, "GET", f"/disagg/transfers/{tid}")
         ids = prompts[0][1]
@@ -231,18 +235,19 @@ class DisaggServer(OpenAIServer):
         self.stats.seconds += time.perf_counter() - started
         lp = desc.get("first_logprob")
         first_lp = None if lp is None else TokenLogprob(lp[0], lp[1], tuple(tuple(t) for t in lp[2]))
-        outputs = self.async_engine.generate(
-            rid, prompts, params, deadline, images=images,
-            adopt=lambda eng, g: self.decode.adopt(eng, g, plan, buffer, desc["first_token"], first_lp))
-        return self._cancel_after(gid, outputs)
 
-    async def _cancel_after(self, gid: str, outputs):
-        """The outputs; then free the reservation if the request never reached `adopt` (a no-op otherwise)."""
-        try:
-            async for item in outputs:
-                yield item
-        finally:
+        def cancel() -> None:   # frees the reservation if the request never reached `adopt` (a no-op otherwise)
             self.async_engine.post(lambda eng: self.decode.cancel(gid))
+
+        try:
+            outputs = self.async_engine.generate(
+                rid, prompts, params, deadline, images=images, admission=admission,
+                adopt=lambda eng, g: self.decode.adopt(eng, g, plan, buffer, desc["first_token"], first_lp))
+        except BaseException:
+            cancel()
+            raise
+        outputs.on_end(cancel)
+        return outputs
 
     # -- talking to the prefill engine ----------------------------------------------------------------
     def _background(self, fn, *args) -> None:

@@ -135,8 +135,12 @@ def reject_unsupported(req: CompletionRequest | ChatRequest) -> None:
         no(req.suffix is not None, "suffix", "insertion (suffix)")
         no(req.best_of is not None and req.best_of != req.n, "best_of", "best_of other than n")
         no(req.echo and req.logprobs is not None, "echo", "echo with logprobs (prompt logprobs)")
-    else:
-        if req.top_logprobs is not None and not req.logprobs:
+    else:   # checked here, not by SamplingParams, whose message would name its own `logprobs`
+        k = req.top_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k}",
+                           param="top_logprobs")
+        if k is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
 
 
