@@ -406,6 +406,7 @@ def test_gpu_fp8_script_runs_its_cpu_parts():
 
     par = gpu_fp8._kernel_parity(4, 2, 16, torch.device("cpu"), n=70, m=9, window=20, dtype=torch.float32)
     assert par["store_bytes_differing_from_torch"] == 0
+    assert gpu_fp8.kernel_row_ok(par)   # what makes the script's exit status 0 on the GPU
     assert sum(key.endswith("fp8_vs_fake_quant_fp32") for key in par) == 4
     for key, value in par.items():
         if key.endswith("fp8_vs_fake_quant_fp32") or key.endswith("native_vs_fp32"):
