@@ -263,6 +263,48 @@ def save_gemma4_vision_checkpoint(hf, path: Path) -> Path:
     return save_vision_checkpoint(hf, path, GEMMA4_IMAGE_SPECIALS)
 
 
+def hf_vision_processor(path: Path, family: str):
+    """transformers' own processor for a tiny vision checkpoint saved above (its tokenizer.json, the image
+    specials named as Gemma's tokenizers name them), built offline: the reference for how a prompt's image
+    placeholders expand (begin/end tokens, soft-token counts, separators) and for the pixels."""
+    from transformers import PreTrainedTokenizerFast
+
+    specials = GEMMA3_IMAGE_SPECIALS if family == "gemma3" else GEMMA4_IMAGE_SPECIALS
+    extra = dict(zip(("boi_token", "eoi_token", "image_token"), specials))
+    if family == "gemma4":   # Gemma4Processor checks these exist even for images alone
+        extra.update(boa_token="<|audio>", eoa_token="<audio|>")
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token="<bos>", eos_token="<eos>",
+                                  pad_token="<pad>", extra_special_tokens=extra)
+    if family == "gemma3":
+        from transformers import Gemma3Processor
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        size = VISION_TOWER["image_size"]
+        images = Gemma3ImageProcessorPil(size={"height": size, "width": size}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        return Gemma3Processor(images, tok, image_seq_length=VISION_TOKENS_PER_IMAGE)
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+    from transformers.processing_utils import ProcessorMixin
+
+    class Gemma4ImageProcessor(Gemma4Processor):
+        """Gemma4Processor without its audio feature extractor and video processor (the latter needs
+        torchvision): the image attributes its __init__ sets, and everything else (placeholder
+        expansion, soft-token counts, the call) transformers' own."""
+
+        def __init__(self, image_processor, tokenizer, image_seq_length):
+            self.image_seq_length = image_seq_length
+            self.image_token_id = tokenizer.image_token_id
+            self.boi_token, self.eoi_token, self.image_token = tokenizer.boi_token, tokenizer.eoi_token, tokenizer.image_token
+            self.audio_token = self.audio_token_id = None
+            self.boa_token, self.eoa_token = tokenizer.boa_token, tokenizer.eoa_token
+            ProcessorMixin.__init__(self, image_processor=image_processor, tokenizer=tokenizer)
+
+    tower = GEMMA4_VISION_TOWER
+    images = Gemma4ImageProcessorPil(patch_size=tower["patch_size"], max_soft_tokens=GEMMA4_SOFT_TOKENS,
+                                     pooling_kernel_size=tower["pooling_kernel_size"])
+    return Gemma4ImageProcessor(images, tok, GEMMA4_SOFT_TOKENS)
+
+
 def assert_server_kv_clean(background_server, timeout: float = 60.0) -> None:
     """Once every request has ended: no page held by a request, the integrity check holds, and no
     completion is still counted against the admission bound (--max-queue-len)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -27,30 +28,42 @@ def test_v2_check_comes_in_slices_and_still_catches_corruption():
         list(kv.integrity_steps())
 
 
-def test_arriving_work_does_not_wait_for_the_idle_check(tmp_path):
-    llm = LLM(model=str(save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "m")), page_size=4)
-    runs = {"started": 0, "finished": 0}
+def _wait_for(condition, what: str, timeout: float = 30.0) -> None:
+    """A liveness bound (a hung engine fails the test), not a speed limit."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
-    def slow_check():   # two seconds of checking, in 5 ms slices
+
+def test_arriving_work_does_not_wait_for_the_idle_check(tmp_path):
+    """By order of events, not seconds: the idle check below never ends until the test releases it, so a
+    command that runs at all runs between its slices; then the check starts over and passes."""
+    llm = LLM(model=str(save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "m")), page_size=4)
+    runs = {"started": 0, "slices": 0, "finished": 0}
+    release = threading.Event()
+
+    def endless_check():   # 5 ms slices until released
         runs["started"] += 1
-        for _ in range(400):
+        while not release.is_set():
             time.sleep(0.005)
+            runs["slices"] += 1
             yield
         runs["finished"] += 1
 
-    llm.engine.kv.integrity_steps = slow_check
+    llm.engine.kv.integrity_steps = endless_check
     engine = AsyncEngine(llm.engine, ServerMetrics())
     engine._checked_idle = False   # as after a request: the next idle runs the check
     engine.start()
     try:
-        time.sleep(0.2)
-        assert runs == {"started": 1, "finished": 0}
-        t = time.perf_counter()
-        engine.call_blocking(lambda eng: None)
-        assert time.perf_counter() - t < 0.5   # served between slices, not after the whole check
-        deadline = time.time() + 10
-        while runs["finished"] == 0 and time.time() < deadline:
-            time.sleep(0.05)
-        assert runs == {"started": 2, "finished": 1} and engine._integrity_ok   # started over, then passed
+        _wait_for(lambda: runs["slices"] > 0, "the idle check to start")
+        seen = engine.call_blocking(lambda eng: dict(runs), timeout=30)
+        assert seen["started"] == 1 and seen["finished"] == 0 and seen["slices"] > 0, seen   # served mid-check
+        _wait_for(lambda: runs["started"] == 2, "the check to start over after the command")
+        assert runs["finished"] == 0
+        release.set()
+        _wait_for(lambda: runs["finished"] == 1, "the check to pass")
+        assert runs["started"] == 2 and engine._integrity_ok
     finally:
+        release.set()
         engine.shutdown()

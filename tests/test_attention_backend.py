@@ -37,6 +37,26 @@ def _dense(q, k, v, q_pos, window, scale):
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
+def _scratch_blocks(group_tables, spans):
+    """The blocks of a batch mapped to one page for every layer of a multi-layer group (scratch slots) in a
+    shared arena (V1's identity slots are page s of each layer's own tensor): (group, its layers, the page,
+    the positions of the step's tokens in that block)."""
+    out = []
+    for gt in group_tables:
+        g = gt.group
+        if g.num_layers < 2:
+            continue
+        for b, (s, e) in enumerate(spans):
+            for i in range(gt.num_blocks[b]):
+                pages = gt.slot_pages[gt.block_rows[b, i]].tolist()
+                if len(set(pages)) == 1:
+                    block = gt.first_block[b] + i
+                    lo, hi = max(s, block * g.tokens_per_page), min(e, (block + 1) * g.tokens_per_page)
+                    assert lo < hi, "a scratch block outside the step's tokens"
+                    out.append((g.index, g.layers, pages[0], range(lo, hi)))
+    return out
+
+
 def _backend(name: str):
     if name == "torch":
         return TorchAttentionBackend()
@@ -66,7 +86,7 @@ def test_paged_attention_matches_dense(manager, scratch, backend_name, query_blo
     V = {i: torch.randn(max(lens), s.num_kv_heads, s.head_dim, generator=gen) for i, s in enumerate(SPECS) if s.owns_kv}
     Q = [torch.randn(max(lens), HQ, s.head_dim, generator=gen) for s in SPECS]
     done = [0] * len(lens)
-    step = 0
+    step = scratch_seen = 0
     while any(d < n for d, n in zip(done, lens)):
         # The first step prefills 11-token chunks, the next two mix chunks and decodes, then only decodes
         # (a decode-only batch takes the split-K decode kernel).
@@ -77,6 +97,10 @@ def test_paged_attention_matches_dense(manager, scratch, backend_name, query_blo
             assert kv.allocate(str(b), toks[b], s, e, prefill=e - s > 1)
         md = AttentionMetadata([e - s for _, s, e in batch], [e for _, _, e in batch],
                                kv.group_tables([str(b) for b, _, _ in batch]), kv.layer_slot)
+        shared = [] if kv.layout.identity_slots else _scratch_blocks(md.groups, [(s, e) for _, s, e in batch])
+        scratch_seen += len(shared)
+        # the manager's own count agrees with the page tables the backend reads
+        assert kv.stats().scratch_pages == len({p for _, _, p, _ in shared})
         attn = backend.begin_batch(md, cache)
         for layer, spec in enumerate(SPECS):
             src = layer if spec.owns_kv else spec.kv_source
@@ -84,6 +108,13 @@ def test_paged_attention_matches_dense(manager, scratch, backend_name, query_blo
             k = torch.cat([K[src][s:e] for _, s, e in batch])
             v = torch.cat([V[src][s:e] for _, s, e in batch])
             out = attn(layer, q, k, v, scale=0.3, window=spec.window)
+            # a scratch page holds the keys of the layer that wrote it last (this one, if it is in the
+            # page's group): every layer of the group wrote its chunk there, over the previous layer's
+            for _, layers, page, positions in shared:
+                if layer in layers:
+                    t = kv.layout.tokens_per_page[layer]
+                    for pos in positions:
+                        assert torch.equal(cache[layer][0][page, pos % t], K[layer][pos]), (seed, step, layer, pos)
             row = 0
             for b, s, e in batch:
                 ref = _dense(Q[layer][s:e], K[src][:e], V[src][:e], torch.arange(s, e), spec.window, 0.3)
@@ -96,8 +127,9 @@ def test_paged_attention_matches_dense(manager, scratch, backend_name, query_blo
             done[b] = e
         kv.check_integrity()
         step += 1
-    if scratch:
-        assert step > 1  # scratch pages were used in the first (11-token) chunk of windows of 5
+    # Scratch on: the first (11-token) chunks put blocks out of the windows of 5 on scratch pages shared by
+    # layers 0 and 2; off (or V1): every block has one page per layer.
+    assert (scratch_seen > 0) == scratch, f"seed={seed} {manager} scratch={scratch}: {scratch_seen} scratch blocks"
 
 
 def test_query_tiles_read_only_the_key_blocks_their_queries_see():

@@ -31,22 +31,27 @@ def test_console_script_prints_prompt_and_continuation():
     assert res.stdout.startswith("The capital of France is") and len(res.stdout.strip()) > len("The capital of France is")
 
 
-def test_help_and_argument_errors_do_not_import_torch():
-    """`--help` and argument errors answer before any heavy import (torch alone takes ~1-2 s)."""
-    import time
+HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "numpy")
 
+
+def test_help_and_argument_errors_do_not_import_torch():
+    """`--help` and argument errors answer before any heavy import (torch alone takes ~1-2 s; how long
+    `--help` takes is measured in benchmarks, not asserted here): in-process for each command, and for the
+    real `python -m gemmaserve --help` every module the interpreter imported (`-X importtime`)."""
     probe = ("import sys\nfrom gemmaserve.cli import main\n"
              "for argv in (['--help'], ['serve', '--help'], ['generate', '--help'], ['serve', '--port', 'x']):\n"
              "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
-             "heavy = sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn', 'numpy') if m in sys.modules)\n"
+             f"heavy = sorted(m for m in {HEAVY!r} if m in sys.modules)\n"
              "print('HEAVY', heavy, file=sys.stderr)\n")
-    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert "HEAVY []" in res.stderr, res.stderr[-2000:]
-    t = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "gemmaserve", "--help"], capture_output=True, text=True, timeout=60)
-    elapsed = time.perf_counter() - t
-    assert res.returncode == 0 and "serve" in res.stdout
-    assert elapsed < 1.5, f"gemmaserve --help took {elapsed:.2f}s"   # ~0.15 s on a quiet machine
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "gemmaserve", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and "serve" in res.stdout, res.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in res.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "gemmaserve" in imported and "argparse" in imported   # the listing is what we think it is
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
 
 
 def _words(line: str) -> list[str]:   # a table row without its column padding

@@ -77,3 +77,72 @@ def test_chunked_prefill_gives_same_tokens(llm_270m, max_num_batched_tokens):
     finally:
         engine.scheduler.max_num_batched_tokens = old
     assert got == ref
+
+
+# -- the config both sides run with ------------------------------------------------------------------
+# The parity tests above build the transformers reference from our own parsed GGUF config, so a parsing
+# mistake (a RoPE base, an epsilon, the window, a soft-cap...) would sit on both sides and pass. These
+# check the config the reference runs with against sources that share none of our parsing.
+
+_S, _F = "sliding_attention", "full_attention"
+# google/gemma-3-270m's published config.json (the model the GGUF was converted from), transformers>=5
+# spelling: rope_theta 1e6 on full layers, rope_local_base_freq 1e4 on sliding ones, a full layer every
+# 6th (_sliding_window_pattern 6), no soft-caps. The GGUF's own metadata agrees where it carries a value
+# (context_length 32768, embedding_length 640, block_count 18, feed_forward_length 2048, head_count 4,
+# head_count_kv 1, key_length 256, layer_norm_rms_epsilon 1e-6 as f32, rope.freq_base 1e6,
+# sliding_window 512; token_embd 262144 rows); llama.cpp hard-codes the rest for gemma3.
+PUBLISHED_270M = dict(
+    vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
+    max_position_embeddings=32768, final_logit_softcapping=None, attn_logit_softcapping=None,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+    layer_types=([_S] * 5 + [_F]) * 3,
+    rope_parameters={_F: {"rope_type": "default", "rope_theta": 1e6},
+                     _S: {"rope_type": "default", "rope_theta": 1e4}},
+)
+
+
+def _rope(params) -> dict:
+    """Per layer type: (type, theta, factor), whatever else the config keeps there."""
+    return {t: (p.get("rope_type", "default"), float(p["rope_theta"]), float(p.get("factor", 1.0)))
+            for t, p in params.items()}
+
+
+def _config_mismatches(cfg, expected: dict) -> list[str]:
+    bad = []
+    for key, want in expected.items():
+        got = getattr(cfg, key, "<missing>")
+        if key == "rope_parameters":
+            got, want = _rope(got), _rope(want)
+        if isinstance(want, float):
+            ok = isinstance(got, (int, float)) and got == pytest.approx(want, rel=1e-6)
+        else:
+            ok = (list(got) if isinstance(want, list) else got) == want
+        if not ok:
+            bad.append(f"{key}: {got!r}, expected {want!r}")
+    return bad
+
+
+def test_reference_config_is_the_published_270m(llm_270m, hf_270m):
+    """The transformers reference and our model run with google/gemma-3-270m's published values."""
+    assert _config_mismatches(hf_270m.config, PUBLISHED_270M) == []
+    ours = llm_270m.engine.model.config
+    assert (ours.rope_global.theta, ours.rope_global.factor, ours.rope_local.theta, ours.rope_local.factor) \
+        == (1e6, 1.0, 1e4, 1.0)
+    assert ours.to_hf_dict()["layer_types"] == PUBLISHED_270M["layer_types"]
+    assert ours.query_pre_attn_scalar == 256 and ours.final_logit_softcapping is None
+    assert ours.rms_norm_eps == pytest.approx(1e-6, rel=1e-6) and ours.sliding_window == 512
+
+
+def test_reference_config_is_what_transformers_reads_from_the_gguf(hf_270m):
+    """transformers' own GGUF loader (the gguf package's reader and transformers' gemma3 key mapping and
+    defaults; ~10-30 s: it parses the 262k-entry vocabulary) reads the same config from the file."""
+    from transformers import AutoConfig
+
+    from gemmaserve.models.embedded import resolve_embedded
+
+    path = resolve_embedded("gemma3-270m")
+    theirs = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert theirs.model_type == "gemma3_text"
+    expected = {key: getattr(theirs, key) for key in PUBLISHED_270M}
+    assert _config_mismatches(hf_270m.config, expected) == []

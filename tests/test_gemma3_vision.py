@@ -19,7 +19,7 @@ from gemmaserve.engine.scheduler import Scheduler
 from gemmaserve.errors import UserInputError
 from gemmaserve.models.base import ModelInputs
 
-from helpers import (BOI, EOI, IMG, VISION_TOKENS_PER_IMAGE as TOKENS_PER_IMAGE, make_manager,
+from helpers import (BOI, EOI, IMG, VISION_TOKENS_PER_IMAGE as TOKENS_PER_IMAGE, hf_vision_processor, make_manager,
                      save_vision_checkpoint as _save, tiny_hf_vision)
 
 TOL = 1e-4
@@ -31,6 +31,12 @@ def setup(tmp_path_factory):
     path = _save(hf, tmp_path_factory.mktemp("g3v"))
     llm = LLM(model=str(path), page_size=4, max_num_batched_tokens=64, kv_cache_memory=8 << 20)
     return hf, path, llm
+
+
+@pytest.fixture(scope="module")
+def processor(setup):
+    """transformers' Gemma3Processor over the checkpoint's tokenizer: the reference prompt ids."""
+    return hf_vision_processor(setup[1], "gemma3")
 
 
 def _images(n: int, seed: int = 0):
@@ -161,15 +167,15 @@ def test_triton_kernel_honours_the_image_mask(setup):
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def _hf_greedy(hf, llm, prompt, images, n=6):
-    ids, items = llm.engine.prepare_images(prompt, images)
-    pixels = torch.from_numpy(np.stack([it.pixels for it in items]))
-    ids_t = torch.tensor([ids])
+def _hf_greedy(hf, processor, prompt, images, n=6):
+    """transformers end to end: its processor expands the prompt's placeholders and prepares the pixels."""
+    inputs = processor(text=prompt, images=images, return_tensors="pt")
+    ids_t = inputs["input_ids"]
     with torch.no_grad():
-        out = hf.generate(input_ids=ids_t, pixel_values=pixels, token_type_ids=(ids_t == IMG).long(),
-                          attention_mask=torch.ones_like(ids_t), max_new_tokens=n, do_sample=False, pad_token_id=0,
+        out = hf.generate(input_ids=ids_t, pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"],
+                          attention_mask=inputs["attention_mask"], max_new_tokens=n, do_sample=False, pad_token_id=0,
                           eos_token_id=[])
-    return out[0, len(ids):].tolist()
+    return out[0, ids_t.shape[1]:].tolist()
 
 
 CASES = [("<start_of_image> describe it", 1), ("two: <start_of_image> and <start_of_image> then", 2),
@@ -182,11 +188,30 @@ def _run(llm, cases=CASES, seed=0, extra_text=()):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False, images=images)]
 
 
-def test_greedy_equals_transformers_generate(setup):
+@pytest.mark.parametrize("prompt, n", CASES + [
+    ("<start_of_image><start_of_image>", 2), ("line one\n<start_of_image>\nline two", 1),
+    ("x <start_of_image> y <start_of_image> z <start_of_image> w <start_of_image>", 4)])
+def test_prompt_ids_equal_transformers_processor(setup, processor, prompt, n):
+    """Our placeholder expansion is transformers': "\n\n<start_of_image>", the soft tokens, "<end_of_image>\n\n"
+    in the same ids, the images' spans where its token types say, and the same pixels."""
+    _, _, llm = setup
+    images = _images(n, 3)
+    ids, items = llm.engine.prepare_images(prompt, images)
+    ref = processor(text=prompt, images=images, return_tensors="np")
+    assert ids == ref["input_ids"][0].tolist()
+    types = np.zeros(len(ids), dtype=int)
+    for it in items:
+        types[it.start:it.end] = 1
+    assert types.tolist() == ref["token_type_ids"][0].tolist()
+    assert [it.length for it in items] == [TOKENS_PER_IMAGE] * n
+    np.testing.assert_allclose(np.stack([it.pixels for it in items]), ref["pixel_values"], atol=1e-6, rtol=0)
+
+
+def test_greedy_equals_transformers_generate(setup, processor):
     hf, _, llm = setup
     got = _run(llm)
     for (prompt, n), tokens, i in zip(CASES, got, range(len(CASES))):
-        assert tokens == _hf_greedy(hf, llm, prompt, _images(n, i)), prompt
+        assert tokens == _hf_greedy(hf, processor, prompt, _images(n, i)), prompt
 
 
 @pytest.mark.parametrize("options", [

@@ -15,7 +15,7 @@ from gemmaserve.config.engine import EngineConfig
 from gemmaserve.engine.scheduler import Scheduler
 from gemmaserve.models.base import ModelInputs
 
-from helpers import (IMG, GEMMA4_VISION_VARIANTS as VARIANTS, make_manager,
+from helpers import (IMG, GEMMA4_VISION_VARIANTS as VARIANTS, hf_vision_processor, make_manager,
                      save_gemma4_vision_checkpoint as _save, tiny_hf_gemma4_vision)
 
 TOL = 1e-4
@@ -27,6 +27,12 @@ def setup(request, tmp_path_factory):
     path = _save(hf, tmp_path_factory.mktemp(f"g4v_{request.param}"))
     llm = LLM(model=str(path), page_size=4, max_num_batched_tokens=256, kv_cache_memory=8 << 20)
     return request.param, hf, path, llm
+
+
+@pytest.fixture(scope="module")
+def processor(setup):
+    """transformers' Gemma4Processor (images only) over the checkpoint's tokenizer: the reference prompt ids."""
+    return hf_vision_processor(setup[2], "gemma4")
 
 
 def _images(n: int, seed: int = 0):
@@ -58,6 +64,12 @@ def _inputs(llm, prompt, images):
     pixels = torch.from_numpy(np.stack([it.pixels for it in items]))
     positions = torch.from_numpy(np.stack([it.positions for it in items]))
     return ids, items, pixels, positions
+
+
+def _hf_inputs(processor, prompt, images):
+    """transformers' own ids, patches and patch positions for the prompt (its placeholder expansion)."""
+    ref = processor(text=prompt, images=images, return_tensors="pt")
+    return ref["input_ids"][0].tolist(), ref["pixel_values"], ref["image_position_ids"]
 
 
 def _hf_logits(hf, ids, pixels, positions):
@@ -99,14 +111,35 @@ def _our_logits(model, ids, items, chunk):
 PROMPTS = [("<|image|> describe it", 1), ("two <|image|> and <|image|> end", 2), ("look at <|image|>", 1)]
 
 
+@pytest.mark.parametrize("prompt, n", PROMPTS + [
+    ("<|image|><|image|>", 2), ("line one\n<|image|>\nline two", 1), ("x <|image|> y <|image|> z <|image|> w <|image|>", 4)])
+def test_prompt_ids_equal_transformers_processor(setup, processor, prompt, n):
+    """Our placeholder expansion is transformers': "<|image>", as many "<|image|>" soft tokens as the
+    image's size gives, "<image|>" (no separators), in the same ids, the images' spans where its token
+    types say, and the same patches and positions."""
+    llm = setup[3]
+    images = _images(n, 5)
+    ids, items = llm.engine.prepare_images(prompt, images)
+    ref = processor(text=prompt, images=images, return_tensors="np")
+    assert ids == ref["input_ids"][0].tolist()
+    types = np.zeros(len(ids), dtype=int)
+    for it in items:
+        types[it.start:it.end] = 1
+    assert types.tolist() == ref["mm_token_type_ids"][0].tolist()
+    np.testing.assert_array_equal(np.stack([it.positions for it in items]), ref["image_position_ids"])
+    np.testing.assert_allclose(np.stack([it.pixels for it in items]), ref["pixel_values"], atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("chunk", [70, 100, 256])
-def test_logits_match_transformers(setup, chunk):
+def test_logits_match_transformers(setup, processor, chunk):
     import copy
 
     name, hf, _, llm = setup
     hf64 = copy.deepcopy(hf).double()
     for k, (prompt, n) in enumerate(PROMPTS):
-        ids, items, pixels, positions = _inputs(llm, prompt, _images(n, k))
+        ids, items, _, _ = _inputs(llm, prompt, _images(n, k))
+        hf_ids, pixels, positions = _hf_inputs(processor, prompt, _images(n, k))
+        assert ids == hf_ids
         ref = _hf_logits(hf, ids, pixels, positions)
         got = _our_logits(llm.engine.model, ids, items, chunk)
         # The tiny random E2B stack amplifies fp32 rounding: transformers' own fp32 logits are up to
@@ -126,11 +159,11 @@ def _run(llm, extra_text=()):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False, images=images)]
 
 
-def test_greedy_equals_transformers_and_cache_modes(setup):
+def test_greedy_equals_transformers_and_cache_modes(setup, processor):
     name, hf, path, llm = setup
     got = _run(llm)
     for k, ((prompt, n), tokens) in enumerate(zip(PROMPTS, got)):
-        ids, _, pixels, positions = _inputs(llm, prompt, _images(n, k))
+        ids, pixels, positions = _hf_inputs(processor, prompt, _images(n, k))
         ids_t = torch.tensor([ids])
         with torch.no_grad():
             out = hf.generate(input_ids=ids_t, pixel_values=pixels, image_position_ids=positions,

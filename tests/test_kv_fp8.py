@@ -305,8 +305,9 @@ def test_paged_fp8_model_logits(variant):
     """A tiny model through V2 page tables with scratch (and KV-sharing layers for E2B), in 6-token
     chunks: logits at every position near those over fake-quantised K/V (not equal: fp32 noise of
     chunked vs dense matmuls can move a value across an fp8 rounding boundary, a 6% step in one
-    element; measured mean <= 2e-3 when it happens, 1e-6 otherwise) and within a bound of the fp32
-    cache's (measured 0.08-0.14)."""
+    element; measured mean <= 5e-3 when it happens, 1e-6 otherwise) and within a bound of the fp32
+    cache's: mean relative error measured 0.056-0.078 (gemma3) and 0.085-0.116 (e2b) over
+    GEMMASERVE_TEST_SEED=0..4; the bounds are ~1.7x the worst."""
     seed = fresh_seed()
     hf = tiny_hf_model(seed, sliding_window=5, num_key_value_heads=2) if variant == "gemma3" \
         else tiny_gemma4_hf(seed, variant)
@@ -317,7 +318,8 @@ def test_paged_fp8_model_logits(variant):
     exact = _fake_quant_logits(model, specs, ids)
     assert _rel(got, exact).mean() < 0.01, f"seed={seed}: {_rel(got, exact).mean()}"
     fp32 = paged_logits(model, [ids], chunk=6)[0]
-    assert _rel(got, fp32).mean() < 0.3, f"seed={seed}: {_rel(got, fp32).mean()}"
+    bound = {"gemma3": 0.13, "e2b": 0.2}[variant]
+    assert _rel(got, fp32).mean() < bound, f"seed={seed}: {_rel(got, fp32).mean()}"
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -339,9 +341,13 @@ def _tokens(llm: LLM, chunk: int | None = None) -> list[list[int]]:
 
 def test_engine_fp8_greedy_tokens_and_agreement_with_bf16(checkpoint):
     """The fp8 engine's greedy tokens are those of decoding over fake-quantised K/V with the engine's
-    own scales. Against the bf16-KV engine tokens may part (near-tied logits of a tiny random model):
-    the agreement is printed, and the first-step logits must stay close. A second engine calibrates
-    to the same scales and gives the same tokens."""
+    own scales. Against the bf16-KV engine tokens may part (near-tied logits of a tiny random model),
+    and once parted they go their own ways, so agreement is measured teacher-forced: on the bf16
+    engine's tokens, the fp8 cache's argmax is the bf16 token at >= 50% of the 30 positions (measured
+    21-28 of 30 over GEMMASERVE_TEST_SEED=0..4; the bf16 cache's own argmax: 30 of 30). The prompt's
+    logits stay close to bf16's: mean relative error per prompt measured <= 0.10 (gemma3) and <= 0.21
+    (e4b), bounded at ~1.7x that. A second engine calibrates to the same scales and gives the same
+    tokens."""
     name, seed, path = checkpoint
     base = LLM(model=str(path), page_size=4, kv_cache_dtype="bf16")
     fp8 = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_dtype="fp8"), base)
@@ -355,11 +361,19 @@ def test_engine_fp8_greedy_tokens_and_agreement_with_bf16(checkpoint):
     _assert_near_greedy(model, specs, prompt_ids, got, f"{name} seed={seed}")
     ref = _tokens(base)
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(got, ref)]
-    print(f"{name} seed={seed}: tokens until the first divergence fp8 vs bf16 KV: {agree}")
+    forced = []
+    for ids, out in zip(prompt_ids, ref):
+        rows = paged_logits(model, [ids + out], specs=specs)[0][len(ids) - 1:len(ids) - 1 + len(out)]
+        forced.append(int((rows.argmax(-1) == torch.tensor(out)).sum()))
+    print(f"{name} seed={seed}: fp8 vs bf16 KV: tokens until the first divergence {agree}, "
+          f"teacher-forced agreement {forced} of {[len(r) for r in ref]}")
+    assert sum(forced) >= 0.5 * sum(map(len, ref)), f"{name} seed={seed}: teacher-forced agreement {forced}"
+    bound = {"gemma3": 0.17, "e4b": 0.35}[name]
     for ids in prompt_ids:
-        first_fp8 = paged_logits(model, [ids], specs=specs)[0][-1]
-        first_bf16 = paged_logits(model, [ids], specs=base.engine.kv.specs)[0][-1]
-        assert _rel(first_fp8, first_bf16) < 0.4, f"seed={seed}: {_rel(first_fp8, first_bf16)}"
+        prompt_fp8 = paged_logits(model, [ids], specs=specs)[0]
+        prompt_bf16 = paged_logits(model, [ids], specs=base.engine.kv.specs)[0]
+        err = _rel(prompt_fp8, prompt_bf16).mean()
+        assert err < bound, f"{name} seed={seed}: {err}"
     again = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_dtype="fp8"), base)
     assert again.engine.kv.specs == specs and _tokens(again) == got
 
@@ -392,6 +406,7 @@ def test_gpu_fp8_script_runs_its_cpu_parts():
 
     par = gpu_fp8._kernel_parity(4, 2, 16, torch.device("cpu"), n=70, m=9, window=20, dtype=torch.float32)
     assert par["store_bytes_differing_from_torch"] == 0
+    assert gpu_fp8.kernel_row_ok(par)   # what makes the script's exit status 0 on the GPU
     assert sum(key.endswith("fp8_vs_fake_quant_fp32") for key in par) == 4
     for key, value in par.items():
         if key.endswith("fp8_vs_fake_quant_fp32") or key.endswith("native_vs_fp32"):

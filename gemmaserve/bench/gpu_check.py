@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .sections import exit_status
+
 
 def _bench_ms(fn, reps: int = 20) -> float:
     import triton.testing
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = engine_checks()
         for r in rows:
             print(f"  engine {r['engine']:<30} graphs={r['cuda_graphs']} tokens equal: {r['tokens_equal']}")
-        return 0 if all(r["tokens_equal"] for r in rows) else 1
+        return exit_status({"engine": rows}, CHECKS)
     out_dir = Path(os.environ.get("OUT", "bench-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -207,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['GB_s']:>6} GB/s = {r['of_hbm']:.0%} of HBM")
     for r in result["engine"]:
         print(f"  engine {r['engine']:<28} tokens equal: {r['tokens_equal']}")
-    ok = all(r["ok"] for r in result["kernels"]) and all(r["tokens_equal"] for r in result["engine"])
-    print("ALL OK" if ok else "FAILURES")
-    return 0 if ok else 1
+    return exit_status(result, CHECKS)
+
+
+# Rows that pass or fail (bench/sections.py): the exit status is 1 if one fails.
+CHECKS = {"kernels": lambda r: r["ok"], "engine": lambda r: r["tokens_equal"]}
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch
 
 from .gpu_bench import GiB, _engine, _prompts, _run_all, replay_ms
 from .gpu_check import copy_bandwidth
-from .sections import run_sections
+from .sections import exit_status, run_sections
 from .synthetic import GEMMA4_CONFIGS, random_model
 
 SHAPES = tuple(GEMMA4_CONFIGS)
@@ -288,7 +288,11 @@ def main(argv: list[str]) -> int:
     }, out)
     print(json.dumps(res, indent=1))
     print(summary(res))
-    return 0
+    return exit_status(res, CHECKS)
+
+
+# Rows that pass or fail (bench/sections.py): the exit status is 1 if one fails or a section raised.
+CHECKS = {"check": lambda r: r["tokens_equal"]}
 
 
 def summary(res: dict) -> str:

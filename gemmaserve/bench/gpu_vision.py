@@ -56,7 +56,7 @@ from ..models.base import CausalLM
 from ..models.loader import LoadedModel, ModelSource, SourceKind, build_model
 from ..models.registry import model_class_for_hf
 from ..models.tokenizer import Tokenizer
-from .sections import run_sections
+from .sections import exit_status, run_sections
 from .synthetic import GEMMA4_CONFIGS, gemma3_config
 
 if TYPE_CHECKING:
@@ -584,7 +584,11 @@ def main(argv: list[str]) -> int:
     }, out)
     print(json.dumps(res, indent=1))
     print(summary(res))
-    return 0
+    return exit_status(res, CHECKS)
+
+
+# Rows that pass or fail (bench/sections.py): the exit status is 1 if one fails or a section raised.
+CHECKS = {"check": lambda r: r["logits_ok"] and r["greedy_tokens_equal"]}
 
 
 def summary(res: dict) -> str:

@@ -1,6 +1,10 @@
 """The section runner of the GPU benchmarks: each named section in turn; a section that raises is recorded
 (`<name>_error`) without losing the others' figures, and the JSON is rewritten after every section, so a
-command stopped at its time limit keeps what finished."""
+command stopped at its time limit keeps what finished.
+
+The exit status: a script declares which of its sections hold check rows and what makes a row pass
+(`CHECKS`); `exit_status` prints one summary line and returns 1 if any such row fails or any section
+raised, 0 otherwise. Timings are figures, never failures."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from typing import Any
 from pathlib import Path
 
 
@@ -24,3 +29,40 @@ def run_sections(res: dict, names: list[str], sections: Mapping[str, Callable[[]
             res[f"{name}_error"] = repr(exc)
         res[f"{name}_seconds"] = round(time.perf_counter() - start, 1)
         out.write_text(json.dumps(res, indent=2, default=str))
+
+
+Check = Callable[[dict[str, Any]], bool]
+
+
+def check_failures(res: dict, checks: Mapping[str, Check]) -> list[str]:
+    """One line per failing check row (a row missing the checked field fails) and per section that raised.
+    A check section that did not run, or was skipped (a string instead of rows), has no rows to fail."""
+    bad = []
+    for section, passed in checks.items():
+        rows = res.get(section)
+        if not isinstance(rows, list):
+            continue
+        for row in rows:
+            try:
+                ok = bool(passed(row))
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                shown = ", ".join(f"{k}={v}" for k, v in row.items())
+                bad.append(f"{section}: {shown[:300]}")
+    bad += [f"{key.removesuffix('_error')} raised: {str(value)[:300]}" for key, value in res.items()
+            if key.endswith("_error")]
+    return bad
+
+
+def exit_status(res: dict, checks: Mapping[str, Check]) -> int:
+    """Print each failure, then one summary line (last, where a tail sees it); the process exit status."""
+    rows = sum(len(res[s]) for s in checks if isinstance(res.get(s), list))
+    bad = check_failures(res, checks)
+    if not bad:
+        print(f"CHECKS PASSED: {rows} check rows, no section raised", flush=True)
+        return 0
+    for line in bad:
+        print(f"FAIL {line}", flush=True)
+    print(f"CHECKS FAILED: {len(bad)} failure(s) above ({rows} check rows)", flush=True)
+    return 1
