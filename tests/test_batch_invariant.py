@@ -227,7 +227,7 @@ def test_option_parses_everywhere_and_is_refused_where_it_cannot_hold():
     on = EngineConfig(batch_invariant=True)
     assert resolve_batch_invariance(on, "cuda", triton_caps, quantized=False) is True
     assert resolve_batch_invariance(EngineConfig(), "cuda", torch_caps, quantized=False) is False
-    with pytest.raises(UserInputError, match="not available on the CPU"):
+    with pytest.raises(UserInputError, match="is for CUDA"):
         resolve_batch_invariance(on, "cpu", torch_caps, quantized=True)
     with pytest.raises(UserInputError, match="needs the triton attention backend"):
         resolve_batch_invariance(on, "cuda", torch_caps, quantized=False)

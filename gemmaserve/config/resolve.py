@@ -133,9 +133,10 @@ def resolve_batch_invariance(config: EngineConfig, device_type: str, backend: Ba
         return False
     if device_type == "cpu" and backend.name != "triton":
         raise UserInputError(
-            "--batch-invariant is not available on the CPU: its fp32 matmuls and the torch attention backend change "
-            "a row's last bits with the batch, and the batch-invariant Triton kernels run on the CPU only in "
-            "Triton's interpreter (for tests: TRITON_INTERPRET=1 with --attention-backend triton --dtype float32)")
+            "--batch-invariant is for CUDA: on the CPU the torch attention backend (decode rows padded to the "
+            "batch's longest) and fp32 matmuls change a row's last bits with the batch, and the batch-invariant "
+            "kernels are Triton's, which run on the CPU only in its interpreter (for tests: TRITON_INTERPRET=1 "
+            "with --attention-backend triton --dtype float32)")
     if not backend.batch_invariant:
         why = "" if config.attention_backend != "auto" else " (auto chose it: is Triton installed?)"
         raise UserInputError(f"--batch-invariant needs the triton attention backend; attention backend "
