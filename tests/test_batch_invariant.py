@@ -41,18 +41,18 @@ def test_gemm_rows_have_the_same_bits_for_any_batch_and_position(monkeypatch):
     gen = torch.Generator().manual_seed(fresh_seed())
     n, k = 80, 100   # tails in N and in K
     w = torch.randn(n, k, generator=gen)
-    pool = torch.randn(64, k, generator=gen)
+    pool = torch.randn(130, k, generator=gen)
     probe = torch.randn(k, generator=gen)
     launches = _Launches(IK._matmul_kernel, ["BM", "BN", "BK", "GROUP_M", "PRECISION", "num_warps", "num_stages"])
     monkeypatch.setattr(IK, "_matmul_kernel", launches)
     ref = IK.matmul(probe[None], w)[0]
     assert torch.allclose(ref, w @ probe, atol=1e-5, rtol=1e-5)
-    for m in (1, 3, 8, 17, 64):
+    for m in (1, 3, 8, 17, 64, 130):   # 130: three row tiles
         for pos in sorted({0, m // 2, m - 1}):
             x = pool[:m].clone()
             x[pos] = probe
             assert _same(IK.matmul(x, w)[pos], ref), f"M={m}, row {pos}"
-    # A GPU could differ only through the launch: the same tile configuration for every M.
+    # On a GPU a row's bits follow the tile configuration and the K loop: one configuration for every M.
     assert len({tuple(c.items()) for c in launches.calls}) == 1
 
 
