@@ -24,6 +24,7 @@ class BackendCapabilities:
     scratch_pages: bool                 # honours per-layer page tables where layers alias one scratch page
     shared_arena: bool                  # can view one byte arena with per-layer page geometry (KV manager V2)
     cuda_graphs: bool = False           # decode batches can be captured (graph_inputs)
+    batch_invariant: bool = False       # can reduce a query's keys in one order whatever its batch and chunking
 
 
 @dataclass
@@ -108,6 +109,9 @@ class GraphInputs(ABC):
 
 class AttentionBackend(ABC):
     capabilities: BackendCapabilities
+    # Set by the engine (`--batch-invariant`, backends whose capabilities allow it) before the KV cache
+    # is allocated: a query's output must not depend on its batch, its chunk or the step's kind.
+    batch_invariant: bool = False
 
     @abstractmethod
     def allocate_kv_cache(self, specs: list[LayerSpec], layout: KVLayout,

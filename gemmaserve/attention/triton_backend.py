@@ -8,6 +8,14 @@ the decode kernel (every sequence has one new token) or the prefill kernel.
 CUDA graphs (decode only): `DecodeGraphBuffers` holds the same tensors at fixed addresses; a graph of
 padded batch size s uses the first s rows, padding rows read and write a reserved null page, and the
 split-K grid depends on the batch size only, so one graph per size serves every decode step.
+
+Batch invariance (`--batch-invariant`, `backend.batch_invariant`): decode rows run through the prefill
+kernel too, as one-token tiles, so every query reduces over its keys the same way wherever it is: in a
+decode step of any size (eager or graph), in a mixed step, or inside a prefill chunk of any split. That
+kernel's key tiles start at multiples of BLOCK_N in absolute positions whatever the chunk, its tile
+constants depend on the head dim and dtype only, and blocks a row cannot see leave its running softmax
+state exactly as it was (scale 1, additions of 0). The split-K decode kernel is not used: its split
+count follows the batch size (`decode_splits`) and its merge adds the splits in another order.
 """
 
 from __future__ import annotations
@@ -58,6 +66,13 @@ class DeviceBatch:
     query_lens: torch.Tensor | None = None
     query_ends: torch.Tensor | None = None      # [T] keys end (exclusive) per new token: images (prefill only)
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Batch invariance, decode only: (query_start, query_lens, tile_seq, tile_q) of one-token tiles.
+    decode_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def decode_rows(iota: torch.Tensor, ones: torch.Tensor, zeros: torch.Tensor, size: int):
+    """A decode batch as the prefill kernel reads it: sequence b's one query is row b, in tile b at offset 0."""
+    return iota[:size], ones[:size], iota[:size], zeros[:size]
 
 
 def build_device_batch(md: AttentionMetadata, device: torch.device) -> DeviceBatch:
@@ -109,11 +124,16 @@ class DecodeGraphBuffers:
                 torch.full((layers, max_size), null_page, dtype=torch.int32, device=device),
                 torch.zeros(max_size, dtype=torch.int32, device=device)))
             self.max_keys.append(min(window, max_model_len) if window else max_model_len)
+        # Batch invariance: the one-token tiles of `decode_rows`, at fixed addresses too.
+        self.iota = torch.arange(max_size, dtype=torch.int32, device=device)
+        self.ones = torch.ones(max_size, dtype=torch.int32, device=device)
+        self.zeros = torch.zeros(max_size, dtype=torch.int32, device=device)
 
     def view(self, size: int) -> DeviceBatch:
         groups = [GroupBatch(g.pages[:, :size], g.first_block[:size], g.write_pages[:, :size], g.write_offsets[:size])
                   for g in self.groups]
-        return DeviceBatch(True, self.seq_lens[:size], groups, list(self.max_keys))
+        return DeviceBatch(True, self.seq_lens[:size], groups, list(self.max_keys),
+                           decode_rows=decode_rows(self.iota, self.ones, self.zeros, size))
 
     def fill(self, live: DeviceBatch, size: int) -> None:
         """Copy a decode batch of B <= size sequences in; rows B..size read and write the null page."""
@@ -147,11 +167,12 @@ class TritonGraphInputs(GraphInputs):
 class TritonBatchAttention(BatchAttention):
     def __init__(self, batch: DeviceBatch, layer_slot, kv_cache, specs, query_lens: list[int] | None = None,
                  sm_count: int = 132, metadata: AttentionMetadata | None = None,
-                 backend: "TritonAttentionBackend | None" = None):
+                 backend: "TritonAttentionBackend | None" = None, batch_invariant: bool = False):
         from . import triton_kernels as K
 
         self.K = K
         self.sm_count = sm_count
+        self.batch_invariant = batch_invariant
         self.batch = batch
         self.layer_slot = layer_slot
         self.kv_cache = kv_cache
@@ -173,6 +194,14 @@ class TritonBatchAttention(BatchAttention):
             self.batch.tiles[bm] = (to_device(seqs, torch.int32, dev), to_device(starts, torch.int32, dev))
         return self.batch.tiles[bm]
 
+    def _decode_rows(self):
+        if self.batch.decode_rows is None:   # an eager decode batch: made once, on the device (no copy)
+            n = self.batch.seq_lens.shape[0]
+            dev = self.batch.seq_lens.device
+            iota = torch.arange(n, dtype=torch.int32, device=dev)
+            self.batch.decode_rows = decode_rows(iota, torch.ones_like(iota), torch.zeros_like(iota), n)
+        return self.batch.decode_rows
+
     def __call__(self, layer, q, k, v, *, scale, window, softcap=None, bidirectional=False):
         if softcap is not None:
             raise NotImplementedError("attention soft-capping is not used by Gemma 3/4 text models")
@@ -184,6 +213,11 @@ class TritonBatchAttention(BatchAttention):
         if self.specs[layer].owns_kv:   # k, v may be strided views (rows of qkv): the kernel takes strides
             self.K.store_kv(k, v, k_cache, v_cache, gb.write_pages[col], gb.write_offsets, k_scale, v_scale)
         q = q.contiguous()
+        if self.batch.decode and self.batch_invariant:
+            query_start, query_lens, tile_seq, tile_q = self._decode_rows()
+            return self.K.prefill_attention(q, k_cache, v_cache, gb.pages[col], gb.first_block, query_start, query_lens,
+                                            self.batch.seq_lens, tile_seq, tile_q, scale, window,
+                                            k_scale=k_scale, v_scale=v_scale)
         if self.batch.decode:
             keys = self.batch.max_keys[group]   # a layer's own window can be narrower than its group's (V1)
             splits = self.K.decode_splits(q.shape[0], k_cache.shape[2], min(keys, window) if window else keys,
@@ -199,7 +233,7 @@ class TritonBatchAttention(BatchAttention):
 
 class TritonAttentionBackend(AttentionBackend):
     capabilities = BackendCapabilities(name="triton", devices=frozenset({"cuda", "cpu"}), head_dims=None,
-                                       scratch_pages=True, shared_arena=True, cuda_graphs=True)
+                                       scratch_pages=True, shared_arena=True, cuda_graphs=True, batch_invariant=True)
 
     def __init__(self) -> None:
         self._specs = []
@@ -219,7 +253,7 @@ class TritonAttentionBackend(AttentionBackend):
     def attention_for(self, batch: DeviceBatch, layer_slot, kv_cache, query_lens: list[int] | None = None,
                       metadata: AttentionMetadata | None = None) -> TritonBatchAttention:
         return TritonBatchAttention(batch, layer_slot, kv_cache, self._specs, query_lens, self.sm_count, metadata,
-                                    self if metadata is not None else None)
+                                    self if metadata is not None else None, self.batch_invariant)
 
     def graph_inputs(self, max_batch, groups, max_model_len, null_page, device) -> TritonGraphInputs:
         geometry = [(g.num_layers, g.tokens_per_page, g.window) for g in groups]

@@ -121,7 +121,10 @@ def _attend_tile(q, kc_ptr, vc_ptr, page, off, kvh, d, load_mask, visible, m_i, 
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row that sees nothing yet stays at zero
-    alpha = tl.exp2(m_i - m_safe)
+    # A tile that does not raise a row's maximum (one it cannot see, among others) keeps its state exactly:
+    # scale 1 by construction, not by exp2(0) (an approximate instruction on the GPU). Batch invariance
+    # needs it: a query meets such tiles inside a prefill chunk and not as a decode row.
+    alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(vc_ptr + page[:, None] * s_vp + off[:, None] * s_vo + kvh * s_vh + d[None, :],

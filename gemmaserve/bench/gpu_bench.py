@@ -14,6 +14,11 @@ sizes, bf16. Sections (default: all):
               and 256 throughput, host time per decode step at 64 x 1K and 64 x 16K contexts
   first       the first 32K-token prompt after startup against the second (run it first, in a fresh
               process on a fresh machine: Triton's disk cache would hide compilation)
+  invariant   the cost of `--batch-invariant` (issue 34) on gemma3-4b, off and on in the same run: decode
+              step and graph replay at batch 1 and 64 (1K context) and 1 and 8 (16K), prefill of an 8K
+              prompt, batch-64 throughput; and the check itself at real size (a 1K-token probe's logits
+              alone, duplicated, among 63 others): fails the run (exit 1) if "on" is not bitwise the same
+  invariant-moe  the same on gemma4-26b-a4b (MoE experts on the grouped invariant GEMM)
 
 Writes $OUT/gpu_bench.json after every section (so a timeout keeps what finished); a table last.
 """
@@ -374,6 +379,70 @@ def section_engine(res: dict, hbm: float) -> None:
         torch.cuda.empty_cache()
 
 
+def section_invariant(res: dict, hbm: float, key: str, shapes: tuple[str, ...]) -> None:
+    """`--batch-invariant` off and on, same weights, same run. Raises (the section's error, exit 1) when
+    the invariant engine's probe is not bitwise the same alone, duplicated and in a mixed batch."""
+    from .invariance import probe_checks
+
+    out = res[key] = {"decode": [], "prefill": [], "throughput": [], "check": []}
+    failures = []
+    for name in shapes:
+        loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
+        vocab = loaded.model.config.vocab_size
+        weights = _param_bytes(loaded.model)
+        kv_mem = (16 if weights > 30e9 else 32) * GiB
+        for mode in (False, True):
+            llm = _engine(loaded, kv_cache_memory=kv_mem, max_num_seqs=64, batch_invariant=mode)
+            eng = llm.engine
+            assert eng.info.batch_invariant == mode
+            for batch, ctx in ((1, 1024), (64, 1024), (1, 16384), (8, 16384)):
+                step_ms, graph_ms, host_ms = _decode_rows(eng, _prompts(batch, ctx, vocab, seed=ctx + batch), steps=30)
+                row = {"shape": name, "batch_invariant": mode, "batch": batch, "context": ctx,
+                       "engine_step_ms": round(step_ms, 3), "graph_ms": round(graph_ms, 3)}
+                if batch == 1:
+                    kv = sum(sp.bytes_per_token() * (min(ctx, sp.window) if sp.window else ctx)
+                             for sp in loaded.model.kv_layer_specs(torch.bfloat16))
+                    row["graph_over_roofline"] = round(graph_ms / ((weights + kv) / (hbm * 1e9) * 1e3), 2)
+                out["decode"].append(row)
+                print("invariant decode", row, flush=True)
+            eng.kv.reset_prefix_cache()
+            _run_all(llm, _prompts(1, 8192, vocab, seed=11), 1)   # compile the prefill shapes
+            times = sorted(_run_all(llm, _prompts(1, 8192, vocab, seed=12 + i), 1) for i in range(3))
+            row = {"shape": name, "batch_invariant": mode, "tokens": 8192, "tok_s": round(8192 / times[1])}
+            out["prefill"].append(row)
+            print("invariant prefill", row, flush=True)
+            _run_all(llm, _prompts(64, 1024, vocab, seed=6999), 4)   # these shapes once before timing
+            secs = _run_all(llm, _prompts(64, 1024, vocab, seed=7000), 128)
+            row = {"shape": name, "batch_invariant": mode, "batch": 64, "tok_s": round(64 * 128 / secs, 1)}
+            out["throughput"].append(row)
+            print("invariant throughput", row, flush=True)
+            eng.kv.reset_prefix_cache()
+            got = probe_checks(eng, _prompts(1, 1024, vocab, seed=8000)[0],
+                               [_prompts(1, 4096, vocab, seed=8001)[0]] + _prompts(62, 300, vocab, seed=8002),
+                               max_tokens=32)
+            got.pop("alone")
+            row = {"shape": name, "batch_invariant": mode, **got}
+            out["check"].append(row)
+            print("invariant check", row, flush=True)
+            if mode and not (got["duplicate_equal"] and got["mixed_equal"]):
+                failures.append(name)
+            del llm, eng
+            gc.collect()
+            torch.cuda.empty_cache()
+        del loaded
+        gc.collect()
+        torch.cuda.empty_cache()
+    for kind in ("decode", "prefill", "throughput"):   # on / off, same shape and size
+        rows = out[kind]
+        for on in [r for r in rows if r["batch_invariant"]]:
+            off = next(r for r in rows if not r["batch_invariant"]
+                       and all(r.get(k) == on.get(k) for k in ("shape", "batch", "context", "tokens")))
+            key = "graph_ms" if kind == "decode" else "tok_s"
+            on["on_over_off"] = round(on[key] / off[key], 3)
+    if failures:
+        raise AssertionError(f"--batch-invariant gave a probe other bits in another batch: {', '.join(failures)}")
+
+
 def compiled_variants() -> dict[str, int]:
     """Kernel variants Triton has compiled in this process, per kernel of ours."""
     import triton
@@ -427,12 +496,15 @@ def main(argv: list[str]) -> int:
         "profile": lambda: section_profile(res),
         "engine": lambda: section_engine(res, hbm),
         "first": lambda: section_first_request(res),
+        "invariant": lambda: section_invariant(res, hbm, "invariant", ("gemma3-4b",)),
+        "invariant-moe": lambda: section_invariant(res, hbm, "invariant-moe", ("gemma4-26b-a4b",)),
     }, out)
     print(json.dumps(res, indent=1))
     return exit_status(res, CHECKS)
 
 
-# Every section here measures (no check rows): the exit status is 1 only if a section raised.
+# Every section here measures (no check rows): the exit status is 1 only if a section raised (the
+# batch-invariance sections raise when their check fails).
 CHECKS: dict = {}
 
 

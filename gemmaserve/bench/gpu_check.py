@@ -6,6 +6,11 @@
 3. Decode attention bandwidth at contexts 4K..128K (bytes of K/V read over time).
 4. The engine on a tiny random Gemma 3: greedy tokens with the torch and Triton backends, and with
    CUDA graphs on and off, must match.
+5. `--batch-invariant` (`invariance_checks`, alone: `gpu_check invariance`): the invariant GEMM's rows
+   (bf16, real widths, M = 1..2048, any row position) and its grouped form (128 experts), the attention
+   of one query alone, in a batch and inside prefill chunks of any split, all bitwise equal; and a tiny
+   Gemma 3 engine whose probe prompt's logits are bitwise the same alone, duplicated, in a mixed chunked
+   batch and with CUDA graphs on or off.
 Prints a table last; writes JSON to $OUT (or bench-out/) as gpu_check.json.
 """
 
@@ -181,6 +186,118 @@ def engine_checks() -> list[dict]:
     return rows
 
 
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(-1).view(torch.uint8),
+                                              b.contiguous().view(-1).view(torch.uint8))
+
+
+def invariance_checks() -> list[dict]:
+    """`--batch-invariant` on the GPU: each row is {"check", "ok", ...}."""
+    import tempfile
+
+    from ..attention import triton_kernels as K
+    from ..models import invariant_kernels as IK
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(int(time.time()))
+    dt = torch.bfloat16
+    # GEMM rows: gemma3-4b widths (qkv, down, gate_up: wide tiles, the output head).
+    for n, k, ms in ((4096, 2560, (1, 3, 8, 17, 64, 257, 2048)), (2560, 10240, (1, 3, 8, 17, 64, 257, 2048)),
+                     (20480, 2560, (1, 3, 8, 17, 64, 257, 2048)), (262208, 2560, (1, 3, 8, 17, 64, 256))):
+        w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(dt)
+        pool = torch.randn(max(ms), k, device="cuda", generator=gen).to(dt)
+        probe = pool[-1].clone()
+        ref = IK.matmul(probe[None], w)[0]
+        err = ((ref.float() - (probe.float() @ w.float().T)).norm() / (probe.float() @ w.float().T).norm()).item()
+        same = True
+        for m in ms:
+            for pos in sorted({0, m // 2, m - 1}):
+                x = pool[:m].clone()
+                x[pos] = probe
+                same &= _bits_equal(IK.matmul(x, w)[pos], ref)
+        rows.append({"check": f"gemm N={n} K={k}", "ok": same and err < 1e-2, "rows_equal": same, "rel_err": err})
+        del w, pool
+    # Grouped GEMM (26B-A4B experts' gate_up): one row of expert 5 among ever other rows per expert.
+    e, k, n = 128, 2816, 1408
+    w = (torch.randn(e, n, k, device="cuda", generator=gen) * k ** -0.5).to(dt).transpose(1, 2)
+    probe = torch.randn(k, device="cuda", generator=gen).to(dt)
+    ref, same = None, True
+    for total in (1, 8, 64, 512, 4096):
+        counts = torch.multinomial(torch.ones(e, device="cuda"), total, replacement=True, generator=gen).bincount(
+            minlength=e)
+        counts[5] += 1
+        ends = counts.cumsum(0).to(torch.int32)
+        x = torch.randn(int(ends[-1]), k, device="cuda", generator=gen).to(dt)
+        at = int(ends[4]) + int(torch.randint(0, int(counts[5]), (1,), device="cuda", generator=gen))
+        x[at] = probe
+        y = IK.grouped_matmul(x, w, ends)[at]
+        ref = y if ref is None else ref
+        same &= _bits_equal(y, ref)
+    expect = probe.float() @ w[5].float()
+    err = ((ref.float() - expect).norm() / expect.norm()).item()
+    rows.append({"check": f"grouped gemm E={e} N={n} K={k}", "ok": same and err < 1e-2, "rows_equal": same,
+                 "rel_err": err})
+    del w
+    # Attention: one query alone, in a batch, and inside prefill chunks of several splits.
+    for d, hq, hkv, window in ((128, 32, 16, None), (256, 8, 4, 1024), (512, 16, 2, None)):
+        lens, t = [3000, 700, 1500], 16
+        kc, vc, pages, _, _ = _paged(torch.Generator().manual_seed(d), lens, hkv, d, t, dt)
+        n = lens[0]
+        qs = torch.randn(n, hq, d, device="cuda", generator=gen).to(dt)
+        z = lambda b: torch.zeros(b, dtype=torch.int32, device="cuda")   # noqa: E731
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")   # noqa: E731
+
+        def one_token(q, pg, seq_lens):
+            b = q.shape[0]
+            iota = torch.arange(b, dtype=torch.int32, device="cuda")
+            return K.prefill_attention(q, kc, vc, pg, z(b), iota, iota * 0 + 1, seq_lens, iota, z(b), d ** -0.5,
+                                       window)
+
+        pos = torch.arange(n - 200, n, device="cuda")
+        decode = one_token(qs[pos], pages[[0] * 200], (pos + 1).int())
+        mixed = one_token(torch.cat([qs[:1], qs[n - 1:], qs[:1]]), pages[[1, 0, 2]], i32([lens[1], n, lens[2]]))
+        same = _bits_equal(mixed[1], decode[-1])
+        for splits in ([200], [1, 199], [77, 100, 23]):
+            start, got = n - 200, []
+            for m in splits:
+                q = torch.cat([qs[:5], qs[start:start + m]])
+                seqs, tiles = K.prefill_tiles([5, m], K.prefill_block_m(d))
+                out = K.prefill_attention(q, kc, vc, pages[[1, 0]], z(2), i32([0, 5]), i32([5, m]),
+                                          i32([lens[1], start + m]), i32(seqs), i32(tiles), d ** -0.5, window)
+                got.append(out[5:])
+                start += m
+            same &= _bits_equal(torch.cat(got), decode)
+        rows.append({"check": f"attention d={d} hq={hq} hkv={hkv} window={window}", "ok": same, "rows_equal": same})
+    # The engine: a tiny Gemma 3 in bf16.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from helpers import save_checkpoint, tiny_hf_model
+
+    from ..config.engine import EngineConfig
+    from ..engine.llm import LLM
+    from .invariance import probe_checks, same_bits
+
+    path = save_checkpoint(tiny_hf_model(int(time.time()) % 10000, sliding_window=64, num_key_value_heads=2,
+                                         head_dim=128, num_attention_heads=4, hidden_size=256, vocab_size=4096),
+                           Path(tempfile.mkdtemp()) / "tiny")
+    vocab = 4096
+    probe = [2] + [(7 * j) % (vocab - 5) + 5 for j in range(700)]
+    others = [[2] + [(11 * j) % (vocab - 5) + 5 for j in range(1500)]] + [
+        [2] + [(13 * j + i) % (vocab - 5) + 5 for j in range(20 + 37 * i)] for i in range(30)]
+    base = dict(model=str(path), device="cuda", dtype="bfloat16", page_size=16, kv_cache_memory=1 << 30,
+                max_num_batched_tokens=512)
+    alone = {}
+    for name, opts in (("graphs", {}), ("eager", dict(enforce_eager=True)), ("default", dict(batch_invariant=False))):
+        llm = LLM.from_config(EngineConfig(**{"batch_invariant": True, **base, **opts}))
+        got = probe_checks(llm.engine, probe, others, max_tokens=24)
+        alone[name] = got.pop("alone")
+        ok = got["duplicate_equal"] and got["mixed_equal"]
+        rows.append({"check": f"engine {name}: alone = duplicated = in a mixed batch of 32", "ok": ok
+                     if name != "default" else True, **got, "info_batch_invariant": llm.engine.info.batch_invariant})
+        del llm
+    rows.append({"check": "engine: graphs = eager", "ok": same_bits(alone["graphs"], alone["eager"])})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["engine"]:   # just the engine checks
@@ -188,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"  engine {r['engine']:<30} graphs={r['cuda_graphs']} tokens equal: {r['tokens_equal']}")
         return exit_status({"engine": rows}, CHECKS)
+    if argv == ["invariance"]:   # just the --batch-invariant checks
+        rows = invariance_checks()
+        for r in rows:
+            print(f"  {r['check']:<58} {'ok' if r['ok'] else 'FAIL'}  {r}")
+        return exit_status({"invariance": rows}, CHECKS)
     out_dir = Path(os.environ.get("OUT", "bench-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -199,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     result["kernels"] = kernel_checks()
     result["decode_bandwidth"] = decode_bandwidth(hbm)
     result["engine"] = engine_checks()
+    result["invariance"] = invariance_checks()
     (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
     print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  HBM copy {result['hbm_copy_GB_s']} GB/s")
     for r in result["kernels"]:
@@ -209,11 +332,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['GB_s']:>6} GB/s = {r['of_hbm']:.0%} of HBM")
     for r in result["engine"]:
         print(f"  engine {r['engine']:<28} tokens equal: {r['tokens_equal']}")
+    for r in result["invariance"]:
+        print(f"  batch-invariant {r['check']:<58} {'ok' if r['ok'] else 'FAIL'}")
     return exit_status(result, CHECKS)
 
 
 # Rows that pass or fail (bench/sections.py): the exit status is 1 if one fails.
-CHECKS = {"kernels": lambda r: r["ok"], "engine": lambda r: r["tokens_equal"]}
+CHECKS = {"kernels": lambda r: r["ok"], "engine": lambda r: r["tokens_equal"], "invariance": lambda r: r["ok"]}
 
 
 if __name__ == "__main__":

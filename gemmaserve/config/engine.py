@@ -84,6 +84,15 @@ class EngineConfig:
     suppress_media_tokens: bool | None = option(
         None, negatable=True,
         help="never sample the tokenizer's image/audio/video placeholder tokens (default: on for text-only models)")
+    batch_invariant: bool = option(
+        False,
+        help="CUDA: a request's logits are bitwise the same whatever else is in its batch, the batch size, its "
+             "place in it, how its prompt was chunked (chunked prefill, prefix-cache hits) and whether the step "
+             "ran in a CUDA graph: every matmul on a Triton GEMM with one tile configuration per shape and no "
+             "split-K, decode attention on the prefill kernel (no split-K), sampling filters row by row; slower "
+             "(`python -m gemmaserve.bench.gpu_bench invariant` measures the cost). Not available on the CPU, "
+             "whose fp32 matmuls and torch attention change a row's last bits with the batch (the Triton kernels "
+             "run there only in Triton's interpreter, for tests); not with --tensor-parallel-size > 1")
     tensor_parallel_size: int = option(1, parse=positive_int,
                                        help="split the model over this many devices, one worker process each "
                                             "(torch.distributed: NCCL on CUDA, gloo on the CPU); 1 = one process. "
@@ -137,6 +146,11 @@ class EngineConfig:
         if tp > 1 and self.kv_cache_dtype.startswith("fp8"):
             raise UserInputError("kv_cache_dtype fp8 is not supported with tensor_parallel_size > 1 yet (its "
                                  "calibration pass runs on one process)")
+        if not isinstance(self.batch_invariant, bool):
+            raise UserInputError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if tp > 1 and self.batch_invariant:
+            raise UserInputError("batch_invariant is not supported with tensor_parallel_size > 1 (the all-reduce "
+                                 "picks its algorithm, hence its summation order, by message size: by the batch)")
         if tp > 1 and self.kv_transfer is not None and self.kv_transfer.disaggregated:
             raise UserInputError("a prefill or decode role with tensor_parallel_size > 1 is not supported yet (the "
                                  "KV handoff reads and writes one process's cache)")

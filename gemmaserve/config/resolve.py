@@ -11,6 +11,9 @@ work is a clear error; an "auto" value that cannot work is demoted and logged.
     enable_prefix_caching  on                               v2
     kv_transfer_runtime  the model's preference (Gemma: nixl) a disaggregated role; one that works here and,
                          (config/kv_transfer.py)              for v2, can move v2's pages
+
+`batch_invariant` has no "auto" (off unless asked): `resolve_batch_invariance` checks that it can hold
+here and returns what it replaces, which the engine logs.
 """
 
 from __future__ import annotations
@@ -109,3 +112,38 @@ def _scratch_blocker(manager: str, backend: BackendCapabilities, specs: list[Lay
             return (f"layer {i} reads the KV of layer {s.kv_source}, which is not the last layer of its group, "
                     "so a later layer would overwrite that layer's scratch pages first")
     return None
+
+
+# What `--batch-invariant` replaces (logged when the engine starts with it).
+BATCH_INVARIANT_CHANGES = (
+    "linear layers and the output head: cuBLAS -> one Triton GEMM tile configuration per (N, K), no split-K "
+    "(models/invariant_kernels.py)",
+    "MoE experts: torch._grouped_mm -> the same GEMM loop per expert; router and expert sums in index order",
+    "decode attention: the split-K kernel (its splits follow the batch size) -> the prefill kernel with "
+    "one-token tiles (attention/triton_backend.py)",
+    "sampling: temperature/top-k/top-p/min-p filtering and logprobs row by row (engine/sampler.py)",
+)
+
+
+def resolve_batch_invariance(config: EngineConfig, device_type: str, backend: BackendCapabilities,
+                             quantized: bool) -> bool:
+    """Whether the engine runs batch-invariant (`--batch-invariant`): a clear error where it cannot hold.
+    `quantized`: the weights stay quantised (the CPU's GGUF path)."""
+    if not config.batch_invariant:
+        return False
+    if device_type == "cpu" and backend.name != "triton":
+        raise UserInputError(
+            "--batch-invariant is for CUDA: on the CPU the torch attention backend (decode rows padded to the "
+            "batch's longest) and fp32 matmuls change a row's last bits with the batch, and the batch-invariant "
+            "kernels are Triton's, which run on the CPU only in its interpreter (for tests: TRITON_INTERPRET=1 "
+            "with --attention-backend triton --dtype float32)")
+    if not backend.batch_invariant:
+        why = "" if config.attention_backend != "auto" else " (auto chose it: is Triton installed?)"
+        raise UserInputError(f"--batch-invariant needs the triton attention backend; attention backend "
+                             f"{backend.name!r}{why} pads a decode batch to its longest row")
+    if quantized:
+        raise UserInputError("--batch-invariant needs unquantised weights (--dtype float32 or bfloat16): there is "
+                             "no batch-invariant kernel for quantised CPU weights")
+    if device_type == "cpu" and config.cpu_compile == "on":
+        raise UserInputError("--batch-invariant cannot be combined with --cpu-compile on")
+    return True

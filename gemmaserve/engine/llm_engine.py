@@ -22,9 +22,10 @@ from ..attention import select_backend
 from ..attention.kv_quant import FP8_DTYPE
 from ..config.engine import EngineConfig
 from ..units import format_bytes
-from ..config.resolve import resolve_cache_options
+from ..config.resolve import BATCH_INVARIANT_CHANGES, resolve_batch_invariance, resolve_cache_options
 from ..errors import UserInputError
 from ..kv import create_kv_manager
+from ..models.layers import set_batch_invariant
 from ..models.loader import LoadedModel
 from ..models.multimodal import ProcessedImage
 from ..transfer.runtime import probe as probe_transfer
@@ -63,6 +64,7 @@ class EngineInfo:
     warmup_seconds: float = 0.0
     tensor_parallel_size: int = 1
     cpu_compile: str = "off"   # compiled CPU decode steps: off, ready, failed (then eager)
+    batch_invariant: bool = False   # --batch-invariant (config/resolve.py: what it replaces)
 
 
 def _weights_label(loaded: LoadedModel, dtype: torch.dtype) -> str:
@@ -95,6 +97,11 @@ class LLMEngine:
             specs = calibrate_kv_scales(self.model, specs, calibration_tokens(self.tokenizer, self.model.vocab_size),
                                         self.device)
         self.backend = select_backend(config.attention_backend, self.device, specs)
+        self.backend.batch_invariant = resolve_batch_invariance(config, self.device.type, self.backend.capabilities,
+                                                                bool(loaded.weight_formats))
+        set_batch_invariant(self.model, self.backend.batch_invariant)   # reused weights follow this engine
+        if self.backend.batch_invariant:
+            log.info("batch invariant: %s", "; ".join(BATCH_INVARIANT_CHANGES))
         self.cache_options = resolve_cache_options(config, self.model.engine_preferences(), self.backend.capabilities,
                                                    specs, probe=lambda name: probe_transfer(name, self.device))
         self.kv = create_kv_manager(self.cache_options.kv_cache_manager, specs, config.page_size,
@@ -147,7 +154,8 @@ class LLMEngine:
             async_scheduling=self.async_scheduling,
             kv_pages=self.kv.num_pages,
             kv_page_size=self.kv.page_size, kv_bytes=self.kv.num_pages * self.kv.page_bytes,
-            load_seconds=loaded.load_seconds, tensor_parallel_size=config.tensor_parallel_size)
+            load_seconds=loaded.load_seconds, tensor_parallel_size=config.tensor_parallel_size,
+            batch_invariant=self.backend.batch_invariant)
         if self.device.type == "cuda":
             self.info = dataclasses.replace(self.info, warmup_seconds=self._warm_up())
         log.info("engine ready: %s", self.info)

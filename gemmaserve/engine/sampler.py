@@ -10,6 +10,12 @@ for penalties, all on the device) from its first step until it finishes. Filteri
 draw runs per request with that request's own generator, so a seeded request gives the same tokens
 whatever else is in the batch. Nothing here reads a value back to the host: `Sampled` holds device
 tensors until someone asks for the ids (`Sampled.resolve`), so the next step can be queued first.
+
+`row_by_row` (`--batch-invariant`): the filtering before a draw and the logprobs run on each row alone,
+a [1, V] problem whatever the batch. torch picks reduction and scan kernels by shape: a sum's thread
+layout follows the number of rows, and cumsum (top-p) takes CUB's scan for one row and another kernel
+for several, so a row's probabilities could otherwise change in the last bit with its batch. Greedy
+rows need nothing: the argmax is exact (first maximum on ties) whatever the order.
 """
 
 from __future__ import annotations
@@ -127,9 +133,11 @@ class Sampled:
         return chosen, records
 
 
-def sample(logits: torch.Tensor, states: list[SamplingState], grammars: Grammars | None = None) -> Sampled:
+def sample(logits: torch.Tensor, states: list[SamplingState], grammars: Grammars | None = None,
+           row_by_row: bool = False) -> Sampled:
     """logits: [N, V] for N requests -> one token each (and logprob records where asked).
-    `grammars`: needed when a state has a grammar (structured output)."""
+    `grammars`: needed when a state has a grammar (structured output). `row_by_row`: see the module
+    docstring (batch invariance)."""
     raw = logits.float()
     logits = raw
     dev = raw.device
@@ -149,14 +157,21 @@ def sample(logits: torch.Tensor, states: list[SamplingState], grammars: Grammars
     if random_rows:
         rows = to_device(random_rows, torch.long, dev)
         params = [states[i].params for i in random_rows]
-        probs = filtered_probs(
-            logits[rows],
-            to_device([p.temperature for p in params], torch.float32, dev),
-            [p.top_k for p in params],
-            to_device([p.top_p for p in params], torch.float32, dev),
-            to_device([p.min_p for p in params], torch.float32, dev),
-            any_top_p=any(p.top_p < 1.0 for p in params), any_min_p=any(p.min_p > 0 for p in params),
-        )
+
+        def filtered(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+            return filtered_probs(
+                x,
+                to_device([p.temperature for p in ps], torch.float32, dev),
+                [p.top_k for p in ps],
+                to_device([p.top_p for p in ps], torch.float32, dev),
+                to_device([p.min_p for p in ps], torch.float32, dev),
+                any_top_p=any(p.top_p < 1.0 for p in ps), any_min_p=any(p.min_p > 0 for p in ps),
+            )
+
+        if row_by_row:
+            probs = torch.cat([filtered(logits[i:i + 1], [p]) for i, p in zip(random_rows, params)])
+        else:
+            probs = filtered(logits[rows], params)
         for j, i in enumerate(random_rows):
             states[i].skip_draws(probs.shape[-1], dev)
             tokens[i] = torch.multinomial(probs[j], 1, generator=states[i].generator)[0]
@@ -170,9 +185,15 @@ def sample(logits: torch.Tensor, states: list[SamplingState], grammars: Grammars
         states[i].grammar.sampled(out, i)
     if out.logprob_rows:
         want = to_device(out.logprob_rows, torch.long, dev)
-        logp = torch.log_softmax(raw[want], dim=-1)
         out.top_n = [states[i].params.logprobs for i in out.logprob_rows]
-        out.top_v, out.top_i = logp.topk(max(1, max(out.top_n)), dim=-1)
+        k = max(1, max(out.top_n))
+        if row_by_row:
+            logp = torch.cat([torch.log_softmax(raw[i:i + 1], dim=-1) for i in out.logprob_rows])
+            tops = [logp[j:j + 1].topk(k, dim=-1) for j in range(len(out.logprob_rows))]
+            out.top_v, out.top_i = torch.cat([t.values for t in tops]), torch.cat([t.indices for t in tops])
+        else:
+            logp = torch.log_softmax(raw[want], dim=-1)
+            out.top_v, out.top_i = logp.topk(k, dim=-1)
         out.picked = logp.gather(1, tokens[want][:, None])[:, 0]
     return out
 

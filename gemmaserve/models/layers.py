@@ -60,8 +60,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(torch.cat([x, x.new_zeros(-m % ROW_TILE, x.shape[1])]), weight)[:m]
 
 
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T through the batch-invariant Triton GEMM (invariant_kernels.py): each row's bits do
+    not depend on the other rows (`--batch-invariant`)."""
+    from .invariant_kernels import matmul
+
+    return matmul(x, weight)
+
+
 class Linear(nn.Module):
-    """y = x W^T with no bias; weights are filled by the loader (no random init)."""
+    """y = x W^T with no bias; weights are filled by the loader (no random init). `batch_invariant`
+    (set by the engine, batch_invariant.py) routes it through the batch-invariant GEMM."""
+
+    batch_invariant = False
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
@@ -70,12 +81,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return invariant_linear(x, self.weight) if self.batch_invariant else linear(x, self.weight)
 
 
 class Embedding(nn.Module):
     """A token embedding table; `as_head` is the tied output projection (logits = h E^T). Filled by
     the loader; `quant.QuantEmbedding` is the INT8 form with the same interface."""
+
+    batch_invariant = False   # the output head through the batch-invariant GEMM (as `Linear`)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
         super().__init__()
@@ -90,7 +103,7 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.weight)
+        return invariant_linear(hidden, self.weight) if self.batch_invariant else linear(hidden, self.weight)
 
 
 class GeGLU(nn.Module):
@@ -273,3 +286,15 @@ class Attention(nn.Module):
         else:   # text layers call every backend the same way as before images existed
             o = attn(p.layer, q, k, v, scale=p.scale, window=p.window)
         return self.o_proj(o.reshape(x.shape[0], p.q_size))
+
+
+def set_batch_invariant(model: nn.Module, on: bool) -> int:
+    """Route every matmul of `model` (projections, output head, experts) through the batch-invariant
+    kernels, or back. Returns how many modules it set. The flag lives on the modules: engines that share
+    one loaded model (`LLM.from_config(..., reuse_weights_of)`) share it too, and the last one built sets it."""
+    n = 0
+    for m in model.modules():
+        if hasattr(type(m), "batch_invariant"):
+            m.batch_invariant = on
+            n += 1
+    return n

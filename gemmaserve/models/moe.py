@@ -9,6 +9,11 @@ grouped matmuls (`torch._grouped_mm` with per-expert row offsets) run every expe
 outputs go back to (token, k) order and each token's k outputs are summed in fp32 in a fixed order:
 no atomics, so the same batch gives the same bits every run (an index_add would not, on the GPU).
 Nothing reads a count back to the host, so a CUDA graph can capture it.
+
+`batch_invariant` (`--batch-invariant`, set by the engine): the expert matmuls run on the batch-invariant
+grouped GEMM (invariant_kernels.py) instead of `torch._grouped_mm`, whose kernel choice depends on the
+rows per expert, and the two small sums (router weights, a token's k outputs) are written as additions in
+index order, since torch's reduction kernels pick their thread layout from the number of rows.
 """
 
 from __future__ import annotations
@@ -38,7 +43,19 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, expert_o
     return torch.bmm(x.unsqueeze(1), w[expert_of_row]).squeeze(1)
 
 
+def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x summed over `dim` (kept as size 1) by elementwise additions in index order: the same bits for a
+    row whatever the other rows (a torch reduction's order follows its launch shape)."""
+    parts = x.unbind(dim)
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total.unsqueeze(dim)
+
+
 class Router(nn.Module):
+    batch_invariant = False
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.top_k = top_k
@@ -53,12 +70,14 @@ class Router(nn.Module):
         z = rms_norm(residual, None, self.norm) * self.scale * self.root
         probs = torch.softmax(self.proj(z), dim=-1, dtype=torch.float32)
         weights, idx = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (ordered_sum(weights, -1) if self.batch_invariant else weights.sum(dim=-1, keepdim=True))
         return weights * self.per_expert_scale[idx], idx
 
 
 class Experts(nn.Module):
     """Expert weights as HF stores them: gate_up_proj [E, 2I, H] ([gate; up] rows), down_proj [E, H, I]."""
+
+    batch_invariant = False
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, dtype: torch.dtype):
         super().__init__()
@@ -78,10 +97,18 @@ class Experts(nn.Module):
             0, flat, torch.ones_like(flat, dtype=torch.int32))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = x[token_of_row]
+        if self.batch_invariant:
+            from .invariant_kernels import grouped_matmul
+
+            mm = lambda a, w: grouped_matmul(a, w, offsets)   # noqa: E731
+        else:
+            mm = lambda a, w: grouped_mm(a, w, offsets, expert_of_row)   # noqa: E731
         # w^T views: [E, H, 2I] and [E, I, H], column-major per expert, as grouped_mm wants them.
-        h = gelu_mul(grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets, expert_of_row), self.intermediate)
-        y = grouped_mm(h, self.down_proj.transpose(1, 2), offsets, expert_of_row)
+        h = gelu_mul(mm(rows, self.gate_up_proj.transpose(1, 2)), self.intermediate)
+        y = mm(h, self.down_proj.transpose(1, 2))
         y = y.float() * weights.reshape(-1)[order, None]
         # Unsort (each row has one destination, so this copy is deterministic), then sum over k.
-        per_pair = torch.empty_like(y).index_copy_(0, order, y)
-        return per_pair.view(t, k, -1).sum(dim=1).to(x.dtype)
+        per_pair = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
+        if self.batch_invariant:
+            return ordered_sum(per_pair, 1).squeeze(1).to(x.dtype)
+        return per_pair.sum(dim=1).to(x.dtype)
