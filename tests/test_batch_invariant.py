@@ -215,7 +215,7 @@ def test_option_parses_everywhere_and_is_refused_where_it_cannot_hold():
     from gemmaserve.cli import build_parser
     from gemmaserve.config.engine import EngineConfig
     from gemmaserve.config.options import from_namespace
-    from gemmaserve.config.resolve import resolve_batch_invariance
+    from gemmaserve.config.resolve import BatchInvariance, resolve_batch_invariance
     from gemmaserve.errors import UserInputError
 
     parser = build_parser(with_bench=False)
@@ -225,10 +225,11 @@ def test_option_parses_everywhere_and_is_refused_where_it_cannot_hold():
     triton_caps = BackendCapabilities("triton", frozenset({"cuda", "cpu"}), None, True, True, True, True)
     torch_caps = BackendCapabilities("torch", frozenset({"cuda", "cpu"}), None, False, True)
     on = EngineConfig(batch_invariant=True)
-    assert resolve_batch_invariance(on, "cuda", triton_caps, quantized=False) is True
-    assert resolve_batch_invariance(EngineConfig(), "cuda", torch_caps, quantized=False) is False
-    with pytest.raises(UserInputError, match="is for CUDA"):
-        resolve_batch_invariance(on, "cpu", torch_caps, quantized=True)
+    assert resolve_batch_invariance(on, "cuda", triton_caps, quantized=False) is BatchInvariance.KERNELS
+    assert resolve_batch_invariance(EngineConfig(), "cuda", torch_caps, quantized=False) is BatchInvariance.OFF
+    # the CPU's torch path is row-independent whatever the flag (tests/test_row_invariance.py)
+    for config in (on, EngineConfig()):
+        assert resolve_batch_invariance(config, "cpu", torch_caps, quantized=True) is BatchInvariance.NATIVE
     with pytest.raises(UserInputError, match="needs the triton attention backend"):
         resolve_batch_invariance(on, "cuda", torch_caps, quantized=False)
     with pytest.raises(UserInputError, match="unquantised"):

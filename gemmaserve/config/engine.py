@@ -86,13 +86,13 @@ class EngineConfig:
         help="never sample the tokenizer's image/audio/video placeholder tokens (default: on for text-only models)")
     batch_invariant: bool = option(
         False,
-        help="CUDA: a request's logits are bitwise the same whatever else is in its batch, the batch size, its "
-             "place in it, how its prompt was chunked (chunked prefill, prefix-cache hits) and whether the step "
-             "ran in a CUDA graph: every matmul on a Triton GEMM with one tile configuration per shape and no "
-             "split-K, decode attention on the prefill kernel (no split-K), sampling filters row by row; slower "
-             "(`python -m gemmaserve.bench.gpu_bench invariant` measures the cost). Not available on the CPU, "
-             "whose fp32 matmuls and torch attention change a row's last bits with the batch (the Triton kernels "
-             "run there only in Triton's interpreter, for tests); not with --tensor-parallel-size > 1")
+        help="a request's logits bitwise the same whatever else is in its batch, the batch size, its place in "
+             "it, how its prompt was chunked (chunked prefill, prefix-cache hits) and whether the step ran in a "
+             "CUDA graph or compiled. The CPU always is (row-independent kernels; nothing to turn on). CUDA: "
+             "every matmul on a Triton GEMM with one tile configuration per shape and no split-K, decode "
+             "attention on the prefill kernel (no split-K), sampling filters row by row; slower "
+             "(`python -m gemmaserve.bench.gpu_bench invariant` measures the cost); not with "
+             "--tensor-parallel-size > 1")
     tensor_parallel_size: int = option(1, parse=positive_int,
                                        help="split the model over this many devices, one worker process each "
                                             "(torch.distributed: NCCL on CUDA, gloo on the CPU); 1 = one process. "

@@ -18,6 +18,8 @@ here and returns what it replaces, which the engine logs.
 
 from __future__ import annotations
 
+import enum
+
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,25 +127,29 @@ BATCH_INVARIANT_CHANGES = (
 )
 
 
+class BatchInvariance(enum.Enum):
+    """How a request's logits come to be independent of its batch (or not)."""
+
+    OFF = "off"           # CUDA without --batch-invariant: a row's last bits may follow its batch
+    NATIVE = "native"     # the CPU's torch path: every kernel row-independent by construction, always
+    KERNELS = "kernels"   # --batch-invariant: the Triton kernels below (CUDA, or Triton's interpreter)
+
+
 def resolve_batch_invariance(config: EngineConfig, device_type: str, backend: BackendCapabilities,
-                             quantized: bool) -> bool:
-    """Whether the engine runs batch-invariant (`--batch-invariant`): a clear error where it cannot hold.
+                             quantized: bool) -> BatchInvariance:
+    """How the engine is batch-invariant (`--batch-invariant`): a clear error where it cannot hold.
     `quantized`: the weights stay quantised (the CPU's GGUF path)."""
+    if device_type == "cpu" and backend.name == "torch":
+        return BatchInvariance.NATIVE   # (the flag asks for nothing more there)
     if not config.batch_invariant:
-        return False
-    if device_type == "cpu" and backend.name != "triton":
-        raise UserInputError(
-            "--batch-invariant is for CUDA: on the CPU the torch attention backend (decode rows padded to the "
-            "batch's longest) and fp32 matmuls change a row's last bits with the batch, and the batch-invariant "
-            "kernels are Triton's, which run on the CPU only in its interpreter (for tests: TRITON_INTERPRET=1 "
-            "with --attention-backend triton --dtype float32)")
+        return BatchInvariance.OFF
     if not backend.batch_invariant:
         why = "" if config.attention_backend != "auto" else " (auto chose it: is Triton installed?)"
         raise UserInputError(f"--batch-invariant needs the triton attention backend; attention backend "
                              f"{backend.name!r}{why} pads a decode batch to its longest row")
     if quantized:
         raise UserInputError("--batch-invariant needs unquantised weights (--dtype float32 or bfloat16): there is "
-                             "no batch-invariant kernel for quantised CPU weights")
+                             "no batch-invariant Triton kernel for quantised CPU weights")
     if device_type == "cpu" and config.cpu_compile == "on":
         raise UserInputError("--batch-invariant cannot be combined with --cpu-compile on")
-    return True
+    return BatchInvariance.KERNELS

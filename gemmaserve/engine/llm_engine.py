@@ -22,7 +22,8 @@ from ..attention import select_backend
 from ..attention.kv_quant import FP8_DTYPE
 from ..config.engine import EngineConfig
 from ..units import format_bytes
-from ..config.resolve import BATCH_INVARIANT_CHANGES, resolve_batch_invariance, resolve_cache_options
+from ..config.resolve import (BATCH_INVARIANT_CHANGES, BatchInvariance, resolve_batch_invariance,
+                              resolve_cache_options)
 from ..errors import UserInputError
 from ..kv import create_kv_manager
 from ..models.layers import set_batch_invariant
@@ -97,11 +98,14 @@ class LLMEngine:
             specs = calibrate_kv_scales(self.model, specs, calibration_tokens(self.tokenizer, self.model.vocab_size),
                                         self.device)
         self.backend = select_backend(config.attention_backend, self.device, specs)
-        self.backend.batch_invariant = resolve_batch_invariance(config, self.device.type, self.backend.capabilities,
-                                                                bool(loaded.weight_formats))
+        invariance = resolve_batch_invariance(config, self.device.type, self.backend.capabilities,
+                                              bool(loaded.weight_formats))
+        self.backend.batch_invariant = invariance is BatchInvariance.KERNELS
         set_batch_invariant(self.model, self.backend.batch_invariant)   # reused weights follow this engine
         if self.backend.batch_invariant:
             log.info("batch invariant: %s", "; ".join(BATCH_INVARIANT_CHANGES))
+        elif config.batch_invariant:
+            log.info("batch invariant: every CPU step is (row-independent kernels, blockwise attention)")
         self.cache_options = resolve_cache_options(config, self.model.engine_preferences(), self.backend.capabilities,
                                                    specs, probe=lambda name: probe_transfer(name, self.device))
         self.kv = create_kv_manager(self.cache_options.kv_cache_manager, specs, config.page_size,
@@ -155,7 +159,7 @@ class LLMEngine:
             kv_pages=self.kv.num_pages,
             kv_page_size=self.kv.page_size, kv_bytes=self.kv.num_pages * self.kv.page_bytes,
             load_seconds=loaded.load_seconds, tensor_parallel_size=config.tensor_parallel_size,
-            batch_invariant=self.backend.batch_invariant)
+            batch_invariant=invariance is not BatchInvariance.OFF)
         if self.device.type == "cuda":
             self.info = dataclasses.replace(self.info, warmup_seconds=self._warm_up())
         log.info("engine ready: %s", self.info)

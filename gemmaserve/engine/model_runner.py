@@ -224,7 +224,7 @@ class ModelRunner:
         if self.suppressed is not None:
             logits.index_fill_(1, self.suppressed, float("-inf"))
         sampled = sample(logits, [self.sampling[i] for i in ids], self.grammars,
-                         row_by_row=self.backend.batch_invariant)
+                         row_by_row=self.backend.batch_invariant or self.device.type == "cpu")
         for i, req_id in enumerate(ids):   # the next step may read these on the device
             self._last_sampled[req_id] = (sampled.tokens, i)
         sampled.to_host()

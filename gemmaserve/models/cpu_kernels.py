@@ -129,7 +129,14 @@ at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, dou
 
 at::Tensor gelu_mul(const at::Tensor& gate_up, int64_t intermediate) {
   std::vector<at::Tensor> parts = gate_up.split(intermediate, -1);
-  return at::gelu(parts[0], "tanh") * parts[1];
+  const at::Tensor rows = parts[0].reshape({-1, intermediate});
+  at::Tensor out = at::empty(rows.sizes(), rows.options());
+  const bool inference = c10::InferenceMode::is_enabled();   // (worker threads do not inherit it)
+  at::parallel_for(0, rows.size(0), 1, [&](int64_t r0, int64_t r1) {   // (nested: each gelu on one thread)
+    c10::InferenceMode mode(inference);
+    for (int64_t i = r0; i < r1; ++i) out.select(0, i).copy_(at::gelu(rows.select(0, i), "tanh"));
+  });
+  return out.view(parts[0].sizes()) * parts[1];
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, const at::Tensor& inv_freq) {

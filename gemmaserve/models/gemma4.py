@@ -31,7 +31,7 @@ from torch import nn
 from ..errors import UserInputError
 from ..kv.spec import AttentionKind, LayerSpec
 from .base import CausalLM, ModelInputs, ModelPreferences
-from .fused_ops import NormKind, add_rms_norm, rms_norm
+from .fused_ops import NormKind, add_rms_norm, gelu_mul, rms_norm
 from .layers import Attention, AttentionParams, Embedding, GeGLU, Linear, RMSNorm, RopeKind, RopeParams, softcap
 from .moe import Experts, Router
 
@@ -364,7 +364,12 @@ class Gemma4DecoderLayer(nn.Module):
             return add_rms_norm(x, m, self.post_feedforward_layernorm.weight, next_norm.weight, kind,
                                 self.layer_scalar)
         x, _ = add_rms_norm(x, m, self.post_feedforward_layernorm.weight, None, kind)
-        g = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * ple
+        gate = self.per_layer_input_gate(x)
+        if gate.device.type == "cpu":   # fused_ops' op, one [gate | ple] row at a time: a [T, P] tensor runs as
+            # one flat loop whose last elements take the scalar code (other bits for some rows)
+            g = gelu_mul(torch.cat((gate, ple.to(gate.dtype)), -1), gate.shape[-1])
+        else:
+            g = F.gelu(gate, approximate="tanh") * ple
         return add_rms_norm(x, self.per_layer_projection(g), self.post_per_layer_input_norm.weight, next_norm.weight,
                             kind, self.layer_scalar)
 

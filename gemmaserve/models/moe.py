@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .fused_ops import NormKind, gelu_mul, rms_norm
-from .layers import Linear
+from .layers import ROW_TILE, Linear
 
 
 def _grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -37,10 +37,25 @@ def _grouped_mm_supported(x: torch.Tensor) -> bool:
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
     """Rows of x sorted by expert ([M, K]; expert e owns rows [offsets[e-1], offsets[e])) times that
     expert's w[e] ([E, K, N]) -> [M, N]."""
+    if _grouped_mm_supported(x) and x.device.type == "cpu":
+        return _row_tiled_grouped_mm(x, w, offsets, expert_of_row)
     if _grouped_mm_supported(x):
         return torch._grouped_mm(x, w, offs=offsets)
     # Fallback (fp32 on the GPU, old torch): each row against its expert's matrix, in one batched matmul.
     return torch.bmm(x.unsqueeze(1), w[expert_of_row]).squeeze(1)
+
+
+def _row_tiled_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+                          expert_of_row: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm` with each expert's rows padded to whole tiles of ROW_TILE (layers.py): on
+    the CPU a group's product runs on MKL, whose partial tiles round differently, so a row's result
+    would follow how many other rows chose its expert."""
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
+    padded = (counts + ROW_TILE - 1) // ROW_TILE * ROW_TILE
+    start, padded_start = offsets.long() - counts, torch.cumsum(padded, 0) - padded
+    dest = torch.arange(x.shape[0], device=x.device) - start[expert_of_row] + padded_start[expert_of_row]
+    tiles = x.new_zeros(x.shape[0] + (ROW_TILE - 1) * w.shape[0], x.shape[1]).index_copy_(0, dest, x)
+    return torch._grouped_mm(tiles, w, offs=torch.cumsum(padded, 0).to(torch.int32))[dest]
 
 
 def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
