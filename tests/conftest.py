@@ -6,6 +6,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No test starts a background build of compiled decode steps (minutes of both cores); the tests of that
+# path ask for it themselves.
+os.environ.setdefault("GEMMASERVE_BACKGROUND_COMPILE", "0")
 # Without a GPU, Triton kernels run in its interpreter (numpy): set before any kernel is defined.
 try:
     import torch

@@ -409,3 +409,32 @@ def test_only_the_tied_output_table_gets_a_head_copy():
         ours.model.embed_tokens_per_layer.as_head(torch.zeros(1, ours.model.embed_tokens_per_layer.embedding_dim))
     got = paged_logits(ours, [ids])[0]
     assert ((got - ref).norm() / ref.norm()).item() < 0.15   # int8 activations too, as above
+
+
+@pytest.mark.slow
+def test_cached_quantised_weights_give_the_same_model(tmp_path, monkeypatch):
+    """models/quant_cache.py: the first quantised load writes what each module was built from; the next
+    one builds the model from it without quantising, and its logits are the first one's bits."""
+    from gemmaserve.models import quant_cache
+    from gemmaserve.models.loader import load_model
+
+    monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(tmp_path))
+    quantise = quantize_model
+    calls = []
+    monkeypatch.setattr("gemmaserve.models.quant.quantize_model", lambda *a, **k: calls.append(1) or quantise(*a, **k))
+    first = load_model("gemma3-270m", torch.float32, torch.device("cpu"), quantized=True)
+    cached = quant_cache.cache_path(first.source.path)
+    for _ in range(600):   # written on a thread
+        if cached.is_file():
+            break
+        import time
+        time.sleep(0.1)
+    assert cached.is_file() and calls == [1]
+    second = load_model("gemma3-270m", torch.float32, torch.device("cpu"), quantized=True)
+    assert calls == [1] and second.weight_formats == first.weight_formats
+    ids = [[2] + list(range(1000, 1040))]
+    assert torch.equal(paged_logits(second.model, ids)[0], paged_logits(first.model, ids)[0])
+    # a damaged file is dropped and the weights quantised again
+    cached.write_bytes(b"damaged")
+    third = load_model("gemma3-270m", torch.float32, torch.device("cpu"), quantized=True)
+    assert calls == [1, 1] and torch.equal(paged_logits(third.model, ids)[0], paged_logits(first.model, ids)[0])

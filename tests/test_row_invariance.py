@@ -61,6 +61,10 @@ def test_cpp_kernels_make_their_python_kernels_calls():
     assert all(map(torch.equal, torch.ops.gemmaserve.rope_tables(pos, inv), layers._rope_tables(pos, inv)))
     logits = torch.randn(3, 300, generator=gen) * 50
     assert torch.equal(torch.ops.gemmaserve.softcap(logits, 30.0), layers._softcap(logits, 30.0))
+    x, w = torch.randn(7, 64, generator=gen), torch.randn(96, 64, generator=gen)
+    assert torch.equal(torch.ops.gemmaserve.linear(x, w), layers._padded_linear(x, w))
+    h, rows = torch.randn(3, 64, generator=gen), torch.randn(3, 40, 64, generator=gen)
+    assert torch.equal(torch.ops.gemmaserve.rows_dot(h, rows), torch.einsum("mh,mkh->mk", h, rows))
     for t, n, hq, hkv, d, nk in [(3, 1, 4, 1, 32, 128), (1, 9, 4, 2, 16, 192), (2, 1, 2, 2, 16, 64)]:
         q = torch.randn(t, n, hq, d, generator=gen)
         k, v = torch.randn(2, t, nk, hkv, d, generator=gen)

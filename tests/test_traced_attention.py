@@ -11,7 +11,7 @@ import torch
 from gemmaserve.attention.base import AttentionMetadata
 from gemmaserve.attention.blockwise import KEY_BLOCK
 from gemmaserve.attention.torch_backend import TorchAttentionBackend
-from gemmaserve.attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDecodeAttention
+from gemmaserve.attention.traced import MIN_WIDTH, NEW, SEEN, DecodeLayout, DecodeTables, TracedDecodeAttention
 from gemmaserve.kv.manager_v1 import KVCacheManagerV1
 from gemmaserve.kv.manager_v2 import KVCacheManagerV2
 from gemmaserve.kv.spec import AttentionKind, LayerSpec
@@ -79,11 +79,12 @@ def test_traced_decode_attention_matches_dense_and_commits_what_later_steps_read
             assert kv.allocate(names[b], toks[b], pos[b], pos[b] + 1, prefill=False)
         md = AttentionMetadata([1] * len(lens), [p + 1 for p in pos], kv.group_tables(names), kv.layer_slot)
         tables = DecodeTables.build(layout, md, rows)
-        for keys, new_at in zip(tables.keys, tables.new_at):
+        for keys, state in zip(tables.keys, tables.state):
             assert keys.shape[1] == rows and keys.shape[2] >= MIN_WIDTH and keys.shape[3] == KEY_BLOCK
-            assert (keys[:, len(lens):] == -1).all() and new_at.shape == (rows, *keys.shape[2:])
-            assert (new_at.flatten(1).sum(1) == 1).all()   # each row's new token, once
-        attn = TracedDecodeAttention(layout, layout.kv, tables.keys, tables.new_at)
+            assert (keys[:, len(lens):] == layout.null_row).all() and state.shape == (rows, *keys.shape[2:])
+            assert ((state.flatten(1) == NEW).sum(1) == 1).all()   # each row's new token, once
+            assert (keys.flatten(2)[:, state.flatten(1) != SEEN] == layout.null_row).all()   # nothing else read
+        attn = TracedDecodeAttention(layout, layout.kv, tables.keys, tables.state)
         eager = backend.begin_batch(md, cache)   # writes this step's K/V first: the traced reads none of it
         pad = rows - len(lens)
         for layer, spec in enumerate(SPECS):

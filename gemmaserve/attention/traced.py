@@ -7,8 +7,8 @@ same bytes, layers differ only in which pages they use), the whole cache is one 
 rows [pages * T, 2, Hkv, D] and the graph reads it like any other input:
 
     runner   tables = DecodeTables.build(...)     per attention kind, the rows of each row's keys in
-                                                  blocks [cols, B, nb, KEY_BLOCK] (-1: masked or the new
-                                                  token, which `new_at` marks); write rows [owners, B]
+                                                  blocks [cols, B, nb, KEY_BLOCK], and what each key is
+                                                  (`state`: masked, seen, the new token); write rows
     graph    per layer: old = kv[rows of its column], the new token's k/v in its place; attend
              -> logits, and every owning layer's new k/v [layers, B, 2, Hkv, D]
     runner   kv[write rows] = new k/v             (one index_copy_ for every layer)
@@ -17,10 +17,12 @@ The graph writes nothing: a new token's K/V joins its own row's keys inside the 
 cache after it, so there is no side effect to order and no input to mutate. A row's keys start at the
 block boundary before its first visible key, as the eager backend's do, and go through the same
 blockwise arithmetic (blockwise.py): the same bits as an eager step. Keys a row must not see (before
-its window in its first block, padding up to the batch's widest row, rows that pad the batch) are
--1: the graph masks them and reads the null page's first row instead (zeroed: finite, as masked
-values must be). Each kind's block count nb is a dynamic dimension of the graph (one graph for every
-context length), at least 2: torch.compile specialises sizes 0 and 1, so shorter tables are padded.
+its window in its first block, padding up to the batch's widest row, rows that pad the batch) read the
+null page's first row (zeroed: finite, as masked values must be), and their state masks them. The
+graph holds no address of its own (the arena's size, hence the null page, is the engine's choice):
+one graph serves any KV pool. Each kind's block count nb is a dynamic dimension of the graph (one
+graph for every context length), at least 2: torch.compile specialises sizes 0 and 1, so shorter
+tables are padded.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .kv_quant import FP8_DTYPE
 from .torch_backend import TokenRows
 
 MIN_WIDTH = 2   # key blocks
+MASKED, SEEN, NEW = 0, 1, 2   # what a key of DecodeTables.state is
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,8 @@ class DecodeLayout:
 class DecodeTables:
     """One decode step's addresses: the tensor inputs of the graph, and where its new K/V go."""
 
-    keys: list[torch.Tensor]     # per kind: [cols, rows, nb, KEY_BLOCK] token rows of each row's keys, -1: not read
-    new_at: list[torch.Tensor]   # per kind: [rows, nb, KEY_BLOCK] bool, where the row's new token sits
+    keys: list[torch.Tensor]     # per kind: [cols, rows, nb, KEY_BLOCK] token rows of each row's keys
+    state: list[torch.Tensor]    # per kind: [rows, nb, KEY_BLOCK] int8, MASKED / SEEN / NEW (the row's new token)
     writes: torch.Tensor         # [owning layers, rows] token row of each layer's new K/V
 
     @classmethod
@@ -105,7 +108,7 @@ class DecodeTables:
         seqs = np.arange(b)[:, None]
         ends = np.asarray(md.seq_lens, dtype=np.int64)   # the new token sits at ends - 1
         written: dict[int, np.ndarray] = {}   # group -> [cols, b] token row of each new token
-        keys, new_at = [], []
+        keys, state = [], []
         for i, (group, window) in enumerate(layout.kinds):
             tables = md.groups[group]
             block_rows = tables.block_rows.cpu().numpy()
@@ -125,18 +128,19 @@ class DecodeTables:
             old = (pos >= first[:, None]) & (pos < ends[:, None] - 1)   # visible keys before the new token
             # One memory layout whatever the batch (padding rows: nothing old to see): a compiled
             # graph guards on its inputs' strides, and another layout would compile it again.
-            padded = np.full((slot_pages.shape[1], rows, nb * KEY_BLOCK), -1, dtype=np.int64)
-            padded[:, :b] = np.where(old, token_rows(np.clip(pos, first[:, None], ends[:, None] - 1)), -1)
+            padded = np.full((slot_pages.shape[1], rows, nb * KEY_BLOCK), layout.null_row, dtype=np.int64)
+            padded[:, :b] = np.where(old, token_rows(np.clip(pos, first[:, None], ends[:, None] - 1)), layout.null_row)
             keys.append(torch.from_numpy(padded).view(-1, rows, nb, KEY_BLOCK))
-            at = np.zeros((rows, nb * KEY_BLOCK), dtype=bool)
-            at[np.arange(b), ends - 1 - lo] = True
-            at[b:, 0] = True   # a padding row's new token: position 0
-            new_at.append(torch.from_numpy(at).view(rows, nb, KEY_BLOCK))
+            what = np.zeros((rows, nb * KEY_BLOCK), dtype=np.int8)
+            what[:b][old] = SEEN
+            what[np.arange(b), ends - 1 - lo] = NEW
+            what[b:, 0] = NEW   # a padding row's new token: position 0
+            state.append(torch.from_numpy(what).view(rows, nb, KEY_BLOCK))
         writes = np.full((len(layout.owners), rows), layout.null_row, dtype=np.int64)   # padding: null page
         for n, layer in enumerate(layout.owners):
             kind, col = layout.slot[layer]
             writes[n, :b] = written[layout.kinds[kind][0]][col]
-        return cls(keys, new_at, torch.from_numpy(writes))
+        return cls(keys, state, torch.from_numpy(writes))
 
     def commit(self, layout: DecodeLayout, new_kv: torch.Tensor) -> None:
         """Write the graph's new K/V [owning layers, rows, 2, Hkv, D] to the cache."""
@@ -148,8 +152,8 @@ class TracedDecodeAttention(BatchAttention):
     After the forward, `new_kv()` holds what the runner commits."""
 
     def __init__(self, layout: DecodeLayout, kv: torch.Tensor, keys: list[torch.Tensor],
-                 new_at: list[torch.Tensor]):
-        self.layout, self.kv, self.keys, self.new_at = layout, kv, keys, new_at
+                 state: list[torch.Tensor]):
+        self.layout, self.kv, self.keys, self.state = layout, kv, keys, state
         self._new: dict[int, torch.Tensor] = {}   # owning layer -> [rows, 2, Hkv, D]
 
     def __call__(self, layer, q, k, v, *, scale, window, softcap=None, bidirectional=False):
@@ -157,16 +161,15 @@ class TracedDecodeAttention(BatchAttention):
             raise NotImplementedError("attention soft-capping is not used by Gemma 3/4 text models")
         kind, col = self.layout.slot[layer]
         at = self.keys[kind][col].flatten(1)                               # [B, nk]
-        new_at = self.new_at[kind].flatten(1)                              # [B, nk]
+        state = self.state[kind].flatten(1)                                # [B, nk]
         b, nk = at.shape
-        seen = at >= 0
-        old = self.kv.index_select(0, torch.where(seen, at, self.layout.null_row).reshape(-1))
-        old = old.view(b, nk, *self.kv.shape[1:])                          # [B, nk, 2, Hkv, D]
+        old = self.kv.index_select(0, at.reshape(-1)).view(b, nk, *self.kv.shape[1:])   # [B, nk, 2, Hkv, D]
+        new_at = state == NEW
         if k is not None:
             self._new[layer] = torch.stack((k, v), 1).to(self.kv.dtype)
         new = self._new[self.layout.source[layer]]
         kv = torch.where(new_at[:, :, None, None, None], new[:, None], old).to(q.dtype)
-        o = attend(q.unsqueeze(1), kv.select(2, 0), kv.select(2, 1), (seen | new_at)[:, None, :], scale)
+        o = attend(q.unsqueeze(1), kv.select(2, 0), kv.select(2, 1), (state != MASKED)[:, None, :], scale)
         return o.squeeze(1)
 
     def new_kv(self) -> torch.Tensor:

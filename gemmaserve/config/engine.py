@@ -71,11 +71,12 @@ class EngineConfig:
     enforce_eager: bool = option(False, help="never use CUDA graphs or compiled CPU decode steps (decode steps are "
                                              "captured by default on CUDA)")
     cpu_compile: str = option("auto", choices=SCRATCH_CHOICES,
-                              help="compile CPU decode steps with torch.compile (inductor's C++ kernels; needs a C++ "
-                                   "compiler) while the engine starts: 4-8 min on 2 cores the first time, ~30 s "
-                                   "with inductor's cache warm; auto = on for `serve` with quantised weights "
-                                   "(a compile that fails there leaves the engine eager, with a warning), off for "
-                                   "`generate` and the Python LLM")
+                              help="compiled CPU decode steps (AOTInductor packages of the decode step, kept in the "
+                                   "cache directory; the same tokens as eager steps, bit for bit). auto (quantised "
+                                   "weights): loaded in seconds when the cache has them, else built by a background "
+                                   "process (minutes on 2 cores; needs a C++ compiler) while steps run eagerly, "
+                                   "switching when ready; on: built before the first step; off: always eager. "
+                                   "GEMMASERVE_BACKGROUND_COMPILE=0 stops auto from starting a build")
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
                                     help="attention implementation; auto = triton on CUDA, torch on the CPU")
     encoder_cache_memory: int = option(256 << 20, parse=size,
@@ -99,7 +100,7 @@ class EngineConfig:
                                             "KV budgets are per device")
     # Set by `serve --role prefill|decode` (no engine flag): config/kv_transfer.py.
     kv_transfer: "KVTransferConfig | None" = None
-    # Set by `serve` (no flag): a long-lived engine, which `cpu_compile auto` compiles.
+    # Set by `serve` (no flag): a long-lived engine.
     serving: bool = False
     # Benchmark only, no flag: pin V2's pool split at this sliding share (emulates per-life-cycle pools).
     kv_pool_split: float | None = None
@@ -188,12 +189,13 @@ class EngineConfig:
         return self.dtype == "auto" and device.type == "cpu"
 
     def cpu_compile_mode(self, device: torch.device, quantized: bool) -> str:
-        """"on" or "off": whether this engine compiles its decode steps."""
-        if device.type != "cpu" or self.enforce_eager or self.tensor_parallel_size > 1:
+        """"off", "background" (auto with quantised weights: compiled steps from the cache, else built by a
+        background process while the engine steps eagerly) or "now" (on: compiled before the first step)."""
+        if device.type != "cpu" or self.enforce_eager or self.tensor_parallel_size > 1 or self.cpu_compile == "off":
             return "off"
-        if self.cpu_compile == "auto":
-            return "on" if quantized and self.serving else "off"
-        return self.cpu_compile
+        if self.cpu_compile == "on":
+            return "now"
+        return "background" if quantized else "off"
 
     def torch_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's storage dtype for a model running in `model_dtype`."""

@@ -122,11 +122,11 @@ class CompiledDecode:
 
     # -- the traced function --------------------------------------------------------------------
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor | None = None,
-              keys: list[torch.Tensor] | None = None, new_at: list[torch.Tensor] | None = None):
+              keys: list[torch.Tensor] | None = None, state: list[torch.Tensor] | None = None):
         """Logits, and the new K/V to commit when attention is traced (else None: the op wrote them)."""
         if kv is None:
             return self.model.compute_logits(self.model(ModelInputs(input_ids, positions, self._attention))), None
-        attention = TracedDecodeAttention(self.layout, kv, keys, new_at)
+        attention = TracedDecodeAttention(self.layout, kv, keys, state)
         logits = self.model.compute_logits(self.model(ModelInputs(input_ids, positions, attention)))
         return logits, attention.new_kv()
 
@@ -220,13 +220,13 @@ class CompiledDecode:
         widths = [MIN_WIDTH + 9 + 2 * i for i in range(len(self.layout.kinds))] if tracing else None
         tables = DecodeTables.build(self.layout, metadata, size, widths)
         if tracing:
-            for t, at in zip(tables.keys, tables.new_at):
+            for t, at in zip(tables.keys, tables.state):
                 torch._dynamo.mark_dynamic(t, 2, min=MIN_WIDTH, max=1 << 18)
                 torch._dynamo.mark_dynamic(at, 1, min=MIN_WIDTH, max=1 << 18)
                 if compiling:
                     torch._dynamo.mark_dynamic(t, 1, min=2, max=max(3, self.max_rows))
                     torch._dynamo.mark_dynamic(at, 0, min=2, max=max(3, self.max_rows))
-        logits, new_kv = self._call(key, (input_ids, positions, self.layout.kv, *tables.keys, *tables.new_at))
+        logits, new_kv = self._call(key, (input_ids, positions, self.layout.kv, *tables.keys, *tables.state))
         tables.commit(self.layout, new_kv)
         return logits
 

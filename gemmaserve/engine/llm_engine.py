@@ -11,10 +11,13 @@ import dataclasses
 import hashlib
 import itertools
 import logging
+import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,6 +34,7 @@ from ..models.loader import LoadedModel
 from ..models.multimodal import ProcessedImage
 from ..transfer.runtime import probe as probe_transfer
 from .detokenizer import IncrementalDetokenizer
+from .aot_build import BuildJob
 from .executor import create_executor
 from .images import ImageItem, ImageLimits, expand_prompt, load_image, place_images
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
@@ -42,6 +46,10 @@ from .structured_output import Grammars
 from .step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
+
+# The options a compiled decode step depends on, which a background build is given (aot_build.py).
+_BUILD_FIELDS = ("model", "dtype", "kv_cache_dtype", "kv_cache_manager", "page_size", "swa_scratch_reuse",
+                 "attention_backend", "max_model_len")
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ class EngineInfo:
     load_seconds: float
     warmup_seconds: float = 0.0
     tensor_parallel_size: int = 1
-    cpu_compile: str = "off"   # compiled CPU decode steps: off, ready, failed (then eager)
+    cpu_compile: str = "off"   # compiled CPU decode steps: off, unavailable, building, ready, failed (eager)
     batch_invariant: bool = False   # --batch-invariant (config/resolve.py: what it replaces)
 
 
@@ -134,8 +142,7 @@ class LLMEngine:
                                   self.kv.layer_slot, specs,
                                   self.device, cuda_graphs=use_graphs, max_model_len=self.max_model_len,
                                   max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
-                                  suppress_token_ids=self.suppressed_token_ids, grammars=self.grammars,
-                                  cpu_compile=self._cpu_compile_mode(loaded))
+                                  suppress_token_ids=self.suppressed_token_ids, grammars=self.grammars)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.async_scheduling = (config.async_scheduling == "on"
                                  or (config.async_scheduling == "auto" and self.device.type == "cuda"))
@@ -154,30 +161,123 @@ class LLMEngine:
             swa_scratch_reuse=self.cache_options.swa_scratch_reuse,
             prefix_caching=self.cache_options.enable_prefix_caching,
             attention_backend=self.backend.capabilities.name, cuda_graphs=self.runner.graphs is not None,
-            cpu_compile=self.runner.compiled.state.value if getattr(self.runner, "compiled", None) else "off",
+            cpu_compile="off",
             async_scheduling=self.async_scheduling,
             kv_pages=self.kv.num_pages,
             kv_page_size=self.kv.page_size, kv_bytes=self.kv.num_pages * self.kv.page_bytes,
             load_seconds=loaded.load_seconds, tensor_parallel_size=config.tensor_parallel_size,
             batch_invariant=invariance is not BatchInvariance.OFF)
+        self._specs = specs
+        self._build: BuildJob | None = None   # a background build of compiled decode steps, until it ends
+        self._set_up_compiled_decode(config.cpu_compile_mode(self.device, bool(loaded.weight_formats)))
         if self.device.type == "cuda":
             self.info = dataclasses.replace(self.info, warmup_seconds=self._warm_up())
         log.info("engine ready: %s", self.info)
 
-    def _cpu_compile_mode(self, loaded: LoadedModel) -> str:
-        """The runner's `cpu_compile`: "off", "try" (auto: a failure leaves it eager) or "required"."""
+    # -- compiled CPU decode steps ---------------------------------------------------------------
+    def decode_layout_and_key(self) -> "tuple[object, dict] | str":
+        """The KV layout a compiled decode step reads (a DecodeLayout) and the key of its packages
+        (aot_decode.py), or why this engine's steps cannot be exported."""
+        from ..attention.traced import DecodeLayout
+        from ..models.quant import Int8Matmul
+        from . import aot_decode
+
+        if self.device.type != "cpu" or self.config.tensor_parallel_size > 1:
+            return "only single-process CPU engines compile their decode steps"
+        if any(isinstance(v, Int8Matmul) and v._packed is not None for m in self.model.modules() for v in vars(m).values()):
+            return "fbgemm's packed weights on a CPU without VNNI are Python objects, which an export cannot hold"
+        layout = DecodeLayout.of(self._specs, self.runner.kv_cache, self.kv.layer_slot, self.kv.layout.tokens_per_page,
+                                 self.kv.layout.num_pages)
+        if isinstance(layout, str):
+            return layout
+        return layout, aot_decode.artifact_key(self.loaded.source.path, self.info.weights, layout)
+
+    def decode_store(self) -> "Path | None":
+        """Where this engine's compiled decode packages live (or would), None if it has none."""
+        from . import aot_decode
+
+        found = self.decode_layout_and_key()
+        return None if isinstance(found, str) else aot_decode.store_dir(found[1])
+
+    def _set_up_compiled_decode(self, mode: str) -> None:
+        """`mode` (EngineConfig.cpu_compile_mode): "off"; "background": load the packages if the cache
+        has them, else start their build and step eagerly until it is done; "now": load or build them
+        before returning (compiled_decode.py's torch.compile where they cannot be exported)."""
+        from . import aot_decode
         from .compiled_decode import unavailable
 
-        if self.config.cpu_compile_mode(self.device, bool(loaded.weight_formats)) == "off":
-            return "off"
-        required = self.config.cpu_compile == "on"
+        if mode == "off":
+            return
         why = unavailable()
-        if why is not None:
-            if required:
+        found = why or self.decode_layout_and_key()
+        if isinstance(found, str):
+            if mode == "now" and why is None:
+                log.info("compiling CPU decode steps in this process (packages cannot be built here: %s)", found)
+                self.runner.compile_decode(required=True)
+                self._compiled("ready")
+            elif mode == "now":
                 raise UserInputError(f"--cpu-compile on: {why}")
-            log.warning("CPU decode steps stay eager: %s", why)
-            return "off"
-        return "required" if required else "try"
+            else:
+                log.info("CPU decode steps stay eager: %s", found)
+                self._compiled("unavailable")
+            return
+        layout, key = found
+        directory = aot_decode.store_dir(key)
+        if (directory / "manifest.json").is_file() and self._load_compiled(layout, directory):
+            return
+        if mode == "now":
+            log.info("building compiled CPU decode steps into %s (minutes the first time on a small CPU)", directory)
+            aot_decode.build(self.model, layout, key, directory)
+            if not self._load_compiled(layout, directory):
+                raise RuntimeError(f"the compiled decode steps just built in {directory} do not load")
+            return
+        if os.environ.get("GEMMASERVE_BACKGROUND_COMPILE", "1") == "0":
+            log.info("no compiled CPU decode steps in the cache, and GEMMASERVE_BACKGROUND_COMPILE=0: steps stay eager")
+            self._compiled("off")
+            return
+        fields = {k: getattr(self.config, k) for k in _BUILD_FIELDS}
+        self._build = BuildJob.start(fields, directory)
+        who = f"pid {self._build.process.pid}" if self._build.process else "another process, already running"
+        log.info("compiled CPU decode steps: building in the background (%s; log %s): a few minutes the first "
+                 "time on a small CPU, after which this and every later start use them; eager steps meanwhile",
+                 who, self._build.log_path)
+        self._compiled("building")
+
+    def _load_compiled(self, layout, directory: Path) -> bool:
+        from . import aot_decode
+
+        try:
+            compiled = aot_decode.AotDecode(self.model, layout, directory, self.config.max_num_seqs)
+        except Exception as e:   # stale or damaged packages: build again
+            log.warning("compiled decode steps in %s do not load (%s); building them again", directory, e)
+            shutil.rmtree(directory, ignore_errors=True)
+            return False
+        self.runner.use_compiled(compiled)
+        log.info("compiled CPU decode steps: loaded from %s in %.2f s", directory, compiled.load_seconds)
+        self._compiled("ready")
+        return True
+
+    def _compiled(self, state: str) -> None:
+        self.info = dataclasses.replace(self.info, cpu_compile=state)
+
+    def poll_compile(self) -> bool:
+        """If a background build just finished, switch to its steps (between two steps). True while a
+        build is still running."""
+        if self._build is None:
+            return False
+        outcome = self._build.poll()
+        if outcome is None:
+            return True
+        build, self._build = self._build, None
+        if outcome:
+            log.warning("compiled CPU decode steps: the build failed, steps stay eager: %s", outcome)
+            self._compiled("failed")
+            return False
+        found = self.decode_layout_and_key()
+        if not isinstance(found, str) and self._load_compiled(found[0], build.directory):
+            log.info("compiled CPU decode steps ready %.0f s after the engine started building them",
+                     time.perf_counter() - build.started)
+        return False
 
     def _warm_up(self) -> float:
         """Run a full-budget prefill step (two sequences, lengths not multiples of 16) and a few decode
@@ -338,6 +438,8 @@ class LLMEngine:
         Asynchronous scheduling: step N+1 is scheduled and launched before step N's sampled ids are
         read back, so the device never waits for the host; the outputs returned are step N's (one
         step behind), and a final call with nothing left to schedule collects the last one."""
+        if self._build is not None:
+            self.poll_compile()
         plan = self.scheduler.schedule()
         launched = None
         if plan.seqs:

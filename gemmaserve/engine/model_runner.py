@@ -71,18 +71,32 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, backend, self.kv_cache, layer_slot, groups, max_model_len,
                                        layout.num_pages, max_batch, device)
             self.graphs.capture_all()
+        # Compiled decode steps (a CompiledDecode or an AotDecode: `run` gives a decode batch's logits, or
+        # None to run it eagerly), set now or between steps by the engine (`use_compiled`).
         self.compiled = None
+        self._compile_args = (groups, layout.num_pages, max(1, max_batch), specs, layout.tokens_per_page)
         if cpu_compile != "off":
-            from .compiled_decode import CompiledDecode
+            self.compile_decode(required=cpu_compile == "required")
 
-            self.compiled = CompiledDecode(model, backend, self.kv_cache, layer_slot, groups, layout.num_pages,
-                                           max(1, max_batch), specs, layout.tokens_per_page)
-            try:
-                self.compiled.compile()
-            except RuntimeError as e:
-                if cpu_compile == "required":
-                    raise
-                log.warning("CPU decode steps stay eager: %s", e)
+    def compile_decode(self, required: bool) -> None:
+        """Compile decode steps in this process with torch.compile (compiled_decode.py), now. A failure
+        raises where `required`, else leaves the steps eager with a warning."""
+        from .compiled_decode import CompiledDecode
+
+        groups, num_pages, max_batch, specs, tokens_per_page = self._compile_args
+        self.compiled = CompiledDecode(self.model, self.backend, self.kv_cache, self.layer_slot, groups, num_pages,
+                                       max_batch, specs, tokens_per_page)
+        try:
+            self.compiled.compile()
+        except RuntimeError as e:
+            if required:
+                raise
+            log.warning("CPU decode steps stay eager: %s", e)
+
+    def use_compiled(self, compiled) -> None:
+        """Run decode batches through `compiled` from the next step on (the engine calls it between steps;
+        its results are an eager step's bits, so a running request's tokens do not change)."""
+        self.compiled = compiled
 
     # -- state the plans keep ---------------------------------------------------------------
     @torch.inference_mode()

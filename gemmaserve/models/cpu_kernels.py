@@ -12,8 +12,12 @@ a C++ kernel here, registered for the CPU dispatch key, which the dispatcher pre
   j = 0, the affine map), which a test checks. In C++ it is one call instead of ~20 tensor ops.
 * `gemmaserve::fbgemm_int8_linear(x, shape, packed, col_offsets, bias)`: PyTorch's fbgemm int8 x int8
   linear; from a compiled graph the Python kernel cost a trip into Python per call.
-* `rms_norm`, `gelu_mul`, `rope_tables`, `softcap`, `attend` (fused_ops.py, layers.py,
-  attention/blockwise.py): the C++ kernel makes its Python kernel's ATen calls in the same order, so
+* `linear`: fp32 x W^T with the rows padded to whole tiles of 4 (layers.py: MKL rounds a partial tile
+  differently).
+* `int4_mm`: PyTorch's int4 kernel with the group size fixed (quant.py: a graph's argument, not a
+  tensor constant).
+* `rms_norm`, `gelu_mul`, `rope_tables`, `softcap`, `attend`, `rows_dot` (fused_ops.py, layers.py,
+  attention/blockwise.py, quant.py): the C++ kernel makes its Python kernel's ATen calls in the same order, so
   the same bits. They are ops so that a compiled decode graph calls them as they are: inductor's own
   fused versions sum and round in other orders (1-5e-7 apart), and a last bit is enough to flip a
   greedy token. In C++ so that such a call from a graph does not go back into Python.
@@ -173,6 +177,24 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   out = out.slice(1, 0, rows).view({t, hkv, n, g, d}).permute({0, 2, 1, 3, 4}).reshape({t, n, hq, d});
   return out.to(q.scalar_type());
 }
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t m = x.size(0);
+  if (m % ROW_TILE == 0) return at::linear(x, weight);
+  return at::linear(at::cat({x, at::zeros({ROW_TILE - m % ROW_TILE, x.size(1)}, x.options())}), weight).slice(0, 0, m);
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros) {
+  if (x.size(0) <= @INT4_ROWS@) return at::_weight_int4pack_mm_for_cpu(x, packed, @GROUP@, scales_zeros);
+  std::vector<at::Tensor> parts;
+  for (int64_t i = 0; i < x.size(0); i += @INT4_ROWS@)
+    parts.push_back(at::_weight_int4pack_mm_for_cpu(x.slice(0, i, i + @INT4_ROWS@), packed, @GROUP@, scales_zeros));
+  return at::cat(parts);
+}
+
+at::Tensor rows_dot(const at::Tensor& h, const at::Tensor& rows) {
+  return at::einsum("mh,mkh->mk", {h, rows});
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gemmaserve, CPU, m) {
@@ -183,6 +205,9 @@ TORCH_LIBRARY_IMPL(gemmaserve, CPU, m) {
   m.impl("rope_tables", &rope_tables);
   m.impl("softcap", &softcap);
   m.impl("attend", &attend);
+  m.impl("rows_dot", &rows_dot);
+  m.impl("int4_mm", &int4_mm);
+  m.impl("linear", &linear);
 }
 """
 
@@ -226,7 +251,7 @@ def _(x: torch.Tensor, a_t: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     return x.new_empty(x.shape), x.new_empty(x.shape[0], 1), x.new_empty(x.shape[0], 1)
 
 
-OPS = ("fbgemm_int8_linear", "row_affine", "rms_norm", "gelu_mul", "rope_tables", "softcap", "attend")
+OPS = ("fbgemm_int8_linear", "row_affine", "rms_norm", "gelu_mul", "rope_tables", "softcap", "attend", "rows_dot", "int4_mm", "linear")
 
 
 @functools.cache   # once per process: the registration is the process's
@@ -236,7 +261,7 @@ def load() -> str | None:
     from ..attention import blockwise   # defines gemmaserve::attend
     from . import fused_ops, layers, quant   # the others
 
-    del fused_ops, layers, quant
+    del fused_ops, layers
     try:
         from torch._inductor.codecache import CppCodeCache
 
@@ -244,7 +269,8 @@ def load() -> str | None:
             cache: dict = {}
             cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
 
-        _Build.load(SOURCE.replace("@KEY_BLOCK@", str(blockwise.KEY_BLOCK)).replace("@ROW_TILE@", str(blockwise.ROW_TILE)))
+        _Build.load(SOURCE.replace("@KEY_BLOCK@", str(blockwise.KEY_BLOCK)).replace("@ROW_TILE@", str(blockwise.ROW_TILE))
+                    .replace("@GROUP@", str(quant.GROUP)).replace("@INT4_ROWS@", str(quant.INT4_ROWS)))
     except Exception as e:   # no compiler, no headers: the Python kernels stay
         return f"{type(e).__name__}: {e}"
     if not all(torch._C._dispatch_has_kernel_for_dispatch_key(f"gemmaserve::{op}", "CPU") for op in OPS):

@@ -50,14 +50,28 @@ ROW_TILE = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T for x of shape [T, in]; on the CPU each row's result independent of the others."""
+    """x @ weight^T for x of shape [T, in]; on the CPU each row's result independent of the others (an op
+    that a compiled graph calls as it is: padding a batch size that may be symbolic would guard on it)."""
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight)
+    return torch.ops.gemmaserve.linear(x, weight)
+
+
+def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m = x.shape[0]
-    if not torch.compiler.is_compiling() and m % ROW_TILE == 0:
+    if m % ROW_TILE == 0:
         return F.linear(x, weight)
-    # (traced: no branch on a batch size that may be symbolic)
-    return F.linear(torch.cat([x, x.new_zeros(-m % ROW_TILE, x.shape[1])]), weight)[:m]
+    return F.linear(torch.cat([x, x.new_zeros(ROW_TILE - m % ROW_TILE, x.shape[1])]), weight)[:m]
+
+
+@torch.library.custom_op("gemmaserve::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _padded_linear(x, weight)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import enum
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from .base import CausalLM
 from .embedded import EMBEDDED_MODELS, cache_dir, resolve_embedded
 from .registry import model_class_for_gguf, model_class_for_hf
 from .tensor_parallel import ShardPlan, TensorParallelShard, check_shardable, parallelize, shard_model
+from . import quant_cache
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -142,15 +144,26 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
                 tensor = part.read(tensor)
             yield name, tensor - 1.0 if one_plus_w else tensor  # GGUF stores Gemma 3 norms as 1 + w
 
-    model = build_model(model_class, config, weights, dtype, device, shard)
-    release_freed_memory()   # the dequantised tensors just copied into the model (hostmem.py)
     formats = None
-    if quantized:
-        from . import cpu_kernels
+    cached = quant_cache.load(cache_file, model_class, config) if (cache_file := _quant_cache_file(
+        path, quantized, dtype, device, shard)) else None
+    if cached is not None:
+        model, formats = cached
+        log.info("quantised weights loaded from %s", cache_file)
+    else:
+        model = build_model(model_class, config, weights, dtype, device, shard)
+        release_freed_memory()   # the dequantised tensors just copied into the model (hostmem.py)
+    if quantized and cached is None:
         from .quant import quantize_model
 
-        formats = quantize_model(model, int4)
+        record = {} if cache_file else None
+        formats = quantize_model(model, int4, record=record)
         release_freed_memory()
+        if cache_file:
+            quant_cache.save(cache_file, model, record, formats)
+    if quantized:
+        from . import cpu_kernels
+
         why = cpu_kernels.load()   # the same results without it, in more ops
         if why is not None:
             log.info("quantised matrices run their Python kernels: %s", why)
@@ -158,6 +171,16 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     tokenizer = Tokenizer.from_gguf(gguf, cache_dir() / "tokenizers" / f"{key}.json")
     return model, tokenizer, formats
+
+
+def _quant_cache_file(path: Path, quantized: bool, dtype: torch.dtype, device: torch.device,
+                      shard: TensorParallelShard | None) -> Path | None:
+    """Where a quantised CPU load keeps its weights (quant_cache.py); None where it keeps none."""
+    if not quantized or shard is not None or device.type != "cpu" or dtype != torch.float32:
+        return None
+    if os.environ.get("GEMMASERVE_QUANT_CACHE", "1") == "0":
+        return None
+    return quant_cache.cache_path(path)
 
 
 def _hf_config(path: Path) -> tuple[type[CausalLM], object]:

@@ -53,7 +53,7 @@ import enum
 import functools
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -355,15 +355,31 @@ class Int8Matmul:
                     self._fbgemm(torch.zeros(1, q.shape[1]))   # its deprecation note, once per process, here
 
     @classmethod
-    def for_layer(cls, w: torch.Tensor, rotations: dict[int, Rotation] | None = None) -> "Int8Matmul":
+    def for_layer(cls, w: torch.Tensor, rotations: dict[int, Rotation] | None = None,
+                  parts: dict | None = None) -> "Int8Matmul":
         """A layer's fp32 weight [N, K]: rotated on fbgemm where PyTorch has it, else weight-only.
-        `rotations`: the ones made so far, by width (every matrix of one width can share one)."""
+        `rotations`: the ones made so far, by width (every matrix of one width can share one).
+        `parts`: gets the quantised rows it was built from (`from_parts` rebuilds it from them)."""
         if default_int8_kernel() is Int8Kernel.WEIGHT_ONLY:
-            return cls(*int8_rows(w), Int8Kernel.WEIGHT_ONLY)
+            q, s = int8_rows(w)
+        else:
+            rotations = {} if rotations is None else rotations
+            k = w.shape[1]
+            rotation = rotations[k] = rotations.get(k) or Rotation.for_width(k)
+            q, s = int8_rows(rotation.apply(w.float()))
+        if parts is not None:
+            parts.update(q=q, s=s)
+        return cls.from_parts(q, s, rotations)
+
+    @classmethod
+    def from_parts(cls, q: torch.Tensor, s: torch.Tensor, rotations: dict[int, Rotation] | None = None) -> "Int8Matmul":
+        """A layer's matrix from its quantised rows (rotated where fbgemm serves: `for_layer`)."""
+        if default_int8_kernel() is Int8Kernel.WEIGHT_ONLY:
+            return cls(q, s, Int8Kernel.WEIGHT_ONLY)
         rotations = {} if rotations is None else rotations
-        k = w.shape[1]
+        k = q.shape[1]
         rotation = rotations[k] = rotations.get(k) or Rotation.for_width(k)
-        return cls(*int8_rows(rotation.apply(w.float())), Int8Kernel.FBGEMM_DYNAMIC, rotation, keep_rows=False)
+        return cls(q, s, Int8Kernel.FBGEMM_DYNAMIC, rotation, keep_rows=False)
 
     def dequantize(self) -> torch.Tensor:
         """The weight [N, K] in the inputs' own basis."""
@@ -410,22 +426,40 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_float(cls, w: torch.Tensor, kernel: Int8Kernel | None = None,
-                   rotations: dict[int, Rotation] | None = None) -> "QuantLinear":
+                   rotations: dict[int, Rotation] | None = None, parts: dict | None = None) -> "QuantLinear":
         """INT8 rows of an fp32 weight; `kernel` None: the layers' default (`Int8Matmul.for_layer`).
-        `rotations`: shared, see `for_layer`."""
+        `rotations`, `parts`: see `for_layer`."""
         mod = cls(w.shape[1], w.shape[0], WeightFormat.INT8)
-        mod.int8 = Int8Matmul.for_layer(w, rotations) if kernel is None else Int8Matmul(*int8_rows(w), kernel)
+        mod.int8 = Int8Matmul.for_layer(w, rotations, parts) if kernel is None else Int8Matmul(*int8_rows(w), kernel)
         return mod
 
     @classmethod
-    def from_int4(cls, g: Int4Groups) -> "QuantLinear":
+    def from_int4(cls, g: Int4Groups, parts: dict | None = None) -> "QuantLinear":
+        """`parts`: gets what `from_parts` rebuilds it from."""
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(g.q.to(torch.int32), 1)
+        # [K/32, N, 2]: scale and the value at q = 8
+        scales = torch.stack([g.scale, 8 * g.scale - g.minus], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        if parts is not None:
+            parts.update(q=g.q, scale=g.scale, minus=g.minus, qweight=packed, scales=scales)
+        return cls._int4(g, packed, scales)
+
+    @classmethod
+    def _int4(cls, g: Int4Groups, packed: torch.Tensor, scales: torch.Tensor) -> "QuantLinear":
         n, k = g.q.shape
         mod = cls(k, n, WeightFormat.INT4)
         mod.groups = g   # exact, for `dequantize` (the packed layout is the kernel's own)
-        mod.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(g.q.to(torch.int32), 1))
-        # [K/32, N, 2]: scale and the value at q = 8
-        mod.register_buffer("scales", torch.stack([g.scale, 8 * g.scale - g.minus], -1).transpose(0, 1)
-                            .contiguous().to(torch.bfloat16))
+        mod.register_buffer("qweight", packed)
+        mod.register_buffer("scales", scales)
+        return mod
+
+    @classmethod
+    def from_parts(cls, fmt: WeightFormat, parts: dict[str, torch.Tensor],
+                   rotations: dict[int, Rotation] | None = None) -> "QuantLinear":
+        """The module `from_float` (default kernel) or `from_int4` built, from what they recorded."""
+        if fmt is WeightFormat.INT4:
+            return cls._int4(Int4Groups(parts["q"], parts["scale"], parts["minus"]), parts["qweight"], parts["scales"])
+        mod = cls(parts["q"].shape[1], parts["q"].shape[0], WeightFormat.INT8)
+        mod.int8 = Int8Matmul.from_parts(parts["q"], parts["s"], rotations)
         return mod
 
     def dequantize(self) -> torch.Tensor:
@@ -435,8 +469,8 @@ class QuantLinear(nn.Module):
         if self.format is WeightFormat.INT8:
             return self.int8(x)
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(),
-                                                       self.qweight, GROUP, self.scales)
+        y = torch.ops.gemmaserve.int4_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), self.qweight,
+                                         self.scales)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -455,13 +489,12 @@ class QuantEmbedding(nn.Module):
 
     REFINE = 32
     SCAN_REFINE = 1024   # the 4-bit scan's: its tail is coarser (head-alone KL 0.0009 here, 0.0088 at 32)
-    SCAN_ROWS = 4
 
     def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kernel: Int8Kernel | None = None,
-                 head: bool = True):
+                 head: bool = True, parts: dict | None = None):
         """`weight`: the fp32 table, or its (q, s) from `int8_blocks` (so the caller can free the table
         before the kernel packs its copy). `head=False`: a lookup-only table (Gemma 4's per-layer
-        embeddings), no matmul copy."""
+        embeddings), no matmul copy. `parts`: gets what `from_parts` rebuilds it from."""
         super().__init__()
         q, s = weight if isinstance(weight, tuple) else int8_blocks(weight)
         self.num_embeddings, self.embedding_dim = q.shape
@@ -474,16 +507,36 @@ class QuantEmbedding(nn.Module):
             # fbgemm keeps only its packed copy; the weight-only kernel reads the rows themselves
             self.head = Int8Matmul(*rows, kernel, keep_rows=kernel is Int8Kernel.WEIGHT_ONLY)
             self.scan = _Int4Scan.of(self) if _Int4Scan.available() else None
+            if parts is not None:
+                parts.update(head_q=rows[0], head_s=rows[1])
+                if self.scan is not None:
+                    parts.update(scan_packed=self.scan.packed, scan_scales_zeros=self.scan.scales_zeros)
+        if parts is not None:
+            parts.update(qweight=q, scales=s)
+
+    @classmethod
+    def from_parts(cls, parts: dict[str, torch.Tensor]) -> "QuantEmbedding":
+        """The table `__init__` built (with the default kernel), from what it recorded."""
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod.num_embeddings, mod.embedding_dim = parts["qweight"].shape
+        mod.register_buffer("qweight", parts["qweight"])
+        mod.register_buffer("scales", parts["scales"])
+        mod.head = None
+        if "head_q" in parts:
+            kernel = default_int8_kernel()
+            mod.head = Int8Matmul(parts["head_q"], parts["head_s"], kernel, keep_rows=kernel is Int8Kernel.WEIGHT_ONLY)
+            mod.scan = (_Int4Scan(parts["scan_packed"], parts["scan_scales_zeros"]) if "scan_packed" in parts
+                        and _Int4Scan.available() else None)
+        return mod
 
     def _scan(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Logits to rank by, and how many of each row's highest to recompute exactly: the same method
         for every row whatever the row count (a row's logits must not depend on its batch). The 4-bit
         copy where PyTorch has its kernel (half the int8 copy's bytes: 4.8 vs 6.6-7.8 ms for the
-        270M's head at one row), in calls of at most SCAN_ROWS rows (the kernel slows down past 4)."""
+        270M's head at one row; `int4_mm` takes several rows INT4_ROWS at a time)."""
         if self.scan is not None:
-            rows = hidden.reshape(-1, self.embedding_dim)
-            parts = [self.scan(rows[i:i + self.SCAN_ROWS]) for i in range(0, rows.shape[0], self.SCAN_ROWS)]
-            return (parts[0] if len(parts) == 1 else torch.cat(parts)), self.SCAN_REFINE
+            return self.scan(hidden), self.SCAN_REFINE
         return self.head(hidden), self.REFINE
 
     @property
@@ -502,9 +555,43 @@ class QuantEmbedding(nn.Module):
         if logits.numel():
             flat, h = logits.view(-1, self.num_embeddings), hidden.reshape(-1, self.embedding_dim).float()
             top = row_topk_indices(flat, min(refine, self.num_embeddings))                # [M, k]
-            exact = torch.einsum("mh,mkh->mk", h, self(top))
+            exact = torch.ops.gemmaserve.rows_dot(h, self(top))
             flat.scatter_(-1, top, exact.to(flat.dtype))
         return logits
+
+
+# Rows per call of PyTorch's int4 kernel: past 4 it slows down (a [262k, 640] table: 28 ms at 4 rows,
+# 77 at 8); its rows are computed alike at any count, so the split changes no bits.
+INT4_ROWS = 4
+
+
+@torch.library.custom_op("gemmaserve::int4_mm", mutates_args=())
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """PyTorch's int4 kernel in groups of GROUP, INT4_ROWS rows a call, as an op: a compiled graph then
+    passes the group size as an argument, not as a tensor constant of its own, and never unrolls the
+    split over a batch size that may be symbolic."""
+    if x.shape[0] <= INT4_ROWS:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
+    return torch.cat([torch.ops.aten._weight_int4pack_mm_for_cpu(x[i:i + INT4_ROWS], packed, GROUP, scales_zeros)
+                      for i in range(0, x.shape[0], INT4_ROWS)])
+
+
+@_int4_mm.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scales_zeros.shape[1])
+
+
+@torch.library.custom_op("gemmaserve::rows_dot", mutates_args=())
+def _rows_dot(h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """h [M, H] . rows [M, k, H] -> [M, k] (the head's exact recomputation). An op, with a C++ kernel
+    making the same ATen call (cpu_kernels.py): a compiled graph would rewrite these one-row products
+    into its own multiply-and-sum, which rounds differently."""
+    return torch.einsum("mh,mkh->mk", h, rows)
+
+
+@_rows_dot.register_fake
+def _(h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return h.new_empty(rows.shape[0], rows.shape[1])
 
 
 @dataclass(frozen=True)
@@ -540,7 +627,7 @@ class _Int4Scan:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, hidden.shape[-1]).to(torch.bfloat16).contiguous()
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros).float()
+        return torch.ops.gemmaserve.int4_mm(x, self.packed, self.scales_zeros).float()
 
 
 @dataclass(frozen=True)
@@ -559,10 +646,12 @@ class _BlockRows:
 
 
 def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
-                   head_kernel: Int8Kernel | None = None) -> dict[str, int]:
+                   head_kernel: Int8Kernel | None = None, record: dict | None = None) -> dict[str, int]:
     """Replace every `Linear` and `Embedding` of a loaded fp32 `CausalLM` by its quantised form, in
     place. `int4`: exact groups of the checkpoint's Q4_K weights by our tensor name (before fusing
-    q/k/v and gate/up: a fused weight is INT4 only if all its parts are). Returns a count per format."""
+    q/k/v and gate/up: a fused weight is INT4 only if all its parts are). Returns a count per format.
+    `record`: gets, per module name, its format and the tensors it was built from (quant_cache.py
+    keeps them so that a later start skips the quantising)."""
     from .layers import Embedding, Linear
 
     parts_of: dict[str, dict[int, Int4Groups]] = {}
@@ -595,7 +684,10 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
             del weight
             setattr(model.get_submodule(parent), attr, nn.Identity())   # drop the fp32 table now
             release_freed_memory()   # and the fp32 matrices before it, before the table's copies are made
-            new = QuantEmbedding(blocks, head_kernel, head=mod_name == model.output_embedding_name())
+            parts = {} if record is not None else None
+            new = QuantEmbedding(blocks, head_kernel, head=mod_name == model.output_embedding_name(), parts=parts)
+            if record is not None:
+                record[mod_name] = ("embedding", parts)
             counts["embedding_int8"] += 1
         else:
             wname = f"{mod_name}.weight"
@@ -603,10 +695,13 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
             parts = parts_of.get(wname, {})
             if groups is None and parts and len(parts) == len(model.shard_sizes(wname)):
                 groups = Int4Groups.cat([parts[i] for i in range(len(parts))])
+            parts = {} if record is not None else None
             if groups is not None:
-                new = QuantLinear.from_int4(groups)   # exact at every row count (see the module docstring)
+                new = QuantLinear.from_int4(groups, parts)   # exact at every row count (see the module docstring)
             else:
-                new = QuantLinear.from_float(weight, rotations=rotations)
+                new = QuantLinear.from_float(weight, rotations=rotations, parts=parts)
+            if record is not None:
+                record[mod_name] = (new.format.value, parts)
             counts[new.format.value] += 1
             del weight
         setattr(model.get_submodule(parent), attr, new)

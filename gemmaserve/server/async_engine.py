@@ -240,8 +240,10 @@ class AsyncEngine:
             while True:
                 busy = eng.has_unfinished_requests()
                 checking = not busy and not self._checked_idle and self._advance_idle_check()
-                try:   # idle: sleep until a command comes; busy or checking: take what is there
-                    cmd = self._commands.get(block=not (busy or checking))
+                building = not busy and eng.poll_compile()   # (switches to compiled steps once they are built)
+                try:   # idle: sleep until a command comes (a build: a look at it every second); busy or
+                    # checking: take what is there
+                    cmd = self._commands.get(block=not (busy or checking), timeout=1.0 if building else None)
                     self._idle_check = None   # a command may change the state: the check starts over
                     while True:
                         if cmd is None:

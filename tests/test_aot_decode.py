@@ -1,0 +1,137 @@
+"""Decode steps compiled ahead of time (engine/aot_decode.py, aot_build.py): built by a background process
+while the engine steps eagerly, switched to between two steps without changing a running request's
+tokens, kept in the cache directory and loaded in well under a second by later engines; a package
+gives the eager step's logits bit for bit at every batch size it takes."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from gemmaserve import LLM, SamplingParams
+from gemmaserve.config.engine import EngineConfig
+from gemmaserve.engine import aot_decode
+from gemmaserve.engine.aot_build import BuildJob
+from gemmaserve.engine.compiled_decode import unavailable
+
+from helpers import save_checkpoint, tiny_hf_model
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+WORDS = "the cat sat on a mat by the door again".split()
+
+
+def _out(llm: LLM, prompts: list[str], params: SamplingParams = PARAMS) -> list:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A tiny checkpoint whose packages a real background build made, the engine that switched to them
+    mid-request, and what that request generated (against an eager engine's)."""
+    root = tmp_path_factory.mktemp("aot")
+    path = save_checkpoint(tiny_hf_model(7, vocab_size=320, sliding_window=6), root / "tiny")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GEMMASERVE_CACHE_DIR", str(root / "cache"))
+        mp.setenv("GEMMASERVE_BACKGROUND_COMPILE", "1")
+        # auto compiles quantised weights only (a GGUF file's): here the tiny fp32 model stands in
+        mp.setattr(EngineConfig, "cpu_compile_mode", lambda self, device, quantized: "background")
+        llm = LLM(model=str(path), max_num_seqs=16)
+        eager = LLM.from_config(llm.engine.config.replace(cpu_compile="off"), llm)
+        engine = llm.engine
+        assert engine.info.cpu_compile == "building" and engine._build.process is not None
+        ran = []   # batch sizes the packages ran after the switch
+        long = SamplingParams(max_tokens=300, temperature=0, logprobs=1, ignore_eos=True)
+        deadline = time.monotonic() + 900
+        spanning = None
+        while spanning is None:   # requests one after another until one is running when the switch comes
+            assert time.monotonic() < deadline, "the background build did not finish"
+            rid = engine.add_request("the river valley is long " * 3, long)
+            outputs, before = [], engine.info.cpu_compile
+            while engine.has_unfinished_requests():
+                outputs += engine.step()
+                if before == "building" and engine.info.cpu_compile == "ready" and spanning is None:
+                    spanning = rid
+                    run = engine.runner.compiled.run
+                    engine.runner.compiled.run = lambda ids, pos, md: ran.append(len(ids)) or run(ids, pos, md)
+            assert engine.info.cpu_compile in ("building", "ready"), engine.info.cpu_compile
+        final = [o for o in outputs if o.finished][-1].outputs[0]
+        want = eager.generate(["the river valley is long " * 3], long)[0].outputs[0]
+        store = engine.decode_store()
+        yield dict(path=path, root=root, llm=llm, eager=eager, ran=ran, store=store,
+                   spanning=(final.token_ids, final.logprobs), want=(want.token_ids, want.logprobs))
+
+
+def test_a_background_build_switches_between_steps_without_changing_tokens(built):
+    """The request running when the engine switched got the eager engine's tokens and logprobs, bit for
+    bit, and its steps after the switch ran the packages."""
+    assert built["spanning"] == built["want"]
+    assert built["ran"] and set(built["ran"]) == {1}
+    manifest = json.loads((built["store"] / "manifest.json").read_text())
+    assert set(manifest["graphs"]) == {"rows1", "rows8", "dynamic"}
+    assert not built["store"].with_name(built["store"].name + ".lock").exists()   # the builder cleaned up
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 20])
+def test_packages_give_the_eager_steps_bits(built, n):
+    """The static graph of 1 row, the 8-row one (a batch of 5-8 padded up) and the dynamic one."""
+    prompts = [f"{w} " * (2 + i) for i, w in enumerate((WORDS * 2)[:n])]
+    assert _out(built["llm"], prompts) == _out(built["eager"], prompts)
+
+
+def test_a_later_engine_loads_the_packages_at_once(built, monkeypatch, caplog):
+    """A later start finds the packages under its key: loaded before its first step, no build."""
+    monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(built["root"] / "cache"))
+    monkeypatch.setattr(aot_decode, "build", lambda *a: pytest.fail("built again"))
+    monkeypatch.setattr(BuildJob, "start", lambda *a: pytest.fail("a background build started"))
+    start = time.perf_counter()
+    llm = LLM.from_config(built["llm"].engine.config.replace(cpu_compile="on"), built["llm"])
+    assert llm.engine.info.cpu_compile == "ready" and llm.engine.runner.compiled.load_seconds < 5
+    assert time.perf_counter() - start < 30
+    assert "loaded from" in caplog.text
+    assert _out(llm, ["hello world"]) == _out(built["eager"], ["hello world"])
+
+
+def test_other_options_have_other_packages(built, monkeypatch):
+    """The key covers the KV layout: another page size is another store (built anew, never misread)."""
+    monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(built["root"] / "cache"))
+    other = LLM.from_config(built["llm"].engine.config.replace(cpu_compile="off", page_size=8), built["llm"])
+    assert other.engine.decode_store() != built["store"]
+    same = LLM.from_config(built["llm"].engine.config.replace(cpu_compile="off", max_num_seqs=3), built["llm"])
+    assert same.engine.decode_store() == built["store"]   # the batch limit is not in the graphs
+
+
+def test_damaged_packages_are_dropped_and_said(built, monkeypatch, caplog, tmp_path):
+    """A store whose constants no longer name model tensors (stale code, a damaged file): not loaded,
+    removed, logged; the engine steps eagerly (and would build anew)."""
+    import shutil
+
+    monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(tmp_path))
+    copy = tmp_path / "decode-graphs" / built["store"].name
+    shutil.copytree(built["store"], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    graph = next(iter(manifest["graphs"].values()))
+    graph["constants"][next(iter(graph["constants"]))] = "model.no.such.tensor"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    llm = LLM.from_config(built["llm"].engine.config.replace(cpu_compile="auto"), built["llm"])   # (background: 0)
+    assert llm.engine.decode_store() == copy
+    assert "do not load" in caplog.text and not copy.exists()
+    assert _out(llm, ["hello world"]) == _out(built["eager"], ["hello world"])
+
+
+def test_a_failed_build_is_reported_and_a_second_engine_follows_the_first(tmp_path):
+    """The builder's failure reaches the engine with its log; a second engine of the same key does not
+    start a second builder while the first runs."""
+    directory = tmp_path / "decode-graphs" / "k"
+    first = BuildJob.start({"model": str(tmp_path / "missing")}, directory)
+    second = BuildJob.start({"model": str(tmp_path / "missing")}, directory)
+    assert first.process is not None and second.process is None
+    deadline = time.monotonic() + 120
+    while (outcome := first.poll()) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert "exited with 1" in outcome and str(first.log_path) in outcome
+    assert "neither a known alias" in first.log_path.read_text()
+    assert second.poll() and not directory.exists()
