@@ -4,6 +4,7 @@ tokens, kept in the cache directory and loaded in well under a second by later e
 gives the eager step's logits bit for bit at every batch size it takes."""
 
 import json
+import logging
 import time
 
 import pytest
@@ -83,6 +84,7 @@ def test_packages_give_the_eager_steps_bits(built, n):
 
 def test_a_later_engine_loads_the_packages_at_once(built, monkeypatch, caplog):
     """A later start finds the packages under its key: loaded before its first step, no build."""
+    caplog.set_level(logging.INFO)
     monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(built["root"] / "cache"))
     monkeypatch.setattr(aot_decode, "build", lambda *a: pytest.fail("built again"))
     monkeypatch.setattr(BuildJob, "start", lambda *a: pytest.fail("a background build started"))
