@@ -93,6 +93,11 @@ def _generate(args: argparse.Namespace) -> int:
     engine_config = from_namespace(EngineConfig, args)
     params = from_namespace(SamplingParams, args)
     llm = LLM.from_config(engine_config)
+    build = llm.engine.compile_build
+    if build is not None and not args.verbose:   # (-v logs it): say what keeps running after this command
+        who = f"pid {build.process.pid}" if build.process else "another process"
+        print(f"gemmaserve: compiled CPU decode steps are being built in the background for later runs ({who}, "
+              f"a few minutes the first time; log: {build.log_path}); --cpu-compile off skips it", file=sys.stderr)
     images = [list(args.image) for _ in args.prompts] if args.image else None
     if len(args.prompts) == 1 and params.n == 1 and not args.json:
         # One prompt: stream the continuation to the terminal as it is generated.

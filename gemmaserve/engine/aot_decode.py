@@ -30,6 +30,7 @@ import platform
 import re
 import shutil
 import time
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -204,11 +205,14 @@ def build(model: nn.Module, layout: DecodeLayout, key: dict, out: Path) -> None:
         dynamic = (batch or None, batch or None, {0: Dim("kv_rows", min=2, max=1 << 40)}, keys, state)
         name = f"rows{size}" if size else "dynamic"
         t = time.perf_counter()
-        with torch.inference_mode():
-            ep = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
         package = tmp / f"{name}.pt2"
-        torch._inductor.aoti_compile_and_package(
-            ep, package_path=str(package), inductor_configs={"aot_inductor.package_constants_in_so": False})
+        with warnings.catch_warnings():
+            # torch's own deprecation notes from inside export (pytree specs), nothing a user can act on
+            warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
+            with torch.inference_mode():
+                ep = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+            torch._inductor.aoti_compile_and_package(
+                ep, package_path=str(package), inductor_configs={"aot_inductor.package_constants_in_so": False})
         graphs[name] = {"rows": size, "constants": _constant_paths(ep, package, step)}
         log.info("compiled decode graph %s in %.0f s", name, time.perf_counter() - t)
     manifest = {"key": key, "graphs": graphs, "build_seconds": round(time.perf_counter() - start, 1)}

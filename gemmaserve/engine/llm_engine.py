@@ -260,6 +260,11 @@ class LLMEngine:
     def _compiled(self, state: str) -> None:
         self.info = dataclasses.replace(self.info, cpu_compile=state)
 
+    @property
+    def compile_build(self) -> "BuildJob | None":
+        """The background build of compiled decode steps this engine waits for, if any."""
+        return self._build
+
     def poll_compile(self) -> bool:
         """If a background build just finished, switch to its steps (between two steps). True while a
         build is still running."""
