@@ -282,6 +282,8 @@ class LLMEngine:
         if not isinstance(found, str) and self._load_compiled(found[0], build.directory):
             log.info("compiled CPU decode steps ready %.0f s after the engine started building them",
                      time.perf_counter() - build.started)
+        else:
+            self._compiled("failed")
         return False
 
     def _warm_up(self) -> float:
