@@ -19,7 +19,6 @@ from gemmaserve.server.tools import gemma_arguments
 from helpers import assert_server_kv_clean, fresh_seed, save_checkpoint, tiny_hf_model
 
 openai = pytest.importorskip("openai")
-pytest.importorskip("xgrammar")
 
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer",
                                                                                     "minimum": 0, "maximum": 9}},

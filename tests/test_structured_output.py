@@ -18,7 +18,6 @@ from gemmaserve.errors import UserInputError
 
 from helpers import fresh_seed, save_checkpoint, tiny_hf_model
 
-pytest.importorskip("xgrammar")
 
 # Small on purpose: a random model spends most tokens on the whitespace it may put between JSON
 # tokens (bounded per run, see MAX_JSON_WHITESPACE) and on byte tokens inside free strings.

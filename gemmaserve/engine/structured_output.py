@@ -8,10 +8,10 @@
                 -> copy the bitmask to the device -> disallowed logits = -inf -> sample
 
 The grammar library is xgrammar (measured against llguidance: `gemmaserve bench grammar`; it also
-knows Gemma 4's tool-call format); it is the `structured` extra, imported only when a request asks
-for structure. Masks are filled on the host for all constrained rows at once (xgrammar's batch
-matcher, its own threads), then applied on the logits' device: xgrammar's kernel on a GPU,
-llguidance's on the CPU (17x faster there than xgrammar's; both use the same bitmask layout).
+knows Gemma 4's tool-call format); it is a default dependency (a server that speaks OpenAI's API
+answers `response_format` without extras). Masks are filled on the host for all constrained rows at
+once (xgrammar's batch matcher, its own threads), then applied on the logits' device: xgrammar's
+kernel on a GPU, llguidance's on the CPU (17x faster there than xgrammar's; same bitmask layout).
 
 With asynchronous scheduling a request's previous token is still on the device when the next step
 is launched. The state keeps where that token will land (the step's `Sampled` and row) and accepts
@@ -48,7 +48,7 @@ GRAMMAR_MARKERS = frozenset({TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_STRING, TOOL_R
 # model cannot fill max_tokens with blanks inside a document (llama.cpp's JSON grammars bound it too).
 MAX_JSON_WHITESPACE = 20
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
-INSTALL_HINT = "structured output needs xgrammar: pip install 'gemmaserve[structured]'"
+INSTALL_HINT = "structured output needs xgrammar, a dependency of gemmaserve that is missing here: pip install 'xgrammar>=0.2.9'"
 
 
 class GrammarKind(str, enum.Enum):
