@@ -13,6 +13,7 @@ import pytest
 
 from gemmaserve import LLM
 from gemmaserve.engine.sampling_params import SamplingParams
+from gemmaserve.engine.json_grammar import I_JSON_MAX, bound_numbers
 from gemmaserve.engine.structured_output import GrammarKind, StructuredOutput, parse_cli_structured
 from gemmaserve.errors import UserInputError
 
@@ -20,7 +21,7 @@ from helpers import fresh_seed, save_checkpoint, tiny_hf_model
 
 
 # Small on purpose: a random model spends most tokens on the whitespace it may put between JSON
-# tokens (bounded per run, see MAX_JSON_WHITESPACE) and on byte tokens inside free strings.
+# tokens (a newline and an indent at most, see json_grammar.py) and on byte tokens inside free strings.
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -134,6 +135,62 @@ def test_bad_specs_are_user_errors(llm):
     with pytest.raises(UserInputError, match="KIND=SPEC"):
         parse_cli_structured("schema.json")
     assert not llm.engine.has_unfinished_requests()
+
+
+def _accepts(llm, so: StructuredOutput, text: str) -> bool:
+    """Whether the request's grammar takes `text` as a whole output."""
+    matcher = llm.engine.grammars.matcher(so).matcher
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+def test_json_whitespace_is_what_pretty_printing_needs_not_padding(llm):
+    doc = {"kind": "cat", "legs": 4, "tame": True, "name": "tom", "tags": ["x", "yy"]}
+    pretty = json.dumps(doc, indent=2)
+    for so in (StructuredOutput(GrammarKind.JSON), StructuredOutput.json_schema(SCHEMA)):
+        for text in (json.dumps(doc), json.dumps(doc, separators=(",", ":")), pretty, json.dumps(doc, indent=4),
+                     json.dumps(doc, indent="\t")):
+            assert _accepts(llm, so, text), text
+        for text in (pretty.replace('\n  "legs"', '\n\n  "legs"'),     # a blank line
+                     pretty.replace('{\n', '{\n  \n  \n'),              # the padding seen in practice
+                     pretty.replace(': 4', ':     4'),                    # a run of spaces
+                     json.dumps(doc).replace(', "legs"', ',      "legs"'),
+                     json.dumps(doc, indent=40)):                         # an indent beyond any nesting
+            assert not _accepts(llm, so, text), text
+
+
+def test_numbers_are_bounded_as_i_json_unless_the_schema_says_more(llm):
+    obj = StructuredOutput(GrammarKind.JSON)
+    assert _accepts(llm, obj, '{"n": 1234567890123456, "m": -9007199254740991}')
+    assert _accepts(llm, obj, '{"x": -3.141592653589793, "y": 6.02214076e23, "z": 0.30000000000000004, "w": 5e-324}')
+    for bad in ("1" * 40, "12345678901234567", "1." + "0" * 40, "1e1000"):
+        assert not _accepts(llm, obj, '{"n": %s}' % bad), bad
+    schema = StructuredOutput.json_schema({
+        "type": "object", "properties": {"i": {"type": "integer"}, "n": {"type": "number"},
+                                         "low": {"type": "integer", "minimum": 0},
+                                         "big": {"type": "integer", "minimum": 0, "maximum": 10**18}},
+        "required": ["i", "n", "low", "big"], "additionalProperties": False})
+
+    def doc(i=1, n=1.5, low=1, big=1) -> str:
+        return json.dumps({"i": i, "n": n, "low": low, "big": big})
+
+    assert _accepts(llm, schema, doc(i=-I_JSON_MAX, n=-2.5e-7, low=I_JSON_MAX, big=10**18))   # the schema's bound wins
+    for bad in (doc(i=I_JSON_MAX + 1), doc(i=10**39), doc(low=10**39), doc(n=10**39), doc(big=10**18 + 1),
+                doc(low=-1)):
+        assert not _accepts(llm, schema, bad), bad
+
+
+def test_bound_numbers_walks_subschemas_not_values():
+    schema = {"$defs": {"a": {"type": "integer"}}, "anyOf": [{"type": ["number", "null"], "minimum": 1}],
+              "items": {"type": "integer", "maximum": 5}, "properties": {"enum": {"type": "integer"}},
+              "const": {"type": "integer"}, "additionalProperties": {"type": "number"}}
+    out = bound_numbers(schema)
+    assert out["$defs"]["a"] == {"type": "integer", "minimum": -I_JSON_MAX, "maximum": I_JSON_MAX}
+    assert out["anyOf"][0] == {"type": ["number", "null"], "minimum": 1, "maximum": I_JSON_MAX}
+    assert out["items"] == {"type": "integer", "maximum": 5, "minimum": -I_JSON_MAX}
+    assert out["properties"]["enum"]["minimum"] == -I_JSON_MAX
+    assert out["const"] == {"type": "integer"}                   # a value, not a schema
+    assert out["additionalProperties"] == {"type": "number"}     # open: the grammar bounds its digits
+    assert schema["$defs"]["a"] == {"type": "integer"}           # the caller's schema is left as it was
 
 
 def test_plan_round_trip_keeps_the_structured_output():

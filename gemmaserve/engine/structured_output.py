@@ -18,6 +18,9 @@ is launched. The state keeps where that token will land (the step's `Sampled` an
 it just before filling the next mask: the wait is for that step only, while the device already runs
 the next forward, so building the mask overlaps the model.
 
+JSON (json_object and json_schema) is bounded where xgrammar leaves it open (json_grammar.py):
+whitespace to what pretty-printing needs, numbers to I-JSON's (RFC 7493) unless the schema says more.
+
 Grammars end in a stop token: once complete, only the tokenizer's end-of-sequence tokens are
 allowed, so a constrained request finishes with reason "stop" (or "length" at max_tokens, where the
 output is cut short as OpenAI's is).
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserInputError
+from .json_grammar import json_ebnf
 
 if TYPE_CHECKING:
     import torch
@@ -44,9 +48,6 @@ MAX_SPEC_CHARS = 256 * 1024   # a schema, regex or grammar this long is a mistak
 # Special tokens that grammars spell out as text: Gemma 4's tool-call markers.
 TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_STRING, TOOL_RESPONSE = "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool_response>"
 GRAMMAR_MARKERS = frozenset({TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_STRING, TOOL_RESPONSE})
-# Whitespace between JSON tokens: enough for pretty-printing (a newline and an indent), bounded so a
-# model cannot fill max_tokens with blanks inside a document (llama.cpp's JSON grammars bound it too).
-MAX_JSON_WHITESPACE = 20
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 INSTALL_HINT = "structured output needs xgrammar, a dependency of gemmaserve that is missing here: pip install 'xgrammar>=0.2.9'"
 
@@ -156,11 +157,9 @@ class Grammars:
                 self._ready()
                 c = self.compiler
                 if so.kind is GrammarKind.JSON:   # an object, as OpenAI's json_object promises
-                    return c.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                                 max_whitespace_cnt=MAX_JSON_WHITESPACE)
+                    return c.compile_grammar(json_ebnf(self._xgr, '{"type": "object"}', strict=False))
                 if so.kind is GrammarKind.JSON_SCHEMA:
-                    json.loads(so.spec)   # a clear message for JSON syntax errors
-                    return c.compile_json_schema(so.spec, strict_mode=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+                    return c.compile_grammar(json_ebnf(self._xgr, so.spec, strict=True))
                 if so.kind is GrammarKind.REGEX:
                     return c.compile_regex(so.spec)
                 if so.kind is GrammarKind.GRAMMAR:
