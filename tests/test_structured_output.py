@@ -88,11 +88,17 @@ def test_constrained_and_free_rows_share_a_batch_without_touching_each_other(llm
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                got[out.request_id] = out.outputs[0].token_ids
+                got[out.request_id] = out.outputs[0]
     order = [PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[1]][::-1]
-    by_prompt = {p: got[rid] for p, rid in zip(order, ids)}
-    assert [by_prompt[PROMPTS[0]], by_prompt[PROMPTS[1]]] != [None, None]
+    texts = {p: got[rid].text for p, rid in zip(order, ids)}
+    by_prompt = {p: got[rid].token_ids for p, rid in zip(order, ids)}
     # Requests 0 and 1 (constrained) ran on PROMPTS[1] and PROMPTS[3]; 2 and 3 (free) on PROMPTS[0], PROMPTS[2].
+    # The masks reached the constrained rows and only them: those wrote (the start of) a document of
+    # the schema, the free rows did not. Without this, masks applied nowhere would pass the
+    # comparisons below (every run as unconstrained as the others).
+    so = constrained.structured_output
+    for p, masked in ((PROMPTS[1], True), (PROMPTS[3], True), (PROMPTS[0], False), (PROMPTS[2], False)):
+        assert llm.engine.grammars.matcher(so).matcher.accept_string(texts[p]) == masked, (p, texts[p])
     assert by_prompt[PROMPTS[1]] == llm.generate([PROMPTS[1]], constrained)[0].outputs[0].token_ids
     assert by_prompt[PROMPTS[3]] == llm.generate([PROMPTS[3]], constrained)[0].outputs[0].token_ids
     assert by_prompt[PROMPTS[0]] == llm.generate([PROMPTS[0]], free)[0].outputs[0].token_ids
