@@ -12,6 +12,7 @@ import pytest
 
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.engine.llm_engine import LLMEngine
+from gemmaserve.engine.structured_output import GrammarKind, StructuredOutput
 from gemmaserve.server.background import BackgroundServer
 from gemmaserve.server.config import ServerConfig
 from gemmaserve.server.tools import gemma_arguments
@@ -73,6 +74,14 @@ def _valid_calls(choice, allowed: dict[str, dict]) -> list:
         assert call.type == "function" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), allowed[call.function.name])
     return calls
+
+
+def test_the_server_builds_the_grammars_at_start(srv):
+    """The per-tokenizer state, the json_object grammar and the CPU mask kernel are built when the
+    server starts (in the background), not by its first structured request."""
+    grammars = srv.server.engine.grammars
+    assert grammars.wait_for_kernel(timeout=300)   # started by the server: nothing here asked for it
+    assert grammars.submit(StructuredOutput(GrammarKind.JSON)).result(timeout=60) is not None
 
 
 def test_response_format_json_schema_and_json_object(client):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from gemmaserve import LLM
 from gemmaserve.engine.sampling_params import SamplingParams
 from gemmaserve.engine.json_grammar import I_JSON_MAX, bound_numbers
-from gemmaserve.engine.structured_output import GrammarKind, StructuredOutput, parse_cli_structured
+from gemmaserve.engine.structured_output import GrammarKind, Grammars, StructuredOutput, parse_cli_structured
 from gemmaserve.errors import UserInputError
 
 from helpers import fresh_seed, save_checkpoint, tiny_hf_model
@@ -197,6 +198,68 @@ def test_bound_numbers_walks_subschemas_not_values():
     assert out["const"] == {"type": "integer"}                   # a value, not a schema
     assert out["additionalProperties"] == {"type": "number"}     # open: the grammar bounds its digits
     assert schema["$defs"]["a"] == {"type": "integer"}           # the caller's schema is left as it was
+
+
+def test_a_compiling_grammar_delays_only_its_own_request(llm, monkeypatch):
+    """Grammars compile on worker threads: the engine admits a request once its grammar is ready and
+    steps the others meanwhile (add_request does not wait for the compile either)."""
+    grammars, engine = llm.engine.grammars, llm.engine
+    release, compile_ = threading.Event(), grammars._compile
+
+    def slow(so):
+        release.wait(20)
+        return compile_(so)
+
+    monkeypatch.setattr(grammars, "_compile", slow)
+    so = StructuredOutput.json_schema({**SCHEMA, "description": "not compiled before"})
+    params = SamplingParams(max_tokens=8, structured_output=so)
+    engine.add_request(PROMPTS[0], params, request_id="slow-grammar")
+    engine.add_request(PROMPTS[1], SamplingParams(max_tokens=8), request_id="free")
+    done = {}
+    while "free" not in done:
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert "slow-grammar" not in done and not engine.request("slow-grammar").output_token_ids   # still waiting
+    release.set()
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert done["slow-grammar"].outputs[0].token_ids == llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+
+
+def test_grammars_are_cached_by_canonical_spec_in_a_bounded_lru(llm):
+    grammars = Grammars(llm.engine.tokenizer, llm.engine.model.vocab_size, cache_size=2)
+    schema = grammars.submit(StructuredOutput(GrammarKind.JSON_SCHEMA, '{"type": "object", "minProperties": 1}'))
+    # Insignificant whitespace is not part of the key; key order is (it orders the properties).
+    assert grammars.submit(StructuredOutput(GrammarKind.JSON_SCHEMA, '{ "type" : "object",\n "minProperties":1 }')) \
+        is schema
+    assert grammars.submit(StructuredOutput(GrammarKind.JSON_SCHEMA, '{"minProperties": 1, "type": "object"}')) \
+        is not schema
+    assert grammars.submit(StructuredOutput(GrammarKind.REGEX, "[0-9]+")).result() is not None
+    assert grammars.submit(StructuredOutput(GrammarKind.JSON_SCHEMA, '{"type": "object", "minProperties": 1}')) \
+        is not schema   # the least recently used of three was evicted
+    with pytest.raises(UserInputError, match="not valid JSON"):
+        grammars.submit(StructuredOutput(GrammarKind.JSON_SCHEMA, '{"a": '))   # at once, on the caller's thread
+
+
+def test_cpu_mask_kernel_is_built_off_the_request_path(llm):
+    """After warm-up the masks go through llguidance's compiled kernel, and no request compiles
+    anything (the first request of issue 29 spent ~17 s in this kernel's torch.compile)."""
+    import torch._dynamo.utils
+
+    grammars = llm.engine.grammars
+    grammars.warm_up()
+    assert grammars.wait_for_kernel(timeout=600)
+    kernel, rows = grammars._cpu_kernel, []
+    grammars._cpu_kernel = lambda logits, mask: (rows.append(logits.shape[0]), kernel(logits, mask))
+    try:
+        graphs = dict(torch._dynamo.utils.counters["stats"])
+        constrained, free = _schema_params(max_tokens=6), SamplingParams(max_tokens=6)
+        llm.generate(PROMPTS[:1], constrained)                                   # one row
+        llm.generate(PROMPTS, constrained)                                       # every row
+        llm.generate(PROMPTS, [constrained, free, constrained, free])            # some rows
+        assert dict(torch._dynamo.utils.counters["stats"]) == graphs
+    finally:
+        grammars._cpu_kernel = kernel
+    assert 1 in rows and max(rows) > 1
 
 
 def test_plan_round_trip_keeps_the_structured_output():

@@ -95,6 +95,9 @@ class OpenAIServer:
 
     def _attach(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # response_format and tools need the grammars' per-tokenizer state and mask kernel: built in
+        # the background now rather than on the first such request (readiness does not wait for it).
+        engine.grammars.warm_up(cpu_masks=engine.device.type == "cpu")
         self.tokenizer = engine.tokenizer
         self.async_engine = AsyncEngine(engine, self.metrics)
         self.chat = ChatFormatter(engine.tokenizer)
@@ -304,8 +307,8 @@ class OpenAIServer:
                 raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
                                     f"{len(p.ids) + params.max_tokens} ({len(p.ids)} in the {param}, "
                                     f"{params.max_tokens} to generate)", param=param, code="context_length_exceeded")
-            try:
-                self.engine.check_request(p.ids, params, images)   # pure: KV geometry and vocabulary
+            try:   # pure: KV geometry and vocabulary (the grammar was compiled by _check_grammar)
+                self.engine.check_request(p.ids, params, images, wait_for_grammar=False)
             except UserInputError as exc:
                 raise ApiError(400, str(exc), param=param) from None
 
@@ -409,11 +412,13 @@ class OpenAIServer:
         return calling
 
     async def _check_grammar(self, params: SamplingParams, param: str) -> None:
-        """Compile the request's grammar on a worker thread (cached: the engine's check is then free)."""
+        """Wait for the request's grammar, compiled on the grammars' worker threads (cached), so that
+        a bad spec is a 400 before the request reaches the engine."""
         if params.structured_output is None:
             return
         try:
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
+            grammar = await asyncio.to_thread(self.engine.grammars.submit, params.structured_output)
+            await asyncio.wrap_future(grammar)
         except UserInputError as exc:
             raise ApiError(400, str(exc), param=param) from None
 
