@@ -76,6 +76,17 @@ def test_regex_json_object_and_grammar(llm):
         assert re.fullmatch(r"(yes|no) [a-c]+\.", o.outputs[0].text), o.outputs[0].text
 
 
+def test_penalties_apply_on_top_of_the_grammar(llm):
+    """Repetition and presence penalties change the masked logits: the mask survives them (it was
+    dropped, and every such request failed with a token outside its grammar)."""
+    so = StructuredOutput(GrammarKind.REGEX, r"[0-9]{3}-[a-z]{2,4}")
+    for extra in ({"repetition_penalty": 1.3}, {"presence_penalty": 1.0, "frequency_penalty": 0.5}):
+        params = SamplingParams(max_tokens=20, temperature=1.0, seed=4, structured_output=so, **extra)
+        for o in llm.generate(PROMPTS, params):
+            c = o.outputs[0]
+            assert c.finish_reason == "stop" and re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", c.text), (extra, c)
+
+
 def test_constrained_and_free_rows_share_a_batch_without_touching_each_other(llm):
     """Greedy: each request alone equals the same request in a mixed batch (masks land on their own
     rows only), and free rows equal a batch without constrained neighbours."""
