@@ -76,12 +76,15 @@ def _valid_calls(choice, allowed: dict[str, dict]) -> list:
     return calls
 
 
-def test_the_server_builds_the_grammars_at_start(srv):
-    """The per-tokenizer state, the json_object grammar and the CPU mask kernel are built when the
-    server starts (in the background), not by its first structured request."""
+def test_the_server_builds_the_grammars_at_start(srv, client):
+    """The per-tokenizer state is built before the server says ready and the json_object grammar
+    right after, not by the first structured request; the CPU mask kernel by the first request
+    whose masks are applied on the CPU, in the background."""
     grammars = srv.server.engine.grammars
-    assert grammars.wait_for_kernel(timeout=300)   # started by the server: nothing here asked for it
+    assert grammars.is_ready()
     assert grammars.submit(StructuredOutput(GrammarKind.JSON)).result(timeout=60) is not None
+    client.completions.create(model="m", prompt="abc", max_tokens=2, extra_body={"response_format": {"type": "json_object"}})
+    assert grammars.wait_for_kernel(timeout=300)
 
 
 def test_response_format_json_schema_and_json_object(client):

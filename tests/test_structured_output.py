@@ -257,7 +257,7 @@ def test_cpu_mask_kernel_is_built_off_the_request_path(llm):
     import torch._dynamo.utils
 
     grammars = llm.engine.grammars
-    grammars.warm_up()
+    grammars.warm_up(cpu_kernel=True)
     assert grammars.wait_for_kernel(timeout=600)
     kernel, rows = grammars._cpu_kernel, []
     grammars._cpu_kernel = lambda logits, mask: (rows.append(logits.shape[0]), kernel(logits, mask))

@@ -90,7 +90,7 @@ def _xgrammar(tokenizer, vocab: int, rows: list[list[int]]) -> list[dict]:
     from ..engine.structured_output import Grammars, StructuredOutput
 
     grammars = Grammars(tokenizer, vocab)
-    grammars.warm_up()   # the engine path's CPU kernel is built before anything is timed, as the server does
+    grammars.warm_up(cpu_kernel=True)   # the engine path's CPU kernel is built before anything is timed
     grammars.wait_for_kernel()
     so = StructuredOutput.json_schema(SCHEMA)
     bitmask = grammars.bitmask(len(rows))

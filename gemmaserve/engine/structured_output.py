@@ -29,6 +29,7 @@ output is cut short as OpenAI's is).
 from __future__ import annotations
 
 import enum
+import importlib
 import json
 import logging
 import re
@@ -120,6 +121,16 @@ def parse_cli_structured(text: str) -> StructuredOutput:
     return StructuredOutput(kind, spec)
 
 
+def import_libraries() -> None:
+    """Import xgrammar (~1 s, parts of it holding the GIL for a tenth of a second): the server does it
+    on a thread while the model loads, when such a stall delays nobody. llguidance's torch module
+    (the CPU kernel, 1-3 s more with similar stalls) is left to the first structured request."""
+    try:
+        importlib.import_module("xgrammar")
+    except ImportError:   # reported when a request needs it
+        pass
+
+
 @dataclass(frozen=True)
 class _Backend:
     """What every grammar of one tokenizer shares (built once, on a background thread)."""
@@ -134,17 +145,21 @@ class Grammars:
     for another request's compile.
 
     Off the request path: the per-tokenizer state (xgrammar's TokenizerInfo over the vocabulary and
-    its compiler; ~1.5 s for Gemma's 262k tokens, most of it importing xgrammar) is built once on a
-    thread of its own, started by `warm_up` (the server calls it when the model is loaded) or by the
-    first request that needs it; each spec is compiled once on a worker thread (`submit` returns its
+    its compiler; for Gemma's 262k tokens ~0.3 s once xgrammar is imported, ~1 s more to import it)
+    is built once on a thread of its own, started by `warm_up` (the server imports xgrammar while
+    the model loads and builds the state before it says ready) or by the first request that needs
+    it. Each spec is compiled once on a worker thread (`submit` returns its
     future) and kept in a bounded LRU keyed by the canonical spec. The engine admits a request only
     once its grammar is compiled, so a schema that takes long delays its own request only.
 
     The mask kernel: llguidance's CPU kernel is a torch.compile function, built on its first call
     (measured on a shared 2-core VM: 21 s with a cold inductor cache, ~4 s warm, plus 3 s importing
-    it: most of the 17 s first `json_schema` request of issue 29). The warm-up thread builds it on
-    the shapes the sampler passes; until it is ready, masks are applied with xgrammar's CPU kernel
-    (no compile; slower at large batches)."""
+    it: most of the 17 s first `json_schema` request of issue 29). It is built in the background on
+    the shapes the sampler passes, when masks are first applied on the CPU (or by
+    `warm_up(cpu_kernel=True)`); until it is ready they go through xgrammar's CPU kernel (no
+    compile; slower at large batches). Not at server start: building it holds the GIL for tenths of
+    a second at a time, which /health would feel, and a server that never sees a structured request
+    would pay 4-21 s of CPU for nothing."""
 
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int, cache_size: int = GRAMMAR_CACHE_SIZE):
         self.tokenizer = tokenizer
@@ -159,11 +174,18 @@ class Grammars:
         self._cache: OrderedDict[tuple[GrammarKind, str], Future[Any]] = OrderedDict()
 
     # -- off the request path --------------------------------------------------------------------
-    def warm_up(self, cpu_masks: bool = True) -> None:
-        """Start building the per-tokenizer state (and, with `cpu_masks`, the CPU mask kernel) on a
-        background thread, and compile the json_object grammar; returns at once."""
-        self._start(kernel=cpu_masks)
+    def warm_up(self, cpu_kernel: bool = False) -> "Future[_Backend]":
+        """Start building the per-tokenizer state (and, with `cpu_kernel`, the CPU mask kernel) on a
+        background thread and compile the json_object grammar; returns at once. The future is done
+        when the per-tokenizer state is."""
+        backend = self._start(kernel=cpu_kernel)
         self.submit(StructuredOutput(GrammarKind.JSON))
+        return backend
+
+    def is_ready(self) -> bool:
+        """Whether the per-tokenizer state is built (a structured request then waits only for its spec)."""
+        backend = self._backend
+        return backend is not None and backend.done() and backend.exception() is None
 
     def _start(self, kernel: bool) -> Future[_Backend]:
         with self._lock:
@@ -250,7 +272,7 @@ class Grammars:
         log.info("structured output: CPU mask kernel ready in %.1fs", time.perf_counter() - start)
 
     def wait_for_kernel(self, timeout: float | None = None) -> bool:
-        """Wait until the CPU mask kernel is built or given up (after `warm_up`); True if built."""
+        """Wait until the CPU mask kernel is built or given up (once started); True if built."""
         self._kernel_tried.wait(timeout)
         return self._cpu_kernel is not None
 
@@ -325,7 +347,7 @@ class Grammars:
         kernel writes each disallowed logit alone, 68 ms against 4 ms for 64 rows of 262k tokens."""
         kernel = self._cpu_kernel
         if logits.device.type == "cpu" and kernel is None:
-            self._start(kernel=True)   # first use without warm_up: build it in the background
+            self._start(kernel=True)   # first use: built in the background, xgrammar's kernel meanwhile
         if logits.device.type == "cpu" and kernel is not None:
             if len(rows) == logits.shape[0]:
                 # A row's logits may come with any row stride (one row of a transposed product):
