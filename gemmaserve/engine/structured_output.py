@@ -122,13 +122,14 @@ def parse_cli_structured(text: str) -> StructuredOutput:
 
 
 def import_libraries() -> None:
-    """Import xgrammar (~1 s, parts of it holding the GIL for a tenth of a second): the server does it
-    on a thread while the model loads, when such a stall delays nobody. llguidance's torch module
-    (the CPU kernel, 1-3 s more with similar stalls) is left to the first structured request."""
-    try:
-        importlib.import_module("xgrammar")
-    except ImportError:   # reported when a request needs it
-        pass
+    """Import xgrammar and llguidance's torch module (1-4 s, parts of it holding the GIL for tenths
+    of a second): the server does it on a thread while the model loads, when such a stall delays
+    nobody, rather than on its first structured request."""
+    for name in ("xgrammar", "llguidance.torch"):
+        try:
+            importlib.import_module(name)
+        except ImportError:   # reported when a request needs it
+            pass
 
 
 @dataclass(frozen=True)
@@ -146,9 +147,9 @@ class Grammars:
 
     Off the request path: the per-tokenizer state (xgrammar's TokenizerInfo over the vocabulary and
     its compiler; for Gemma's 262k tokens ~0.3 s once xgrammar is imported, ~1 s more to import it)
-    is built once on a thread of its own, started by `warm_up` (the server imports xgrammar while
-    the model loads and builds the state before it says ready) or by the first request that needs
-    it. Each spec is compiled once on a worker thread (`submit` returns its
+    is built once on a thread of its own, started by `warm_up` (the server imports the libraries
+    while the model loads and builds the state before it says ready) or by the first request that
+    needs it. Each spec is compiled once on a worker thread (`submit` returns its
     future) and kept in a bounded LRU keyed by the canonical spec. The engine admits a request only
     once its grammar is compiled, so a schema that takes long delays its own request only.
 

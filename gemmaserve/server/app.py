@@ -108,10 +108,13 @@ class OpenAIServer:
         self.model_name = self.config.served_model_name or engine.config.model
         self.accepted_names = {self.model_name, engine.config.model}
 
-    def _load(self) -> None:
-        """The loader's thread: load, then start the engine thread and become ready."""
+    def _load(self, importing: threading.Thread) -> None:
+        """The loader's thread: load, then start the engine thread and become ready. `importing`
+        imports the grammar libraries meanwhile; ready waits for it (done long before for a model
+        that takes seconds to load): importing them later would hold up /health."""
         try:
             self._attach(self._loader())
+            importing.join()
             self.async_engine.start()
         except BaseException as exc:   # reported by serve(); the server stops
             log.error("the engine failed to load: %s", exc)
@@ -145,8 +148,9 @@ class OpenAIServer:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI):
             if self._loader is not None:
-                threading.Thread(target=import_libraries, name="gemmaserve-import", daemon=True).start()
-                threading.Thread(target=self._load, name="gemmaserve-load", daemon=True).start()
+                importing = threading.Thread(target=import_libraries, name="gemmaserve-import", daemon=True)
+                importing.start()
+                threading.Thread(target=self._load, args=(importing,), name="gemmaserve-load", daemon=True).start()
             else:
                 self.async_engine.start()
                 self.state = ServerState.READY
