@@ -10,10 +10,11 @@ max_tokens). Two changes, both through the grammar library rather than on the ou
   fit; blank lines and runs of spaces do not.
 - numbers, as I-JSON (RFC 7493) has them: an integer the schema leaves unbounded on a side gets the
   bound +-(2**53 - 1) there (the schema keyword, so xgrammar writes the exact range; a bound the
-  schema gives is kept), a number bounded on one side only gets the same on the other; any number
-  the schema leaves open (and every number of `json_object`) is xgrammar's `basic_number`, redefined
-  with at most 16 integer digits, 17 fraction digits (a double's shortest repr) and a 3-digit
-  exponent (doubles end near 1.8e308).
+  schema gives is kept), a number bounded on one side only gets the same on the other (xgrammar's
+  ranges of numbers have at most 6 fraction digits and no exponent); any number the schema leaves
+  open (and every number of `json_object`) is xgrammar's `basic_number`, redefined with at most 16
+  integer digits, 17 fraction digits (a double's shortest repr) and a 3-digit exponent (doubles
+  end near 1.8e308).
 """
 
 from __future__ import annotations

@@ -149,18 +149,18 @@ class Grammars:
     its compiler; for Gemma's 262k tokens ~0.3 s once xgrammar is imported, ~1 s more to import it)
     is built once on a thread of its own, started by `warm_up` (the server imports the libraries
     while the model loads and builds the state before it says ready) or by the first request that
-    needs it. Each spec is compiled once on a worker thread (`submit` returns its
-    future) and kept in a bounded LRU keyed by the canonical spec. The engine admits a request only
-    once its grammar is compiled, so a schema that takes long delays its own request only.
+    needs it. Each spec is compiled once on a worker thread (`submit` returns its future) and kept
+    in a bounded LRU keyed by the canonical spec. The engine admits a request only once its grammar
+    is compiled, so a schema that takes long delays its own request only.
 
     The mask kernel: llguidance's CPU kernel is a torch.compile function, built on its first call
-    (measured on a shared 2-core VM: 21 s with a cold inductor cache, ~4 s warm, plus 3 s importing
-    it: most of the 17 s first `json_schema` request of issue 29). It is built in the background on
-    the shapes the sampler passes, when masks are first applied on the CPU (or by
-    `warm_up(cpu_kernel=True)`); until it is ready they go through xgrammar's CPU kernel (no
-    compile; slower at large batches). Not at server start: building it holds the GIL for tenths of
-    a second at a time, which /health would feel, and a server that never sees a structured request
-    would pay 4-21 s of CPU for nothing."""
+    (measured on a shared 2-core VM: 11-21 s with a cold inductor cache, ~4 s warm, plus 1-3 s to
+    import it: most of the first `json_schema` request's 12-17 s). It is built in the background on
+    the shapes the sampler passes when masks are first applied on the CPU (or by
+    `warm_up(cpu_kernel=True)`); until then they go through xgrammar's CPU kernel (no compile;
+    slower at large batches). Not when the server starts: the build holds the GIL for tenths of a
+    second at a time, which /health would feel, and a server that never sees a structured request
+    would spend 4-21 s of CPU on it for nothing."""
 
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int, cache_size: int = GRAMMAR_CACHE_SIZE):
         self.tokenizer = tokenizer
