@@ -12,6 +12,7 @@ import pytest
 
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.engine.llm_engine import LLMEngine
+from gemmaserve.engine.structured_output import GrammarKind, StructuredOutput
 from gemmaserve.server.background import BackgroundServer
 from gemmaserve.server.config import ServerConfig
 from gemmaserve.server.tools import gemma_arguments
@@ -19,7 +20,6 @@ from gemmaserve.server.tools import gemma_arguments
 from helpers import assert_server_kv_clean, fresh_seed, save_checkpoint, tiny_hf_model
 
 openai = pytest.importorskip("openai")
-pytest.importorskip("xgrammar")
 
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer",
                                                                                     "minimum": 0, "maximum": 9}},
@@ -74,6 +74,17 @@ def _valid_calls(choice, allowed: dict[str, dict]) -> list:
         assert call.type == "function" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), allowed[call.function.name])
     return calls
+
+
+def test_the_server_builds_the_grammars_at_start(srv, client):
+    """The per-tokenizer state is built before the server says ready and the json_object grammar
+    right after, not by the first structured request; the CPU mask kernel by the first request
+    whose masks are applied on the CPU, in the background."""
+    grammars = srv.server.engine.grammars
+    assert grammars.is_ready()
+    assert grammars.submit(StructuredOutput(GrammarKind.JSON)).result(timeout=60) is not None
+    client.completions.create(model="m", prompt="abc", max_tokens=2, extra_body={"response_format": {"type": "json_object"}})
+    assert grammars.wait_for_kernel(timeout=300)
 
 
 def test_response_format_json_schema_and_json_object(client):

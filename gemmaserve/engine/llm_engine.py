@@ -16,6 +16,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 # The options a compiled decode step depends on, which a background build is given (aot_build.py).
 _BUILD_FIELDS = ("model", "dtype", "kv_cache_dtype", "kv_cache_manager", "page_size", "swa_scratch_reuse",
                  "attention_backend", "max_model_len")
+# How long a step with nothing to run but requests whose grammars compile waits for one of them.
+GRAMMAR_POLL_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -344,13 +347,15 @@ class LLMEngine:
         images = list(images or [])
         if images and prompt_ids is None:
             raise UserInputError("images need the prompt ids prepare_images() returns")
-        max_chunk = self.check_request(ids, params, images)
+        max_chunk = self.check_request(ids, params, images, wait_for_grammar=False)
         group_id = request_id if request_id is not None else str(next(self._ids))
         if not isinstance(group_id, str) or not group_id:
             raise UserInputError("request_id must be a non-empty string")
         if group_id in self._groups:
             raise UserInputError(f"request id {group_id!r} is already in use")
         max_total = min(len(ids) + params.max_tokens, self.max_model_len)
+        # Compiled on a worker thread (cached): the request is admitted once it is ready.
+        grammar = self.grammars.submit(params.structured_output) if params.structured_output is not None else None
         group: list[Request] = []
         for i in range(params.n):
             seed = params.seed
@@ -365,7 +370,8 @@ class LLMEngine:
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                 seed=seed, max_chunk_tokens=max_chunk, images=images,
                 # Siblings wait for the first one's prompt, then share its pages via the prefix cache.
-                wait_for=group[0] if i and self.cache_options.enable_prefix_caching else None)
+                wait_for=group[0] if i and self.cache_options.enable_prefix_caching else None,
+                grammar=grammar)
             group.append(req)
         self._groups[group_id] = group
         for req in group:
@@ -374,13 +380,18 @@ class LLMEngine:
         return group_id
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams,
-                      images: list[ImageItem] | None = None) -> int | None:
+                      images: list[ImageItem] | None = None, wait_for_grammar: bool = True) -> int | None:
         """Raise UserInputError if the request can never run (too long, larger than the KV budget,
         or naming tokens the model does not have). Returns the most prompt tokens it may prefill in
-        one step when it fits only in chunks smaller than `max_num_batched_tokens`, else None."""
+        one step when it fits only in chunks smaller than `max_num_batched_tokens`, else None.
+        A structured request's grammar is compiled (on a worker thread, cached) and, with
+        `wait_for_grammar`, waited for, so that a bad spec fails here; without, only a compile that
+        has already failed does (the engine thread never waits: a later failure fails the request)."""
         params.validate()
         if params.structured_output is not None:
-            self.grammars.compile(params.structured_output)   # a bad schema fails here, not in a step (cached)
+            grammar = self.grammars.submit(params.structured_output)
+            if wait_for_grammar or grammar.done():
+                grammar.result()
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise UserInputError(f"prompt is {n} tokens long; max_model_len is {self.max_model_len}, "
@@ -453,7 +464,10 @@ class LLMEngine:
             launched = self._launch(plan)
         else:
             self.runner.apply(plan)   # requests may still have left
-            if self.scheduler.waiting and not self.scheduler.running and self._inflight is None:
+            compiling = [r.grammar for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.done()]
+            if compiling and self._inflight is None:   # nothing else to do: wait a little, not spin
+                futures.wait(compiling, timeout=GRAMMAR_POLL_S, return_when=futures.FIRST_COMPLETED)
+            elif self.scheduler.waiting and not self.scheduler.running and self._inflight is None:
                 raise RuntimeError("scheduler made no progress with an empty running set")  # a bug, never input
         if not self.async_scheduling and launched is not None:
             return self._update(plan, launched.resolve())

@@ -8,7 +8,9 @@ random generator and text.
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from .detokenizer import IncrementalDetokenizer, StopStringFilter
 from .images import ImageItem, hash_token_ids
@@ -48,6 +50,7 @@ class Request:
     detokenizer: IncrementalDetokenizer
     seed: int = 0                          # of its random generator (the runner holds the generator)
     wait_for: "Request | None" = None      # admit only once this request's prompt is in the KV cache
+    grammar: Future[Any] | None = None     # structured output: admit only once its grammar is compiled
     max_chunk_tokens: int | None = None    # prefill at most this many tokens a step (it fits only so)
     block_hashes: list[bytes] = field(default_factory=list)   # prefix-cache chain, grown by the KV manager
     images: list[ImageItem] = field(default_factory=list)     # in prompt order

@@ -149,7 +149,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], grammars: Grammars
         grammars.apply(logits, bitmask, constrained)
     penalized = [i for i, s in enumerate(states) if s.params.has_penalties]
     if penalized:
-        logits = raw.clone()
+        logits = raw.clone() if logits is raw else logits   # on top of the grammars' masks, not instead
         rows = to_device(penalized, torch.long, dev)
         logits[rows] = apply_penalties(logits[rows], [states[i] for i in penalized])
     tokens = row_argmax(logits)   # the first maximum on ties; through block maxima on the CPU (rowops.py)

@@ -43,7 +43,7 @@ class SamplingParams:
     structured_output: StructuredOutput | None = option(
         None, parse=parse_cli_structured,
         help="constrain the output: 'json' (any JSON object), json_schema=SCHEMA, regex=RE or grammar=EBNF "
-             "(SPEC inline or @file; needs the 'structured' extra)")
+             "(SPEC inline or @file)")
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:

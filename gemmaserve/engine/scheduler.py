@@ -9,7 +9,8 @@ needs one token. Each step, within `max_num_batched_tokens` and `max_num_seqs`:
   2. running prefills (chunks of prompts already admitted), in admission order;
   3. waiting requests, first come first served: preempted ones first (they are at the front), then
      new ones. A completion of an n > 1 group waits until its first sibling's prompt is cached, then
-     reuses those KV pages through the prefix cache.
+     reuses those KV pages through the prefix cache; a structured request waits (overtaken) until its
+     grammar is compiled.
 
 Admission looks ahead: while anything runs, a request is admitted only if the free pages cover what
 the admitted prompts still need to finish their prefill, one step's transient pages, and its own
@@ -239,6 +240,8 @@ class Scheduler:
             sibling = req.wait_for
             if sibling is not None and not sibling.is_finished and not sibling.prompt_computed:
                 continue  # its first sibling has not cached the shared prompt yet
+            if req.grammar is not None and not req.grammar.done():
+                continue  # its grammar is compiling on a worker thread: the others go first
             if req.num_pending_samples:
                 return    # preempted with a sample in flight: its tokens are not all known yet
             # Checked before the prefix lookup (which hashes the prompt): a blocked head of the queue

@@ -44,7 +44,7 @@ from ..engine.images import decode_data_url, expand_prompt, place_images
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import RequestOutput
 from ..engine.sampling_params import SamplingParams
-from ..engine.structured_output import INSTALL_HINT, TOOL_RESPONSE
+from ..engine.structured_output import INSTALL_HINT, TOOL_RESPONSE, import_libraries
 from ..errors import UserInputError
 from ..models.chat_template import ChatFormatter, ChatMessage, parse_chat
 from .async_engine import Admission, AsyncEngine, DeadlineExceeded, EngineDeadError, Generation, QueueFull
@@ -96,16 +96,26 @@ class OpenAIServer:
 
     def _attach(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # response_format and tools need the grammars' per-tokenizer state: built now (0.3 s for 262k
+        # tokens once the libraries are imported, see _build_app) rather than by the first such request,
+        # and before the server says ready, as doing it later would hold up /health for tenths of a second.
+        try:
+            engine.grammars.warm_up().result()
+        except Exception as exc:   # a structured request will say what is missing; the rest is served
+            log.warning("structured output is unavailable: %s", exc)
         self.tokenizer = engine.tokenizer
         self.async_engine = AsyncEngine(engine, self.metrics, self.config.max_queue_len)
         self.chat = ChatFormatter(engine.tokenizer)
         self.model_name = self.config.served_model_name or engine.config.model
         self.accepted_names = {self.model_name, engine.config.model}
 
-    def _load(self) -> None:
-        """The loader's thread: load, then start the engine thread and become ready."""
+    def _load(self, importing: threading.Thread) -> None:
+        """The loader's thread: load, then start the engine thread and become ready. `importing`
+        imports the grammar libraries meanwhile; ready waits for it (done long before for a model
+        that takes seconds to load): importing them later would hold up /health."""
         try:
             self._attach(self._loader())
+            importing.join()
             self.async_engine.start()
         except BaseException as exc:   # reported by serve(); the server stops
             log.error("the engine failed to load: %s", exc)
@@ -139,7 +149,9 @@ class OpenAIServer:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI):
             if self._loader is not None:
-                threading.Thread(target=self._load, name="gemmaserve-load", daemon=True).start()
+                importing = threading.Thread(target=import_libraries, name="gemmaserve-import", daemon=True)
+                importing.start()
+                threading.Thread(target=self._load, args=(importing,), name="gemmaserve-load", daemon=True).start()
             else:
                 self.async_engine.start()
                 self.state = ServerState.READY
@@ -305,8 +317,8 @@ class OpenAIServer:
                 raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
                                     f"{len(p.ids) + params.max_tokens} ({len(p.ids)} in the {param}, "
                                     f"{params.max_tokens} to generate)", param=param, code="context_length_exceeded")
-            try:
-                self.engine.check_request(p.ids, params, images)   # pure: KV geometry and vocabulary
+            try:   # pure: KV geometry and vocabulary (the grammar was compiled by _check_grammar)
+                self.engine.check_request(p.ids, params, images, wait_for_grammar=False)
             except UserInputError as exc:
                 raise ApiError(400, str(exc), param=param) from None
 
@@ -417,11 +429,13 @@ class OpenAIServer:
         return calling
 
     async def _check_grammar(self, params: SamplingParams, param: str) -> None:
-        """Compile the request's grammar on a worker thread (cached: the engine's check is then free)."""
+        """Wait for the request's grammar, compiled on the grammars' worker threads (cached), so that
+        a bad spec is a 400 before the request reaches the engine."""
         if params.structured_output is None:
             return
         try:
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
+            grammar = await asyncio.to_thread(self.engine.grammars.submit, params.structured_output)
+            await asyncio.wrap_future(grammar)
         except UserInputError as exc:
             raise ApiError(400, str(exc), param=param) from None
 
