@@ -200,8 +200,9 @@ def _config(path, **opts) -> EngineConfig:
 
 @pytest.mark.parametrize("quantised", [False, True], ids=["fp32", "quantised"])
 def test_tiny_gemma3_output_does_not_depend_on_the_batch(tmp_path, quantised):
-    """fp32 weights, and the quantised CPU path (rotated int8 on fbgemm, the 4-bit head scan) built from
-    the same weights: the probe's tokens and logprobs are the same bits in every batch and cache mode."""
+    """fp32 weights, and the quantised CPU path (rotated int8 on fbgemm, the int8 head and its exact
+    refinement) built from the same weights: the probe's tokens and logprobs are the same bits in every
+    batch and cache mode."""
     from gemmaserve.models.loader import load_model
     from gemmaserve.models.quant import quantize_model
 
@@ -210,7 +211,7 @@ def test_tiny_gemma3_output_does_not_depend_on_the_batch(tmp_path, quantised):
     loaded = load_model(str(path), torch.float32, torch.device("cpu"))
     if quantised:
         loaded = dataclasses.replace(loaded, weight_formats=quantize_model(loaded.model, {}))
-        assert loaded.weight_formats["int8"] > 0 and loaded.model.model.embed_tokens.scan is not None
+        assert loaded.weight_formats["int8"] > 0 and loaded.model.model.embed_tokens.head is not None
     _check_batches(lambda **o: LLM.from_config(_config(path, **o), loaded), "gemma3 " + ("int8" if quantised else "fp32"))
 
 

@@ -185,11 +185,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros) {
-  if (x.size(0) <= @INT4_ROWS@) return at::_weight_int4pack_mm_for_cpu(x, packed, @GROUP@, scales_zeros);
-  std::vector<at::Tensor> parts;
-  for (int64_t i = 0; i < x.size(0); i += @INT4_ROWS@)
-    parts.push_back(at::_weight_int4pack_mm_for_cpu(x.slice(0, i, i + @INT4_ROWS@), packed, @GROUP@, scales_zeros));
-  return at::cat(parts);
+  return at::_weight_int4pack_mm_for_cpu(x, packed, @GROUP@, scales_zeros);
 }
 
 at::Tensor rows_dot(const at::Tensor& h, const at::Tensor& rows) {
@@ -270,7 +266,7 @@ def load() -> str | None:
             cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
 
         _Build.load(SOURCE.replace("@KEY_BLOCK@", str(blockwise.KEY_BLOCK)).replace("@ROW_TILE@", str(blockwise.ROW_TILE))
-                    .replace("@GROUP@", str(quant.GROUP)).replace("@INT4_ROWS@", str(quant.INT4_ROWS)))
+                    .replace("@GROUP@", str(quant.GROUP)))
     except Exception as e:   # no compiler, no headers: the Python kernels stay
         return f"{type(e).__name__}: {e}"
     if not all(torch._C._dispatch_has_kernel_for_dispatch_key(f"gemmaserve::{op}", "CPU") for op in OPS):

@@ -30,13 +30,14 @@ computes each row by itself, with no choice that depends on the row count:
 
     MLP and attention (INT8)      rotated fbgemm at every row count, one pass
     INT4 (Q4_K: o_proj, down)     the exact int4 kernel at every row count (bf16 activations)
-    tied output head              a 4-bit copy of the table ranks each row's logits and its 1,024
-                                  highest are recomputed exactly from the table's blocks (where
-                                  PyTorch lacks the 4-bit kernel: a per-row INT8 copy on fbgemm, 32)
+    tied output head              a per-row INT8 copy of the table on fbgemm (unrotated) ranks each
+                                  row's logits; its 32 highest are recomputed exactly from the
+                                  table's blocks
 
-Earlier versions chose kernels by row count (two passes and fp32 expansions in prefill chunks, the
-4-bit scan for one row only) and quantised a batch with one range: the same prompt gave other
-greedy tokens alone and in a batch. (`bench quality` has the quality of this scheme against the
+Earlier versions chose kernels by row count (two passes and fp32 expansions in prefill chunks, a
+4-bit head copy for one row only) and quantised a batch with one range: the same prompt gave other
+greedy tokens alone and in a batch. (The 4-bit head copy, for every row, with its 1,024 highest
+recomputed: 6.9 vs 6.7 ms at one row, but 30 vs 13 ms at 8 rows, so it went, and its 84 MB.) (`bench quality` has the quality of this scheme against the
 fp32 path and llama.cpp: BENCHMARKS.md.) Without VNNI fbgemm's AVX2 kernel can saturate 8-bit x
 8-bit pairs, so activations use 7 bits there (`reduce_range`).
 
@@ -488,7 +489,6 @@ class QuantEmbedding(nn.Module):
     doubled the KL divergence from the fp32 path over bench quality's text: 0.0046 vs 0.0023.)"""
 
     REFINE = 32
-    SCAN_REFINE = 1024   # the 4-bit scan's: its tail is coarser (head-alone KL 0.0009 here, 0.0088 at 32)
 
     def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kernel: Int8Kernel | None = None,
                  head: bool = True, parts: dict | None = None):
@@ -506,11 +506,8 @@ class QuantEmbedding(nn.Module):
             rows = int8_rows(_BlockRows(self))
             # fbgemm keeps only its packed copy; the weight-only kernel reads the rows themselves
             self.head = Int8Matmul(*rows, kernel, keep_rows=kernel is Int8Kernel.WEIGHT_ONLY)
-            self.scan = _Int4Scan.of(self) if _Int4Scan.available() else None
             if parts is not None:
                 parts.update(head_q=rows[0], head_s=rows[1])
-                if self.scan is not None:
-                    parts.update(scan_packed=self.scan.packed, scan_scales_zeros=self.scan.scales_zeros)
         if parts is not None:
             parts.update(qweight=q, scales=s)
 
@@ -526,18 +523,7 @@ class QuantEmbedding(nn.Module):
         if "head_q" in parts:
             kernel = default_int8_kernel()
             mod.head = Int8Matmul(parts["head_q"], parts["head_s"], kernel, keep_rows=kernel is Int8Kernel.WEIGHT_ONLY)
-            mod.scan = (_Int4Scan(parts["scan_packed"], parts["scan_scales_zeros"]) if "scan_packed" in parts
-                        and _Int4Scan.available() else None)
         return mod
-
-    def _scan(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Logits to rank by, and how many of each row's highest to recompute exactly: the same method
-        for every row whatever the row count (a row's logits must not depend on its batch). The 4-bit
-        copy where PyTorch has its kernel (half the int8 copy's bytes: 4.8 vs 6.6-7.8 ms for the
-        270M's head at one row; `int4_mm` takes several rows INT4_ROWS at a time)."""
-        if self.scan is not None:
-            return self.scan(hidden), self.SCAN_REFINE
-        return self.head(hidden), self.REFINE
 
     @property
     def dtype(self) -> torch.dtype:
@@ -551,29 +537,20 @@ class QuantEmbedding(nn.Module):
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is None:
             raise RuntimeError("this embedding table was quantised for lookups only")
-        logits, refine = self._scan(hidden)
+        logits = self.head(hidden)   # (the same kernel for every row: a row's logits are its own)
         if logits.numel():
             flat, h = logits.view(-1, self.num_embeddings), hidden.reshape(-1, self.embedding_dim).float()
-            top = row_topk_indices(flat, min(refine, self.num_embeddings))                # [M, k]
+            top = row_topk_indices(flat, min(self.REFINE, self.num_embeddings))           # [M, k]
             exact = torch.ops.gemmaserve.rows_dot(h, self(top))
             flat.scatter_(-1, top, exact.to(flat.dtype))
         return logits
 
 
-# Rows per call of PyTorch's int4 kernel: past 4 it slows down (a [262k, 640] table: 28 ms at 4 rows,
-# 77 at 8); its rows are computed alike at any count, so the split changes no bits.
-INT4_ROWS = 4
-
-
 @torch.library.custom_op("gemmaserve::int4_mm", mutates_args=())
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """PyTorch's int4 kernel in groups of GROUP, INT4_ROWS rows a call, as an op: a compiled graph then
-    passes the group size as an argument, not as a tensor constant of its own, and never unrolls the
-    split over a batch size that may be symbolic."""
-    if x.shape[0] <= INT4_ROWS:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
-    return torch.cat([torch.ops.aten._weight_int4pack_mm_for_cpu(x[i:i + INT4_ROWS], packed, GROUP, scales_zeros)
-                      for i in range(0, x.shape[0], INT4_ROWS)])
+    """PyTorch's int4 kernel in groups of GROUP, as an op: a compiled graph then passes the group size
+    as an argument, not as a tensor constant of its own (which an exported graph must be given)."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
 
 
 @_int4_mm.register_fake
@@ -592,42 +569,6 @@ def _rows_dot(h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 @_rows_dot.register_fake
 def _(h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return h.new_empty(rows.shape[0], rows.shape[1])
-
-
-@dataclass(frozen=True)
-class _Int4Scan:
-    """A table [N, K] in 4 bits for `_weight_int4pack_mm_for_cpu` (one row at a time): per group of
-    32 inputs, w ~ (q - 8) * s + z with s = (max - min) / 15 and z = 8 s + min. Approximate by
-    design: it only ranks the logits that `QuantEmbedding.as_head` then recomputes exactly. (Groups of
-    128 scan the 270M's head in 4.4 ms instead of 4.8, but raised the one-row KL from fp32 over bench
-    quality's text from 0.0029 to 0.0038: perplexity 22.61 -> 22.73.)"""
-
-    packed: torch.Tensor        # uint8 [N, K / 2]
-    scales_zeros: torch.Tensor  # bf16 [K / 32, N, 2]
-
-    @staticmethod
-    def available() -> bool:
-        return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-
-    @classmethod
-    def of(cls, table: QuantEmbedding, chunk: int = 16384) -> "_Int4Scan | None":
-        n, k = table.num_embeddings, table.embedding_dim
-        if k % GROUP or n % 16:   # the kernel's packing takes rows by 16
-            return None
-        packed = torch.empty(n, k // 2, dtype=torch.uint8)
-        scales_zeros = torch.empty(k // GROUP, n, 2, dtype=torch.bfloat16)
-        for i in range(0, n, chunk):   # slices: the packing is per row, and no [N, K] temporary exists
-            w = table(torch.arange(i, min(i + chunk, n))).view(-1, k // GROUP, GROUP)
-            lo, hi = w.amin(-1), w.amax(-1)
-            step = ((hi - lo) / 15).clamp(min=1e-12)
-            q = torch.round((w - lo[..., None]) / step[..., None]).clamp_(0, 15).to(torch.int32).view(-1, k)
-            packed[i:i + chunk] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-            scales_zeros[:, i:i + chunk] = torch.stack([step, 8 * step + lo], -1).transpose(0, 1)
-        return cls(packed, scales_zeros)
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = hidden.reshape(-1, hidden.shape[-1]).to(torch.bfloat16).contiguous()
-        return torch.ops.gemmaserve.int4_mm(x, self.packed, self.scales_zeros).float()
 
 
 @dataclass(frozen=True)
