@@ -9,6 +9,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # No test starts a background build of compiled decode steps (minutes of both cores); the tests of that
 # path ask for it themselves.
 os.environ.setdefault("GEMMASERVE_BACKGROUND_COMPILE", "0")
+
+
+def pytest_sessionstart(session):
+    """The CPU ops' C++ kernels before any test (models/cpu_kernels.py: the norms round their own way;
+    every test then sees the one set of kernels a real process runs, whatever the order)."""
+    from gemmaserve.models import cpu_kernels
+
+    cpu_kernels.load()
 # Without a GPU, Triton kernels run in its interpreter (numpy): set before any kernel is defined.
 try:
     import torch

@@ -347,17 +347,21 @@ def test_decode_bench_runs_and_notes_a_missing_reference(tmp_path):
     assert res["llama_cpp"].startswith("skipped") and res["weights"] == "float32"
 
 
-def test_cpu_rms_norm_is_bit_identical_to_hf_order():
-    """The fp32 CPU norm (one F.rms_norm call) equals HF's op-by-op Gemma 3 RMSNorm bit for bit."""
-    from gemmaserve.models.fused_ops import NormKind, rms_norm
+def test_cpu_rms_norm_is_hf_norm_to_the_last_bits():
+    """The CPU norm (one C++ pass per row, models/cpu_kernels.py) against HF's op-by-op Gemma 3 RMSNorm
+    in fp64: within a few fp32 roundings, at every width and scale (its sum runs in 16 lanes, not ATen's
+    order, so not bit for bit), and the ATen kernel it replaces no closer."""
+    from gemmaserve.models.fused_ops import NormKind, _norm_ref, rms_norm
 
     gen = torch.Generator().manual_seed(fresh_seed())
-    for h in (256, 640, 1152):
+    for h in (256, 640, 1152, 40):
         for scale in (1e-2, 1.0, 1e3):
             x = torch.randn(5, h, generator=gen) * scale
             w = torch.randn(h, generator=gen) * 0.3
-            hf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w)
-            assert torch.equal(rms_norm(x, w, NormKind(1e-6, 1.0)), hf)
+            exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.double())
+            ours = (rms_norm(x, w, NormKind(1e-6, 1.0)).double() - exact).abs().max() / exact.abs().max()
+            aten = (_norm_ref(x, w, NormKind(1e-6, 1.0)).double() - exact).abs().max() / exact.abs().max()
+            assert ours < 4e-7 and ours <= 2 * aten + 1e-7, (h, scale, ours, aten)
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0"])

@@ -21,6 +21,7 @@ from gemmaserve.config.engine import EngineConfig
 from gemmaserve.models import cpu_kernels, fused_ops, layers
 from gemmaserve.models.fused_ops import NormKind
 from gemmaserve.models.layers import ROW_TILE, linear
+from gemmaserve.models.quant import Int8Kernel
 
 from helpers import GEMMA4_VARIANTS, fresh_seed, save_checkpoint, tiny_gemma4_hf, tiny_hf_model
 
@@ -49,10 +50,18 @@ def test_cpp_kernels_make_their_python_kernels_calls():
     gen = torch.Generator().manual_seed(fresh_seed())
     x = torch.randn(7, 4, 32, generator=gen) * 3
     for w in (None, torch.randn(32, generator=gen)):
-        for offset in (0.0, 1.0):
-            for dtype in (torch.float32, torch.bfloat16):
-                got = torch.ops.gemmaserve.rms_norm(x.to(dtype), w, 1e-6, offset)
-                assert torch.equal(got, fused_ops._norm_ref(x.to(dtype), w, NormKind(1e-6, offset)))
+        for offset in (0.0, 1.0):   # (the norms round their own way: close to ATen's, and row by row)
+            got = torch.ops.gemmaserve.rms_norm(x, w, 1e-6, offset)
+            torch.testing.assert_close(got, fused_ops._norm_ref(x, w, NormKind(1e-6, offset)), rtol=2e-6, atol=2e-6)
+            assert torch.equal(got[2:3], torch.ops.gemmaserve.rms_norm(x[2:3], w, 1e-6, offset))
+            assert torch.equal(got[:, 1], torch.ops.gemmaserve.rms_norm(x[:, 1].contiguous(), w, 1e-6, offset))
+            r = torch.randn(7, 4, 32, generator=gen)
+            for scale in (None, torch.tensor([0.7])):
+                want = fused_ops._add_rms_norm_ref(r, x, w if w is not None else torch.ones(32), w, NormKind(1e-6, offset),
+                                                   scale)
+                fused = torch.ops.gemmaserve.add_rms_norm(r, x, w if w is not None else torch.ones(32), w, 1e-6, offset,
+                                                          scale)
+                assert torch.equal(fused[0], want[0]) and (w is None or torch.equal(fused[1], want[1]))
     gate_up = torch.randn(175, 80, generator=gen)
     assert torch.equal(torch.ops.gemmaserve.gelu_mul(gate_up, 40), fused_ops._gelu_mul_ref(gate_up, 40))
     with torch.inference_mode():   # as the engine runs it (rows on several threads, which must inherit the mode)
@@ -61,6 +70,14 @@ def test_cpp_kernels_make_their_python_kernels_calls():
     assert all(map(torch.equal, torch.ops.gemmaserve.rope_tables(pos, inv), layers._rope_tables(pos, inv)))
     logits = torch.randn(3, 300, generator=gen) * 50
     assert torch.equal(torch.ops.gemmaserve.softcap(logits, 30.0), layers._softcap(logits, 30.0))
+    from gemmaserve.models.quant import FbgemmTensors, Int8Matmul, Rotation, _int8_linear_ref, int8_rows
+
+    if FbgemmTensors.available():
+        lin = Int8Matmul(*int8_rows(torch.randn(96, 640, generator=gen)), Int8Kernel.FBGEMM_DYNAMIC,
+                         Rotation.for_width(640), keep_rows=False)
+        t, xs = lin._tensors, torch.randn(5, 640, generator=gen)
+        args = (lin.rotation.a_t, lin.rotation.block, t.shape, t.packed, t.col_offsets, t.bias, t.scales, lin.row_sums)
+        assert torch.equal(torch.ops.gemmaserve.int8_linear(xs, *args), _int8_linear_ref(xs, *args))
     x, w = torch.randn(7, 64, generator=gen), torch.randn(96, 64, generator=gen)
     assert torch.equal(torch.ops.gemmaserve.linear(x, w), layers._padded_linear(x, w))
     h, rows = torch.randn(3, 64, generator=gen), torch.randn(3, 40, 64, generator=gen)

@@ -11,20 +11,24 @@ a C++ kernel here, registered for the CPU dispatch key, which the dispatcher pre
   Both kernels do the same IEEE operations in the same order (butterflies, one scaling, A's sum from
   j = 0, the affine map), which a test checks. In C++ it is one call instead of ~20 tensor ops.
 * `gemmaserve::fbgemm_int8_linear(x, shape, packed, col_offsets, bias)`: PyTorch's fbgemm int8 x int8
-  linear; from a compiled graph the Python kernel cost a trip into Python per call.
+  linear; `gemmaserve::int8_linear`: row_affine, that product and the map back in one call (each call
+  of a custom op from a compiled graph costs ~10 us of argument handling: 240 a step of the 270M).
 * `linear`: fp32 x W^T with the rows padded to whole tiles of 4 (layers.py: MKL rounds a partial tile
-  differently).
-* `int4_mm`: PyTorch's int4 kernel with the group size fixed (quant.py: a graph's argument, not a
-  tensor constant).
-* `rms_norm`, `gelu_mul`, `rope_tables`, `softcap`, `attend`, `rows_dot` (fused_ops.py, layers.py,
-  attention/blockwise.py, quant.py): the C++ kernel makes its Python kernel's ATen calls in the same order, so
-  the same bits. They are ops so that a compiled decode graph calls them as they are: inductor's own
-  fused versions sum and round in other orders (1-5e-7 apart), and a last bit is enough to flip a
-  greedy token. In C++ so that such a call from a graph does not go back into Python.
+  differently). `int4_mm`: PyTorch's int4 kernel with the group size fixed (quant.py: a graph's
+  argument, not a tensor constant).
+* `rms_norm`, `add_rms_norm` (fused_ops.py): one pass per row in C++, with roundings of their own (a
+  sum in 16 lanes); the Python kernels are ATen's composite norm, ~17 us a call. A process runs one or
+  the other for every step: `load()` comes before the first.
+* `gelu_mul`, `rope_tables`, `softcap`, `attend`, `rows_dot` (fused_ops.py, layers.py,
+  attention/blockwise.py, quant.py): the C++ kernel makes its Python kernel's ATen calls in the same
+  order, so the same bits.
+
+All are ops so that a compiled decode graph calls them as they are: inductor's own fused versions
+sum and round in other orders (1-5e-7 apart), and a last bit is enough to flip a greedy token.
 
 Built with inductor's toolchain (the one compiled graphs need anyway; no ninja; its cache keeps the
 library across processes: ~30 s the first time, then a load). Where it cannot be built the Python
-kernels serve, with the same results.
+kernels serve: the same results but for the norms' last bits.
 """
 
 from __future__ import annotations
@@ -118,17 +122,74 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_affine(const at::Tensor& x_in
 // The ops below make the ATen calls of their Python kernels, one for one and in order (same kernels,
 // same bits): fused_ops.py's _norm_ref and _gelu_mul_ref, layers.py's _rope_tables and _softcap,
 // attention/blockwise.py's attend_reference.
-at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, double eps, double offset) {
-  if (x.scalar_type() == at::kFloat && w.has_value() && offset != 0.0) {
-    return at::rms_norm(x, {x.size(-1)}, w->to(at::kFloat) + offset, eps);
+// RMSNorm of one row, in one pass: the sum of squares in 16 running sums (lane j takes elements j,
+// j + 16, ...) added up in lane order, then x * rstd * (w + offset). A row's result depends only on the
+// row (and its width): ~1 us where the composite ATen norm took ~17 us in ~6 kernels. Its own roundings,
+// not the Python kernel's (which a process without these kernels runs for every step instead).
+static inline void norm_row(const float* x, float* y, int64_t h, const float* w, float offset, float eps) {
+  float acc[16] = {0.0f};
+  int64_t i = 0;
+  for (; i + 16 <= h; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] = acc[j] + x[i + j] * x[i + j];
+  for (int j = 0; i + j < h; ++j) acc[j] = acc[j] + x[i + j] * x[i + j];
+  float ss = 0.0f;
+  for (int j = 0; j < 16; ++j) ss = ss + acc[j];
+  const float rstd = 1.0f / std::sqrt(ss * (1.0f / static_cast<float>(h)) + eps);
+  if (w) {
+    for (int64_t k = 0; k < h; ++k) y[k] = x[k] * rstd * (w[k] + offset);
+  } else {
+    for (int64_t k = 0; k < h; ++k) y[k] = x[k] * rstd;
   }
-  at::Tensor h = x.to(at::kFloat);
-  if (offset == 0.0) {
-    h = h * at::pow(h.pow(2).mean(-1, true) + eps, -0.5);
-    return (w.has_value() ? h * w->to(at::kFloat) : h).to(x.scalar_type());
-  }
-  h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
-  return (w.has_value() ? h * (w->to(at::kFloat) + offset) : h).to(x.scalar_type());
+}
+
+static const float* float_data(const std::optional<at::Tensor>& t, at::Tensor& keep) {
+  if (!t.has_value()) return nullptr;
+  keep = t->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const std::optional<at::Tensor>& w, double eps, double offset) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
+  at::Tensor out = at::empty(x.sizes(), x.options()), wk;
+  const float* wp = float_data(w, wk);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * h, op + r * h, h, wp, offset, eps);
+  });
+  return out.to(x_in.scalar_type());
+}
+
+// residual + RMSNorm_post(x), times `scale` if given, and RMSNorm_next of that (fused_ops.add_rms_norm):
+// the Python kernel's operations, row by row.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& x_in,
+                                                const at::Tensor& w_post, const std::optional<at::Tensor>& w_next,
+                                                double eps, double offset, const std::optional<at::Tensor>& scale) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), res = residual.to(at::kFloat).contiguous();
+  const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
+  at::Tensor r = at::empty(x.sizes(), x.options());
+  at::Tensor out = w_next.has_value() ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
+  at::Tensor k1, k2, k3;
+  const float* wp = float_data(w_post, k1);
+  const float* wn = float_data(w_next, k2);
+  const float* sp = float_data(scale, k3);
+  const float* xp = x.data_ptr<float>();
+  const float* rp0 = res.data_ptr<float>();
+  float* rp = r.data_ptr<float>();
+  float* op = wn ? out.data_ptr<float>() : nullptr;
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> y(h);
+    for (int64_t row = r0; row < r1; ++row) {
+      norm_row(xp + row * h, y.data(), h, wp, offset, eps);
+      float* rr = rp + row * h;
+      const float* res_row = rp0 + row * h;
+      for (int64_t k = 0; k < h; ++k) rr[k] = res_row[k] + y[k];
+      if (sp) for (int64_t k = 0; k < h; ++k) rr[k] = rr[k] * sp[0];
+      if (wn) norm_row(rr, op + row * h, h, wn, offset, eps);
+    }
+  });
+  return {r.to(residual.scalar_type()), out.to(residual.scalar_type())};
 }
 
 at::Tensor gelu_mul(const at::Tensor& gate_up, int64_t intermediate) {
@@ -178,6 +239,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return out.to(q.scalar_type());
 }
 
+// quant.py's _int8_linear_ref: row_affine, fbgemm's product, its rows' scales, the map back.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& a_t, int64_t block, const at::Tensor& shape,
+                       const at::Tensor& packed, const at::Tensor& col_offsets, const at::Tensor& bias,
+                       const at::Tensor& scales, const at::Tensor& row_sums) {
+  auto [xn, lo, span] = row_affine(x, a_t, block);
+  at::Tensor y = at::fbgemm_linear_int8_weight_fp32_activation(xn, shape, packed, col_offsets, 1.0, 0, bias);
+  y.mul_(scales);
+  return y * span + lo * row_sums;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t m = x.size(0);
   if (m % ROW_TILE == 0) return at::linear(x, weight);
@@ -197,6 +268,8 @@ TORCH_LIBRARY_IMPL(gemmaserve, CPU, m) {
   m.impl("fbgemm_int8_linear", &fbgemm_int8_linear);
   m.impl("row_affine", &row_affine);
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("int8_linear", &int8_linear);
   m.impl("gelu_mul", &gelu_mul);
   m.impl("rope_tables", &rope_tables);
   m.impl("softcap", &softcap);
@@ -247,7 +320,7 @@ def _(x: torch.Tensor, a_t: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     return x.new_empty(x.shape), x.new_empty(x.shape[0], 1), x.new_empty(x.shape[0], 1)
 
 
-OPS = ("fbgemm_int8_linear", "row_affine", "rms_norm", "gelu_mul", "rope_tables", "softcap", "attend", "rows_dot", "int4_mm", "linear")
+OPS = ("fbgemm_int8_linear", "int8_linear", "row_affine", "rms_norm", "add_rms_norm", "gelu_mul", "rope_tables", "softcap", "attend", "rows_dot", "int4_mm", "linear")
 
 
 @functools.cache   # once per process: the registration is the process's

@@ -118,10 +118,31 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, 
     (r, RMSNorm_next(r)), or (r, None) without `w_next`."""
     if _use_triton(x):
         return _triton().add_rms_norm(residual, x, w_post, w_next, kind, scale)
+    if _on_cpu(x):   # one op (one call from a compiled graph, ~10 us each)
+        r, h = torch.ops.gemmaserve.add_rms_norm(residual, x, w_post, w_next, kind.eps, kind.offset, scale)
+        return r, (None if w_next is None else h)
+    return _add_rms_norm_ref(residual, x, w_post, w_next, kind, scale)
+
+
+def _add_rms_norm_ref(residual: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, w_next: torch.Tensor | None,
+                      kind: NormKind, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     r = residual + rms_norm(x, w_post, kind)
     if scale is not None:
         r = r * scale
     return r, (None if w_next is None else rms_norm(r, w_next, kind))
+
+
+@torch.library.custom_op("gemmaserve::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(residual: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, w_next: torch.Tensor | None,
+                     eps: float, offset: float, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    r, h = _add_rms_norm_ref(residual, x, w_post, w_next, NormKind(eps, offset), scale)
+    return r, (r.new_empty(0) if h is None else h)
+
+
+@_add_rms_norm_op.register_fake
+def _(residual: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, w_next: torch.Tensor | None, eps: float,
+      offset: float, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(residual), (residual.new_empty(0) if w_next is None else torch.empty_like(residual))
 
 
 def qkv_norm_rope(qkv: torch.Tensor, p: "AttentionParams", wq: torch.Tensor, wk: torch.Tensor | None,

@@ -80,6 +80,12 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
         model, tokenizer = _load_hf_dir(source.path, dtype, device, shard)
     if shard is not None:
         parallelize(model, model.tensor_parallel_plan)
+    if device.type == "cpu":   # before any step: a process computes its norms one way only (cpu_kernels.py)
+        from . import cpu_kernels
+
+        why = cpu_kernels.load()
+        if why is not None:
+            log.info("CPU ops run their Python kernels: %s", why)
     return LoadedModel(model.eval(), tokenizer, source, time.perf_counter() - start, formats)
 
 
@@ -161,12 +167,6 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
         release_freed_memory()
         if cache_file:
             quant_cache.save(cache_file, model, record, formats)
-    if quantized:
-        from . import cpu_kernels
-
-        why = cpu_kernels.load()   # the same results without it, in more ops
-        if why is not None:
-            log.info("quantised matrices run their Python kernels: %s", why)
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     tokenizer = Tokenizer.from_gguf(gguf, cache_dir() / "tokenizers" / f"{key}.json")

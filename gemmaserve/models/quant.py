@@ -216,14 +216,11 @@ class Rotation:
         return torch.matmul(self.a_t.t(), y).view(x.shape) if n > 1 else y.view(x.shape)
 
 
-_NO_ROTATION = torch.empty(0, 0)
-
-
 def row_affine(x: torch.Tensor, rotation: Rotation | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] fp32 -> (xn, lo, span): x rotated, then each row mapped onto [0, 1]
     (cpu_kernels.py: one C++ call where it is built, the same bits where not)."""
     if rotation is None:
-        return torch.ops.gemmaserve.row_affine(x, _NO_ROTATION, 0)
+        return torch.ops.gemmaserve.row_affine(x, x.new_empty(0, 0), 0)
     return torch.ops.gemmaserve.row_affine(x, rotation.a_t, rotation.block)
 
 
@@ -344,6 +341,7 @@ class Int8Matmul:
             self._reduce_range = not _cpu_has_vnni()
             # x W^T = span * (xn W^T) + lo * (W's row sums): the sums of the stored integers, scaled
             self.row_sums = _int_row_sums(q).float() * s.float()
+            self._no_a_t = torch.empty(0, 0)   # row_affine's "no rotation" (a tensor of this matrix's own)
             if fbgemm_tensors and FbgemmTensors.available():   # VNNI: no reduce_range
                 self._tensors = FbgemmTensors.pack(q, s)
             else:
@@ -403,7 +401,12 @@ class Int8Matmul:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.kernel is Int8Kernel.FBGEMM_DYNAMIC:
+        if self._tensors is not None:   # one op: rotate and map each row, fbgemm, map back
+            t = self._tensors
+            a_t, block = (self.rotation.a_t, self.rotation.block) if self.rotation is not None else (self._no_a_t, 0)
+            y = torch.ops.gemmaserve.int8_linear(x2.float(), a_t, block, t.shape, t.packed, t.col_offsets, t.bias,
+                                                 t.scales, self.row_sums)
+        elif self.kernel is Int8Kernel.FBGEMM_DYNAMIC:
             xn, lo, span = row_affine(x2.float(), self.rotation)
             y = self._fbgemm(xn) * span + lo * self.row_sums
         else:
@@ -544,6 +547,29 @@ class QuantEmbedding(nn.Module):
             exact = torch.ops.gemmaserve.rows_dot(h, self(top))
             flat.scatter_(-1, top, exact.to(flat.dtype))
         return logits
+
+
+def _int8_linear_ref(x: torch.Tensor, a_t: torch.Tensor, block: int, shape: torch.Tensor, packed: torch.Tensor,
+                     col_offsets: torch.Tensor, bias: torch.Tensor, scales: torch.Tensor,
+                     row_sums: torch.Tensor) -> torch.Tensor:
+    xn, lo, span = torch.ops.gemmaserve.row_affine(x, a_t, block)
+    y = _fbgemm_int8_product(xn, shape, packed, col_offsets, bias).mul_(scales)
+    return y * span + lo * row_sums
+
+
+if hasattr(torch, "fbgemm_linear_int8_weight_fp32_activation"):
+    @torch.library.custom_op("gemmaserve::int8_linear", mutates_args=())
+    def _int8_linear(x: torch.Tensor, a_t: torch.Tensor, block: int, shape: torch.Tensor, packed: torch.Tensor,
+                     col_offsets: torch.Tensor, bias: torch.Tensor, scales: torch.Tensor,
+                     row_sums: torch.Tensor) -> torch.Tensor:
+        """`Int8Matmul` on fbgemm's tensor-packed weight as one op (row_affine, the product, the per-row
+        scales, the map back): one call from a compiled graph instead of three (~10 us each)."""
+        return _int8_linear_ref(x, a_t, block, shape, packed, col_offsets, bias, scales, row_sums)
+
+    @_int8_linear.register_fake
+    def _(x: torch.Tensor, a_t: torch.Tensor, block: int, shape: torch.Tensor, packed: torch.Tensor,
+          col_offsets: torch.Tensor, bias: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], shape.shape[0])
 
 
 @torch.library.custom_op("gemmaserve::int4_mm", mutates_args=())
