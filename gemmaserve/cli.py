@@ -36,6 +36,7 @@ BENCHMARKS = {
     "quality": ("quantised CPU weights against fp32 (and llama.cpp): perplexity, greedy agreement", False),
     "grammar": ("structured output: per-step mask cost of xgrammar vs llguidance, and engine tokens/s", True),
     "kv-transfer": ("disaggregated serving: KV bytes per request (V2 vs V1), latency against one engine", False),
+    "startup": ("cold and warm starts: serve to /health 200 and to compiled steps; generate vs llama.cpp", False),
 }
 
 
@@ -179,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(with_bench="bench" in argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    server = args.command in ("serve", "router")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format=("%(asctime)s " if server else "") + "%(levelname)s %(name)s: %(message)s")
+    if server:   # a server's log says what it loads, builds and serves, and when
+        logging.getLogger("gemmaserve").setLevel(logging.INFO)
     try:
         return args.handler(args)
     except UserInputError as exc:

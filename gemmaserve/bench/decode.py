@@ -167,8 +167,7 @@ def run(args: argparse.Namespace) -> int:
     # The steady state: compiled decode steps where auto would build them (loaded from the cache, or built
     # before the first step rather than in the background)
     start = time.perf_counter()
-    llm = LLM.from_config(config.replace(cpu_compile="on") if config.cpu_compile == "auto" and config.quantized_weights(
-        config.torch_device()) else config)
+    llm = LLM.from_config(config.steady_state())
     engine = llm.engine
     compile_seconds = time.perf_counter() - start - engine.info.load_seconds if engine.info.cpu_compile == "ready" else 0.0
     prompt_ids = llm.tokenizer.encode(PROMPT)

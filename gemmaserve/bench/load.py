@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError("--time-limit must be > 0")
     if not args.request_timeout > 0:
         raise UserInputError("--request-timeout must be > 0")
-    config = from_namespace(EngineConfig, args).replace(serving=True)   # as `serve` builds it
+    config = from_namespace(EngineConfig, args).replace(serving=True).steady_state()   # a server's steady state
     engine = LLMEngine(config)
     levels = list(dict.fromkeys(args.concurrency))
     result: dict = {

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError("--min-words must not exceed --max-words")
     if not 0 < args.tight_fraction < 1:
         raise UserInputError("--tight-fraction must be in (0, 1)")
-    config = from_namespace(EngineConfig, args).replace(serving=True)   # a server's steady state (compiled decode)
+    config = from_namespace(EngineConfig, args).replace(serving=True).steady_state()   # a server's steady state
     llm = LLM.from_config(config)
     prompts = workload(args.prompts, args.min_words, args.max_words)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)

@@ -29,13 +29,21 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 
 
+# What a model computes is in these parts of the package (the model code and its kernels, the KV layout
+# and attention a compiled step reads, the export itself); a change anywhere else (the server, the
+# benchmarks) keeps cached weights and compiled steps valid.
+_COMPUTE_CODE = ("models", "attention", "kv", "rowops.py", "opaque.py", "engine/aot_decode.py")
+
+
 def code_fingerprint() -> str:
-    """A hash of gemmaserve's source (files that change may change what is computed)."""
+    """A hash of the source of what gemmaserve computes (`_COMPUTE_CODE`)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
+    for part in _COMPUTE_CODE:
+        files = sorted((root / part).rglob("*.py")) if (root / part).is_dir() else [root / part]
+        for path in files:
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
