@@ -116,7 +116,7 @@ def test_fp8_main_fails_on_a_failing_kernel_row(monkeypatch, tmp_path, capsys):
     assert gpu_fp8.main(["kernels"]) == 0
 
 
-@pytest.mark.parametrize("bad", ["kernels", "engine"])
+@pytest.mark.parametrize("bad", ["kernels", "engine", "invariance"])
 def test_gpu_check_main_fails_on_a_failing_row(bad, monkeypatch, tmp_path, capsys):
     pytest.importorskip("triton")
     monkeypatch.setenv("OUT", str(tmp_path))
@@ -127,10 +127,14 @@ def test_gpu_check_main_fails_on_a_failing_row(bad, monkeypatch, tmp_path, capsy
     monkeypatch.setattr(gpu_check, "decode_bandwidth", lambda hbm: [])
     monkeypatch.setattr(gpu_check, "kernel_checks", lambda: [kernel, {**kernel, "ok": bad != "kernels"}])
     monkeypatch.setattr(gpu_check, "engine_checks", lambda: [engine, {**engine, "tokens_equal": bad != "engine"}])
+    invariance = {"check": "gemm rows", "ok": True}
+    monkeypatch.setattr(gpu_check, "invariance_checks", lambda: [invariance, {**invariance, "ok": bad != "invariance"}])
     assert gpu_check.main([]) == 1
     assert _last_line(capsys).startswith("CHECKS FAILED")
     assert gpu_check.main(["engine"]) == (1 if bad == "engine" else 0)
+    assert gpu_check.main(["invariance"]) == (1 if bad == "invariance" else 0)
     monkeypatch.setattr(gpu_check, "kernel_checks", lambda: [kernel])
     monkeypatch.setattr(gpu_check, "engine_checks", lambda: [engine])
+    monkeypatch.setattr(gpu_check, "invariance_checks", lambda: [invariance])
     assert gpu_check.main([]) == 0
-    assert _last_line(capsys) == "CHECKS PASSED: 2 check rows, no section raised"
+    assert _last_line(capsys) == "CHECKS PASSED: 3 check rows, no section raised"

@@ -91,16 +91,13 @@ def test_cpp_kernels_make_their_python_kernels_calls():
 
 def test_gelu_mul_rows_do_not_depend_on_the_batch():
     """The CPU gelu kernel's leftover elements (past its vector body) round differently, and where they
-    fall follows the tensor's size and its split among threads: a [175, 96] gate changed row 87's last
-    16 values. gelu_mul runs gelu a row at a time."""
+    fall follows the tensor's size and its split among threads: on 2 threads a [175, 96] gate changed row
+    87's last 16 values. gelu_mul runs gelu a row at a time."""
     gen = torch.Generator().manual_seed(fresh_seed())
     for width in (96, 40, 2048):
         gate_up = torch.randn(175, 2 * width, generator=gen)
         alone = torch.cat([fused_ops.gelu_mul(gate_up[i:i + 1], width) for i in range(175)])
         assert torch.equal(fused_ops.gelu_mul(gate_up, width), alone), width
-    gate = torch.randn(175, 96, generator=gen)
-    whole = F.gelu(gate, approximate="tanh")   # (what it guards against: torch's kernel on the whole tensor)
-    assert not torch.equal(whole, torch.cat([F.gelu(gate[i:i + 1], approximate="tanh") for i in range(175)]))
 
 
 @pytest.mark.parametrize("model", ["gemma3", "gemma3-int8", "e2b", "31b"])
