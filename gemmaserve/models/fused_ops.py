@@ -12,14 +12,14 @@ elementwise work of a layer:
 * `gelu_mul(gate_up)`: gelu_tanh(gate) * up.
 
 Norm flavour is a parameter (`NormKind`: Gemma 3's (1 + w), Gemma 4's w; no weight at all for the
-value and router norms). On the CPU (and whenever Triton cannot run) the same functions run as plain
-torch ops with HF's exact order of roundings; on the GPU the kernels compute in fp32 and round once,
-which differs from HF's bf16 chain only by bf16 rounding.
+value and router norms). On the GPU the kernels compute in fp32 and round once, which differs from HF's
+bf16 chain only by bf16 rounding.
 
-On the CPU the norms and gelu_mul are custom ops (`gemmaserve::rms_norm`, `gemmaserve::gelu_mul`):
-their Python kernels are the torch ops below, and models/cpu_kernels.py gives them C++ kernels that
-make the same ATen calls. A compiled decode graph calls them as they are instead of fusing its own
-versions (whose sums and tanh round differently), so a compiled step gives the eager step's bits.
+On the CPU the norms and gelu_mul are custom ops (`gemmaserve::rms_norm`, `add_rms_norm`, `gelu_mul`)
+that eager steps and compiled graphs both call (a graph's own fused versions sum and round in other
+orders: a compiled step would not give an eager step's bits). Their Python kernels are the torch ops
+below (HF's order of roundings); models/cpu_kernels.py gives them C++ kernels, the norms with roundings
+of their own (one pass per row), gelu_mul with the same ATen calls. Each computes a row by itself.
 """
 
 from __future__ import annotations
