@@ -8,21 +8,21 @@ cache is one arena of one geometry (attention/traced.py: the cache and the step'
 inputs, the new K/V come out of the graph and are written after it); elsewhere (KV manager V1, an fp8
 cache) the graph calls the step's eager attention through an opaque op (attention/handle.py).
 Inductor writes the code that calls the kernels in C++ where the graph takes no Python objects, and
-once compiled a graph is called without Dynamo's frame evaluation (direct_graph.py): 12.1 vs 13.1 ms
-a batch-1 step of the 270M, the two together.
+once compiled a graph is called without Dynamo's frame evaluation (direct_graph.py).
 
     decode step, B = 1     a graph for 1 row (static shapes)
     decode step, B 5-8     a graph for 8 rows (static; the batch padded up)
     decode step, other B   one graph whose batch dimension is dynamic (2-63)
     every other step       eager (prefill chunks, mixed steps, images, B >= 64)
 
-Compiling the three graphs took 4-8 min on 2 cores the first time (273 s with inductor's cache holding
-the kernels they share with earlier graphs, ~500 s from an empty one), 26-31 s with it warm (each
-static size is a compile of its own, hence no graph per power of two). It happens
-where a process lives long enough to win it back: a server compiles while it loads (`/health` says
-loading), a one-shot `generate` or the Python `LLM` does not unless asked (`--cpu-compile`). Not on a
-background thread beside eager steps: tracing holds the GIL, and every torch op of an eager step gives
-it up and waits up to the switch interval for it back (measured: 25 ms steps became 1 s). Warm-up
+Compiling the three graphs took 4-8 min on 2 cores the first time, 26-31 s with inductor's cache warm,
+in the engine's own process: not on a background thread beside eager steps, as tracing holds the GIL
+and every torch op of an eager step gives it up and waits up to the switch interval for it back
+(measured: 25 ms steps became 1 s). So the engine's compiled steps are now the exported packages of
+aot_decode.py, built by another process and kept; this in-process compile is what `--cpu-compile on`
+runs where a step cannot be exported (KV manager V1, an fp8 cache, fbgemm's packed objects without
+VNNI), and what `bench quality`'s scorer runs. The numerically sensitive work is in custom ops the
+graph calls as they are (models/cpu_kernels.py): a compiled step gives the eager step's bits. Warm-up
 calls write only the null page (the extra page the runner allocates; no sequence reads it). A failed
 compile leaves the engine eager and says why.
 """
@@ -50,7 +50,7 @@ from .direct_graph import DirectGraph
 
 log = logging.getLogger(__name__)
 
-# Decode rows from here on run the prefill kernels (models/quant.py's PREFILL_ROWS): not compiled.
+# Decode batches of more rows run eagerly (a graph for them would be one more compile: rare, large batches).
 MAX_ROWS = 63
 # Graphs compiled for exactly this many rows; a batch of b rows runs the one of size s if b <= s < 2b
 # (padded up), else the graph whose batch dimension is dynamic.
