@@ -73,6 +73,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
     `shard`: load this tensor-parallel rank's slices only (models/tensor_parallel.py)."""
     start = time.perf_counter()
     source = resolve_model(name)
+    log.info("loading %s from %s", name, source.path)
     formats = None
     if source.kind is SourceKind.GGUF:
         model, tokenizer, formats = _load_gguf(source.path, dtype, device, quantized, shard)
@@ -83,9 +84,12 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
     if device.type == "cpu":   # before any step: a process computes its norms one way only (cpu_kernels.py)
         from . import cpu_kernels
 
+        t = time.perf_counter()
         why = cpu_kernels.load()
         if why is not None:
             log.info("CPU ops run their Python kernels: %s", why)
+        elif time.perf_counter() - t > 1:
+            log.info("CPU ops' C++ kernels built in %.0f s (once per machine and torch)", time.perf_counter() - t)
     return LoadedModel(model.eval(), tokenizer, source, time.perf_counter() - start, formats)
 
 
@@ -162,6 +166,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
     if quantized and cached is None:
         from .quant import quantize_model
 
+        log.info("quantising the weights for the CPU kernels (once: later starts load them from the cache)")
         record = {} if cache_file else None
         formats = quantize_model(model, int4, record=record)
         release_freed_memory()
