@@ -263,6 +263,20 @@ def save_gemma4_vision_checkpoint(hf, path: Path) -> Path:
     return save_vision_checkpoint(hf, path, GEMMA4_IMAGE_SPECIALS)
 
 
+def assert_image_prompt_matches(ids: list[int], items, ref, types_key: str) -> None:
+    """Our expanded prompt `ids` and image `items` (engine.prepare_images) against transformers'
+    processor output `ref`: the same ids, the images' spans where its token types (`types_key`) say, the
+    same pixels."""
+    import numpy as np
+
+    assert ids == ref["input_ids"][0].tolist()
+    types = np.zeros(len(ids), dtype=int)
+    for it in items:
+        types[it.start:it.end] = 1
+    assert types.tolist() == ref[types_key][0].tolist()
+    np.testing.assert_allclose(np.stack([it.pixels for it in items]), ref["pixel_values"], atol=1e-6, rtol=0)
+
+
 def hf_vision_processor(path: Path, family: str):
     """transformers' own processor for a tiny vision checkpoint saved above (its tokenizer.json, the image
     specials named as Gemma's tokenizers name them), built offline: the reference for how a prompt's image
