@@ -15,7 +15,9 @@ from gemmaserve.bench.shapes import SHAPES
 from gemmaserve.engine.llm import LLM
 from gemmaserve.engine.sampling_params import SamplingParams
 from gemmaserve.errors import UserInputError
-from gemmaserve.kv.manager_v2 import KVCacheManagerV2, pinned_pool_split
+from gemmaserve.kv import create_kv_manager
+from gemmaserve.kv.manager_v2 import KVCacheManagerV2
+from gemmaserve.kv.pinned_split import PinnedSplitKVManager, pinned_pool_split
 from gemmaserve.kv.spec import AttentionKind, LayerSpec
 
 from helpers import fresh_seed, save_checkpoint, tiny_hf_model
@@ -47,12 +49,14 @@ def _drive(kv, tokens: list[int], steps: list[int]) -> int:
 
 @settings(max_examples=40, deadline=None)
 @given(window=st.integers(2, 40), page=st.sampled_from([1, 2, 4, 8]), full_heads=st.sampled_from([1, 2]),
-       scratch=st.booleans(), n=st.integers(2, 300), chunk=st.integers(1, 120), data=st.data())
-def test_peak_bounds_every_schedule(window, page, full_heads, scratch, n, chunk, data):
+       scratch=st.booleans(), n=st.integers(2, 300), chunk=st.integers(1, 120), lookback=st.sampled_from([0, 5]),
+       data=st.data())
+def test_peak_bounds_every_schedule(window, page, full_heads, scratch, n, chunk, lookback, data):
     """Whatever the step sizes (each at most `chunk`) and wherever a prefix hit starts the
     sequence, the pages it holds never exceed peak_pages(n, chunk)."""
     specs = _specs(window, full_heads)
-    kv = KVCacheManagerV2(specs, page, 1_000_000, enable_prefix_caching=True, enable_scratch=scratch)
+    kv = KVCacheManagerV2(specs, page, 1_000_000, enable_prefix_caching=True, enable_scratch=scratch,
+                          lookback=lookback)
     tokens = [random.Random(n).randrange(3, 999) for _ in range(n)]
     steps = data.draw(st.lists(st.integers(1, chunk), min_size=1, max_size=n))
     steps += [chunk] * n   # then finish in full-size steps
@@ -68,14 +72,14 @@ def test_peak_bounds_every_schedule(window, page, full_heads, scratch, n, chunk,
 
 @settings(max_examples=40, deadline=None)
 @given(window=st.integers(2, 60), page=st.sampled_from([1, 2, 4, 8]), full_heads=st.sampled_from([1, 2, 4]),
-       scratch=st.booleans(), n=st.integers(2, 400), chunk=st.integers(1, 200))
-def test_peak_scans_enough_step_starts(window, page, full_heads, scratch, n, chunk):
+       scratch=st.booleans(), n=st.integers(2, 400), chunk=st.integers(1, 200), lookback=st.sampled_from([0, 3, 17]))
+def test_peak_scans_enough_step_starts(window, page, full_heads, scratch, n, chunk, lookback):
     """peak_pages evaluates only a few step starts (the first window + two hit periods, and around
     the last full-length step); the maximum over every start is the same."""
     kv = KVCacheManagerV2(_specs(window, full_heads), page, 1_000_000, enable_prefix_caching=False,
-                          enable_scratch=scratch)
+                          enable_scratch=scratch, lookback=lookback)
     span = min(chunk, n)
-    every = max(sum(kv._step_pages(g, s, min(s + span, n)) for g in kv.groups) for s in range(n))
+    every = max(sum(kv._step_pages(p, s, min(s + span, n)) for p in kv.policies) for s in range(n))
     assert kv.peak_pages(n, chunk) == every
 
 
@@ -104,7 +108,7 @@ def test_bound_counts_scratch():
     on = KVCacheManagerV2(specs, 16, 1280, enable_prefix_caching=True, enable_scratch=True)
     off = KVCacheManagerV2(specs, 16, 1280, enable_prefix_caching=True, enable_scratch=False)
     mib = on.page_bytes / 2**20
-    one_step = sum(on._step_pages(g, 0, 1656) for g in on.groups)
+    one_step = sum(on._step_pages(p, 0, 1656) for p in on.policies)
     assert one_step * mib < 30 and _drive(on, list(range(1656)), [2048]) == one_step
     assert one_step < on.peak_pages(1656, 2048) < off.peak_pages(1656, 2048)
     assert off.peak_pages(1656, 2048) * mib > 58
@@ -165,8 +169,8 @@ def test_pinned_split_caps_each_side():
     # 32 tokens per page): 50 x 65 / (50 x 65 + 10 x 257).
     assert share == pytest.approx(50 * 65 / (50 * 65 + 10 * 257))
     assert pinned_pool_split(specs, 16, 2048) > share   # a shorter expected length gives sliding more
-    kv = KVCacheManagerV2(specs, 16, 20_000, enable_prefix_caching=False, enable_scratch=True, sliding_share=share)
-    caps = kv._caps
+    kv = PinnedSplitKVManager(specs, 16, 20_000, enable_scratch=True, sliding_share=share)
+    caps = kv.caps
     assert caps[True] + caps[False] == 20_000
     tokens = list(range(8000))
     n = 0
@@ -185,10 +189,12 @@ def test_pinned_split_caps_each_side():
         EngineConfig(kv_pool_split=0.5)
     with pytest.raises(UserInputError, match="float in"):
         EngineConfig(kv_pool_split=1, enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="prefix caching"):
-        KVCacheManagerV2(specs, 16, 1000, enable_prefix_caching=True, sliding_share=0.5)
+    with pytest.raises(UserInputError, match="prefix caching"):
+        create_kv_manager("v2", specs, 16, 1000 * kv.page_bytes, enable_prefix_caching=True, sliding_share=0.5)
     with pytest.raises(ValueError, match="share"):
-        KVCacheManagerV2(specs, 16, 1000, enable_prefix_caching=False, sliding_share=1.5)
+        PinnedSplitKVManager(specs, 16, 1000, sliding_share=1.5)
+    with pytest.raises(ValueError, match="both sliding and full"):
+        PinnedSplitKVManager(SHAPES["gemma4-31b"].layer_specs()[5::6], 16, 1000, sliding_share=0.5)
 
 
 class _SilentDetokenizer:

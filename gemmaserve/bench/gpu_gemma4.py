@@ -220,7 +220,7 @@ def pressure_budget(specs, tokens: int, seqs: int) -> int:
 def section_pressure(res: dict, shapes, num_prompts: int = 8, new_tokens: int = 32, repeats: int = 1) -> None:
     from ..engine.sampling_params import SamplingParams
     from ..errors import UserInputError
-    from ..kv.manager_v2 import pinned_pool_split
+    from ..kv.pinned_split import pinned_pool_split
 
     out = res["pressure"] = {}
     for name in shapes:

@@ -8,6 +8,7 @@ from .base import GroupTables, KVCacheManager, KVLayout, KVStats
 from .groups import derive_groups
 from .manager_v1 import KVCacheManagerV1
 from .manager_v2 import KVCacheManagerV2
+from .pinned_split import PinnedSplitKVManager
 from .spec import AttentionKind, LayerSpec
 
 
@@ -37,9 +38,14 @@ def create_kv_manager(manager: str, specs: list[LayerSpec], page_size: int, budg
         if sliding_share is not None:
             raise UserInputError("a pinned pool split needs KV cache manager v2")
         return KVCacheManagerV1(specs, page_size, num_pages)
+    if manager == "v2" and sliding_share is not None:
+        if enable_prefix_caching:
+            raise UserInputError("a pinned pool split is a benchmark knob that needs prefix caching off")
+        return PinnedSplitKVManager(specs, page_size, num_pages, sliding_share=sliding_share,
+                                    enable_scratch=enable_scratch)
     if manager == "v2":
         return KVCacheManagerV2(specs, page_size, num_pages, enable_prefix_caching=enable_prefix_caching,
-                                enable_scratch=enable_scratch, sliding_share=sliding_share)
+                                enable_scratch=enable_scratch)
     raise UserInputError(f"unknown KV cache manager {manager!r} (v1 or v2)")
 
 

@@ -43,13 +43,6 @@ class KVGroup:
     def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_page)
 
-    def first_needed_block(self, position: int) -> int:
-        """First block a query at `position` (or any later one) can read: sliding layers see keys
-        > position - W, full layers everything."""
-        if not self.sliding:
-            return 0
-        return max(0, position - self.window + 1) // self.tokens_per_page
-
 
 @dataclass(frozen=True)
 class KVGeometry:

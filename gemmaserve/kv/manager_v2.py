@@ -18,9 +18,8 @@ lives while each layer computes its own attention over the chunk. Such blocks ge
     of the group; blocks 5-7 are real (one page per layer). Peak for the group: 5 + 3 x layers pages
     instead of 8 x layers.
 
-Pinned split (a benchmark knob, `sliding_share`): sliding groups may hold at most that share of the
-pool and full groups the rest, as engines with one pool per life cycle do. It emulates the pinned
-pool ratios seed 004 measures; the engine itself never sets it (one pool, no ratio to guess).
+What differs between attention kinds (which blocks a step needs, which it frees, what a prefix hit
+needs) is each group's policy (policy.py); this file only books slots and pages.
 
 Prefix reuse: full blocks are registered under a hash chain of their tokens. A cache hit at m
 tokens needs every block of full groups below m, and for sliding groups only the blocks the query
@@ -38,6 +37,7 @@ from .base import GroupStats, KVCacheManager, KVLayout, KVStats
 from .block_hash import chain_root, extend_chain
 from .groups import KVGroup, derive_groups
 from .page_pool import PagePool
+from .policy import NEVER, GroupPolicy, policy_for
 from .prefix_cache import PrefixCache
 from .slots import Slot, SlotRows
 from .spec import LayerSpec
@@ -81,10 +81,13 @@ class KVCacheManagerV2(KVCacheManager):
 
     def __init__(self, specs: list[LayerSpec], page_size: int, num_pages: int, *,
                  enable_prefix_caching: bool = True, enable_scratch: bool = False, salt: bytes | str = b"",
-                 sliding_share: float | None = None):
+                 lookback: int = 0):
+        """`lookback`: tokens behind the newest position whose keys sliding groups keep beyond their
+        window (policy.py: consumers that query behind the writer)."""
         super().__init__(specs, page_size)
         geo = derive_groups(specs, page_size)
         self._groups = geo.groups
+        self.policies: tuple[GroupPolicy, ...] = tuple(policy_for(g, lookback) for g in geo.groups)
         self._layer_slot = geo.layer_slot
         self._granularity = geo.hash_granularity
         self._hit_step = math.lcm(*(g.tokens_per_page for g in geo.groups))  # hits land on every group's block edge
@@ -99,21 +102,7 @@ class KVCacheManagerV2(KVCacheManager):
         self._root = chain_root(salt)
         self._query_tokens = 0
         self._hit_tokens = 0
-        self._caps: dict[bool, int] | None = None      # pinned split: most pages per side (sliding?)
-        self._held = {True: 0, False: 0}               # pages in slots per side
-        self._peak_memo: dict[tuple[int, int, tuple[bool, ...]], int] = {}
-        if sliding_share is not None:
-            self._caps = self._pinned_caps(sliding_share)
-
-    def _pinned_caps(self, share: float) -> dict[bool, int]:
-        if not 0.0 < share < 1.0:
-            raise ValueError(f"sliding share of the pool must be in (0, 1), got {share}")
-        if self.enable_prefix_caching:
-            raise ValueError("a pinned pool split is a benchmark knob that needs prefix caching off")
-        if {g.sliding for g in self._groups} != {True, False}:
-            raise ValueError("a pinned pool split needs both sliding and full groups")
-        sliding = int(self.pool.num_pages * share)
-        return {True: sliding, False: self.pool.num_pages - sliding}
+        self._peak_memo: dict[tuple[int, int, tuple[int, ...]], int] = {}
 
     # -- geometry -----------------------------------------------------------------------------
     @property
@@ -131,58 +120,44 @@ class KVCacheManagerV2(KVCacheManager):
     def peak_pages(self, num_tokens: int, chunk: int) -> int:
         """The most pages one sequence holds during any step, for every way the scheduler may cut it
         into steps of at most `chunk` tokens (starts anywhere, prefix hits included)."""
-        return self._peak(num_tokens, chunk, (True, False))
+        return self._peak(num_tokens, chunk, tuple(range(len(self._groups))))
 
     def pages_at(self, num_tokens: int) -> int:
-        total = 0
-        for g in self._groups:
-            total += (g.num_blocks(num_tokens) - g.first_needed_block(num_tokens)) * g.num_layers
-        return total
+        return sum(len(p.needed_blocks(num_tokens)) * p.group.num_layers for p in self.policies)
 
     def pages_held(self, seq_id: str) -> int:
         seq = self._seqs.get(seq_id)
         return 0 if seq is None else seq.pages
 
-    def fits_ever(self, num_tokens: int, chunk: int) -> bool:
-        if self._caps is None:
-            return super().fits_ever(num_tokens, chunk)
-        return all(self._peak(num_tokens, chunk, (side,)) <= cap for side, cap in self._caps.items())
-
-    def _peak(self, num_tokens: int, chunk: int, sides: tuple[bool, ...]) -> int:
+    def _peak(self, num_tokens: int, chunk: int, groups: tuple[int, ...]) -> int:
+        """peak_pages over the groups with these indices."""
         span = min(chunk, num_tokens)
-        key = (num_tokens, span, sides)
+        key = (num_tokens, span, groups)
         if key not in self._peak_memo:
             if len(self._peak_memo) > 4096:
                 self._peak_memo.clear()
-            groups = [g for g in self._groups if g.sliding in sides]
-            windows = [g.window for g in groups if g.sliding]
-            if not windows:   # full groups only: every block, at the end
-                peak = sum(g.num_blocks(num_tokens) * g.num_layers for g in groups)
+            policies = [self.policies[g] for g in groups]
+            reaches = [p.reach for p in policies if p.drops_blocks]
+            if not reaches:   # nothing drops: every block, at the end
+                peak = sum(p.group.num_blocks(num_tokens) * p.group.num_layers for p in policies)
             else:
-                peak = max(sum(self._step_pages(g, s, min(s + span, num_tokens)) for g in groups)
-                           for s in self._step_starts(max(windows), num_tokens, span))
+                peak = max(sum(self._step_pages(p, s, min(s + span, num_tokens)) for p in policies)
+                           for s in self._step_starts(max(reaches), num_tokens, span))
             self._peak_memo[key] = peak
         return self._peak_memo[key]
 
-    def _step_pages(self, g: KVGroup, start: int, end: int) -> int:
-        """Pages group `g` holds while a step computes [start, end), as `allocate` plans it. Full
-        groups: every block up to `end`. Sliding groups: the real blocks the query at `start` reads,
-        then the new blocks, scratch where stale by the step's last hit point. A longer step never
-        holds fewer pages, so steps of the most tokens from each start are the worst case."""
-        end_block = g.num_blocks(end)
-        if not g.sliding:
-            return end_block * g.num_layers
-        first_new = g.num_blocks(start)
-        behind = first_new - g.first_needed_block(start)
-        stale = 0
-        if self.enable_scratch and end - start > 1:
-            stale = max(0, min(g.first_needed_block((end - 1) // self._hit_step * self._hit_step), end_block)
-                        - first_new)
-        return (behind + end_block - first_new - stale) * g.num_layers + stale
+    def _step_pages(self, policy: GroupPolicy, start: int, end: int) -> int:
+        """Pages a group holds while a step computes [start, end), as `allocate` plans it: the blocks
+        the query at `start` reads, then the new blocks, scratch where stale by the step's last hit
+        point. A longer step never holds fewer pages, so steps of the most tokens from each start are
+        the worst case."""
+        keep = (end - 1) // self._hit_step * self._hit_step if self.enable_scratch and end - start > 1 else None
+        b = policy.step_blocks(start, end, keep)
+        return (b.held_before + b.new - b.scratch) * policy.group.num_layers + b.scratch
 
     def _step_starts(self, window: int, num_tokens: int, span: int) -> list[int]:
-        """Step starts that cover the maximum of the pages held. Once the window is full
-        (start >= W - 1) and the step ends before the sequence does, sliding groups hold a number
+        """Step starts that cover the maximum of the pages held. Once the window (plus lookback) is
+        full (start >= W - 1) and the step ends before the sequence does, sliding groups hold a number
         that is periodic in the start with period H (the hit step: every block edge, window edge and
         hit point moves by whole blocks) while full groups only grow, so the first W + 2H starts and
         the period before the last full-length step cover those; where steps end at the sequence's
@@ -207,32 +182,33 @@ class KVCacheManagerV2(KVCacheManager):
         chain = [] if chain is None else chain
         extend_chain(chain, token_ids, self._granularity, self._root, limit)
         hit = limit - limit % self._hit_step
-        for g in self._groups:               # full groups: every block below the hit point
-            if g.sliding:
-                continue
-            n = 0
-            while (n + 1) * g.tokens_per_page <= hit and self._cached(chain, g, n) is not None:
-                n += 1
-            hit = min(hit, n * g.tokens_per_page)
-            hit -= hit % self._hit_step
         changed = True
-        while changed and hit > 0:           # sliding groups: the window tail at the hit point
+        while changed and hit > 0:   # a group that lowers the hit point may leave another without its blocks
             changed = False
-            for g in self._groups:
-                missing = self._last_missing(chain, g, hit) if g.sliding else None
-                while missing is not None and hit > 0:
-                    # No hit point whose window still covers the missing block can work: jump below it.
-                    hit = missing * g.tokens_per_page // self._hit_step * self._hit_step
-                    missing = self._last_missing(chain, g, hit)
-                    changed = True
+            for p in self.policies:
+                h = self._group_hit(chain, p, hit)
+                changed |= h < hit
+                hit = h
         return hit
 
-    def _last_missing(self, chain: list[bytes], g: KVGroup, hit: int) -> int | None:
-        """The last block a query at `hit` reads that is not cached, or None."""
-        for b in range(hit // g.tokens_per_page - 1, g.first_needed_block(hit) - 1, -1):
-            if self._cached(chain, g, b) is None:
-                return b
-        return None
+    def _group_hit(self, chain: list[bytes], policy: GroupPolicy, hit: int) -> int:
+        """The highest hit point <= `hit` (a multiple of the hit step) whose blocks `policy` needs
+        are all cached."""
+        g = policy.group
+        while hit > 0:
+            blocks = policy.hit_blocks(hit)
+            if not policy.drops_blocks:   # every block from 0: the first missing one bounds the hit
+                missing = next((b for b in blocks if self._cached(chain, g, b) is None), None)
+                if missing is None:
+                    return hit
+                return missing * g.tokens_per_page // self._hit_step * self._hit_step
+            # A window tail: no hit point whose window still covers the last missing block can work,
+            # so jump below it and look again.
+            missing = next((b for b in reversed(blocks) if self._cached(chain, g, b) is None), None)
+            if missing is None:
+                return hit
+            hit = missing * g.tokens_per_page // self._hit_step * self._hit_step
+        return 0
 
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self, seq_id, token_ids, start, end, prefill, chain=None) -> bool:
@@ -249,12 +225,13 @@ class KVCacheManagerV2(KVCacheManager):
         keep = (end - 1) // self._hit_step * self._hit_step
         # Per group: the blocks reused from the cache (new sequences only), then fresh blocks.
         plan: list[tuple[int, list[Slot], list[bool]]] = []    # (first block, hits, fresh-is-scratch)
-        need = reviving = 0
-        side_need = {True: 0, False: 0}
-        for g in self._groups:
+        need: list[int] = []   # fresh pages per group
+        reviving = 0
+        for g, policy in zip(self._groups, self.policies):
             if new_seq:
-                first = g.first_needed_block(start)
-                hits = [self._cached(chain, g, b) for b in range(first, start // g.tokens_per_page)]
+                blocks = policy.hit_blocks(start)
+                first = blocks.start
+                hits = [self._cached(chain, g, b) for b in blocks]
                 if any(s is None for s in hits):
                     raise ValueError(f"sequence {seq_id}: {start} tokens are not cached (call lookup first)")
                 next_block = start // g.tokens_per_page
@@ -264,21 +241,17 @@ class KVCacheManagerV2(KVCacheManager):
             # Scratch: blocks no query reads after this chunk. Blocks the window of the last hit point
             # inside the chunk (`keep`) reads stay real, so the chunk end can be a prefix hit later
             # (the last prompt token is always recomputed, so a repeated prompt hits just before it).
-            stale_at_end = g.first_needed_block(keep) if scratch_ok and g.sliding else 0
+            stale_at_end = policy.scratch_below(keep) if scratch_ok else 0
             fresh = [b < stale_at_end for b in range(next_block, g.num_blocks(end))]
-            pages = sum(1 if scratch else g.num_layers for scratch in fresh)
-            need += pages
-            side_need[g.sliding] += pages
+            need.append(sum(1 if scratch else g.num_layers for scratch in fresh))
             reviving += sum(len(s.pages) for s in hits if self.cache.is_parked(s))
             plan.append((first, hits, fresh))
-        if self.pool.num_free + self.cache.evictable_pages - reviving < need:
-            return False
-        if self._caps is not None and any(self._held[side] + side_need[side] > cap for side, cap in self._caps.items()):
+        if not self._has_room(need, reviving):
             return False
         for _, hits, _ in plan:
             for slot in hits:
                 self._take(slot)
-        while self.pool.num_free < need:
+        while self.pool.num_free < sum(need):
             self._destroy(self.cache.evict_oldest())
         if new_seq:
             seq = _Seq([_BlockTable(first, list(hits), [h.row for h in hits], start // g.tokens_per_page)
@@ -288,7 +261,6 @@ class KVCacheManagerV2(KVCacheManager):
         for g, (_, _, fresh) in zip(self._groups, plan):
             for scratch in fresh:
                 slot = self.rows[g.index].add(g.index, self.pool.allocate(1 if scratch else g.num_layers), scratch)
-                self._held[g.sliding] += len(slot.pages)
                 seq.pages += len(slot.pages)
                 slot.ref = 1
                 seq.tables[g.index].append(slot)
@@ -300,29 +272,28 @@ class KVCacheManagerV2(KVCacheManager):
     def allocate_computed(self, seq_id, token_ids, num_computed) -> bool:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already holds pages")
-        spans = [(g.first_needed_block(num_computed), g.num_blocks(num_computed)) for g in self._groups]
-        side_need = {True: 0, False: 0}
-        for g, (first, end) in zip(self._groups, spans):
-            side_need[g.sliding] += (end - first) * g.num_layers
-        need = sum(side_need.values())
-        if self.pool.num_free + self.cache.evictable_pages < need:
+        spans = [p.needed_blocks(num_computed) for p in self.policies]
+        need = [len(span) * g.num_layers for g, span in zip(self._groups, spans)]
+        if not self._has_room(need, 0):
             return False
-        if self._caps is not None and any(self._held[side] + side_need[side] > cap for side, cap in self._caps.items()):
-            return False
-        while self.pool.num_free < need:
+        while self.pool.num_free < sum(need):
             self._destroy(self.cache.evict_oldest())
         # registered = end: the received blocks never enter the prefix cache.
-        seq = _Seq([_BlockTable(first, registered=end) for first, end in spans], num_computed)
-        for g, (first, end) in zip(self._groups, spans):
-            for _ in range(first, end):
+        seq = _Seq([_BlockTable(span.start, registered=span.stop) for span in spans], num_computed)
+        for g, span in zip(self._groups, spans):
+            for _ in span:
                 slot = self.rows[g.index].add(g.index, self.pool.allocate(g.num_layers), False)
                 slot.ref = 1
-                self._held[g.sliding] += len(slot.pages)
                 seq.pages += len(slot.pages)
                 seq.tables[g.index].append(slot)
         seq.room = min(t.end * g.tokens_per_page for g, t in zip(self._groups, seq.tables))
         self._seqs[seq_id] = seq
         return True
+
+    def _has_room(self, need: list[int], reviving: int) -> bool:
+        """Whether the pool can give `need[g]` fresh pages to each group g while the cached slots a
+        hit revives (`reviving` pages) stop being evictable."""
+        return self.pool.num_free + self.cache.evictable_pages - reviving >= sum(need)
 
     def record_prefix_query(self, query_tokens: int, hit_tokens: int) -> None:
         if self.enable_prefix_caching:
@@ -350,7 +321,6 @@ class KVCacheManagerV2(KVCacheManager):
 
     def _destroy(self, slot: Slot) -> None:
         self.rows[slot.group].remove(slot)
-        self._held[self._groups[slot.group].sliding] -= len(slot.pages)
         self.pool.free(list(slot.pages))
 
     # -- after a step ---------------------------------------------------------------------------
@@ -372,27 +342,22 @@ class KVCacheManagerV2(KVCacheManager):
                     if not slot.scratch and slot.key is None:
                         self.cache.register(slot, self._block_key(seq.chain, g, b))
                 table.registered = max(table.registered, full)
-        for g in self._groups:
-            if not g.sliding:
+        for policy, table in zip(self.policies, seq.tables):
+            if not policy.drops_blocks:
                 continue
-            table = seq.tables[g.index]
-            drop = min(g.first_needed_block(num_computed), table.end) - table.first
+            drop = min(policy.first_needed_block(num_computed), table.end) - table.first
             if drop > 0:
                 for slot in table.drop_front(drop):
                     seq.pages -= len(slot.pages)
                     self._release(slot)
-        seq.next_event = min(self._next_event(g, num_computed) for g in self._groups)
+        seq.next_event = min(self._next_event(p, num_computed) for p in self.policies)
 
-    def _next_event(self, g: KVGroup, num_computed: int) -> int:
-        """The smallest position > num_computed where a block of `g` fills up (to register) or,
-        for a sliding group, the first block leaves the window."""
-        t = g.tokens_per_page
-        nxt = (num_computed // t + 1) * t if self.enable_prefix_caching else 1 << 62
-        if g.sliding:
-            # first_needed_block(p) grows when p - W + 1 reaches the next multiple of t
-            first = g.first_needed_block(num_computed)
-            nxt = min(nxt, (first + 1) * t + g.window - 1)
-        return nxt
+    def _next_event(self, policy: GroupPolicy, num_computed: int) -> int:
+        """The smallest position > num_computed where a block of the group fills up (to register) or
+        its first needed block moves on (to drop)."""
+        t = policy.tokens_per_page
+        fills = (num_computed // t + 1) * t if self.enable_prefix_caching else NEVER
+        return min(fills, policy.next_drop(num_computed))
 
     def free(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
@@ -469,19 +434,19 @@ class KVCacheManagerV2(KVCacheManager):
                     assert slot.key is not None and self.cache.is_parked(slot), "unreferenced slot not cached"
                     assert not slot.scratch, "a scratch slot outlived its step"
         for seq_id, seq in self._seqs.items():
-            for g, table in zip(self._groups, seq.tables):
+            for g, policy, table in zip(self._groups, self.policies, seq.tables):
                 assert table.rows == [slot.row for slot in table.slots], f"{seq_id}: row list out of step"
                 for slot in table.slots:
                     assert slot.group == g.index and slot.row in self.rows[g.index].live, f"{seq_id}: dead slot"
                     assert not slot.scratch, f"{seq_id}: scratch slot held between steps"
                     refs[id(slot)] = refs.get(id(slot), 0) + 1
-                if g.sliding and table.slots:
-                    first_needed = g.first_needed_block(seq.num_computed)
+                first_needed = policy.first_needed_block(seq.num_computed)
+                if policy.drops_blocks and table.slots:
                     assert table.first >= first_needed, (
-                        f"{seq_id}: sliding group {g.index} holds block {table.first}, out of every window "
+                        f"{seq_id}: group {g.index} holds block {table.first}, which no query reads any more "
                         f"(first needed {first_needed})")
                 # Complete: every block the next query reads is there.
-                assert table.first <= g.first_needed_block(seq.num_computed), f"{seq_id}: group {g.index} lost blocks"
+                assert table.first <= first_needed, f"{seq_id}: group {g.index} lost blocks"
                 assert table.end >= g.num_blocks(seq.num_computed), f"{seq_id}: group {g.index} misses its tail"
                 # A cached block's key is the hash of this sequence's tokens up to it.
                 for b, slot in enumerate(table.slots, table.first):
@@ -498,21 +463,6 @@ class KVCacheManagerV2(KVCacheManager):
         for slot in self.cache.registered():
             assert self.cache.get(slot.group, slot.key) is slot, "cache key map inconsistent"
         assert self.cache.evictable_pages == sum(len(s.pages) for s in self.cache.parked())
-        for side in (True, False):
-            held = sum(self._groups[s.group].sliding == side for s in page_owner.values())   # one entry per page
-            assert self._held[side] == held, f"{self._held[side]} pages counted on one side, {held} held"
-            assert self._caps is None or held <= self._caps[side], "a pinned side exceeds its share"
         assert len(page_owner) + self.pool.num_free == self.num_pages, (
             f"{len(page_owner)} pages in slots + {self.pool.num_free} free != {self.num_pages}")
 
-
-def pinned_pool_split(specs: list[LayerSpec], page_size: int, expected_len: int) -> float:
-    """The sliding groups' share of the pages that sequences of `expected_len` tokens hold (the
-    live blocks of each group at that length): the ratio a per-life-cycle pool sizing recipe pins
-    for that expected input length."""
-    geo = derive_groups(specs, page_size)
-    pages = {True: 0, False: 0}
-    for g in geo.groups:
-        live = g.num_blocks(expected_len + 1) - g.first_needed_block(expected_len)
-        pages[g.sliding] += live * g.num_layers
-    return pages[True] / (pages[True] + pages[False])
