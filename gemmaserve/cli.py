@@ -37,6 +37,7 @@ BENCHMARKS = {
     "grammar": ("structured output: per-step mask cost of xgrammar vs llguidance, and engine tokens/s", True),
     "kv-transfer": ("disaggregated serving: KV bytes per request (V2 vs V1), latency against one engine", False),
     "startup": ("cold and warm starts: serve to /health 200 and to compiled steps; generate vs llama.cpp", False),
+    "spec": ("speculative decoding (prompt lookup) on input-grounded tasks vs ours and llama.cpp's lookup", True),
 }
 
 
@@ -94,7 +95,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine_config = from_namespace(EngineConfig, args)
     params = from_namespace(SamplingParams, args)
     llm = LLM.from_config(engine_config)
-    build = llm.engine.compile_build
+    build = llm.engine.compiled_steps.build
     if build is not None and not args.verbose:   # (-v logs it): say what keeps running after this command
         who = f"pid {build.process.pid}" if build.process else "another process"
         print(f"gemmaserve: compiled CPU decode steps are being built in the background for later runs ({who}, "
@@ -132,6 +133,10 @@ def _generate(args: argparse.Namespace) -> int:
               f"prefix caching {'on' if info.prefix_caching else 'off'}; pages {st.pages_used} used / {st.pages_cached} cached / "
               f"{st.pages_free} free of {st.num_pages}; prefix hit rate {st.prefix_hit_rate:.1%}; "
               f"preemptions {llm.engine.scheduler.num_preemptions}", file=sys.stderr)
+        spec = llm.engine.scheduler.spec_stats
+        if spec.drafted:
+            print(f"speculative ({info.speculative}): {spec.accepted} of {spec.drafted} drafted tokens accepted "
+                  f"({spec.acceptance_rate:.1%}), {spec.mean_accepted_length:.2f} tokens per step", file=sys.stderr)
     return 0
 
 

@@ -45,7 +45,7 @@ def built(tmp_path_factory):
         llm = LLM(model=str(path), max_num_seqs=16)
         eager = LLM.from_config(llm.engine.config.replace(cpu_compile="off"), llm)
         engine = llm.engine
-        assert engine.info.cpu_compile == "building" and engine._build.process is not None
+        assert engine.info.cpu_compile == "building" and engine.compiled_steps.build.process is not None
         ran = []   # batch sizes the packages ran after the switch
         long = SamplingParams(max_tokens=300, temperature=0, logprobs=1, ignore_eos=True)
         deadline = time.monotonic() + 900
@@ -63,7 +63,7 @@ def built(tmp_path_factory):
             assert engine.info.cpu_compile in ("building", "ready"), engine.info.cpu_compile
         final = [o for o in outputs if o.finished][-1].outputs[0]
         want = eager.generate(["the river valley is long " * 3], long)[0].outputs[0]
-        store = engine.decode_store()
+        store = engine.compiled_steps.store()
     # (the patches end here: no other engine of this module starts a build)
     return dict(path=path, root=root, llm=llm, eager=eager, ran=ran, store=store,
                 spanning=(final.token_ids, final.logprobs), want=(want.token_ids, want.logprobs))
@@ -104,9 +104,9 @@ def test_other_options_have_other_packages(built, monkeypatch):
     """The key covers the KV layout: another page size is another store (built anew, never misread)."""
     monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(built["root"] / "cache"))
     other = LLM.from_config(built["llm"].engine.config.replace(cpu_compile="off", page_size=8), built["llm"])
-    assert other.engine.decode_store() != built["store"]
+    assert other.engine.compiled_steps.store() != built["store"]
     same = LLM.from_config(built["llm"].engine.config.replace(cpu_compile="off", max_num_seqs=3), built["llm"])
-    assert same.engine.decode_store() == built["store"]   # the batch limit is not in the graphs
+    assert same.engine.compiled_steps.store() == built["store"]   # the batch limit is not in the graphs
 
 
 def test_damaged_packages_are_dropped_and_said(built, monkeypatch, caplog, tmp_path):
@@ -123,7 +123,7 @@ def test_damaged_packages_are_dropped_and_said(built, monkeypatch, caplog, tmp_p
     (copy / "manifest.json").write_text(json.dumps(manifest))
     monkeypatch.setattr(EngineConfig, "cpu_compile_mode", lambda self, device, quantized: "background")
     llm = LLM.from_config(built["llm"].engine.config, built["llm"])   # (GEMMASERVE_BACKGROUND_COMPILE=0: no build)
-    assert llm.engine.decode_store() == copy
+    assert llm.engine.compiled_steps.store() == copy
     assert "do not load" in caplog.text and not copy.exists()
     assert _out(llm, ["hello world"]) == _out(built["eager"], ["hello world"])
 

@@ -72,7 +72,7 @@ def test_async_equals_sync(tiny_dir, cache, preempts):
     params = [dataclasses.replace(p, max_tokens=64, ignore_eos=True, stop=None) for p in params]
     ref = sync.generate(prompts, params)
     kv = sync.engine.kv
-    longest = max(len(sync.engine.tokenize(p)) + sp.max_tokens for p, sp in zip(prompts, params))
+    longest = max(len(sync.engine.inputs.tokenize(p)) + sp.max_tokens for p, sp in zip(prompts, params))
     tight = LLM(**common, async_scheduling="on", kv_cache_memory=int(1.3 * kv.peak_pages(longest, 32) + 2) * kv.page_bytes)
     _assert_same(tight.generate(prompts, params), ref, cached=False)
     if preempts is not None:   # lengths are fixed (ignore_eos): so is the schedule

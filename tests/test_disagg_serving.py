@@ -135,11 +135,11 @@ def test_greedy_output_equals_a_single_engine(cluster, single):
     assert (info["kv_manager"], info["swa_scratch_reuse"], info["runtime"]) == ("v2", True, "torch")
     expected = [o.outputs[0].text for o in single.generate(PROMPTS, SamplingParams(max_tokens=12), use_tqdm=False)]
     for prompt, want in zip(PROMPTS, expected):
-        assert len(single.engine.tokenize(prompt)) > 5 * WINDOW
+        assert len(single.engine.inputs.tokenize(prompt)) > 5 * WINDOW
         assert _completion(cluster["router"], prompt, stream=False) == want
         assert _completion(cluster["router"], prompt, stream=True) == want
     # Usage as one engine counts it: the prompt once, every generated token (the prefill engine's first one too).
-    ids = single.engine.tokenize(PROMPTS[1])
+    ids = single.engine.inputs.tokenize(PROMPTS[1])
     for stream in (False, True):
         body = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": stream,
                 "stream_options": {"include_usage": True} if stream else None}
@@ -182,7 +182,7 @@ def test_grammars_penalties_and_seeds_continue_on_the_decode_engine(cluster, sin
 def test_bytes_per_request_follow_the_window(cluster, single):
     """Full layers send every prompt token, sliding layers the W - 1 tokens the first decode step reads."""
     specs = single.engine.model.kv_layer_specs(torch.float32)
-    n = len(single.engine.tokenize(PROMPTS[1]))
+    n = len(single.engine.inputs.tokenize(PROMPTS[1]))
     expected = sum((n if s.window is None else min(n, s.window - 1)) * s.bytes_per_token() for s in specs if s.owns_kv)
     assert expected < n * sum(s.bytes_per_token() for s in specs) / 3   # what V1 would send
     before = _get(f"http://127.0.0.1:{cluster['decode']}/disagg/info")["stats"]
@@ -282,7 +282,7 @@ def test_nixl_runtime_moves_the_same_bytes(model_dir, single):
         specs = single.engine.model.kv_layer_specs(torch.float32)
         expected = 0
         for prompt in PROMPTS:
-            n = len(single.engine.tokenize(prompt))
+            n = len(single.engine.inputs.tokenize(prompt))
             expected += sum((n if s.window is None else min(n, s.window - 1)) * s.bytes_per_token() for s in specs)
         assert _get(f"http://127.0.0.1:{dport}/disagg/info")["stats"]["bytes"] == expected
         _kv_clean(pport)

@@ -182,7 +182,7 @@ def test_internal_failure_of_one_request_spares_the_others(tmp_path, monkeypatch
     monkeypatch.setattr(eng.runner, "launch", flaky_launch)
     for p in prompts:
         eng.add_request(p, params, request_id=p)
-    det = eng.request("poison detok").detokenizer
+    det = eng.outputs.state("poison detok").detokenizer
     monkeypatch.setattr(det, "step", lambda ids: (_ for _ in ()).throw(ValueError("injected detokenizer failure")))
     final = {}
     while eng.has_unfinished_requests():

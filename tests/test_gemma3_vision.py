@@ -196,7 +196,7 @@ def test_prompt_ids_equal_transformers_processor(setup, processor, prompt, n):
     in the same ids, the images' spans where its token types say, and the same pixels."""
     _, _, llm = setup
     images = _images(n, 3)
-    ids, items = llm.engine.prepare_images(prompt, images)
+    ids, items = llm.engine.inputs.prepare_images(prompt, images)
     assert_image_prompt_matches(ids, items, processor(text=prompt, images=images, return_tensors="np"), "token_type_ids")
     assert [it.length for it in items] == [TOKENS_PER_IMAGE] * n
 
@@ -250,7 +250,7 @@ def test_prefix_cache_keys_include_the_image(setup):
     prompt = "some words first <start_of_image> and after it a long tail of words"
     a, b = _images(2, 42)
     first = fresh.generate(prompt, PARAMS, images=[a])[0]
-    ids, items = fresh.engine.prepare_images(prompt, [a])
+    ids, items = fresh.engine.inputs.prepare_images(prompt, [a])
     same = fresh.generate(prompt, PARAMS, images=[a])[0]
     other = fresh.generate(prompt, PARAMS, images=[b])[0]
     assert same.num_cached_tokens > items[0].end           # the same image: hits past it
@@ -265,7 +265,7 @@ def test_image_inputs_and_errors(setup, tmp_path):
 
     arr = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
     Image.fromarray(arr).save(tmp_path / "a.png")
-    keys = {llm.engine.prepare_images("x", [im])[1][0].key
+    keys = {llm.engine.inputs.prepare_images("x", [im])[1][0].key
             for im in (arr, Image.fromarray(arr), str(tmp_path / "a.png"), (tmp_path / "a.png").read_bytes())}
     assert len(keys) == 1
     with pytest.raises(UserInputError, match="decoded"):
@@ -275,7 +275,7 @@ def test_image_inputs_and_errors(setup, tmp_path):
     with pytest.raises(UserInputError, match="placeholders"):
         llm.generate("<start_of_image> <start_of_image>", PARAMS, images=[arr])
     with pytest.raises(UserInputError, match="at most"):
-        llm.engine.prepare_images("x", [arr] * 3, ImageLimits(max_images=2))
+        llm.engine.inputs.prepare_images("x", [arr] * 3, ImageLimits(max_images=2))
 
 
 # -- the chat API ------------------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def test_llm_chat_takes_images_as_parts(setup):
     assert by_object.prompt_token_ids == by_url.prompt_token_ids
     rendered = "<start_of_turn>user\nlook<start_of_image>what<end_of_turn>\n<start_of_turn>model\n"   # Gemma's turns
     assert llm.generate(rendered, params, images=[image])[0].outputs[0].token_ids == by_object.outputs[0].token_ids
-    layout = llm.engine.image_layout
+    layout = llm.engine.inputs.image_layout
     assert by_object.prompt_token_ids.count(layout.image_token_id) == layout.max_tokens_per_image
     text = llm.chat([{"role": "user", "content": "hello"}], params)
     assert len(text.outputs[0].token_ids) == 6

@@ -367,7 +367,7 @@ def test_conditional_generation_checkpoint_loads_both_towers(tmp_path):
     assert any("vision_tower." in k for k in tensors)
     assert any("embed_vision." in k for k in tensors)
     llm = LLM(model=str(mm))
-    assert llm.engine.model.config.multimodal and llm.engine.image_layout is not None
+    assert llm.engine.model.config.multimodal and llm.engine.inputs.image_layout is not None
     assert llm.engine.info.swa_scratch_reuse is False
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     out = llm.generate([PROMPT], params)[0]

@@ -60,7 +60,7 @@ def test_preprocessing_equals_hf_processor():
 
 
 def _inputs(llm, prompt, images):
-    ids, items = llm.engine.prepare_images(prompt, images)
+    ids, items = llm.engine.inputs.prepare_images(prompt, images)
     pixels = torch.from_numpy(np.stack([it.pixels for it in items]))
     positions = torch.from_numpy(np.stack([it.positions for it in items]))
     return ids, items, pixels, positions
@@ -119,7 +119,7 @@ def test_prompt_ids_equal_transformers_processor(setup, processor, prompt, n):
     types say, and the same patches and positions."""
     llm = setup[3]
     images = _images(n, 5)
-    ids, items = llm.engine.prepare_images(prompt, images)
+    ids, items = llm.engine.inputs.prepare_images(prompt, images)
     ref = processor(text=prompt, images=images, return_tensors="np")
     assert_image_prompt_matches(ids, items, ref, "mm_token_type_ids")
     np.testing.assert_array_equal(np.stack([it.positions for it in items]), ref["image_position_ids"])

@@ -151,7 +151,7 @@ def test_engine_chunks_smaller_instead_of_refusing(tmp_path, scratch):
     tight = kv.peak_pages(306, 64) * kv.page_bytes
     assert kv.peak_pages(306, 256) * kv.page_bytes > tight   # the default chunk does not fit
     eng = LLM.from_config(roomy.engine.config.replace(kv_cache_memory=tight), roomy).engine
-    limit = eng.check_request(prompt_ids, params)
+    limit = eng.inputs.check_request(prompt_ids, params)
     assert limit is not None and 64 <= limit < 256
     got, chunks = _run(eng, prompt_ids, params)
     assert got == want
@@ -159,7 +159,7 @@ def test_engine_chunks_smaller_instead_of_refusing(tmp_path, scratch):
     small = LLM.from_config(roomy.engine.config.replace(kv_cache_memory=kv.peak_pages(306, 1) * kv.page_bytes // 2),
                             roomy).engine
     with pytest.raises(UserInputError, match="needs .* of KV cache for 306 tokens"):
-        small.check_request(prompt_ids, params)
+        small.inputs.check_request(prompt_ids, params)
 
 
 def test_pinned_split_caps_each_side():
@@ -197,14 +197,6 @@ def test_pinned_split_caps_each_side():
         PinnedSplitKVManager(SHAPES["gemma4-31b"].layer_specs()[5::6], 16, 1000, sliding_share=0.5)
 
 
-class _SilentDetokenizer:
-    def step(self, ids):
-        return ""
-
-    def finish(self):
-        return ""
-
-
 def _schedule_only(kv, lens: list[int], new_tokens: int, chunk: int) -> tuple[int, int]:
     """The real scheduler over the real manager with the forward pass left out: (tokens computed,
     preemptions) for prompts of the given lengths."""
@@ -218,7 +210,7 @@ def _schedule_only(kv, lens: list[int], new_tokens: int, chunk: int) -> tuple[in
         limit = kv.max_chunk(n + new_tokens, chunk)
         assert limit
         sched.add(Request(str(i), str(i), 0, "", list(range(3, 3 + n)), params, frozenset(), 1 << 30,
-                          _SilentDetokenizer(), max_chunk_tokens=None if limit == chunk else limit))
+                          max_chunk_tokens=None if limit == chunk else limit))
     computed = 0
     while sched.has_unfinished():
         plan = sched.schedule()

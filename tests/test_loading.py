@@ -39,7 +39,7 @@ def test_multimodal_checkpoint_names_load_both_towers(tmp_path):
     save_file({k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"},
               str(path / "model.safetensors"))
     llm = LLM(model=str(path))
-    assert llm.engine.image_layout is not None
+    assert llm.engine.inputs.image_layout is not None
     out = llm.generate(["some text"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == _hf_greedy(hf, out.prompt_token_ids, 8)
 

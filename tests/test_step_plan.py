@@ -20,14 +20,6 @@ from gemmaserve.kv.spec import AttentionKind, LayerSpec
 from helpers import make_manager
 
 
-class _Detok:
-    def step(self, ids):
-        return ""
-
-    def finish(self):
-        return ""
-
-
 def _specs(window: int):
     sl = LayerSpec(AttentionKind.SLIDING, 2, 8, torch.float32, window=window)
     fu = LayerSpec(AttentionKind.FULL, 1, 8, torch.float32)
@@ -56,7 +48,7 @@ def test_runner_tables_follow_the_manager_through_deltas(manager, scratch, prefi
     for i in range(14):
         prompt = (shared if i % 2 else []) + [rng.randrange(3, 50) for _ in range(rng.randrange(2, 40))]
         params = SamplingParams(max_tokens=rng.randrange(1, 50), ignore_eos=True)
-        req = Request(str(i), str(i), 0, "", prompt, params, frozenset(), 1 << 20, _Detok())
+        req = Request(str(i), str(i), 0, "", prompt, params, frozenset(), 1 << 20)
         reqs.append(req)
         sched.add(req)
     steps = preempted = 0
@@ -94,7 +86,7 @@ def test_a_plan_is_plain_data():
     kv = make_manager("v2", _specs(8), 4, 64, enable_prefix_caching=True, enable_scratch=True)
     sched = Scheduler(kv, 4, 16)
     sched.add(Request("a", "a", 0, "", list(range(3, 30)), SamplingParams(max_tokens=3, temperature=0.7, seed=3,
-                                                                          stop=["x"]), frozenset(), 1 << 20, _Detok()))
+                                                                          stop=["x"]), frozenset(), 1 << 20))
     plan = sched.schedule()
     text = json.dumps(plan.to_dict())
     back = StepPlan.from_dict(json.loads(text))

@@ -127,7 +127,7 @@ def test_async_scheduling_and_preemption_keep_the_tokens(llm, tiny_path, preempt
     options = dict(async_scheduling="on", max_num_batched_tokens=16)
     if preempting:   # room for the longest request and a third more: decodes growing together preempt
         kv = llm.engine.kv
-        longest = max(len(llm.engine.tokenize(p)) for p in PROMPTS) + params.max_tokens
+        longest = max(len(llm.engine.inputs.tokenize(p)) for p in PROMPTS) + params.max_tokens
         options["kv_cache_memory"] = int(1.3 * kv.peak_pages(longest, 16)) * kv.page_bytes
     other = LLM(str(tiny_path), page_size=4, **options)
     got = [[c.token_ids for c in o.outputs] for o in other.generate(PROMPTS, params)]

@@ -83,7 +83,7 @@ def _every_field_set() -> SamplingParams:
     params = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.2,
                             presence_penalty=0.5, frequency_penalty=-0.5, seed=11, n=2, stop=["x", "yz"],
                             stop_token_ids=[3, 4], logprobs=2, skip_special_tokens=False,
-                            structured_output=StructuredOutput(GrammarKind.REGEX, "[a-z]+"))
+                            structured_output=StructuredOutput(GrammarKind.REGEX, "[a-z]+"), speculative=False)
     defaults = SamplingParams()
     same = [f.name for f in dataclasses.fields(SamplingParams) if getattr(params, f.name) == getattr(defaults, f.name)]
     assert same == ["ignore_eos"], same   # ignore_eos=True cannot go with structured output

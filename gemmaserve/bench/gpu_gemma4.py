@@ -241,7 +241,7 @@ def section_pressure(res: dict, shapes, num_prompts: int = 8, new_tokens: int = 
             row = {"kv": run, "pool_split": opts.get("kv_pool_split")}
             try:
                 for p in prompts:   # V1 at a cap sized for V2 may not hold even one prompt: say so
-                    llm.engine.check_request(p, SamplingParams(max_tokens=new_tokens))
+                    llm.engine.inputs.check_request(p, SamplingParams(max_tokens=new_tokens))
             except UserInputError as exc:
                 rows.append({**row, "rejected": str(exc)})
                 print("pressure", name, rows[-1], flush=True)

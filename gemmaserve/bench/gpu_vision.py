@@ -413,7 +413,7 @@ def _check_variant(rows: list[dict], variant: str, hf: nn.Module, path: Path, de
         errs, equal = [], []
         for k, (prompt, n) in enumerate(prompts):
             images = random_images(((40, 30), (24, 24)), n, seed=k)
-            ids, items = llm.engine.prepare_images(prompt, images)
+            ids, items = llm.engine.inputs.prepare_images(prompt, images)
             inputs = _to(hf_inputs(family, ids, items, IMG), device, torch.float32)
             with torch.no_grad():
                 ref = hf(**inputs).logits[0, -1].float().cpu()
@@ -447,13 +447,13 @@ def _ttft_shape(rows: list[dict], name: str, device: torch.device, dtype: torch.
                   max_num_batched_tokens=work.ttft_batched_tokens, encoder_cache_memory=0,
                   enable_prefix_caching=False)
     eng = llm.engine
-    layout = eng.image_layout
+    layout = eng.inputs.image_layout
     rng = random.Random(7)
     for n in work.image_counts:
         images = random_images(shape.image_sizes, n, seed=n)
         prompt = "<bos> " + _words(rng, 32, shape.specials[0]) + "".join(
             f" {layout.placeholder} {_words(rng, 4, shape.specials[0])}" for _ in range(n)) + " w5"
-        ids, items = eng.prepare_images(prompt, images)
+        ids, items = eng.inputs.prepare_images(prompt, images)
         host = hf_inputs(shape.family, ids, items, layout.image_token_id)
 
         def ours() -> None:
@@ -528,7 +528,7 @@ def _throughput_row(loaded: LoadedModel, name: str, mode: str, cache_bytes: int,
     params = SamplingParams(max_tokens=work.new_tokens, ignore_eos=True)
     llm = _engine(loaded, device, dtype, kv_cache_memory=work.kv_cache_memory, max_num_seqs=work.requests,
                   max_num_batched_tokens=work.batched_tokens, encoder_cache_memory=cache_bytes)
-    placeholder = llm.engine.image_layout.placeholder
+    placeholder = llm.engine.inputs.image_layout.placeholder
     # Warm-up on the same shapes with other text and images (none of the measured ones gets cached).
     warm_prompts, warm_images = mixed_workload(shape, placeholder, work, seed=100)
     llm.generate(warm_prompts, params, images=warm_images, use_tqdm=False)

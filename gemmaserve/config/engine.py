@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserInputError
 from ..models.embedded import DEFAULT_MODEL
 from .options import number, option, positive_int, refusing, size
+from .speculative import SpeculativeConfig
 
 if TYPE_CHECKING:   # torch is imported only when a dtype or device is resolved: `--help` stays fast
     import torch
@@ -98,6 +99,11 @@ class EngineConfig:
                                        help="split the model over this many devices, one worker process each "
                                             "(torch.distributed: NCCL on CUDA, gloo on the CPU); 1 = one process. "
                                             "KV budgets are per device")
+    speculative_config: SpeculativeConfig | None = option(
+        None, parse=SpeculativeConfig.parse,
+        help='several tokens per forward, the same output: JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
+             '"num_speculative_tokens": 4}\' (prompt lookup: drafts what followed the last earlier occurrence of '
+             'the latest prompt_lookup_max..prompt_lookup_min tokens; default 4..2)')
     # Set by `serve --role prefill|decode` (no engine flag): config/kv_transfer.py.
     kv_transfer: "KVTransferConfig | None" = None
     # Set by `serve` (no flag): a long-lived engine.
@@ -155,6 +161,8 @@ class EngineConfig:
         if tp > 1 and self.kv_transfer is not None and self.kv_transfer.disaggregated:
             raise UserInputError("a prefill or decode role with tensor_parallel_size > 1 is not supported yet (the "
                                  "KV handoff reads and writes one process's cache)")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
 

@@ -120,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
 
         fields = json.loads(args.config) | {"cpu_compile": "off", "kv_cache_memory": BUILD_KV_MEMORY}
         engine = LLMEngine(EngineConfig(**fields))
-        directory = engine.decode_store()
+        directory = engine.compiled_steps.store()
         if directory is None or directory != Path(args.into):
             raise RuntimeError(f"this configuration's packages belong in {directory}, not {args.into}")
         from . import aot_decode
 
-        layout, key = engine.decode_layout_and_key()
+        layout, key = engine.compiled_steps.layout_and_key()
         aot_decode.build(engine.model, layout, key, directory)
         log.info("built the compiled decode steps into %s", directory)
         return 0

@@ -82,10 +82,10 @@ class LLM:
             try:
                 mine = None if images is None else images[i]
                 if mine:
-                    ids, items = engine.prepare_images(prompt, list(mine))
+                    ids, items = engine.inputs.prepare_images(prompt, list(mine))
                 else:
-                    ids, items = engine.tokenize(prompt), []
-                engine.check_request(ids, p, items)
+                    ids, items = engine.inputs.tokenize(prompt), []
+                engine.inputs.check_request(ids, p, items)
             except UserInputError as exc:
                 raise UserInputError(f"prompt {i}: {exc}") from None
             encoded.append((ids, items))
@@ -144,13 +144,13 @@ class LLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise UserInputError(f"expected SamplingParams, got {type(params).__name__}")
-        layout = engine.image_layout
+        layout = engine.inputs.image_layout
         parsed, images = parse_chat(messages, layout.placeholder if layout is not None else None, image_objects=True)
-        pixels = engine.load_images(images) if images else []
+        pixels = engine.inputs.load_images(images) if images else []
         expand = (lambda text: expand_prompt(text, pixels, layout)) if images else None
         ids = ChatFormatter(engine.tokenizer).encode(parsed, expand)
         items = place_images(ids, pixels, layout) if images else []
-        engine.check_request(ids, params, items)
+        engine.inputs.check_request(ids, params, items)
         self._calls += 1
         rid = engine.add_request(engine.tokenizer.decode(ids, skip_special_tokens=False), params, ids,
                                  request_id=f"llm{self._calls}-chat", images=items)

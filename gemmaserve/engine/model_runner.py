@@ -4,6 +4,9 @@
     input  [a0 a1 a2 a3 a4 | b7 | c3]        positions [0..4 | 7 | 3]
     sample rows: last token of every sequence the plan marks `sample`
 
+Speculative sequences (`num_drafts` k) sample their last k + 1 rows, and spec_decode.py keeps the
+drafts the target agrees with.
+
 The runner sees only plans: it keeps its own block tables (updated by the plan's deltas) and a
 sampling state per request (from its `NewRequest` until it is `finished`), never a live Request.
 
@@ -32,6 +35,7 @@ from ..device import to_device
 from .encoder_cache import EncoderCache
 from .images import ImageItem
 from .sampler import Sampled, SamplingState, sample
+from .spec_decode import verify
 from .structured_output import Grammars
 from .step import DEVICE_TOKEN, SeqStep, StepPlan, StepResult
 
@@ -196,14 +200,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqStep]) -> torch.Tensor | None:
-        """Logits [N, V] for the N sequences with `sample` (in order), or None."""
+        """Logits [N, V] for the N sequences with `sample` (in order; a speculative one's k + 1 rows
+        consecutive), or None."""
         input_ids, positions, md = self.build_inputs(seqs)
         rows, sampled, end = [], [], 0
         for b, s in enumerate(seqs):
             end += s.num_new_tokens
             if s.sample:
-                rows.append(end - 1)
-                sampled.append(b)
+                rows.extend(range(end - 1 - s.num_drafts, end))
+                sampled.extend([b] * (s.num_drafts + 1))
         embeds = self._image_embeds(seqs, input_ids) if self.images else None
         if self.graphs is not None and md.is_decode_only and embeds is None and len(seqs) <= self.graphs.max_size:
             logits = self.graphs.run(input_ids, positions, md)   # a logit row per sequence
@@ -217,12 +222,18 @@ class ModelRunner:
                 return logits
         attn = self.backend.begin_batch(md, self.kv_cache)
         inputs = ModelInputs(input_ids, positions, attn, inputs_embeds=embeds)
-        if len(rows) != end:   # prefill chunks: only the last row of completing sequences is sampled
+        # Prefill chunks: only the last row of completing sequences is sampled. A model may then skip
+        # the other rows where no KV is written (ModelInputs), which assumes one row per sequence: with
+        # drafts (several rows of a sequence) the rows are picked after the forward instead.
+        pick_after = len(rows) != end and len(sampled) != len(set(sampled))
+        if len(rows) != end and not pick_after:
             inputs.sample_rows = to_device(rows, torch.long, self.device)
             inputs.sample_seqs = sampled
         hidden = self.model(inputs)
         if not rows:
             return None
+        if pick_after:
+            hidden = hidden[to_device(rows, torch.long, self.device)]
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -237,12 +248,28 @@ class ModelRunner:
             return PendingStep([], None)
         if self.suppressed is not None:
             logits.index_fill_(1, self.suppressed, float("-inf"))
-        sampled = sample(logits, [self.sampling[i] for i in ids], self.grammars,
-                         row_by_row=self.backend.batch_invariant or self.device.type == "cpu")
+        row_by_row = self.backend.batch_invariant or self.device.type == "cpu"
+        if any(s.num_drafts for s in seqs if s.sample):
+            return self._verify(logits, [s for s in seqs if s.sample], row_by_row)
+        sampled = sample(logits, [self.sampling[i] for i in ids], self.grammars, row_by_row=row_by_row)
         for i, req_id in enumerate(ids):   # the next step may read these on the device
             self._last_sampled[req_id] = (sampled.tokens, i)
         sampled.to_host()
         return PendingStep(ids, sampled)
+
+    def _verify(self, logits: torch.Tensor, seqs: list[SeqStep], row_by_row: bool) -> "PendingStep":
+        """A step with drafts: each sequence's emitted tokens, read back now (spec_decode.py)."""
+        drafts = [s.token_ids[len(s.token_ids) - s.num_drafts:] for s in seqs]
+        got = verify(logits, [s.num_drafts + 1 for s in seqs], drafts, [self.sampling[s.req_id] for s in seqs],
+                     self.grammars, row_by_row=row_by_row)
+        result = StepResult()
+        for s, tokens, logprobs in zip(seqs, got.tokens, got.logprobs):
+            result.req_ids += [s.req_id] * len(tokens)
+            result.token_ids += tokens
+            result.logprobs += logprobs
+            # The next step may read the last one on the device (asynchronous scheduling).
+            self._last_sampled[s.req_id] = (to_device(tokens[-1:], torch.long, self.device), 0)
+        return PendingStep([], None, result)
 
     def execute(self, plan: StepPlan, only: list[int] | None = None) -> StepResult:
         """Run the plan (or the sequences `only` of it) and sample. Returns a token per `sample` row."""
@@ -255,8 +282,11 @@ class PendingStep:
 
     req_ids: list[str]
     sampled: Sampled | None
+    result: StepResult | None = None   # already on the host (a verified speculative step)
 
     def resolve(self) -> StepResult:
+        if self.result is not None:
+            return self.result
         if self.sampled is None:
             return StepResult()
         tokens, records = self.sampled.resolve()

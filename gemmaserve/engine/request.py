@@ -1,4 +1,5 @@
-"""A request's life: its tokens, progress, text, and the outputs users see.
+"""A request's life in the engine: its tokens and progress (its text: output_processor.py), and the
+outputs users see.
 
 One user request with `n` completions is `n` engine requests (a *group*): they share the group id,
 the prompt and, through the prefix cache, the prompt's KV pages; each has its own index, tokens,
@@ -12,7 +13,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from .detokenizer import IncrementalDetokenizer, StopStringFilter
 from .images import ImageItem, hash_token_ids
 from .sampling_params import SamplingParams
 
@@ -47,37 +47,31 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int]          # the tokenizer's end-of-sequence tokens
     max_total_tokens: int                  # prompt + output may not exceed this (max_model_len)
-    detokenizer: IncrementalDetokenizer
     seed: int = 0                          # of its random generator (the runner holds the generator)
     wait_for: "Request | None" = None      # admit only once this request's prompt is in the KV cache
     grammar: Future[Any] | None = None     # structured output: admit only once its grammar is compiled
     max_chunk_tokens: int | None = None    # prefill at most this many tokens a step (it fits only so)
     block_hashes: list[bytes] = field(default_factory=list)   # prefix-cache chain, grown by the KV manager
     images: list[ImageItem] = field(default_factory=list)     # in prompt order
-    output_token_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)   # committed (a stop string may end the output earlier)
     num_computed_tokens: int = 0           # tokens whose K/V sit in the cache or are being computed
     num_pending_samples: int = 0           # sampled by a step in flight, not appended yet
     num_cached_tokens: int = 0             # prompt tokens the prefix cache served at its first admission
+    num_draft_tokens: int = 0              # speculative decoding: tokens drafted for it ...
+    num_accepted_tokens: int = 0           # ... and how many of them the target agreed with
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None   # the stop string or stop token id that ended it
+    stop_reason: str | int | None = None   # the stop token id (or, set by the engine, stop string) that ended it
     error: str | None = None               # what failed, when finish_reason is ERROR
     num_preemptions: int = 0
     admitted_order: int = -1               # when it was (last) admitted: preemption picks the latest
     last_served: int = -1                  # last step that ran it: fairness when the budget runs out
     sent_tables: list[tuple[int, int]] | None = None   # per group: (first, end) block the runner holds
     sampling_sent: bool = False            # the runner holds its sampling state
-    stop_filter: StopStringFilter = field(init=False)
-    _emitted_tokens: int = 0               # token ids already reported in an output
-    _emitted_chars: int = 0
-    _emitted_logprobs: int = 0
     _all: list[int] = field(init=False)     # prompt + output, grown in place (no copy per step)
     _keyed: list[int] | None = field(init=False)   # what the prefix cache hashes, with images (else _all)
 
     def __post_init__(self) -> None:
-        self.stop_filter = StopStringFilter(tuple(self.params.stop))
         self._all = list(self.prompt_token_ids)
         self._keyed = hash_token_ids(self._all, self.images) if self.images else None
 
@@ -110,56 +104,24 @@ class Request:
     def prompt_computed(self) -> bool:
         return self.num_computed_tokens >= len(self.prompt_token_ids)
 
-    def append_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
-        """Record a sampled token: update text, and finish on a stop token, stop string or length."""
+    def append_token(self, token: int) -> None:
+        """Commit a sampled token; finish on a stop token, end of sequence or length (stop strings are
+        text, which the output processor reads)."""
         self.output_token_ids.append(token)
         self._all.append(token)
         if self._keyed is not None:
             self._keyed.append(token)
-        if logprob is not None:
-            self.logprobs.append(logprob)
         if token in self.params.stop_token_ids:
-            self._finish_and_flush(FinishReason.STOP, token)
-            return
-        if token in self.eos_token_ids and not self.params.ignore_eos:
-            self._finish_and_flush(FinishReason.STOP, None)
-            return
-        self.output_text += self.stop_filter.feed(self.detokenizer.step([token]))
-        if self.stop_filter.matched is not None:
-            self.finish(FinishReason.STOP, self.stop_filter.matched)
+            self.finish(FinishReason.STOP, token)
+        elif token in self.eos_token_ids and not self.params.ignore_eos:
+            self.finish(FinishReason.STOP, None)
         elif len(self.output_token_ids) >= self.params.max_tokens or len(self._all) >= self.max_total_tokens:
-            self._finish_and_flush(FinishReason.LENGTH, None)
-
-    def _finish_and_flush(self, reason: FinishReason, stop_reason: str | int | None) -> None:
-        self.output_text += self.stop_filter.feed(self.detokenizer.finish())
-        if self.stop_filter.matched is not None:   # the held-back text completed a stop string
-            reason, stop_reason = FinishReason.STOP, self.stop_filter.matched
-        else:
-            self.output_text += self.stop_filter.flush()
-        self.finish(reason, stop_reason)
+            self.finish(FinishReason.LENGTH, None)
 
     def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
-
-    def take_output(self) -> "CompletionOutput":
-        """What is new since the last output (`delta_*`); the whole text, tokens and logprobs only
-        once it finishes (copying them into every streamed output would cost O(n) per token)."""
-        delta_ids = self.output_token_ids[self._emitted_tokens:]
-        delta_text = self.output_text[self._emitted_chars:]
-        delta_lp = self.logprobs[self._emitted_logprobs:]
-        self._emitted_tokens = len(self.output_token_ids)
-        self._emitted_chars = len(self.output_text)
-        self._emitted_logprobs = len(self.logprobs)
-        done = self.is_finished
-        return CompletionOutput(
-            index=self.index, text=self.output_text if done else "",
-            token_ids=list(self.output_token_ids) if done else [],
-            finish_reason=self.finish_reason.value if self.finish_reason else None, stop_reason=self.stop_reason,
-            logprobs=list(self.logprobs) if done and self.params.logprobs is not None else None,
-            delta_text=delta_text, delta_token_ids=delta_ids,
-            delta_logprobs=delta_lp if self.params.logprobs is not None else None, error=self.error)
 
 
 @dataclass
@@ -174,6 +136,8 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprob] | None = None
     error: str | None = None               # finish_reason "error": what failed
+    num_draft_tokens: int = 0              # speculative decoding so far: drafted, and accepted by the target
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -206,6 +170,11 @@ class RequestOutput:
                "token_ids": first.token_ids, "finish_reason": first.finish_reason,
                "prompt_tokens": len(self.prompt_token_ids),
                "completion_tokens": sum(len(c.token_ids) for c in self.outputs)}
+        drafted = sum(c.num_draft_tokens for c in self.outputs)
+        if drafted:
+            accepted = sum(c.num_accepted_tokens for c in self.outputs)
+            out["speculative"] = {"draft_tokens": drafted, "accepted_tokens": accepted,
+                                  "acceptance_rate": round(accepted / drafted, 4)}
         if len(self.outputs) > 1 or first.stop_reason is not None or first.logprobs is not None:
             out["completions"] = [completion(c) for c in self.outputs]
         return out

@@ -45,6 +45,9 @@ class SamplingParams:
         help="constrain the output: 'json' (any JSON object), json_schema=SCHEMA, regex=RE or grammar=EBNF "
              "(SPEC inline or @file)")
     skip_special_tokens: bool = True
+    # False: this request opts out of speculative decoding (the engine's --speculative-config); its
+    # output is the same either way, only its speed differs.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # One string or id is accepted where a list is expected (as OpenAI's `stop` does).
@@ -96,8 +99,8 @@ class SamplingParams:
               f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         check(self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        check(isinstance(self.ignore_eos, bool) and isinstance(self.skip_special_tokens, bool),
-              "ignore_eos and skip_special_tokens must be booleans")
+        check(isinstance(self.ignore_eos, bool) and isinstance(self.skip_special_tokens, bool)
+              and isinstance(self.speculative, bool), "ignore_eos, skip_special_tokens and speculative must be booleans")
         check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
               "structured_output must be a StructuredOutput")
         check(not (self.structured_output and self.ignore_eos),

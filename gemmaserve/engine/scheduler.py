@@ -20,6 +20,12 @@ pages run out, the most recently admitted running request is preempted: its page
 tokens kept, and it is recomputed later (mostly from prefix-cache hits). No request is admitted in
 a step that preempted one, so freed pages go back to the preempted, not to newcomers.
 
+Speculative decoding (a `Proposer`): a decode runs its last token and up to k drafted guesses at the
+tokens after it; the runner keeps the longest run of guesses the target agrees with, plus the target's
+own next token. Only those tokens' KV is committed: the rejected drafts' positions are computed again
+the next step (no KV policy drops a block a query at the committed position reads). A request whose
+speculative step is still in flight is not scheduled again until its tokens are known.
+
 The scheduler owns request and KV state: `schedule()` decides and allocates, then describes the step
 as plain data (`StepPlan`: tokens per request, block-table deltas, new slots, requests gone), and
 `update_from_output()` alone commits the step (KV commit, sampled tokens, stop checks, finishing).
@@ -27,26 +33,25 @@ as plain data (`StepPlan`: tokens per request, block-table deltas, new slots, re
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv.base import KVCacheManager
+from .proposers import Proposer
 from .request import FinishReason, Request, RequestStatus
 from .step import DEVICE_TOKEN, NewRequest, SeqStep, SlotUpdate, StepPlan, StepResult, TableDelta
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
 class ScheduledSeq:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int                 # drafts included
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def completes(self) -> bool:
         """True if this step brings the request up to date, so a token is sampled for it."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_new_tokens - len(self.drafts) == self.request.num_tokens
 
 
 @dataclass
@@ -59,9 +64,43 @@ class _Decision:
         return sum(s.num_new_tokens for s in self.seqs)
 
 
+@dataclass
+class SpecStats:
+    """Speculative decoding counters (users read them: /metrics, --json, benchmarks)."""
+
+    steps: int = 0                      # sequence steps that carried drafts
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)   # [i]: steps whose draft i was accepted
+    drafted_at: list[int] = field(default_factory=list)    # [i]: steps that drafted position i
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a speculative step emitted on average: accepted drafts + the target's own."""
+        return 1 + self.accepted / self.steps if self.steps else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for counts, n in ((self.drafted_at, drafted), (self.accepted_at, accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 proposer: Proposer | None = None, spec_max_batch: int = 1 << 30):
+        """`spec_max_batch`: steps with more running decodes draft nothing (speculation stops paying)."""
         self.kv = kv
+        self.proposer = proposer
+        self.spec_max_batch = spec_max_batch
+        self.spec_stats = SpecStats()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -122,10 +161,15 @@ class Scheduler:
             n = self._chunk(req, req.num_computed_tokens, req.num_pending_tokens, self.max_num_batched_tokens - used)
             if n == 0:   # an image that does not fit what is left of the budget: next step
                 continue
+            drafts = []
+            if i < len(decodes) and self.proposer is not None and len(decodes) <= self.spec_max_batch:
+                room = min(self.max_num_batched_tokens - used, decode_budget - used) - 1
+                drafts = self._drafts(req, room)
+                n += len(drafts)
             preemptions = len(out.preempted)
-            scheduled = self._allocate_or_preempt(req, n, out)
+            scheduled = self._allocate_or_preempt(req, n, out, prefill=n > 1 and not drafts)
             if scheduled:
-                out.seqs.append(ScheduledSeq(req, n))
+                out.seqs.append(ScheduledSeq(req, n, drafts))
             if len(out.preempted) != preemptions:   # a victim may have been scheduled earlier this step
                 used = out.num_tokens
             elif scheduled:
@@ -135,6 +179,15 @@ class Scheduler:
         for s in out.seqs:
             s.request.last_served = self._step
         return self._describe(out)
+
+    def _drafts(self, req: Request, room: int) -> list[int]:
+        """Guesses at `req`'s next tokens: within `room` (budget), the request's own limits (a token
+        past max_tokens or max_model_len is never emitted) and its opt-out."""
+        if not req.params.speculative or room <= 0:
+            return []
+        limit = min(room, req.params.max_tokens - len(req.output_token_ids) - 1,
+                    req.max_total_tokens - req.num_tokens - 1)
+        return self.proposer.propose(req.all_token_ids, limit) if limit > 0 else []
 
     # -- the step as data ----------------------------------------------------------------------
     def _describe(self, out: _Decision) -> StepPlan:
@@ -148,9 +201,11 @@ class Scheduler:
                 req.sampling_sent = True
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             deltas, new_table = self._table_deltas(req)
-            known = req.all_token_ids[start:end]   # beyond: sampled by the step in flight, still on the device
-            plan.seqs.append(SeqStep(req.request_id, start, known + [DEVICE_TOKEN] * (end - start - len(known)),
-                                     s.completes, deltas, new_table))
+            real = end - len(s.drafts)
+            known = req.all_token_ids[start:real]   # beyond: sampled by the step in flight, still on the device
+            plan.seqs.append(SeqStep(req.request_id, start,
+                                     known + [DEVICE_TOKEN] * (real - start - len(known)) + s.drafts,
+                                     s.completes, deltas, new_table, len(s.drafts)))
             if s.completes:
                 req.num_pending_samples += 1
             req.num_computed_tokens = end
@@ -176,12 +231,12 @@ class Scheduler:
         return [TableDelta(first, rows[max(0, end - first):]) for (first, rows), (_, end) in zip(current, sent)], False
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Commit a step: its KV (blocks cached, stale blocks freed), sampled tokens (stop checks,
-        text), finished requests (pages freed). Returns the requests that sampled, failed or finished,
+        """Commit a step: its KV (blocks cached, stale blocks freed), sampled token ids (stop token,
+        end-of-sequence and length checks), finished requests (pages freed). Returns the requests that sampled, failed or finished,
         in plan order. With asynchronous scheduling the next plan is already out: a request it
         scheduled that finishes here simply ignores that step's result."""
         self._commit_ready()
-        sampled = dict(zip(result.req_ids, zip(result.token_ids, result.logprobs)))
+        sampled = result.by_request()
         touched = []
         for s in plan.seqs:
             req = self._by_id.get(s.req_id)
@@ -193,20 +248,32 @@ class Scheduler:
             if error is not None:
                 req.error = error
                 req.finish(FinishReason.ERROR)
-            elif s.req_id in sampled:   # a request preempted since still keeps the token
-                token, logprob = sampled[s.req_id]
-                try:
-                    req.append_token(token, logprob)
-                except Exception as exc:   # e.g. detokenizing: this request fails, the batch goes on
-                    log.error("request %s failed", req.request_id, exc_info=exc)
-                    req.error = f"{type(exc).__name__}: {exc}"
-                    req.finish(FinishReason.ERROR)
+            elif s.req_id in sampled:   # a request preempted since still keeps its tokens
+                tokens = [t for t, _ in sampled[s.req_id]]
+                if s.num_drafts:
+                    self._settle_drafts(req, s, len(tokens))
+                for t in tokens:
+                    req.append_token(t)
+                    if req.is_finished:   # a stop token or the length inside an accepted run
+                        break
             else:
                 continue
             if req.is_finished:
                 self.finish(req)
             touched.append(req)
         return touched
+
+    def _settle_drafts(self, req: Request, s: SeqStep, emitted: int) -> None:
+        """A speculative step computed [start, start + 1 + drafts) but only its first `emitted` tokens
+        (the last real token and the accepted drafts) are the sequence's: the rest is rolled back."""
+        self.spec_stats.record(s.num_drafts, emitted - 1)
+        req.num_draft_tokens += s.num_drafts
+        req.num_accepted_tokens += emitted - 1
+        end = s.start + emitted
+        if req.status is RequestStatus.RUNNING and req.num_computed_tokens == s.start + s.num_new_tokens:
+            req.num_computed_tokens = end
+        self._uncommitted = [(r, end if r is req and e == s.start + s.num_new_tokens else e)
+                             for r, e in self._uncommitted]
 
     def _commit_ready(self) -> None:
         """Commit the KV of scheduled steps whose tokens are all known on the host (a decode step's
@@ -301,11 +368,12 @@ class Scheduler:
                 n = max(0, im.start - start)
         return n
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: _Decision) -> bool:
+    def _allocate_or_preempt(self, req: Request, n: int, out: _Decision, prefill: bool) -> bool:
         """Pages for `n` more tokens of `req`, preempting the most recently admitted requests as
-        needed. False if `req` itself had to be preempted."""
+        needed. False if `req` itself had to be preempted. `prefill`: the step may use scratch (never
+        for drafts: a rejected draft's block is read again)."""
         start = req.num_computed_tokens
-        while not self.kv.allocate(req.request_id, req.cache_token_ids, start, start + n, prefill=n > 1):
+        while not self.kv.allocate(req.request_id, req.cache_token_ids, start, start + n, prefill=prefill):
             victim = max(self.running, key=lambda r: r.admitted_order)
             self._preempt(victim, out)
             if victim is req:

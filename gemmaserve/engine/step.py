@@ -58,6 +58,9 @@ class SeqStep:
     sample: bool                 # this step brings the request up to date: sample its next token
     deltas: list[TableDelta] | None = None   # per group; None: no table changed
     new_table: bool = False      # the runner holds no table for it (deltas carry the whole table)
+    # Speculative decoding: the last `num_drafts` of token_ids are guesses the runner checks against the
+    # target's own choices at each position (sampling every one), emitting 1..num_drafts + 1 tokens.
+    num_drafts: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -104,12 +107,19 @@ class StepPlan:
 
 @dataclass
 class StepResult:
-    """A token for every sequence of the plan with `sample` (in plan order)."""
+    """The tokens each sequence of the plan with `sample` emitted, in plan order: one entry per token,
+    so a speculative sequence has 1..num_drafts + 1 consecutive entries (`by_request` groups them)."""
 
     req_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)   # req id -> what failed running it alone
+
+    def by_request(self) -> dict[str, list[tuple[int, TokenLogprob | None]]]:
+        out: dict[str, list[tuple[int, TokenLogprob | None]]] = {}
+        for req_id, token, logprob in zip(self.req_ids, self.token_ids, self.logprobs):
+            out.setdefault(req_id, []).append((token, logprob))
+        return out
 
     def merge(self, other: "StepResult") -> None:
         self.req_ids += other.req_ids

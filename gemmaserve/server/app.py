@@ -308,7 +308,7 @@ class OpenAIServer:
         for i, url in enumerate(urls):   # refuse before decoding anything
             if not url.startswith("data:"):
                 decode_data_url(url, limits, f"image {i}")
-        return self.engine.load_images([decode_data_url(u, limits, f"image {i}") for i, u in enumerate(urls)], limits)
+        return self.engine.inputs.load_images([decode_data_url(u, limits, f"image {i}") for i, u in enumerate(urls)], limits)
 
     def _check_fits(self, prompts: list[_Prompt], params: SamplingParams, param: str, images=None) -> None:
         limit = self.engine.max_model_len
@@ -318,7 +318,7 @@ class OpenAIServer:
                                     f"{len(p.ids) + params.max_tokens} ({len(p.ids)} in the {param}, "
                                     f"{params.max_tokens} to generate)", param=param, code="context_length_exceeded")
             try:   # pure: KV geometry and vocabulary (the grammar was compiled by _check_grammar)
-                self.engine.check_request(p.ids, params, images, wait_for_grammar=False)
+                self.engine.inputs.check_request(p.ids, params, images, wait_for_grammar=False)
             except UserInputError as exc:
                 raise ApiError(400, str(exc), param=param) from None
 
@@ -404,7 +404,7 @@ class OpenAIServer:
     def _chat_prompt(self, raw_messages: list, calling: ToolCalling | None = None) -> tuple[_Prompt, list]:
         """Messages -> the prompt through the chat template (tools offered as `calling` says), and its
         images in place. Decodes images and tokenises: called on a worker thread."""
-        layout = self.engine.image_layout
+        layout = self.engine.inputs.image_layout
         try:
             messages, urls = parse_chat(raw_messages, layout.placeholder if layout is not None else None)
             tools = None

@@ -229,9 +229,11 @@ class AsyncEngine:
     def snapshot(self, engine: LLMEngine) -> EngineSnapshot:
         st = engine.kv.stats()
         sched = engine.scheduler
+        spec = sched.spec_stats
         return EngineSnapshot(len(sched.waiting), len(sched.running), st.num_pages, st.pages_used, st.pages_free,
                               st.pages_cached, st.scratch_pages, sched.num_preemptions, st.prefix_query_tokens,
-                              st.prefix_hit_tokens, self._integrity_ok)
+                              st.prefix_hit_tokens, self._integrity_ok, spec.steps, spec.drafted, spec.accepted,
+                              tuple(spec.accepted_at))
 
     # -- the engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -240,7 +242,7 @@ class AsyncEngine:
             while True:
                 busy = eng.has_unfinished_requests()
                 checking = not busy and not self._checked_idle and self._advance_idle_check()
-                building = not busy and eng.poll_compile()   # (switches to compiled steps once they are built)
+                building = not busy and eng.compiled_steps.poll()   # (switches to compiled steps once they are built)
                 try:   # idle: sleep until a command comes (a build: a look at it every second); busy or
                     # checking: take what is there
                     cmd = self._commands.get(block=not (busy or checking), timeout=1.0 if building else None)

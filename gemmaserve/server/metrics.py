@@ -29,6 +29,10 @@ class EngineSnapshot:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     integrity_ok: bool
+    spec_steps: int = 0                              # speculative decoding (scheduler.SpecStats)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_at: tuple[int, ...] = ()
 
 
 class _EngineCollector:
@@ -61,6 +65,21 @@ class _EngineCollector:
                                 value=rate)
         yield GaugeMetricFamily("gemmaserve_kv_integrity_ok", "1 if the last idle KV integrity check passed",
                                 value=1.0 if s.integrity_ok else 0.0)
+        yield CounterMetricFamily("gemmaserve_spec_decode_num_drafts", "Sequence steps that carried drafted tokens",
+                                  value=s.spec_steps)
+        yield CounterMetricFamily("gemmaserve_spec_decode_num_draft_tokens", "Tokens drafted", value=s.spec_draft_tokens)
+        yield CounterMetricFamily("gemmaserve_spec_decode_num_accepted_tokens", "Drafted tokens the target agreed with",
+                                  value=s.spec_accepted_tokens)
+        per_pos = CounterMetricFamily("gemmaserve_spec_decode_num_accepted_tokens_per_pos",
+                                      "Steps whose draft at this position was accepted", labels=["position"])
+        for i, n in enumerate(s.spec_accepted_at):
+            per_pos.add_metric([str(i)], n)
+        yield per_pos
+        yield GaugeMetricFamily("gemmaserve_spec_decode_acceptance_rate", "Accepted / drafted tokens since start",
+                                value=s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0)
+        yield GaugeMetricFamily("gemmaserve_spec_decode_mean_accepted_length",
+                                "Tokens a speculative step emitted on average (accepted drafts + 1)",
+                                value=1 + s.spec_accepted_tokens / s.spec_steps if s.spec_steps else 0.0)
 
 
 class ServerMetrics:

@@ -1,0 +1,84 @@
+"""`--speculative-config`: several tokens per target forward, with vLLM's keys.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+     "disable_by_batch_size": 4}
+
+`ngram` (prompt lookup) drafts the tokens that followed the latest earlier occurrence of the sequence's
+last n tokens (n from prompt_lookup_max down to prompt_lookup_min), no model needed. The target checks
+every draft in the same forward and keeps the longest run it agrees with, plus its own next token, so
+the output is what one token per step would give (engine/spec_decode.py).
+
+A step with more running decodes than `disable_by_batch_size` drafts nothing: a bigger batch already
+uses the compute that verification would (the default is where `gemmaserve bench spec` measured
+speculation to stop paying on the CPU; BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..errors import UserInputError
+
+METHODS = ("ngram",)
+# Drafting methods of the issue still to come, refused by name rather than as unknown.
+PLANNED = ("mtp", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig") -> "SpeculativeConfig":
+        """From JSON text (the command line), a dict (`LLM(speculative_config={...})`) or itself."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise UserInputError(f"speculative config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise UserInputError("speculative config must be a JSON object such as "
+                                 '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+                 "disable_by_batch_size"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise UserInputError(f"speculative config: unknown key(s) {', '.join(unknown)} "
+                                 f"(known: {', '.join(sorted(known))})")
+        method = value.get("method")
+        if method in PLANNED:
+            raise UserInputError(f"speculative method {method!r} is not available yet; use \"ngram\"")
+        if method not in METHODS:
+            raise UserInputError(f"speculative config: method must be one of {', '.join(METHODS)}, got {method!r}")
+        k = value.get("num_speculative_tokens")
+        if not _int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise UserInputError(f"speculative config: num_speculative_tokens must be an integer in "
+                                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        hi, lo = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+        if hi is None and lo is None:
+            hi, lo = cls.prompt_lookup_max, cls.prompt_lookup_min
+        hi = lo if hi is None else hi
+        lo = min(hi, cls.prompt_lookup_min) if lo is None and _int(hi) else lo
+        if not (_int(lo) and _int(hi) and 1 <= lo <= hi <= 64):
+            raise UserInputError(f"speculative config: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, "
+                                 f"got {lo!r} and {hi!r}")
+        if value.get("model") is not None:
+            raise UserInputError("speculative config: method ngram takes no model")
+        cap = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        if not _int(cap) or cap < 1:
+            raise UserInputError(f"speculative config: disable_by_batch_size must be an integer >= 1, got {cap!r}")
+        return cls(method, k, hi, lo, None, cap)
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,166 @@
+"""Assembling an engine from its configuration, in dependency order: executor and weights, KV layer
+specs (fp8 scales calibrated), attention backend, batch invariance, cache options, KV manager,
+runner, scheduler, and the input and output processors. `LLMEngine` receives the parts and only
+adds, aborts and steps requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import select_backend
+from ..attention.base import AttentionBackend
+from ..attention.kv_quant import FP8_DTYPE
+from ..config.engine import EngineConfig
+from ..config.resolve import (BATCH_INVARIANT_CHANGES, BatchInvariance, CacheOptions, resolve_batch_invariance,
+                              resolve_cache_options)
+from ..errors import UserInputError
+from ..kv import KVCacheManager, LayerSpec, create_kv_manager
+from ..models.layers import set_batch_invariant
+from ..models.loader import LoadedModel
+from ..transfer.runtime import probe as probe_transfer
+from .executor import create_executor
+from .input_processor import InputProcessor
+from .kv_calibration import calibrate_kv_scales, calibration_tokens
+from .output_processor import OutputProcessor
+from .proposers import create_proposer
+from .scheduler import Scheduler
+from .structured_output import Grammars
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    device: str
+    dtype: str
+    weights: str          # "float32", or the quantised formats: "int8 x 126, int4 x 18, embedding_int8 x 1"
+    kv_cache_dtype: str
+    max_model_len: int
+    kv_manager: str
+    swa_scratch_reuse: bool
+    prefix_caching: bool
+    attention_backend: str
+    cuda_graphs: bool
+    async_scheduling: bool
+    kv_pages: int
+    kv_page_size: int
+    kv_bytes: int
+    load_seconds: float
+    warmup_seconds: float = 0.0
+    tensor_parallel_size: int = 1
+    cpu_compile: str = "off"   # compiled CPU decode steps: off, unavailable, building, ready, failed (eager)
+    batch_invariant: bool = False   # --batch-invariant (config/resolve.py: what it replaces)
+    speculative: str = "off"        # --speculative-config: "ngram k=4 n=4..2"
+
+
+def _weights_label(loaded: LoadedModel, dtype: torch.dtype) -> str:
+    formats = loaded.weight_formats
+    if not formats:
+        return str(dtype).removeprefix("torch.")
+    return ", ".join(f"{fmt} x {n}" for fmt, n in formats.items() if n)
+
+
+def _speculative_label(config: EngineConfig) -> str:
+    spec = config.speculative_config
+    if spec is None:
+        return "off"
+    return (f"{spec.method} k={spec.num_speculative_tokens} n={spec.prompt_lookup_max}..{spec.prompt_lookup_min} "
+            f"up to batch {spec.disable_by_batch_size}")
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    executor: object                 # executor.py: this process, or tensor-parallel workers
+    loaded: LoadedModel
+    max_model_len: int
+    specs: list[LayerSpec]           # one device's KV layers (fp8 scales set)
+    backend: AttentionBackend
+    cache_options: CacheOptions
+    kv: KVCacheManager
+    grammars: Grammars
+    suppressed_token_ids: list[int]
+    runner: object                   # ModelRunner, or the tensor-parallel driver's
+    scheduler: Scheduler
+    inputs: InputProcessor
+    outputs: OutputProcessor
+    async_scheduling: bool
+    info: EngineInfo
+
+
+def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+    """`loaded`: reuse weights another engine already loaded (same model, dtype and device)."""
+    device = config.torch_device()
+    dtype = config.torch_dtype(device)
+    executor = create_executor(config)   # tensor parallelism: workers start loading their shards
+    if loaded is None:
+        loaded = executor.load_model(dtype, device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    limit = model.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise UserInputError(f"max_model_len {config.max_model_len} exceeds the model's context length {limit}")
+    max_model_len = config.max_model_len or limit
+
+    kv_dtype = config.torch_kv_dtype(dtype)
+    specs = executor.local_kv_specs(model.kv_layer_specs(kv_dtype))   # one device's KV heads
+    if kv_dtype == FP8_DTYPE:
+        specs = calibrate_kv_scales(model, specs, calibration_tokens(tokenizer, model.vocab_size), device)
+    backend = select_backend(config.attention_backend, device, specs)
+    invariance = resolve_batch_invariance(config, device.type, backend.capabilities, bool(loaded.weight_formats))
+    backend.batch_invariant = invariance is BatchInvariance.KERNELS
+    set_batch_invariant(model, backend.batch_invariant)   # reused weights follow this engine
+    if backend.batch_invariant:
+        log.info("batch invariant: %s", "; ".join(BATCH_INVARIANT_CHANGES))
+    elif config.batch_invariant:
+        log.info("batch invariant: every CPU step is (row-independent kernels, blockwise attention)")
+    cache_options = resolve_cache_options(config, model.engine_preferences(), backend.capabilities, specs,
+                                          probe=lambda name: probe_transfer(name, device))
+    kv = create_kv_manager(cache_options.kv_cache_manager, specs, config.page_size, config.kv_budget_bytes(device),
+                           enable_prefix_caching=cache_options.enable_prefix_caching,
+                           enable_scratch=cache_options.swa_scratch_reuse, sliding_share=config.kv_pool_split)
+    use_graphs = device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs
+    image_layout = getattr(model, "image_layout", None)
+    if image_layout is not None:
+        image_layout = image_layout.with_texts(tokenizer.special_text)
+    if image_layout is not None and config.max_num_batched_tokens < image_layout.max_tokens_per_image:
+        raise UserInputError(f"max_num_batched_tokens {config.max_num_batched_tokens} is below the "
+                             f"{image_layout.max_tokens_per_image} tokens an image can take (an image is "
+                             "never split across prefill chunks)")
+    # A text-only model has seen media tokens only as tokens, never with their embeddings: left
+    # free it may emit them (the 270M base model answers a haiku prompt with <start_of_image> x 24).
+    suppress = config.suppress_media_tokens
+    if suppress is None:
+        suppress = not model.config.multimodal
+    suppressed = sorted(t for t in tokenizer.media_token_ids if t < model.vocab_size) if suppress else []
+    grammars = Grammars(tokenizer, model.vocab_size)   # built on first use
+    runner = executor.create_runner(model, backend, kv.layout, kv.groups, kv.layer_slot, specs, device,
+                                    cuda_graphs=use_graphs, max_model_len=max_model_len,
+                                    max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
+                                    suppress_token_ids=suppressed, grammars=grammars)
+    async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
+    info = EngineInfo(
+        model=config.model, device=str(device), dtype=str(dtype).removeprefix("torch."),
+        weights=_weights_label(loaded, dtype), kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        max_model_len=max_model_len, kv_manager=kv.name, swa_scratch_reuse=cache_options.swa_scratch_reuse,
+        prefix_caching=cache_options.enable_prefix_caching, attention_backend=backend.capabilities.name,
+        cuda_graphs=runner.graphs is not None, cpu_compile="off", async_scheduling=async_scheduling,
+        kv_pages=kv.num_pages, kv_page_size=kv.page_size, kv_bytes=kv.num_pages * kv.page_bytes,
+        load_seconds=loaded.load_seconds, tensor_parallel_size=config.tensor_parallel_size,
+        batch_invariant=invariance is not BatchInvariance.OFF, speculative=_speculative_label(config))
+    return EngineParts(
+        config=config, device=device, dtype=dtype, executor=executor, loaded=loaded, max_model_len=max_model_len,
+        specs=specs, backend=backend, cache_options=cache_options, kv=kv, grammars=grammars,
+        suppressed_token_ids=suppressed, runner=runner,
+        scheduler=Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
+                            create_proposer(config.speculative_config),
+                            config.speculative_config.disable_by_batch_size if config.speculative_config else 1),
+        inputs=InputProcessor(config.model, tokenizer, model.vocab_size, max_model_len, config.max_num_batched_tokens,
+                              kv, grammars, image_layout),
+        outputs=OutputProcessor(tokenizer), async_scheduling=async_scheduling, info=info)

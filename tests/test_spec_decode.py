@@ -1,0 +1,217 @@
+"""Speculative decoding with prompt lookup (`--speculative-config '{"method": "ngram", ...}'`): the same
+output as one token per step in every cache mode, with sampling, stops, logprobs, grammars and n > 1;
+the proposer against brute force; verification keeps the target's distribution."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from gemmaserve import LLM, SamplingParams
+from gemmaserve.config.engine import EngineConfig
+from gemmaserve.config.speculative import SpeculativeConfig
+from gemmaserve.engine.proposers import NgramProposer
+from gemmaserve.engine.sampler import SamplingState
+from gemmaserve.engine.spec_decode import verify
+from gemmaserve.errors import UserInputError
+
+from helpers import fresh_seed, save_checkpoint, tiny_hf_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": 64}
+
+
+def _brute_force(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):   # the latest earlier occurrence
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_proposer_equals_brute_force():
+    rng = random.Random(fresh_seed())
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 40))]
+        k, hi = rng.randrange(1, 6), rng.randrange(1, 5)
+        lo = rng.randrange(1, hi + 1)
+        limit = rng.randrange(0, 7)
+        got = NgramProposer(k, hi, lo).propose(tokens, limit)
+        assert got == _brute_force(tokens, min(k, limit), hi, lo), (tokens, k, hi, lo, limit)
+    assert NgramProposer(3, 2, 1).propose([5, 6, 7, 5, 6], 10) == [7, 5, 6]
+
+
+def test_speculative_config_is_checked():
+    assert EngineConfig(speculative_config=dict(NGRAM)).speculative_config == SpeculativeConfig("ngram", 4, 3, 1, None, 64)
+    assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}').speculative_config == (
+        SpeculativeConfig("ngram", 2, 4, 2, None, 4))
+    for bad, match in [('{"method": "ngram"', "not valid JSON"), ({"method": "eagle"}, "method must be"),
+                       ({"method": "mtp", "num_speculative_tokens": 2}, "not available yet"),
+                       ({"method": "ngram", "num_speculative_tokens": 0}, r"in \[1, 16\]"),
+                       ({**NGRAM, "prompt_lookup_min": 5}, "prompt_lookup_min <= prompt_lookup_max"),
+                       ({**NGRAM, "draft": 1}, "unknown key"), ({**NGRAM, "model": "x"}, "takes no model"),
+                       ({**NGRAM, "disable_by_batch_size": 0}, "disable_by_batch_size")]:
+        with pytest.raises(UserInputError, match=match):
+            EngineConfig(speculative_config=bad)
+    with pytest.raises(UserInputError, match="speculative must be"):
+        SamplingParams(speculative="no")
+
+
+def test_verification_keeps_the_target_distribution():
+    """First emitted token of a verified step, over many draws: the target's filtered distribution
+    (chi-squared), whether the draft is its likeliest token, an unlikely one or one top-k removes;
+    and the same draws as sampling without a draft (one generator draw per emitted token)."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    vocab, draws = 12, 3000
+    logits = torch.randn(2, vocab, generator=gen) * 1.5
+    for params in (SamplingParams(temperature=0.9), SamplingParams(temperature=1.3, top_k=6, top_p=0.9),
+                   SamplingParams(temperature=0.7, min_p=0.05)):
+        state = SamplingState.create(params, 1234, [1, 2], torch.device("cpu"))
+        plain = SamplingState.create(params, 1234, [1, 2], torch.device("cpu"))
+        from gemmaserve.engine.sampler import filtered_probs, sample
+
+        p = filtered_probs(logits[:1], torch.tensor([params.temperature]), [params.top_k],
+                           torch.tensor([params.top_p]), torch.tensor([params.min_p]))[0].double()
+        for draft in (int(p.argmax()), int(p.argsort()[vocab // 2]), int(p.argmin())):
+            counts = torch.zeros(vocab, dtype=torch.float64)
+            for _ in range(draws):
+                got = verify(logits, [2], [[draft]], [state])
+                first = got.tokens[0][0]
+                counts[first] += 1
+                ref = sample(logits[:1], [plain]).resolve()[0][0]
+                assert first == ref   # the same draw as without the draft
+                if first == draft:   # accepted: the second position was drawn from as well
+                    assert len(got.tokens[0]) == 2 and sample(logits[1:], [plain]).resolve()[0][0] == got.tokens[0][1]
+                else:
+                    assert len(got.tokens[0]) == 1
+            keep = p > 0
+            expected = p[keep] * draws
+            chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+            dof = int(keep.sum()) - 1
+            assert counts[~keep].sum() == 0
+            assert chi2 < dof + 6 * math.sqrt(2 * dof) + 10, (params, draft, chi2, dof)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = save_checkpoint(tiny_hf_model(21, sliding_window=6, num_key_value_heads=2),
+                           tmp_path_factory.mktemp("spec") / "tiny")
+    return str(path), LLM(model=str(path), page_size=4)
+
+
+PROMPTS = ["abcdefghij klmnop qrstuv " * 6, "zyxw vuts " * 5, "hello world " * 3, "one two three four five"]
+MODES = {
+    "v1": dict(kv_cache_manager="v1"),
+    "v2+scratch+prefix": dict(kv_cache_manager="v2", swa_scratch_reuse="on", enable_prefix_caching=True),
+    "v2 chunk 8": dict(kv_cache_manager="v2", enable_prefix_caching=False, max_num_batched_tokens=8),
+    "preempting": dict(kv_cache_manager="v2", kv_cache_memory=70 * 1024, max_num_batched_tokens=16),
+    "async": dict(kv_cache_manager="v2", async_scheduling="on"),
+    "fp8 kv": dict(kv_cache_dtype="fp8"),
+}
+
+
+def _run(path, base, opts, params, spec: bool, prompts=PROMPTS):
+    config = EngineConfig(model=path, page_size=4, **opts, speculative_config=dict(NGRAM) if spec else None)
+    llm = LLM.from_config(config, base)
+    outs = llm.generate(prompts, params)
+    llm.engine.kv.check_integrity()
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+             [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs or []]) for o in outs for c in o.outputs], llm.engine
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_greedy_tokens_equal_without_speculation_in_every_cache_mode(tiny, mode):
+    path, base = tiny
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref, _ = _run(path, base, MODES[mode], params, spec=False)
+    got, eng = _run(path, base, MODES[mode], params, spec=True)
+    assert got == ref
+    st = eng.scheduler.spec_stats
+    assert st.accepted > 0 and st.accepted < st.drafted, st   # drafts both kept and rejected: both paths ran
+    if mode == "preempting":
+        assert eng.scheduler.num_preemptions > 0
+    if mode == "v2+scratch+prefix":   # warm: hits stay with speculation on
+        again, _ = _run(path, base, MODES[mode], params, spec=True)
+        assert again == ref
+
+
+SAMPLING = {
+    "seeded-filters-logprobs": dict(temperature=0.8, seed=7, top_k=20, top_p=0.95, min_p=0.01, logprobs=2),
+    "penalties-n3": dict(temperature=1.0, seed=3, repetition_penalty=1.3, presence_penalty=0.5,
+                         frequency_penalty=0.3, n=3),
+    "stop-strings": dict(stop=["qr", " fi"], logprobs=1),
+    "max-tokens": dict(max_tokens=7),
+    "stop-token": dict(),   # the 10th greedy token of the first prompt, inside an accepted run
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING))
+def test_sampling_stops_and_logprobs_equal_without_speculation(tiny, case):
+    path, base = tiny
+    params = SamplingParams(**{"max_tokens": 30, **SAMPLING[case]})
+    if case == "stop-token":
+        ref, _ = _run(path, base, {}, params.replace(ignore_eos=True), spec=False)
+        params = params.replace(stop_token_ids=[ref[0][0][9]])
+    ref, _ = _run(path, base, {}, params, spec=False)
+    got, eng = _run(path, base, {}, params, spec=True)
+    assert got == ref
+    assert eng.scheduler.spec_stats.drafted > 0
+
+
+def test_streams_structured_output_and_opt_out(tiny):
+    path, base = tiny
+    spec = LLM.from_config(EngineConfig(model=path, page_size=4, speculative_config=dict(NGRAM)), base)
+    plain = LLM.from_config(EngineConfig(model=path, page_size=4), base)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    deltas: dict[int, list] = {}
+    for o in spec.stream(PROMPTS[:2], params):
+        deltas.setdefault(o.prompt_index, []).extend(o.outputs[0].delta_token_ids)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], params)]
+    assert [deltas[0], deltas[1]] == want
+    assert max(spec.engine.scheduler.spec_stats.accepted_at or [0]) > 0
+    regex = SamplingParams(max_tokens=16, structured_output={"kind": "regex", "spec": "(ab|cd)+x"})
+    before = spec.engine.scheduler.spec_stats.accepted
+    assert ([o.outputs[0].text for o in spec.generate(PROMPTS[:2], regex)]
+            == [o.outputs[0].text for o in plain.generate(PROMPTS[:2], regex)])
+    assert spec.engine.scheduler.spec_stats.accepted > before   # drafts the grammar allows were kept
+    before = spec.engine.scheduler.spec_stats.drafted
+    out = spec.generate(PROMPTS[:1], params.replace(speculative=False))
+    assert spec.engine.scheduler.spec_stats.drafted == before and out[0].outputs[0].token_ids == want[0]
+    # Above disable_by_batch_size running decodes, steps draft nothing (and the tokens stay the same).
+    capped = LLM.from_config(EngineConfig(model=path, page_size=4,
+                                          speculative_config={**NGRAM, "disable_by_batch_size": 1}), base)
+    outs = capped.generate(PROMPTS[:2], params.replace(max_tokens=12))
+    assert [o.outputs[0].token_ids for o in outs] == [w[:12] for w in want]
+    assert capped.engine.scheduler.spec_stats.drafted == 0
+
+
+def test_270m_copies_its_input_faster_with_the_same_tokens(llm_270m):
+    prompt = ("Copy the list exactly.\nList: apples, oranges, pears, plums, grapes, cherries, lemons, limes, "
+              "figs, dates.\nCopy: apples, oranges, pears, plums,")
+    params = SamplingParams(max_tokens=24)
+    spec = LLM.from_config(llm_270m.engine.config.replace(speculative_config=dict(NGRAM)), llm_270m)
+    got = spec.generate([prompt], params)[0].outputs[0]
+    assert got.token_ids == llm_270m.generate([prompt], params)[0].outputs[0].token_ids
+    st = spec.engine.scheduler.spec_stats
+    assert st.mean_accepted_length > 2, st   # the list is copied: most drafts are right
+
+
+def test_two_tensor_parallel_ranks_verify_alike(tiny):
+    """Every rank runs the verification (same logits, same sampling state), so every rank keeps the
+    same drafts: greedy and seeded tokens equal one process without speculation."""
+    path, base = tiny
+    two = LLM(path, page_size=4, tensor_parallel_size=2, speculative_config=dict(NGRAM))
+    try:
+        for params in (SamplingParams(max_tokens=20, ignore_eos=True),
+                       SamplingParams(max_tokens=20, temperature=0.9, seed=5, ignore_eos=True)):
+            want = [o.outputs[0].token_ids for o in base.generate(PROMPTS, params)]
+            assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == want
+        assert two.engine.scheduler.spec_stats.accepted > 0
+    finally:
+        two.engine.shutdown()
