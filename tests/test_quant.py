@@ -338,8 +338,9 @@ def test_decode_bench_runs_and_notes_a_missing_reference(tmp_path):
     decode.add_arguments(parser)
     add_options(parser, EngineConfig, "engine")
     out = tmp_path / "decode.json"
+    # --cpu-compile off: a benchmark's steady state would build compiled steps for it (~35 s here).
     args = parser.parse_args(["--model", str(path), "--batch-sizes", "1,2", "--new-tokens", "4", "--repeats", "1",
-                              "--no-hf", "--prefill-tokens", "24", "--out", str(out)])
+                              "--no-hf", "--prefill-tokens", "24", "--cpu-compile", "off", "--out", str(out)])
     assert decode.run(args) == 0
     res = json.loads(out.read_text())
     assert [r["batch"] for r in res["rows"]] == [1, 2] and all(r["ours_tok_s"] > 0 for r in res["rows"])

@@ -50,7 +50,7 @@ def test_ngram_proposer_equals_brute_force():
 def test_speculative_config_is_checked():
     assert EngineConfig(speculative_config=dict(NGRAM)).speculative_config == SpeculativeConfig("ngram", 4, 3, 1, None, 64)
     assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}').speculative_config == (
-        SpeculativeConfig("ngram", 2, 4, 2, None, 4))
+        SpeculativeConfig("ngram", 2, 4, 2, None, 3))
     for bad, match in [('{"method": "ngram"', "not valid JSON"), ({"method": "eagle"}, "method must be"),
                        ({"method": "mtp", "num_speculative_tokens": 2}, "not available yet"),
                        ({"method": "ngram", "num_speculative_tokens": 0}, r"in \[1, 16\]"),
@@ -68,7 +68,7 @@ def test_verification_keeps_the_target_distribution():
     (chi-squared), whether the draft is its likeliest token, an unlikely one or one top-k removes;
     and the same draws as sampling without a draft (one generator draw per emitted token)."""
     gen = torch.Generator().manual_seed(fresh_seed())
-    vocab, draws = 12, 3000
+    vocab, draws = 12, 1500
     logits = torch.randn(2, vocab, generator=gen) * 1.5
     for params in (SamplingParams(temperature=0.9), SamplingParams(temperature=1.3, top_k=6, top_p=0.9),
                    SamplingParams(temperature=0.7, min_p=0.05)):
@@ -215,3 +215,27 @@ def test_two_tensor_parallel_ranks_verify_alike(tiny):
         assert two.engine.scheduler.spec_stats.accepted > 0
     finally:
         two.engine.shutdown()
+
+
+def test_bench_spec_runs_and_checks_tokens(tiny, tmp_path):
+    """`bench spec` on a tiny checkpoint (no GGUF: llama.cpp is skipped with a note): a task row and a batch
+    row, ours with and without drafts giving the same tokens."""
+    import argparse
+    import json
+
+    from gemmaserve.bench import spec
+    from gemmaserve.config.options import add_options
+
+    path, _ = tiny
+    parser = argparse.ArgumentParser()
+    spec.add_arguments(parser)
+    add_options(parser, EngineConfig, "engine")
+    out = tmp_path / "spec.json"
+    args = parser.parse_args(["--model", path, "--page-size", "4", "--cpu-compile", "off", "--tasks", "code-rename",
+                              "--new-tokens", "8", "--repeats", "1", "--batch-sizes", "2", "--out", str(out)])
+    assert spec.run(args) == 0
+    res = json.loads(out.read_text())
+    assert [r["task"] for r in res["tasks"]] == ["code-rename"] and res["tasks"][0]["same_tokens"]
+    assert [(r["workload"], r["batch"]) for r in res["batches"]] == [("grounded", 2), ("free", 2)]
+    assert all(r["same_tokens"] for r in res["batches"])
+    assert res["llama_cpp"].startswith("skipped") and not res["failed"]

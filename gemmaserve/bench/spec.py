@@ -5,14 +5,16 @@
 Each task: one greedy completion of `--new-tokens` tokens at batch 1, timed from submission to the
 last token (prompt processing included, the same on every side), median of `--repeats` runs after a
 warm-up, the four engines alternating so that the machine's drift falls on all alike. Ours must give the
-same tokens with and without speculation (checked; the run fails otherwise). Batches above 1 run the
-first B tasks together (ours only: llama-cpp-python's prompt lookup is single-sequence), which is what
-`disable_by_batch_size` is chosen from.
+same tokens with and without speculation (checked; the run fails otherwise). Batch rows run the first B
+prompts of two workloads together, the tasks and free text (ours only: llama-cpp-python's prompt lookup is
+single-sequence), without drafts, with the default `disable_by_batch_size` rule and with drafts at any batch
+size: the largest batch where drafting still pays on both is what the rule's default is chosen from.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -24,7 +26,7 @@ import torch
 
 from ..config.options import from_namespace, positive_int
 from .decode import _llama_reference, _machine, _parse_batch_sizes
-from .spec_texts import PROMPTS
+from .spec_texts import FREE_TEXT, PROMPTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookup-min", type=positive_int, default=2, help="shortest n-gram looked up")
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="tokens generated per task")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per figure (median)")
-    parser.add_argument("--batch-sizes", default="1,2,4,8", help="ours at these batch sizes (default: 1,2,4,8)")
+    parser.add_argument("--batch-sizes", default="1,2,3,4,8",
+                        help="ours at these batch sizes, the first B prompts of each workload together "
+                             "(default: 1,2,3,4,8)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    parser.add_argument("--tasks", default="all", help="comma-separated task names of spec_texts.py, or all "
+                        "(none: only the batch rows)")
     parser.add_argument("--out", default="bench-out/spec.json", help="JSON output path")
 
 
@@ -55,6 +61,18 @@ def _llama(model, prompt: str, new_tokens: int) -> int:
     model.reset()
     out = model.create_completion(prompt, max_tokens=new_tokens, temperature=0.0, top_k=1)
     return out["usage"]["completion_tokens"]
+
+
+def _tasks(text: str) -> dict[str, str]:
+    from ..errors import UserInputError
+
+    if text == "all":
+        return dict(PROMPTS)
+    names = [t for t in text.split(",") if t.strip() and t != "none"]
+    unknown = [t for t in names if t not in PROMPTS]
+    if unknown:
+        raise UserInputError(f"--tasks: unknown {', '.join(unknown)} (known: {', '.join(PROMPTS)})")
+    return {t: PROMPTS[t] for t in names}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                                     draft_model=LlamaPromptLookupDecoding(max_ngram_size=args.lookup_max,
                                                                           num_pred_tokens=args.num_speculative_tokens))
     failed = []
-    for name, prompt in PROMPTS.items():
+    for name, prompt in _tasks(args.tasks).items():
         fns = {"ours": lambda: _ours(plain, [prompt], args.new_tokens),
                "ours_spec": lambda: _ours(spec, [prompt], args.new_tokens)}
         if llama is not None:
@@ -122,22 +140,37 @@ def run(args: argparse.Namespace) -> int:
         ratios = [r[key] for r in result["tasks"] if key in r]
         if ratios:   # the geometric mean over tasks
             result[f"{key}_geomean"] = round(float(torch.tensor(ratios).log().mean().exp()), 3)
-    names = list(PROMPTS.values())
-    for b in sizes:
-        if b == 1:
-            continue
+    # Batches: without speculation, with the default rule (disable_by_batch_size), and with drafts at any
+    # batch size (what the rule is chosen from: the largest batch where drafting still pays).
+    forced = LLM.from_config(config.replace(speculative_config=dataclasses.replace(spec_config,
+                                                                                    disable_by_batch_size=1 << 20)),
+                             plain)
+    for workload, names, b in [(w, n, b) for w, n in (("grounded", list(PROMPTS.values())), ("free", FREE_TEXT))
+                               for b in sizes]:
         batch = [names[i % len(names)] for i in range(b)]
-        fns = {"ours": lambda: _ours(plain, batch, args.new_tokens), "ours_spec": lambda: _ours(spec, batch, args.new_tokens)}
+        fns = {"ours": lambda: _ours(plain, batch, args.new_tokens), "ours_spec": lambda: _ours(spec, batch, args.new_tokens),
+               "ours_spec_forced": lambda: _ours(forced, batch, args.new_tokens)}
         outs = {k: fn() for k, fn in fns.items()}
-        times = {k: statistics.median(_timed(fn)[0] for _ in range(args.repeats)) for k, fn in fns.items()}
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(args.repeats):
+            for k, fn in fns.items():
+                times[k].append(_timed(fn)[0])
         n = sum(map(len, outs["ours"]))
-        row = {"batch": b, "ours_tok_s": round(n / times["ours"], 2), "ours_spec_tok_s": round(n / times["ours_spec"], 2),
-               "same_tokens": outs["ours"] == outs["ours_spec"]}
+        row = {"workload": workload, "batch": b,
+               "same_tokens": outs["ours"] == outs["ours_spec"] == outs["ours_spec_forced"]}
+        for k in fns:
+            row[f"{k}_tok_s"] = round(n / statistics.median(times[k]), 2)
         row["spec_over_ours"] = round(row["ours_spec_tok_s"] / row["ours_tok_s"], 3)
+        row["forced_over_ours"] = round(row["ours_spec_forced_tok_s"] / row["ours_tok_s"], 3)
         if not row["same_tokens"]:
-            failed.append(f"batch {b}")
+            failed.append(f"{workload} batch {b}")
         result["batches"].append(row)
         print(json.dumps(row), flush=True)
+    for workload in ("grounded", "free"):   # the largest batch up to which drafting paid at every size
+        rows = [r for r in result["batches"] if r["workload"] == workload]
+        losing = [r["batch"] for r in rows if r["forced_over_ours"] <= 1.0]
+        result[f"drafting_pays_up_to_batch_{workload}"] = max(
+            [r["batch"] for r in rows if r["batch"] < min(losing, default=1 << 30)], default=0)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result["failed"] = failed

@@ -36,6 +36,12 @@ _MEETING = ("Minutes of the planning meeting, 3 March. Present: Ana Ruiz (chair)
             "three contractors. Item 3: Tom Becker reports that the bus stop on Mill Street will be moved fifty "
             "metres north in May. Next meeting: 7 April at 18:00 in room 2.")
 
+# Free text (stories, notes): no answer in the prompt; the 270M often repeats itself, so drafts still land,
+# but less than above. The batch rows run both kinds: where drafting stops paying depends on it.
+FREE_TEXT: list[str] = ["Once upon a time", "The history of the city begins", "In the morning the market",
+                        "My favourite recipe is", "The scientists announced that", "Dear diary, today",
+                        "The rules of the game are simple:", "At the edge of the forest"]
+
 PROMPTS: dict[str, str] = {
     "code-rename": ("Here is a Python module:\n\n" + _CODE + "\nHere is the same module with the function "
                     "parse_orders renamed to read_orders and nothing else changed:\n\ndef read_orders(lines):\n"),

@@ -1,7 +1,7 @@
 """`--speculative-config`: several tokens per target forward, with vLLM's keys.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-     "disable_by_batch_size": 4}
+     "disable_by_batch_size": 3}
 
 `ngram` (prompt lookup) drafts the tokens that followed the latest earlier occurrence of the sequence's
 last n tokens (n from prompt_lookup_max down to prompt_lookup_min), no model needed. The target checks
@@ -24,7 +24,7 @@ METHODS = ("ngram",)
 # Drafting methods of the issue still to come, refused by name rather than as unknown.
 PLANNED = ("mtp", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+DEFAULT_DISABLE_BY_BATCH_SIZE = 3
 
 
 @dataclass(frozen=True)
