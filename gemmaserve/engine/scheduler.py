@@ -141,6 +141,9 @@ class Scheduler:
         out = _Decision()
         decodes = sorted((r for r in self.running if r.prompt_computed and r.num_pending_tokens == 1
                           and not self._finishing(r)), key=lambda r: (r.last_served, r.admitted_order))
+        drafting = self.proposer is not None and len(decodes) <= self.spec_max_batch
+        if drafting:   # a request that drafts waits for its last token (asynchronous scheduling: still in flight)
+            decodes = [r for r in decodes if not (r.num_pending_samples and r.params.speculative)]
         prefills = [r for r in self.running if not (r.prompt_computed and r.num_pending_tokens <= 1)]
         # Decodes go first but may not take the whole budget while prompts wait: a quarter stays
         # for prefill, so many decodes cannot starve a prompt (and round robin keeps every decode moving).
@@ -162,7 +165,7 @@ class Scheduler:
             if n == 0:   # an image that does not fit what is left of the budget: next step
                 continue
             drafts = []
-            if i < len(decodes) and self.proposer is not None and len(decodes) <= self.spec_max_batch:
+            if i < len(decodes) and drafting:
                 room = min(self.max_num_batched_tokens - used, decode_budget - used) - 1
                 drafts = self._drafts(req, room)
                 n += len(drafts)
@@ -183,7 +186,7 @@ class Scheduler:
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Guesses at `req`'s next tokens: within `room` (budget), the request's own limits (a token
         past max_tokens or max_model_len is never emitted) and its opt-out."""
-        if not req.params.speculative or room <= 0:
+        if not req.params.speculative or room <= 0 or req.num_pending_samples:
             return []
         limit = min(room, req.params.max_tokens - len(req.output_token_ids) - 1,
                     req.max_total_tokens - req.num_tokens - 1)
@@ -232,8 +235,8 @@ class Scheduler:
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Commit a step: its KV (blocks cached, stale blocks freed), sampled token ids (stop token,
-        end-of-sequence and length checks), finished requests (pages freed). Returns the requests that sampled, failed or finished,
-        in plan order. With asynchronous scheduling the next plan is already out: a request it
+        end-of-sequence and length checks), finished requests (pages freed). Returns the requests that
+        sampled, failed or finished, in plan order. With asynchronous scheduling the next plan is already out: a request it
         scheduled that finishes here simply ignores that step's result."""
         self._commit_ready()
         sampled = result.by_request()
