@@ -63,6 +63,15 @@ def test_speculative_config_is_checked():
         SamplingParams(speculative="no")
 
 
+def test_command_line_says_what_is_wrong_with_the_config(capsys):
+    from gemmaserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}', "hi"])
+    assert exit_.value.code == 2
+    assert "--speculative-config: speculative config: num_speculative_tokens must be" in capsys.readouterr().err
+
+
 def test_verification_keeps_the_target_distribution():
     """First emitted token of a verified step, over many draws: the target's filtered distribution
     (chi-squared), whether the draft is its likeliest token, an unlikely one or one top-k removes;

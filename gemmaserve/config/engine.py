@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserInputError
 from ..models.embedded import DEFAULT_MODEL
-from .options import number, option, positive_int, refusing, size
+from .options import argparse_type, number, option, positive_int, refusing, size
 from .speculative import SpeculativeConfig
 
 if TYPE_CHECKING:   # torch is imported only when a dtype or device is resolved: `--help` stays fast
@@ -100,7 +100,7 @@ class EngineConfig:
                                             "(torch.distributed: NCCL on CUDA, gloo on the CPU); 1 = one process. "
                                             "KV budgets are per device")
     speculative_config: SpeculativeConfig | None = option(
-        None, parse=SpeculativeConfig.parse,
+        None, parse=argparse_type(SpeculativeConfig.parse),
         help='several tokens per forward, the same output: JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
              '"num_speculative_tokens": 4}\' (prompt lookup: drafts what followed the last earlier occurrence of '
              'the latest prompt_lookup_max..prompt_lookup_min tokens; default 4..2)')

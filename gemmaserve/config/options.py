@@ -70,7 +70,7 @@ def from_namespace(cls: type, ns: argparse.Namespace, **overrides: Any) -> Any:
 
 
 # -- parsers: raise UserInputError, which argparse shows as "argument --x: <message>" -----------
-def _argparse_type(fn: Callable[[str], Any]) -> Callable[[str], Any]:
+def argparse_type(fn: Callable[[str], Any]) -> Callable[[str], Any]:
     def wrapped(text: str) -> Any:
         try:
             return fn(text)
@@ -94,10 +94,10 @@ def _float(text: str) -> float:
         raise UserInputError(f"expected a number, got {text!r}") from None
 
 
-positive_int = _argparse_type(lambda t: _checked(_int(t), lambda v: v >= 1, "must be >= 1"))
-any_int = _argparse_type(_int)
-number = _argparse_type(_float)
-port_number = _argparse_type(lambda t: _checked(_int(t), lambda v: 0 <= v <= 65535, "must be a port in [0, 65535]"))
+positive_int = argparse_type(lambda t: _checked(_int(t), lambda v: v >= 1, "must be >= 1"))
+any_int = argparse_type(_int)
+number = argparse_type(_float)
+port_number = argparse_type(lambda t: _checked(_int(t), lambda v: 0 <= v <= 65535, "must be a port in [0, 65535]"))
 
 
 def _checked(value: Any, ok: Callable[[Any], bool], why: str) -> Any:
@@ -106,7 +106,7 @@ def _checked(value: Any, ok: Callable[[Any], bool], why: str) -> Any:
     return value
 
 
-size = _argparse_type(parse_size)
+size = argparse_type(parse_size)
 
 
 def refusing(reasons: dict[str, str]) -> Callable[[str], str]:
@@ -116,4 +116,4 @@ def refusing(reasons: dict[str, str]) -> Callable[[str], str]:
         if text in reasons:
             raise UserInputError(reasons[text])
         return text
-    return _argparse_type(check)
+    return argparse_type(check)
