@@ -80,8 +80,11 @@ def test_logprobs_without_json_print_a_table_under_each_completion(tmp_path):
         return [_words(" ".join([show(lp["token_id"]), f"{lp['logprob']:.3f}"] +
                                 [f"{show(t)} {p:.3f}" for t, p in lp["top"]])) for lp in completion["logprobs"]]
 
+    # One --json run gives both cases' values: a prompt's tokens do not depend on its batch.
+    run = _tiny_cli(path, "--json", "abc abc", "cab")
+    both = [json.loads(line)["completions"][0] for line in run.stdout.splitlines()]
     for prompts in (["abc abc"], ["abc abc", "cab"]):   # one prompt streams; several print when done
-        want = [json.loads(line)["completions"][0] for line in _tiny_cli(path, "--json", *prompts).stdout.splitlines()]
+        want = both[:len(prompts)]
         lines = _tiny_cli(path, *prompts).stdout.splitlines()
         tables = [i for i, line in enumerate(lines) if line.split() == ["token", "logprob", "top", "2"]]
         assert len(tables) == len(prompts), lines

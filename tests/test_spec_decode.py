@@ -48,7 +48,8 @@ def test_ngram_proposer_equals_brute_force():
 
 
 def test_speculative_config_is_checked():
-    assert EngineConfig(speculative_config=dict(NGRAM)).speculative_config == SpeculativeConfig("ngram", 4, 3, 1, None, 64)
+    want = SpeculativeConfig("ngram", 4, 3, 1, None, 64)
+    assert EngineConfig(speculative_config=dict(NGRAM)).speculative_config == want
     assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}').speculative_config == (
         SpeculativeConfig("ngram", 2, 4, 2, None, 3))
     for bad, match in [('{"method": "ngram"', "not valid JSON"), ({"method": "eagle"}, "method must be"),
@@ -130,8 +131,9 @@ def _run(path, base, opts, params, spec: bool, prompts=PROMPTS):
     llm = LLM.from_config(config, base)
     outs = llm.generate(prompts, params)
     llm.engine.kv.check_integrity()
-    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
-             [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs or []]) for o in outs for c in o.outputs], llm.engine
+    got = [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+            [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs or []]) for o in outs for c in o.outputs]
+    return got, llm.engine
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

@@ -148,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     for workload, names, b in [(w, n, b) for w, n in (("grounded", list(PROMPTS.values())), ("free", FREE_TEXT))
                                for b in sizes]:
         batch = [names[i % len(names)] for i in range(b)]
-        fns = {"ours": lambda: _ours(plain, batch, args.new_tokens), "ours_spec": lambda: _ours(spec, batch, args.new_tokens),
+        fns = {"ours": lambda: _ours(plain, batch, args.new_tokens),
+               "ours_spec": lambda: _ours(spec, batch, args.new_tokens),
                "ours_spec_forced": lambda: _ours(forced, batch, args.new_tokens)}
         outs = {k: fn() for k, fn in fns.items()}
         times: dict[str, list[float]] = {k: [] for k in fns}

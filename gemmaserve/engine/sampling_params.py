@@ -100,7 +100,8 @@ class SamplingParams:
         check(self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         check(isinstance(self.ignore_eos, bool) and isinstance(self.skip_special_tokens, bool)
-              and isinstance(self.speculative, bool), "ignore_eos, skip_special_tokens and speculative must be booleans")
+              and isinstance(self.speculative, bool),
+              "ignore_eos, skip_special_tokens and speculative must be booleans")
         check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
               "structured_output must be a StructuredOutput")
         check(not (self.structured_output and self.ignore_eos),

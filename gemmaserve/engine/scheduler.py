@@ -236,8 +236,8 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Commit a step: its KV (blocks cached, stale blocks freed), sampled token ids (stop token,
         end-of-sequence and length checks), finished requests (pages freed). Returns the requests that
-        sampled, failed or finished, in plan order. With asynchronous scheduling the next plan is already out: a request it
-        scheduled that finishes here simply ignores that step's result."""
+        sampled, failed or finished, in plan order. With asynchronous scheduling the next plan is already
+        out: a request it scheduled that finishes here simply ignores that step's result."""
         self._commit_ready()
         sampled = result.by_request()
         touched = []

@@ -67,7 +67,8 @@ class _EngineCollector:
                                 value=1.0 if s.integrity_ok else 0.0)
         yield CounterMetricFamily("gemmaserve_spec_decode_num_drafts", "Sequence steps that carried drafted tokens",
                                   value=s.spec_steps)
-        yield CounterMetricFamily("gemmaserve_spec_decode_num_draft_tokens", "Tokens drafted", value=s.spec_draft_tokens)
+        yield CounterMetricFamily("gemmaserve_spec_decode_num_draft_tokens", "Tokens drafted",
+                                  value=s.spec_draft_tokens)
         yield CounterMetricFamily("gemmaserve_spec_decode_num_accepted_tokens", "Drafted tokens the target agreed with",
                                   value=s.spec_accepted_tokens)
         per_pos = CounterMetricFamily("gemmaserve_spec_decode_num_accepted_tokens_per_pos",
