@@ -41,6 +41,9 @@ def test_policy_answers_equal_brute_force(window, tokens_per_page, lookback):
         later = next((q for q in range(p + 1, p + 200) if policy.first_needed_block(q) > first), NEVER)
         assert policy.next_drop(p) == later, p
         # step_blocks: what the step [p, p + 7) holds: the blocks its first query reads, then the new ones
+        # rollback_floor: the lowest position whose query finds every block of a table starting at block first
+        floor = next(q for q in range(0, 10 * 200) if policy.first_needed_block(q) >= first)
+        assert policy.rollback_floor(first) == floor, p
         b = policy.step_blocks(p, p + 7, None)
         assert (b.held_before, b.new, b.scratch) == (-(-p // t) - first, -(-(p + 7) // t) - -(-p // t), 0)
     assert not policy_for(KVGroup(0, AttentionKind.FULL, None, t, (0,))).drops_blocks

@@ -9,8 +9,10 @@ A policy answers, for one group, from positions alone:
     step_blocks(s, e, keep) the blocks a step computing [s, e) holds, and how many of its new ones may be
                             scratch (one page for every layer: no query after the step reads them)
     rollback_floor(first)   the lowest position a sequence whose table starts at block `first` can go
-                            back to and still find every block its next query reads (speculation: a
-                            rejected draft is computed KV that no query may read)
+                            back to and still find every block its next query reads: the room `lookback`
+                            buys (a consumer reading behind, a rollback of committed tokens); the
+                            manager's integrity check holds every sequence to it. Rejected drafts need
+                            none: their KV is never committed (scheduler.py)
     next_drop(p)            the next position > p at which first_needed_block grows
 
     full attention        needs every block; a hit needs every block below it; never drops; rolls back
