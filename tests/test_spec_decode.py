@@ -250,3 +250,25 @@ def test_bench_spec_runs_and_checks_tokens(tiny, tmp_path):
     assert [(r["workload"], r["batch"]) for r in res["batches"]] == [("grounded", 2), ("free", 2)]
     assert all(r["same_tokens"] for r in res["batches"])
     assert res["llama_cpp"].startswith("skipped") and not res["failed"]
+
+
+def test_multi_turn_sessions_keep_their_prefix_hits(tiny):
+    """Interleaved multi-turn sessions (each turn is the last prompt + its answer + more text): with drafts
+    the prefix cache serves the same tokens as without (only accepted tokens' blocks are cached, all of them)."""
+    path, base = tiny
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    stats = {}
+    for spec in (None, dict(NGRAM)):
+        llm = LLM.from_config(EngineConfig(model=path, page_size=4, enable_prefix_caching=True,
+                                           speculative_config=spec), base)
+        sessions = [p[:60] for p in PROMPTS]
+        answers = []
+        for turn in range(3):
+            outs = llm.generate(sessions, params)
+            answers.append([o.outputs[0].text for o in outs])
+            sessions = [s + o.outputs[0].text + f" turn {turn} " for s, o in zip(sessions, outs)]
+        st = llm.engine.kv.stats()
+        stats[spec is not None] = (answers, st.prefix_query_tokens, st.prefix_hit_tokens)
+        llm.engine.kv.check_integrity()
+        accepted = llm.engine.scheduler.spec_stats.accepted
+    assert stats[True] == stats[False] and stats[True][2] > 0 and accepted > 0
