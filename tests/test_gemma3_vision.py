@@ -226,6 +226,20 @@ def test_greedy_tokens_equal_across_cache_modes_and_mixed_batches(setup, options
     other.engine.kv.check_integrity()
 
 
+def test_drafted_tokens_leave_image_requests_unchanged(setup):
+    """Speculative decoding (prompt lookup) over prompts with images, cold and warm prefix cache: the same
+    tokens as without drafts."""
+    _, path, llm = setup
+    expected = _run(llm, extra_text=["just text here", "more text"])
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 64}
+    other = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
+                                         max_num_batched_tokens=64, speculative_config=spec), llm)
+    for _ in range(2):
+        assert _run(other, extra_text=["just text here", "more text"]) == expected
+    assert other.engine.scheduler.spec_stats.drafted > 0
+    other.engine.kv.check_integrity()
+
+
 def test_encoder_runs_once_per_image(setup):
     _, path, llm = setup
     small = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
