@@ -8,7 +8,7 @@ import random
 import pytest
 
 from gemmaserve.engine.output_processor import OutputProcessor
-from gemmaserve.engine.request import FinishReason, Request, TokenLogprob
+from gemmaserve.engine.request import Request, TokenLogprob
 from gemmaserve.engine.sampling_params import SamplingParams
 
 from helpers import fresh_seed
@@ -33,9 +33,9 @@ def _run(tok, params: SamplingParams, ids: list[int], sizes) -> tuple:
                 break
             req.append_token(t)
             lps.append(TokenLogprob(t, -0.5, ()))
-        stop = out.process(req, lps)
-        if stop is not None:
-            req.finish(FinishReason.STOP, stop)
+        ended = out.process(req, lps)
+        if ended is not None:
+            req.finish(ended.reason, ended.stop_reason)
         o = out.output(req)
         deltas.append(o.outputs[0].delta_text)
         if o.finished:

@@ -208,9 +208,10 @@ class LLMEngine:
         emitted = result.by_request()
         outputs = []
         for req in self.scheduler.update_from_output(plan, result):
-            stop = self.outputs.process(req, [lp for _, lp in emitted.get(req.request_id, ())])
-            if stop is not None:
-                req.finish(FinishReason.STOP, stop)
+            ended = self.outputs.process(req, [lp for _, lp in emitted.get(req.request_id, ())])
+            if ended is not None:   # a stop string, or the text failed
+                req.error = ended.error
+                req.finish(ended.reason, ended.stop_reason)
             if req.is_finished:
                 self._retire(req)
             outputs.append(self.outputs.output(req))

@@ -82,6 +82,15 @@ class OutputState:
             num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens)
 
 
+@dataclass(frozen=True)
+class Ending:
+    """How the text ended a request (the engine finishes it)."""
+
+    reason: FinishReason
+    stop_reason: str | None
+    error: str | None = None
+
+
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -95,9 +104,10 @@ class OutputProcessor:
     def state(self, request_id: str) -> OutputState:
         return self._states[request_id]
 
-    def process(self, req: Request, logprobs: list[TokenLogprob | None] = ()) -> str | None:
-        """Read `req`'s newly committed tokens. Returns the stop string that ended it here, if one
-        did (the caller finishes the request); a detokenizer failure fails the request alone."""
+    def process(self, req: Request, logprobs: list[TokenLogprob | None] = ()) -> "Ending | None":
+        """Read `req`'s newly committed tokens. Returns how the text ended the request, if it did: a stop
+        string, or a detokenizer failure (this request fails alone). The caller, which owns the request's
+        state, finishes it."""
         state = self._states[req.request_id]
         if state.finish_reason is not None:
             return None
@@ -105,12 +115,10 @@ class OutputProcessor:
             state.feed(req, list(logprobs))
         except Exception as exc:   # e.g. detokenizing: this request fails, the batch goes on
             log.error("request %s failed", req.request_id, exc_info=exc)
-            req.error = f"{type(exc).__name__}: {exc}"
-            req.finish(FinishReason.ERROR)
             state.finish_reason = FinishReason.ERROR
-            return None
+            return Ending(FinishReason.ERROR, None, f"{type(exc).__name__}: {exc}")
         if state.finish_reason is FinishReason.STOP and isinstance(state.stop_reason, str) and not req.is_finished:
-            return state.stop_reason
+            return Ending(FinishReason.STOP, state.stop_reason)
         return None
 
     def output(self, req: Request) -> RequestOutput:

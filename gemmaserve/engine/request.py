@@ -39,6 +39,13 @@ class TokenLogprob:
 
 @dataclass(eq=False)   # identity: requests are compared in scheduler lists, never by value
 class Request:
+    """Who writes what: `LLMEngine.add_request` the fields up to `images` (then never again); the KV
+    manager `block_hashes`; the scheduler everything about progress and tokens (output ids, computed and
+    pending counts, status, admission and table bookkeeping, the cached and draft counters) and the ends
+    that need no text (stop token, end of sequence, length, a failed step). The engine alone ends a
+    request otherwise (abort; a stop string or a text failure the output processor reports) and hands
+    it to the scheduler to free. Text, stop strings and logprobs are not here: output_processor.py."""
+
     request_id: str                        # unique engine id ("<group id>" or "<group id>#<index>")
     group_id: str                          # the id the user sees
     index: int                             # which of the group's n completions
