@@ -24,7 +24,7 @@ import torch
 
 from ..device import to_device
 from .request import TokenLogprob
-from .sampler import Sampled, SamplingState, sample
+from .sampler import SamplingState, sample
 from .structured_output import Grammars
 
 
@@ -32,7 +32,6 @@ from .structured_output import Grammars
 class Verified:
     tokens: list[list[int]]                         # per sequence: 1..k + 1 emitted tokens
     logprobs: list[list[TokenLogprob | None]]
-    last: list[tuple[Sampled, int]]                 # per sequence: where its last emitted token is, on the device
 
 
 def verify(logits: torch.Tensor, num_rows: list[int], drafts: list[list[int]], states: list[SamplingState],
@@ -41,7 +40,7 @@ def verify(logits: torch.Tensor, num_rows: list[int], drafts: list[list[int]], s
     Reads every position's choice back to the host: a draft is accepted only if the target agrees."""
     n = len(num_rows)
     starts = [sum(num_rows[:b]) for b in range(n)]
-    out = Verified([[] for _ in range(n)], [[] for _ in range(n)], [None] * n)
+    out = Verified([[] for _ in range(n)], [[] for _ in range(n)])
     active = list(range(n))
     for pos in range(max(num_rows)):
         if not active:
@@ -53,7 +52,6 @@ def verify(logits: torch.Tensor, num_rows: list[int], drafts: list[list[int]], s
         for j, b in enumerate(active):
             out.tokens[b].append(chosen[j])
             out.logprobs[b].append(records[j])
-            out.last[b] = (step, j)
             if pos < len(drafts[b]) and chosen[j] == drafts[b][pos]:
                 still.append(b)   # the draft was right: its successor's position is valid too
         active = still
