@@ -147,6 +147,21 @@ def test_greedy_tokens_equal_without_speculation_in_every_cache_mode(tiny, mode)
     assert st.accepted > 0 and st.accepted < st.drafted, st   # drafts both kept and rejected: both paths ran
     if mode == "preempting":
         assert eng.scheduler.num_preemptions > 0
+        # Counters users read agree under preemption: per request (--json, usage) and in total (/metrics).
+        from gemmaserve.server.metrics import EngineSnapshot, ServerMetrics
+
+        llm = LLM.from_config(eng.config, base)
+        outs = llm.generate(PROMPTS, params)
+        stats = llm.engine.scheduler.spec_stats
+        assert llm.engine.scheduler.num_preemptions > 0 and stats.accepted > 0
+        assert sum(c.num_draft_tokens for o in outs for c in o.outputs) == stats.drafted == sum(stats.drafted_at)
+        assert sum(c.num_accepted_tokens for o in outs for c in o.outputs) == stats.accepted == sum(stats.accepted_at)
+        snap = EngineSnapshot(0, 0, 1, 0, 1, 0, 0, 0, 0, 0, True, stats.steps, stats.drafted, stats.accepted,
+                              tuple(stats.accepted_at), tuple(stats.drafted_at))
+        text = ServerMetrics().render(snap).decode()
+        assert f"gemmaserve_spec_decode_num_accepted_tokens_total {float(stats.accepted)}" in text
+        assert (f'gemmaserve_spec_decode_num_draft_tokens_per_pos_total{{position="0"}} '
+                f"{float(stats.drafted_at[0])}") in text
     if mode == "v2+scratch+prefix":   # warm: hits stay with speculation on
         again, _ = _run(path, base, MODES[mode], params, spec=True)
         assert again == ref

@@ -33,6 +33,7 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_at: tuple[int, ...] = ()
+    spec_drafted_at: tuple[int, ...] = ()
 
 
 class _EngineCollector:
@@ -76,6 +77,11 @@ class _EngineCollector:
         for i, n in enumerate(s.spec_accepted_at):
             per_pos.add_metric([str(i)], n)
         yield per_pos
+        drafted_pos = CounterMetricFamily("gemmaserve_spec_decode_num_draft_tokens_per_pos",
+                                          "Steps that drafted a token at this position", labels=["position"])
+        for i, n in enumerate(s.spec_drafted_at):
+            drafted_pos.add_metric([str(i)], n)
+        yield drafted_pos
         yield GaugeMetricFamily("gemmaserve_spec_decode_acceptance_rate", "Accepted / drafted tokens since start",
                                 value=s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0)
         yield GaugeMetricFamily("gemmaserve_spec_decode_mean_accepted_length",
