@@ -110,8 +110,8 @@ def test_the_tolerance_catches_gemma4_pitfalls():
         attn.p = dataclasses.replace(attn.p, norm=layer.kind)
     ordinary = ours_from_hf(hf)
     d = 32   # the tiny configs' global head dim
-    for j in range(ordinary._num_ropes):
-        freq = getattr(ordinary, f"_inv_freq_{j}")
+    for j in range(ordinary.ropes.num):
+        freq = getattr(ordinary.ropes, f"inv_freq_{j}")
         if freq.shape[0] == d // 2:   # full layers: rotate the first D/4 dims with denominator D/4
             rot = d // 4
             table = torch.zeros(d // 2)

@@ -275,7 +275,7 @@ class TorchBatchAttention(BatchAttention):
         # time in this method than in its attention arithmetic.
         group, col = self.md.layer_slot[layer]
         cache, scales = self.token_rows[layer], self.scales[layer]
-        if self.specs[layer].owns_kv:
+        if k is not None and self.specs[layer].owns_kv:   # k None: a reader of this layer's KV (MTP drafter)
             cache.write(self._write_plan(group).rows(col), k, v, scales)
         plan = self._plan(group, window, bidirectional)
         if plan.decode is not None:

@@ -210,7 +210,7 @@ class TritonBatchAttention(BatchAttention):
         k_cache, v_cache = self.kv_cache[layer]
         # Plain floats: a captured graph bakes them in, and they are fixed for the engine's life.
         k_scale, v_scale = layer_scales(self.specs, layer)
-        if self.specs[layer].owns_kv:   # k, v may be strided views (rows of qkv): the kernel takes strides
+        if k is not None and self.specs[layer].owns_kv:   # k None: a reader (MTP drafter); k, v may be strided views (rows of qkv): the kernel takes strides
             self.K.store_kv(k, v, k_cache, v_cache, gb.write_pages[col], gb.write_offsets, k_scale, v_scale)
         q = q.contiguous()
         if self.batch.decode and self.batch_invariant:

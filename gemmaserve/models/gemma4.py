@@ -316,18 +316,24 @@ def _partial_from_rope_freqs(gguf, head_dim: int) -> float:
     return 2 * rotated / head_dim
 
 
+def attention_params(cfg: Gemma4Config, layer: int) -> AttentionParams:
+    full = cfg.layer_types[layer] == FULL
+    return AttentionParams(
+        layer=layer, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.kv_heads[layer],
+        head_dim=cfg.head_dims[layer], scale=1.0, window=None if full else cfg.sliding_window,
+        norm=NormKind(cfg.rms_norm_eps, 0.0), value_norm=True, k_eq_v=cfg.attention_k_eq_v and full,
+        owns_kv=cfg.kv_sources[layer] is None, image_bidirectional=cfg.bidirectional_vision and not full)
+
+
 class Gemma4DecoderLayer(nn.Module):
-    def __init__(self, cfg: Gemma4Config, layer: int, dtype: torch.dtype):
+    def __init__(self, cfg: Gemma4Config, layer: int, dtype: torch.dtype, attention: AttentionParams | None = None):
+        """`attention`: how the layer attends, if not as the config says (an MTP drafter's layers read
+        a target layer's KV)."""
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.kind = NormKind(eps, 0.0)
         self.layer_type = cfg.layer_types[layer]
-        full = self.layer_type == FULL
-        self.self_attn = Attention(AttentionParams(
-            layer=layer, hidden_size=h, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.kv_heads[layer],
-            head_dim=cfg.head_dims[layer], scale=1.0, window=None if full else cfg.sliding_window, norm=self.kind,
-            value_norm=True, k_eq_v=cfg.attention_k_eq_v and full, owns_kv=cfg.kv_sources[layer] is None,
-            image_bidirectional=cfg.bidirectional_vision and not full), dtype)
+        self.self_attn = Attention(attention or attention_params(cfg, layer), dtype)
         self.mlp = GeGLU(h, cfg.mlp_sizes[layer], dtype)
         self.input_layernorm = RMSNorm(h, eps, dtype, 0.0)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, 0.0)
@@ -374,6 +380,25 @@ class Gemma4DecoderLayer(nn.Module):
                             kind, self.layer_scalar)
 
 
+class LayerRopes(nn.Module):
+    """One fp32 frequency table per distinct (RoPE, head dim) of the layers; a model is never cast, so
+    they stay fp32. `tables(positions)` gives each one's (cos, sin), `of_layer[i]` layer i's."""
+
+    def __init__(self, cfg: Gemma4Config):
+        super().__init__()
+        self.of_layer: list[int] = []
+        keys: list[tuple[RopeParams, int]] = []
+        for t, d in zip(cfg.layer_types, cfg.head_dims):
+            if (cfg.rope[t], d) not in keys:
+                keys.append((cfg.rope[t], d))
+                self.register_buffer(f"inv_freq_{len(keys) - 1}", cfg.rope[t].inv_freq(d), persistent=False)
+            self.of_layer.append(keys.index((cfg.rope[t], d)))
+        self.num = len(keys)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [RopeParams.cos_sin(getattr(self, f"inv_freq_{j}"), positions, dtype) for j in range(self.num)]
+
+
 class Gemma4TextModel(nn.Module):
     def __init__(self, cfg: Gemma4Config, dtype: torch.dtype):
         super().__init__()
@@ -404,15 +429,7 @@ class Gemma4ForCausalLM(CausalLM):
         if cfg.multimodal and type(self) is Gemma4ForCausalLM:
             log.info("%s: serving the text tower only; image and audio inputs are not supported yet, their "
                      "tower weights are skipped", cfg.architecture)
-        # One fp32 frequency table per distinct (RoPE, head dim); the model is never cast, so they stay fp32.
-        self._rope_of_layer: list[int] = []
-        keys: list[tuple[RopeParams, int]] = []
-        for t, d in zip(cfg.layer_types, cfg.head_dims):
-            if (cfg.rope[t], d) not in keys:
-                keys.append((cfg.rope[t], d))
-                self.register_buffer(f"_inv_freq_{len(keys) - 1}", cfg.rope[t].inv_freq(d), persistent=False)
-            self._rope_of_layer.append(keys.index((cfg.rope[t], d)))
-        self._num_ropes = len(keys)
+        self.ropes = LayerRopes(cfg)
         shared = [i for i, src in enumerate(cfg.kv_sources) if src is not None]
         self._first_kv_shared = shared[0] if shared else cfg.num_hidden_layers
 
@@ -429,13 +446,10 @@ class Gemma4ForCausalLM(CausalLM):
     # -- forward ----------------------------------------------------------------------------
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         cfg, m = self.config, self.model
-        if inputs.inputs_embeds is not None:
-            x = inputs.inputs_embeds
-        else:
-            x = m.embed_tokens(inputs.input_ids) * torch.tensor(cfg.hidden_size ** 0.5).to(m.embed_tokens.dtype)
+        x = inputs.inputs_embeds if inputs.inputs_embeds is not None else self.embed(inputs.input_ids)
         ple = self._per_layer_inputs(inputs.input_ids, x) if cfg.hidden_size_per_layer_input else None
-        tables = [RopeParams.cos_sin(getattr(self, f"_inv_freq_{j}"), inputs.positions, x.dtype)
-                  for j in range(self._num_ropes)]
+        tables = self.ropes.tables(inputs.positions, x.dtype)
+        of_layer = self.ropes.of_layer
         layers, attn, rows = m.layers, inputs.attention, inputs.sample_rows
         h = rms_norm(x, layers[0].input_layernorm.weight, layers[0].kind)
         for i, layer in enumerate(layers):
@@ -448,8 +462,13 @@ class Gemma4ForCausalLM(CausalLM):
                 tables = [(c[rows], s[rows]) for c, s in tables]
                 attn, rows = attn.last_tokens(inputs.sample_seqs), None
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.norm
-            x, h = layer(x, h, tables[self._rope_of_layer[i]], attn, None if ple is None else ple[:, i], next_norm)
+            x, h = layer(x, h, tables[of_layer[i]], attn, None if ple is None else ple[:, i], next_norm)
         return h if rows is None else h[rows]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Scaled token embeddings [T, H] (the scale cast to the table's dtype, as HF does)."""
+        table = self.model.embed_tokens
+        return table(input_ids) * torch.tensor(self.config.hidden_size ** 0.5).to(table.dtype)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[T, L, P]: (RMSNorm(embeds @ W^T * H^-1/2) + E_ple[ids] * sqrt(P)) * 2^-1/2, as HF scales it."""
