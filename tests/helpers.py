@@ -407,3 +407,43 @@ def paged_logits(model, seqs: list[list[int]], chunk: int | None = None,
         kv.check_integrity()
         step += 1
     return [torch.cat(o) for o in outs]
+
+
+def tiny_gemma4_assistant(seed: int, variant: str, ordered: bool = False, hidden_size: int = 48,
+                          layer_types: tuple[str, ...] = (_SLIDING, _SLIDING, _SLIDING, _FULL)):
+    """A transformers Gemma4AssistantForCausalLM (an MTP drafter) made for `tiny_gemma4_hf(_, variant)`: its
+    layers read that target's KV shapes; `ordered`: the centroid head of the small drafters (10 centroids
+    of 30 tokens, top 3), with a random token ordering. Weights random as in `tiny_gemma4_hf`."""
+    import transformers
+
+    tc = {**GEMMA4_BASE, **GEMMA4_VARIANTS[variant]}
+    text = dict(vocab_size=tc["vocab_size"], hidden_size=hidden_size, intermediate_size=80,
+                num_hidden_layers=len(layer_types), layer_types=list(layer_types), num_attention_heads=4,
+                head_dim=tc["head_dim"], global_head_dim=tc["global_head_dim"],
+                num_key_value_heads=tc["num_key_value_heads"],
+                num_global_key_value_heads=tc.get("num_global_key_value_heads"),
+                attention_k_eq_v=tc.get("attention_k_eq_v", False), sliding_window=tc["sliding_window"],
+                hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, num_kv_shared_layers=len(layer_types),
+                max_position_embeddings=tc["max_position_embeddings"], bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    cfg = transformers.Gemma4AssistantConfig(text_config=text, backbone_hidden_size=tc["hidden_size"],
+                                             use_ordered_embeddings=ordered, num_centroids=10,
+                                             centroid_intermediate_top_k=3)
+    cfg.text_config._attn_implementation = "eager"
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Gemma4AssistantForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                gain = p.shape[-1] ** -0.25 if name.endswith("q_norm.weight") else 1.0
+                p.copy_(gain * (1.0 + 0.3 * torch.randn(p.shape, generator=gen)))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 1.0 / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
+        if ordered:
+            model.masked_embedding.token_ordering.copy_(torch.randperm(tc["vocab_size"], generator=gen))
+    model.tie_weights()
+    return model

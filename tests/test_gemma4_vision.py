@@ -16,7 +16,8 @@ from gemmaserve.engine.scheduler import Scheduler
 from gemmaserve.models.base import ModelInputs
 
 from helpers import (IMG, GEMMA4_VISION_VARIANTS as VARIANTS, assert_image_prompt_matches, hf_vision_processor,
-                     make_manager, save_gemma4_vision_checkpoint as _save, tiny_hf_gemma4_vision)
+                     make_manager, save_gemma4_vision_checkpoint as _save, tiny_gemma4_assistant,
+                     tiny_hf_gemma4_vision)
 
 TOL = 1e-4
 
@@ -172,3 +173,18 @@ def test_greedy_equals_transformers_and_cache_modes(setup, processor):
         for _ in range(2):
             assert _run(other, ["plain text", "more"]) == expected, options
         other.engine.kv.check_integrity()
+
+
+def test_mtp_drafts_leave_image_requests_unchanged(setup, tmp_path):
+    """A Gemma 4 MTP drafter over prompts with images (the drafter reads the text tower's KV and embedding):
+    the same tokens as without drafts."""
+    name, _, path, llm = setup
+    tiny_gemma4_assistant(99, name).save_pretrained(tmp_path / "drafter")
+    expected = _run(llm, extra_text=["just text here"])
+    spec = {"method": "mtp", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64}
+    other = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
+                                         max_num_batched_tokens=96, speculative_config=spec), llm)
+    assert _run(other, extra_text=["just text here"]) == expected
+    assert other.engine.scheduler.spec_stats.drafted > 0
+    other.engine.kv.check_integrity()

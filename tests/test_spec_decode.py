@@ -42,9 +42,9 @@ def test_ngram_proposer_equals_brute_force():
         k, hi = rng.randrange(1, 6), rng.randrange(1, 5)
         lo = rng.randrange(1, hi + 1)
         limit = rng.randrange(0, 7)
-        got = NgramProposer(k, hi, lo).propose(tokens, limit)
+        got = NgramProposer(k, hi, lo).lookup(tokens, limit)
         assert got == _brute_force(tokens, min(k, limit), hi, lo), (tokens, k, hi, lo, limit)
-    assert NgramProposer(3, 2, 1).propose([5, 6, 7, 5, 6], 10) == [7, 5, 6]
+    assert NgramProposer(3, 2, 1).lookup([5, 6, 7, 5, 6], 10) == [7, 5, 6]
 
 
 def test_speculative_config_is_checked():
@@ -53,7 +53,7 @@ def test_speculative_config_is_checked():
     assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}').speculative_config == (
         SpeculativeConfig("ngram", 2, 4, 2, None, 3))
     for bad, match in [('{"method": "ngram"', "not valid JSON"), ({"method": "eagle"}, "method must be"),
-                       ({"method": "mtp", "num_speculative_tokens": 2}, "not available yet"),
+                       ({"method": "draft_model", "num_speculative_tokens": 2}, "not available yet"),
                        ({"method": "ngram", "num_speculative_tokens": 0}, r"in \[1, 16\]"),
                        ({**NGRAM, "prompt_lookup_min": 5}, "prompt_lookup_min <= prompt_lookup_max"),
                        ({**NGRAM, "draft": 1}, "unknown key"), ({**NGRAM, "model": "x"}, "takes no model"),

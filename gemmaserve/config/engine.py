@@ -103,7 +103,8 @@ class EngineConfig:
         None, parse=argparse_type(SpeculativeConfig.parse),
         help='several tokens per forward, the same output: JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
              '"num_speculative_tokens": 4}\' (prompt lookup: drafts what followed the last earlier occurrence of '
-             'the latest prompt_lookup_max..prompt_lookup_min tokens; default 4..2)')
+             'the latest prompt_lookup_max..prompt_lookup_min tokens; default 4..2), or \'{"method": "mtp", '
+             '"model": DIR, "num_speculative_tokens": 4}\' (a Gemma 4 MTP drafter directory)')
     # Set by `serve --role prefill|decode` (no engine flag): config/kv_transfer.py.
     kv_transfer: "KVTransferConfig | None" = None
     # Set by `serve` (no flag): a long-lived engine.
@@ -163,6 +164,10 @@ class EngineConfig:
                                  "KV handoff reads and writes one process's cache)")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            if tp > 1 and self.speculative_config.drafts_on_runner:
+                raise UserInputError(f"speculative method {self.speculative_config.method!r} with "
+                                     "tensor_parallel_size > 1 is not supported yet (the drafter is not sharded); "
+                                     "use \"ngram\"")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
 

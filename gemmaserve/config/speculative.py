@@ -2,9 +2,12 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
      "disable_by_batch_size": 3}
+    {"method": "mtp", "model": "path/to/gemma-4-E2B-it-assistant", "num_speculative_tokens": 4}
 
 `ngram` (prompt lookup) drafts the tokens that followed the latest earlier occurrence of the sequence's
-last n tokens (n from prompt_lookup_max down to prompt_lookup_min), no model needed. The target checks
+last n tokens (n from prompt_lookup_max down to prompt_lookup_min), no model needed. `mtp` drafts with
+a Gemma 4 target's MTP drafter (a Hugging Face directory of `Gemma4AssistantForCausalLM` or its unified
+twin), which reads the target's KV and last hidden state (models/gemma4_assistant.py). The target checks
 every draft in the same forward and keeps the longest run it agrees with, plus its own next token, so
 the output is what one token per step would give (engine/spec_decode.py).
 
@@ -20,9 +23,9 @@ from dataclasses import dataclass
 
 from ..errors import UserInputError
 
-METHODS = ("ngram",)
-# Drafting methods of the issue still to come, refused by name rather than as unknown.
-PLANNED = ("mtp", "draft_model")
+METHODS = ("ngram", "mtp")
+# Drafting methods still to come, refused by name rather than as unknown.
+PLANNED = ("draft_model",)
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 3
 
@@ -57,13 +60,25 @@ class SpeculativeConfig:
                                  f"(known: {', '.join(sorted(known))})")
         method = value.get("method")
         if method in PLANNED:
-            raise UserInputError(f"speculative method {method!r} is not available yet; use \"ngram\"")
+            raise UserInputError(f"speculative method {method!r} is not available yet; use \"ngram\" or \"mtp\"")
         if method not in METHODS:
             raise UserInputError(f"speculative config: method must be one of {', '.join(METHODS)}, got {method!r}")
         k = value.get("num_speculative_tokens")
         if not _int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise UserInputError(f"speculative config: num_speculative_tokens must be an integer in "
                                  f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        cap = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        if not _int(cap) or cap < 1:
+            raise UserInputError(f"speculative config: disable_by_batch_size must be an integer >= 1, got {cap!r}")
+        if method == "mtp":
+            lookup = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(value))
+            if lookup:
+                raise UserInputError(f"speculative config: method mtp takes no {' or '.join(lookup)}")
+            model = value.get("model")
+            if not isinstance(model, str) or not model:
+                raise UserInputError('speculative config: method mtp needs "model", the drafter\'s directory '
+                                     '(e.g. a copy of google/gemma-4-E2B-it-assistant)')
+            return cls(method, k, model=model, disable_by_batch_size=cap)
         hi, lo = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
         if hi is None and lo is None:
             hi, lo = cls.prompt_lookup_max, cls.prompt_lookup_min
@@ -74,10 +89,19 @@ class SpeculativeConfig:
                                  f"got {lo!r} and {hi!r}")
         if value.get("model") is not None:
             raise UserInputError("speculative config: method ngram takes no model")
-        cap = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
-        if not _int(cap) or cap < 1:
-            raise UserInputError(f"speculative config: disable_by_batch_size must be an integer >= 1, got {cap!r}")
         return cls(method, k, hi, lo, None, cap)
+
+
+    @property
+    def label(self) -> str:
+        """How `EngineInfo` and logs name it: "ngram k=4 n=4..2 up to batch 3"."""
+        how = f"n={self.prompt_lookup_max}..{self.prompt_lookup_min}" if self.method == "ngram" else self.model
+        return f"{self.method} k={self.num_speculative_tokens} {how} up to batch {self.disable_by_batch_size}"
+
+    @property
+    def drafts_on_runner(self) -> bool:
+        """Drafts come from a model the runner runs after each step (not from the token history)."""
+        return self.method != "ngram"
 
 
 def _int(x) -> bool:

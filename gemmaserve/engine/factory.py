@@ -7,6 +7,7 @@ adds, aborts and steps requests.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,12 +20,15 @@ from ..config.resolve import (BATCH_INVARIANT_CHANGES, BatchInvariance, CacheOpt
                               resolve_cache_options)
 from ..errors import UserInputError
 from ..kv import KVCacheManager, LayerSpec, create_kv_manager
+from ..models.gemma4 import Gemma4Config
+from ..models.gemma4_assistant import load_assistant
 from ..models.layers import set_batch_invariant
 from ..models.loader import LoadedModel
 from ..transfer.runtime import probe as probe_transfer
 from .executor import create_executor
 from .input_processor import InputProcessor
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
+from .mtp import MtpDrafter
 from .output_processor import OutputProcessor
 from .proposers import create_proposer
 from .scheduler import Scheduler
@@ -65,12 +69,24 @@ def _weights_label(loaded: LoadedModel, dtype: torch.dtype) -> str:
     return ", ".join(f"{fmt} x {n}" for fmt, n in formats.items() if n)
 
 
-def _speculative_label(config: EngineConfig) -> str:
+
+
+def _mtp_drafter(config: EngineConfig, model, backend: AttentionBackend, dtype: torch.dtype,
+                 device: torch.device) -> MtpDrafter | None:
+    """The runner's drafter for `--speculative-config '{"method": "mtp", ...}'`, checked against the target."""
     spec = config.speculative_config
-    if spec is None:
-        return "off"
-    return (f"{spec.method} k={spec.num_speculative_tokens} n={spec.prompt_lookup_max}..{spec.prompt_lookup_min} "
-            f"up to batch {spec.disable_by_batch_size}")
+    if spec is None or spec.method != "mtp":
+        return None
+    target = model.config if isinstance(model.config, Gemma4Config) else getattr(model.config, "text", None)
+    if not isinstance(target, Gemma4Config):
+        raise UserInputError(f"MTP drafters exist for Gemma 4 targets only; {config.model!r} is "
+                             f"{type(model).__name__} (use \"ngram\")")
+    started = time.perf_counter()
+    assistant = load_assistant(spec.model, target, dtype, device)
+    log.info("MTP drafter %s: %d layers of width %d reading target layers %s, loaded in %.2f s", spec.model,
+             assistant.config.text.num_hidden_layers, assistant.config.text.hidden_size,
+             sorted(set(l.self_attn.p.layer for l in assistant.model.layers)), time.perf_counter() - started)
+    return MtpDrafter(assistant, model, backend, lookback=assistant.config.lookback(target))
 
 
 @dataclass
@@ -120,11 +136,13 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         log.info("batch invariant: %s", "; ".join(BATCH_INVARIANT_CHANGES))
     elif config.batch_invariant:
         log.info("batch invariant: every CPU step is (row-independent kernels, blockwise attention)")
+    drafter = _mtp_drafter(config, model, backend, dtype, device)
     cache_options = resolve_cache_options(config, model.engine_preferences(), backend.capabilities, specs,
                                           probe=lambda name: probe_transfer(name, device))
     kv = create_kv_manager(cache_options.kv_cache_manager, specs, config.page_size, config.kv_budget_bytes(device),
                            enable_prefix_caching=cache_options.enable_prefix_caching,
-                           enable_scratch=cache_options.swa_scratch_reuse, sliding_share=config.kv_pool_split)
+                           enable_scratch=cache_options.swa_scratch_reuse, sliding_share=config.kv_pool_split,
+                           lookback=0 if drafter is None else drafter.lookback)
     use_graphs = device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs
     image_layout = getattr(model, "image_layout", None)
     if image_layout is not None:
@@ -143,7 +161,8 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     runner = executor.create_runner(model, backend, kv.layout, kv.groups, kv.layer_slot, specs, device,
                                     cuda_graphs=use_graphs, max_model_len=max_model_len,
                                     max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
-                                    suppress_token_ids=suppressed, grammars=grammars)
+                                    suppress_token_ids=suppressed, grammars=grammars,
+                                    **({} if drafter is None else {"drafter": drafter}))
     async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
     info = EngineInfo(
         model=config.model, device=str(device), dtype=str(dtype).removeprefix("torch."),
@@ -153,7 +172,8 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         cuda_graphs=runner.graphs is not None, cpu_compile="off", async_scheduling=async_scheduling,
         kv_pages=kv.num_pages, kv_page_size=kv.page_size, kv_bytes=kv.num_pages * kv.page_bytes,
         load_seconds=loaded.load_seconds, tensor_parallel_size=config.tensor_parallel_size,
-        batch_invariant=invariance is not BatchInvariance.OFF, speculative=_speculative_label(config))
+        batch_invariant=invariance is not BatchInvariance.OFF,
+        speculative="off" if config.speculative_config is None else config.speculative_config.label)
     return EngineParts(
         config=config, device=device, dtype=dtype, executor=executor, loaded=loaded, max_model_len=max_model_len,
         specs=specs, backend=backend, cache_options=cache_options, kv=kv, grammars=grammars,

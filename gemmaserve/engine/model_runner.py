@@ -5,7 +5,9 @@
     sample rows: last token of every sequence the plan marks `sample`
 
 Speculative sequences (`num_drafts` k) sample their last k + 1 rows, and spec_decode.py keeps the
-drafts the target agrees with.
+drafts the target agrees with. Sequences that ask for drafts (`propose`) get them from the drafter
+(mtp.py) after sampling, from the hidden state of the row that chose their last token (eager steps:
+graphs and compiled steps give logits only).
 
 The runner sees only plans: it keeps its own block tables (updated by the plan's deltas) and a
 sampling state per request (from its `NewRequest` until it is `finished`), never a live Request.
@@ -47,12 +49,13 @@ class ModelRunner:
                  layer_slot: tuple[tuple[int, int], ...], specs: list[LayerSpec], device: torch.device,
                  cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0,
                  encoder_cache_bytes: int = 256 * 2**20, suppress_token_ids: list[int] | None = None,
-                 grammars: Grammars | None = None, cpu_compile: str = "off"):
+                 grammars: Grammars | None = None, cpu_compile: str = "off", drafter=None):
         """`suppress_token_ids`: never sampled (their logits become -inf before the sampler).
         `grammars`: matchers for requests with structured output. `cpu_compile`: decode steps through
         torch.compile (compiled_decode.py), compiled here: "required" raises if that fails, "try" warns
-        and stays eager, "off" never compiles."""
+        and stays eager, "off" never compiles. `drafter`: an MtpDrafter for steps that ask for drafts."""
         self.model = model
+        self.drafter = drafter
         self.backend = backend
         self.device = device
         self.layer_slot = layer_slot
@@ -202,6 +205,10 @@ class ModelRunner:
     def forward(self, seqs: list[SeqStep]) -> torch.Tensor | None:
         """Logits [N, V] for the N sequences with `sample` (in order; a speculative one's k + 1 rows
         consecutive), or None."""
+        return self._forward(seqs, False)[0]
+
+    def _forward(self, seqs: list[SeqStep], want_hidden: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits, their hidden states where `want_hidden`, else None)."""
         input_ids, positions, md = self.build_inputs(seqs)
         rows, sampled, end = [], [], 0
         for b, s in enumerate(seqs):
@@ -210,16 +217,17 @@ class ModelRunner:
                 rows.extend(range(end - 1 - s.num_drafts, end))
                 sampled.extend([b] * (s.num_drafts + 1))
         embeds = self._image_embeds(seqs, input_ids) if self.images else None
-        if self.graphs is not None and md.is_decode_only and embeds is None and len(seqs) <= self.graphs.max_size:
+        fast = md.is_decode_only and embeds is None and not want_hidden
+        if self.graphs is not None and fast and len(seqs) <= self.graphs.max_size:
             logits = self.graphs.run(input_ids, positions, md)   # a logit row per sequence
             if len(sampled) == len(seqs):
-                return logits
+                return logits, None
             # A one-token row can be a prefill chunk that does not complete its prompt: no sample.
-            return logits[to_device(sampled, torch.long, self.device)] if sampled else None
-        if self.compiled is not None and md.is_decode_only and embeds is None and len(sampled) == len(seqs):
+            return (logits[to_device(sampled, torch.long, self.device)] if sampled else None), None
+        if self.compiled is not None and fast and len(sampled) == len(seqs):
             logits = self.compiled.run(input_ids, positions, md)
             if logits is not None:
-                return logits
+                return logits, None
         attn = self.backend.begin_batch(md, self.kv_cache)
         inputs = ModelInputs(input_ids, positions, attn, inputs_embeds=embeds)
         # Prefill chunks: only the last row of completing sequences is sampled. A model may then skip
@@ -231,10 +239,10 @@ class ModelRunner:
             inputs.sample_seqs = sampled
         hidden = self.model(inputs)
         if not rows:
-            return None
+            return None, None
         if pick_after:
             hidden = hidden[to_device(rows, torch.long, self.device)]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), hidden if want_hidden else None
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, only: list[int] | None = None) -> "PendingStep":
@@ -242,20 +250,49 @@ class ModelRunner:
         waits for the device. The ids reach the host when the result is resolved."""
         self.apply(plan)
         seqs = plan.seqs if only is None else [plan.seqs[i] for i in only]
-        logits = self.forward(seqs)
+        proposing = self.drafter is not None and any(s.propose for s in seqs if s.sample)
+        logits, hidden = self._forward(seqs, proposing)
         ids = [s.req_id for s in seqs if s.sample]
         if not ids:
             return PendingStep([], None)
         if self.suppressed is not None:
             logits.index_fill_(1, self.suppressed, float("-inf"))
         row_by_row = self.backend.batch_invariant or self.device.type == "cpu"
-        if any(s.num_drafts for s in seqs if s.sample):
-            return self._verify(logits, [s for s in seqs if s.sample], row_by_row)
-        sampled = sample(logits, [self.sampling[i] for i in ids], self.grammars, row_by_row=row_by_row)
-        for i, req_id in enumerate(ids):   # the next step may read these on the device
-            self._last_sampled[req_id] = (sampled.tokens, i)
-        sampled.to_host()
-        return PendingStep(ids, sampled)
+        sampling = [s for s in seqs if s.sample]
+        if any(s.num_drafts for s in sampling):
+            pending = self._verify(logits, sampling, row_by_row)
+            emitted = pending.result.by_request()
+            counts = [len(emitted[s.req_id]) for s in sampling]
+            tokens = to_device([emitted[s.req_id][-1][0] for s in sampling], torch.long, self.device)
+        else:
+            sampled = sample(logits, [self.sampling[i] for i in ids], self.grammars, row_by_row=row_by_row)
+            for i, req_id in enumerate(ids):   # the next step may read these on the device
+                self._last_sampled[req_id] = (sampled.tokens, i)
+            sampled.to_host()
+            pending, counts, tokens = PendingStep(ids, sampled), [1] * len(ids), sampled.tokens
+        if proposing:
+            pending.drafts = self._draft(sampling, counts, hidden, tokens)
+        return pending
+
+    def _draft(self, seqs: list[SeqStep], emitted: list[int], hidden: torch.Tensor,
+               tokens: torch.Tensor) -> tuple[list[str], list[int], torch.Tensor]:
+        """Drafts for the sequences that ask (mtp.py): (their ids, how many each wants, [B, k] on the
+        device). `hidden` holds a row per sampled position of `seqs`, `tokens` each sequence's last
+        emitted token and `emitted` how many it emitted: the last one's row chose the token drafts follow."""
+        rows, chosen, lengths, want = [], [], [], []
+        first = 0
+        for b, (s, n) in enumerate(zip(seqs, emitted)):
+            if s.propose:
+                rows.append(first + n - 1)
+                chosen.append(b)
+                lengths.append(s.start + s.num_new_tokens - s.num_drafts + n - 1)   # committed KV: [0, p)
+                want.append(s.propose)
+            first += s.num_drafts + 1
+        ids = [seqs[b].req_id for b in chosen]
+        drafts = self.drafter.draft(hidden[to_device(rows, torch.long, self.device)],
+                                    tokens[to_device(chosen, torch.long, self.device)], lengths,
+                                    self.tables.tables(ids), self.layer_slot, self.kv_cache, max(want))
+        return ids, want, drafts
 
     def _verify(self, logits: torch.Tensor, seqs: list[SeqStep], row_by_row: bool) -> "PendingStep":
         """A step with drafts: each sequence's emitted tokens, read back now (spec_decode.py)."""
@@ -283,11 +320,17 @@ class PendingStep:
     req_ids: list[str]
     sampled: Sampled | None
     result: StepResult | None = None   # already on the host (a verified speculative step)
+    drafts: tuple[list[str], list[int], torch.Tensor] | None = None   # the drafter's (ids, counts, [B, k])
 
     def resolve(self) -> StepResult:
         if self.result is not None:
-            return self.result
-        if self.sampled is None:
-            return StepResult()
-        tokens, records = self.sampled.resolve()
-        return StepResult(self.req_ids, tokens, records)
+            result = self.result
+        elif self.sampled is None:
+            result = StepResult()
+        else:
+            tokens, records = self.sampled.resolve()
+            result = StepResult(self.req_ids, tokens, records)
+        if self.drafts is not None:
+            ids, want, tokens = self.drafts
+            result.drafts = {req_id: row[:n] for req_id, n, row in zip(ids, want, tokens.tolist())}
+        return result

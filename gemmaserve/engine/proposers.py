@@ -4,6 +4,9 @@ checks in one forward (spec_decode.py). A wrong guess costs compute, never outpu
     ngram (prompt lookup)   the tokens that followed the latest earlier occurrence of the sequence's last
                             n tokens, for n from prompt_lookup_max down to prompt_lookup_min: no model,
                             pays where the output copies its input (edits, extraction, summaries)
+    runner drafts (mtp)     a model that needs the target's hidden states and KV drafts on the runner, right
+                            after the step that sampled the request's last token (SeqStep.propose, mtp.py);
+                            the scheduler keeps them on the request until its next step uses them
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..config.speculative import SpeculativeConfig
+from .request import Request
 
 
 class Proposer(Protocol):
     num_speculative_tokens: int
+    drafts_after_step: bool   # the runner drafts after each step that samples (SeqStep.propose)
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """At most `limit` (and at most num_speculative_tokens) guesses at the tokens after `token_ids`."""
+    def propose(self, req: Request, limit: int) -> list[int]:
+        """At most `limit` (and at most num_speculative_tokens) guesses at the tokens after `req`'s."""
 
 
 @dataclass(frozen=True)
@@ -29,8 +34,12 @@ class NgramProposer:
     num_speculative_tokens: int
     max_n: int
     min_n: int
+    drafts_after_step = False
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+    def propose(self, req: Request, limit: int) -> list[int]:
+        return self.lookup(req.all_token_ids, limit)
+
+    def lookup(self, token_ids: list[int], limit: int) -> list[int]:
         k = min(self.num_speculative_tokens, limit)
         if k <= 0 or len(token_ids) <= self.min_n:
             return []
@@ -45,9 +54,22 @@ class NgramProposer:
         return []
 
 
+@dataclass(frozen=True)
+class RunnerDrafts:
+    """Drafts the runner made after the request's last step (`Request.drafts`)."""
+
+    num_speculative_tokens: int
+    drafts_after_step = True
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        return req.drafts[:max(0, limit)]
+
+
 def create_proposer(config: SpeculativeConfig | None) -> Proposer | None:
     if config is None:
         return None
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.drafts_on_runner:
+        return RunnerDrafts(config.num_speculative_tokens)
     raise ValueError(f"no proposer for method {config.method!r}")   # SpeculativeConfig.parse refuses it first

@@ -66,6 +66,7 @@ class Request:
     num_cached_tokens: int = 0             # prompt tokens the prefix cache served at its first admission
     num_draft_tokens: int = 0              # speculative decoding: tokens drafted for it ...
     num_accepted_tokens: int = 0           # ... and how many of them the target agreed with
+    drafts: list[int] = field(default_factory=list)   # guesses the runner's drafter made after its last step
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None   # the stop token id (or, set by the engine, stop string) that ended it

@@ -113,6 +113,7 @@ class Scheduler:
         self._finished: list[str] = []     # finished since the last plan: and their sampling state
         self._slot_cursors = [-1] * len(kv.groups)
         self._uncommitted: list[tuple[Request, int]] = []   # (request, end) scheduled, KV not committed yet
+        self._proposing = False   # this step asks the runner for drafts (a runner-side proposer, batch small enough)
 
     def add(self, request: Request) -> None:
         if request.request_id in self._by_id:
@@ -142,6 +143,7 @@ class Scheduler:
         decodes = sorted((r for r in self.running if r.prompt_computed and r.num_pending_tokens == 1
                           and not self._finishing(r)), key=lambda r: (r.last_served, r.admitted_order))
         drafting = self.proposer is not None and len(decodes) <= self.spec_max_batch
+        self._proposing = drafting and self.proposer.drafts_after_step
         if drafting:   # a request that drafts waits for its last token (asynchronous scheduling: still in flight)
             decodes = [r for r in decodes if not (r.num_pending_samples and r.params.speculative)]
         prefills = [r for r in self.running if not (r.prompt_computed and r.num_pending_tokens <= 1)]
@@ -168,9 +170,13 @@ class Scheduler:
             if i < len(decodes) and drafting:
                 room = min(self.max_num_batched_tokens - used, decode_budget - used) - 1
                 drafts = self._drafts(req, room)
+                # Drafts take only free pages: they never preempt anyone (nor leave a lone request unable to run).
+                if drafts and not self.kv.allocate(req.request_id, req.cache_token_ids, req.num_computed_tokens,
+                                                   req.num_computed_tokens + n + len(drafts), prefill=False):
+                    drafts = []
                 n += len(drafts)
             preemptions = len(out.preempted)
-            scheduled = self._allocate_or_preempt(req, n, out, prefill=n > 1 and not drafts)
+            scheduled = bool(drafts) or self._allocate_or_preempt(req, n, out, prefill=n > 1)
             if scheduled:
                 out.seqs.append(ScheduledSeq(req, n, drafts))
             if len(out.preempted) != preemptions:   # a victim may have been scheduled earlier this step
@@ -190,7 +196,7 @@ class Scheduler:
             return []
         limit = min(room, req.params.max_tokens - len(req.output_token_ids) - 1,
                     req.max_total_tokens - req.num_tokens - 1)
-        return self.proposer.propose(req.all_token_ids, limit) if limit > 0 else []
+        return self.proposer.propose(req, limit) if limit > 0 else []
 
     # -- the step as data ----------------------------------------------------------------------
     def _describe(self, out: _Decision) -> StepPlan:
@@ -206,9 +212,12 @@ class Scheduler:
             deltas, new_table = self._table_deltas(req)
             real = end - len(s.drafts)
             known = req.all_token_ids[start:real]   # beyond: sampled by the step in flight, still on the device
+            propose = self.proposer.num_speculative_tokens if (
+                self._proposing and s.completes and req.params.speculative) else 0
             plan.seqs.append(SeqStep(req.request_id, start,
                                      known + [DEVICE_TOKEN] * (real - start - len(known)) + s.drafts,
-                                     s.completes, deltas, new_table, len(s.drafts)))
+                                     s.completes, deltas, new_table, len(s.drafts), propose))
+            req.drafts = []   # used (or outdated: this step's token gets new ones)
             if s.completes:
                 req.num_pending_samples += 1
             req.num_computed_tokens = end
@@ -259,6 +268,8 @@ class Scheduler:
                     req.append_token(t)
                     if req.is_finished:   # a stop token or the length inside an accepted run
                         break
+                if req.status is RequestStatus.RUNNING:   # drafts follow the last token; a preempted one redoes it
+                    req.drafts = result.drafts.get(s.req_id, [])
             else:
                 continue
             if req.is_finished:
@@ -392,6 +403,7 @@ class Scheduler:
             self._released.append(req.request_id)
             req.sent_tables = None
         req.num_computed_tokens = 0
+        req.drafts = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -61,6 +61,8 @@ class SeqStep:
     # Speculative decoding: the last `num_drafts` of token_ids are guesses the runner checks against the
     # target's own choices at each position (sampling every one), emitting 1..num_drafts + 1 tokens.
     num_drafts: int = 0
+    # Drafts the runner's drafter should make after this step for the token it emits last (MTP).
+    propose: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -114,6 +116,7 @@ class StepResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)   # req id -> what failed running it alone
+    drafts: dict[str, list[int]] = field(default_factory=dict)   # req id -> its drafter's guesses (SeqStep.propose)
 
     def by_request(self) -> dict[str, list[tuple[int, TokenLogprob | None]]]:
         out: dict[str, list[tuple[int, TokenLogprob | None]]] = {}
@@ -126,3 +129,4 @@ class StepResult:
         self.token_ids += other.token_ids
         self.logprobs += other.logprobs
         self.failed.update(other.failed)
+        self.drafts.update(other.drafts)

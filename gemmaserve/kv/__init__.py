@@ -20,9 +20,10 @@ def page_bytes_for(manager: str, specs: list[LayerSpec], page_size: int) -> int:
 
 def create_kv_manager(manager: str, specs: list[LayerSpec], page_size: int, budget_bytes: int, *,
                       enable_prefix_caching: bool = False, enable_scratch: bool = False,
-                      sliding_share: float | None = None) -> KVCacheManager:
+                      sliding_share: float | None = None, lookback: int = 0) -> KVCacheManager:
     """A manager whose pool fits in `budget_bytes`. Fails if the budget cannot hold even one token.
-    `sliding_share` pins V2's pool split between sliding and full groups (benchmarks only)."""
+    `sliding_share` pins V2's pool split between sliding and full groups (benchmarks only). `lookback`:
+    keys behind a sequence's next query that sliding groups keep too (V2; V1 keeps every key)."""
     page_bytes = page_bytes_for(manager, specs, page_size)
     num_pages = budget_bytes // page_bytes
     if manager == "v1":
@@ -42,10 +43,10 @@ def create_kv_manager(manager: str, specs: list[LayerSpec], page_size: int, budg
         if enable_prefix_caching:
             raise UserInputError("a pinned pool split is a benchmark knob that needs prefix caching off")
         return PinnedSplitKVManager(specs, page_size, num_pages, sliding_share=sliding_share,
-                                    enable_scratch=enable_scratch)
+                                    enable_scratch=enable_scratch, lookback=lookback)
     if manager == "v2":
         return KVCacheManagerV2(specs, page_size, num_pages, enable_prefix_caching=enable_prefix_caching,
-                                enable_scratch=enable_scratch)
+                                enable_scratch=enable_scratch, lookback=lookback)
     raise UserInputError(f"unknown KV cache manager {manager!r} (v1 or v2)")
 
 

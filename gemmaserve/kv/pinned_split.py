@@ -16,8 +16,9 @@ class PinnedSplitKVManager(KVCacheManagerV2):
     name = "v2"
 
     def __init__(self, specs: list[LayerSpec], page_size: int, num_pages: int, *, sliding_share: float,
-                 enable_scratch: bool = False):
-        super().__init__(specs, page_size, num_pages, enable_prefix_caching=False, enable_scratch=enable_scratch)
+                 enable_scratch: bool = False, lookback: int = 0):
+        super().__init__(specs, page_size, num_pages, enable_prefix_caching=False, enable_scratch=enable_scratch,
+                         lookback=lookback)
         if not 0.0 < sliding_share < 1.0:
             raise ValueError(f"sliding share of the pool must be in (0, 1), got {sliding_share}")
         if {g.sliding for g in self.groups} != {True, False}:

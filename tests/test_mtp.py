@@ -1,0 +1,228 @@
+"""Gemma 4 MTP drafters (`--speculative-config '{"method": "mtp", "model": DIR, ...}'`): our drafter against
+transformers' Gemma4AssistantForCausalLM (logits, drafts of every round from the committed context), and
+the engine's output with drafts equal to one token per step in every cache mode."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from gemmaserve import LLM, SamplingParams
+from gemmaserve.attention.base import AttentionMetadata
+from gemmaserve.attention.torch_backend import TorchAttentionBackend
+from gemmaserve.config.engine import EngineConfig
+from gemmaserve.errors import UserInputError
+from gemmaserve.models.base import ModelInputs
+from gemmaserve.models.gemma4_assistant import AssistantConfig, Gemma4Assistant
+
+from helpers import (fresh_seed, make_manager, ours_from_hf, save_checkpoint, tiny_gemma4_assistant, tiny_gemma4_hf,
+                     tiny_hf_model)
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [2] + torch.randint(3, 300, (n - 1,), generator=g).tolist()
+
+
+def _hf_drafts(target, assistant, committed: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' drafter loop (candidate_generator.py's, one round) for the last token of `committed`,
+    the target's KV and hidden state computed over the tokens before it."""
+    p = len(committed) - 1
+    with torch.no_grad():
+        out = target(torch.tensor([committed[:-1]]), output_hidden_states=True, return_shared_kv_states=True,
+                     use_cache=False)
+        hidden, token = out.hidden_states[-1][:, -1:], torch.tensor([[committed[-1]]])
+        embed = target.get_input_embeddings()
+        drafts, logits = [], []
+        for _ in range(k):
+            o = assistant(inputs_embeds=torch.cat([embed(token), hidden], -1), position_ids=torch.tensor([[p]]),
+                          attention_mask=torch.ones(1, p + 1, dtype=torch.long), shared_kv_states=out.shared_kv_states)
+            token, hidden = o.logits.argmax(-1), o.last_hidden_state
+            drafts.append(int(token))
+            logits.append(o.logits[0, 0])
+    return drafts, logits
+
+
+@pytest.mark.parametrize("variant,ordered,backend", [("e2b", True, "torch"), ("31b", False, "torch"),
+                                                     ("31b", True, "triton")])
+def test_drafter_logits_match_transformers(variant, ordered, backend):
+    """E2B-like (KV-sharing target, PLE, centroid head) and 31B-like (K = V, 2 KV heads): a prompt several
+    windows long through our paged target, then three drafts through our drafter reading its KV (the
+    Triton kernels run under the interpreter here)."""
+    seed = fresh_seed()
+    target = tiny_gemma4_hf(seed, variant)
+    hf = tiny_gemma4_assistant(seed + 1, variant, ordered=ordered)
+    ids = _ids(seed, 3 * target.config.sliding_window + 5)
+    with torch.no_grad():
+        token = int(target(torch.tensor([ids])).logits[0, -1].argmax())
+    want, want_logits = _hf_drafts(target, hf, ids + [token], 3)
+
+    ours = ours_from_hf(target)
+    cfg = AssistantConfig.from_hf(hf.config.to_dict())
+    drafter = Gemma4Assistant(cfg, cfg.reads(ours.config))
+    drafter.load_weights(drafter.map_checkpoint(hf.state_dict().items()))
+    specs = ours.kv_layer_specs(torch.float32)
+    kv = make_manager("v2", specs, 4, 400, enable_prefix_caching=False)
+    if backend == "triton":
+        from gemmaserve.attention.triton_backend import TritonAttentionBackend
+
+        backend = TritonAttentionBackend()
+    else:
+        backend = TorchAttentionBackend()
+    cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
+    n = len(ids)
+    assert kv.allocate("0", ids, 0, n, prefill=True)
+    with torch.inference_mode():
+        md = AttentionMetadata([n], [n], kv.group_tables(["0"]), kv.layer_slot)
+        hidden = ours(ModelInputs(torch.tensor(ids), torch.arange(n), backend.begin_batch(md, cache)))[-1:]
+        kv.commit("0", ids, n)
+        attn = backend.begin_batch(AttentionMetadata([1], [n], kv.group_tables(["0"]), kv.layer_slot), cache)
+        t = torch.tensor([token])
+        for i in range(3):
+            x = torch.cat([ours.embed(t), hidden], -1)
+            h = drafter(ModelInputs(None, torch.tensor([n]), attn, inputs_embeds=x))
+            err = (drafter.compute_logits(h)[0] - want_logits[i]).abs().max().item()
+            assert err < 1e-4, f"{variant} seed={seed} draft {i}: max abs diff {err}"
+            t = drafter.draft(h)
+            assert int(t) == want[i]
+            hidden = drafter.project(h)
+
+
+def _agreeing_pair(seed: int, variant: str = "31b"):
+    """A target whose next token leans on its current one and a drafter built to guess it (its input
+    projection passes the token's embedding through, its head is the target's table): drafts are accepted
+    often but not always, so every acceptance length runs."""
+    target = tiny_gemma4_hf(seed, variant)
+    drafter = tiny_gemma4_assistant(seed + 1, variant, hidden_size=target.config.hidden_size)
+    h = target.config.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for model, damp in ((target, 0.2), (drafter, 0.05)):
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(damp)
+        mix = 0.3 * torch.randn(h, h, generator=g) / h ** 0.5   # the hidden state's (small) part
+        drafter.pre_projection.weight.copy_(torch.cat([4 * torch.eye(h), mix], 1))
+        drafter.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        drafter.model.norm.weight.copy_(target.model.norm.weight)
+    drafter.tie_weights()
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, drafter = _agreeing_pair(31)
+    root = tmp_path_factory.mktemp("mtp")
+    path = save_checkpoint(target, root / "target")
+    drafter.save_pretrained(root / "drafter")
+    return target, drafter, str(path), str(root / "drafter"), LLM(model=str(path), page_size=4)
+
+
+def _mtp(drafter_dir: str, k: int = 3) -> dict:
+    return {"method": "mtp", "model": drafter_dir, "num_speculative_tokens": k, "disable_by_batch_size": 64}
+
+
+PROMPTS = ["abcdefghij klmnop qrstuv " * 4, "zyxw vuts " * 5, "hello world " * 3, "one two three four five"]
+MODES = {
+    "v1": dict(kv_cache_manager="v1"),
+    "v2": dict(kv_cache_manager="v2", enable_prefix_caching=False),
+    "v2+scratch+prefix": dict(kv_cache_manager="v2", swa_scratch_reuse="on", enable_prefix_caching=True),
+    "chunk 8": dict(kv_cache_manager="v2", swa_scratch_reuse="on", max_num_batched_tokens=8),
+    "preempting": dict(kv_cache_manager="v2", kv_cache_memory=88 * 1024, max_num_batched_tokens=16),
+    "async": dict(async_scheduling="on"),
+    "fp8 kv": dict(kv_cache_dtype="fp8"),
+}
+
+
+def _generate(path, base, opts, params, spec):
+    llm = LLM.from_config(EngineConfig(model=path, page_size=4, **opts, speculative_config=spec), base)
+    outs = llm.generate(PROMPTS, params)
+    llm.engine.kv.check_integrity()
+    return [(c.token_ids, c.finish_reason, [(lp.token_id, lp.logprob) for lp in c.logprobs or []])
+            for o in outs for c in o.outputs], llm.engine
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_greedy_tokens_equal_without_drafts_in_every_cache_mode(pair, mode):
+    _, _, path, drafter_dir, base = pair
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref, _ = _generate(path, base, MODES[mode], params, None)
+    got, engine = _generate(path, base, MODES[mode], params, _mtp(drafter_dir))
+    assert got == ref
+    st = engine.scheduler.spec_stats
+    assert 0 < st.accepted < st.drafted, st   # drafts both kept and rejected: both paths ran
+    assert len(st.accepted_at) == 3 and st.accepted_at[2] > 0, st   # whole rounds accepted too
+    if mode == "preempting":
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_sampling_with_seeds_and_logprobs_equal_without_drafts(pair):
+    _, _, path, drafter_dir, base = pair
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, logprobs=2, ignore_eos=True)
+    ref, _ = _generate(path, base, {}, params, None)
+    got, engine = _generate(path, base, {}, params, _mtp(drafter_dir, 4))
+    assert got == ref and engine.scheduler.spec_stats.accepted > 0
+
+
+def test_every_round_drafts_what_transformers_drafts_from_the_committed_context(pair):
+    """After each step, the drafts a request carries are transformers' drafter loop over the tokens it has
+    committed, whatever the last round accepted (the hidden state comes from the row that chose the last
+    token, the KV stops before it)."""
+    target, drafter, path, drafter_dir, base = pair
+    llm = LLM.from_config(EngineConfig(model=path, page_size=4, speculative_config=_mtp(drafter_dir)), base)
+    engine = llm.engine
+    for prompt in PROMPTS[:2]:
+        engine.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for req in engine.scheduler.running:
+            if req.drafts:
+                want, _ = _hf_drafts(target, drafter, req.all_token_ids, len(req.drafts))
+                assert req.drafts == want, (req.request_id, len(req.all_token_ids))
+                checked += 1
+    st = engine.scheduler.spec_stats
+    assert checked > 10 and 0 < st.accepted_at[0] and st.accepted_at[0] > st.accepted_at[2] > 0, (checked, st)
+
+
+def test_config_and_checkpoint_errors_are_clear(pair, tmp_path):
+    _, _, path, drafter_dir, base = pair
+    for bad, match in [({"method": "mtp", "num_speculative_tokens": 2}, 'needs "model"'),
+                       ({**_mtp(drafter_dir), "prompt_lookup_max": 3}, "takes no prompt_lookup_max"),
+                       ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not available yet")]:
+        with pytest.raises(UserInputError, match=match):
+            EngineConfig(speculative_config=bad)
+    with pytest.raises(UserInputError, match="tensor_parallel_size > 1 is not supported yet"):
+        EngineConfig(speculative_config=_mtp(drafter_dir), tensor_parallel_size=2)
+
+    def build(drafter: str, model: str = path):
+        return LLM.from_config(EngineConfig(model=model, page_size=4, speculative_config=_mtp(drafter)),
+                               base if model == path else None)
+
+    with pytest.raises(UserInputError, match="no config.json"):
+        build(str(tmp_path / "missing"))
+    with pytest.raises(UserInputError, match="not a Gemma 4 MTP drafter"):
+        build(path)   # the target itself
+    other = tiny_gemma4_assistant(3, "e2b")   # made for another target: its KV shapes differ
+    other.save_pretrained(tmp_path / "e2b_drafter")
+    with pytest.raises(UserInputError, match="expects KV of"):
+        build(str(tmp_path / "e2b_drafter"))
+    wrong_size = tmp_path / "wide"
+    shutil.copytree(drafter_dir, wrong_size)
+    cfg = json.loads((wrong_size / "config.json").read_text())
+    cfg["backbone_hidden_size"] = 128
+    (wrong_size / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserInputError, match="target of hidden size 128"):
+        build(str(wrong_size))
+    gemma3 = save_checkpoint(tiny_hf_model(3), tmp_path / "gemma3")
+    with pytest.raises(UserInputError, match="Gemma 4 targets only"):
+        build(drafter_dir, str(gemma3))
+    damaged = tmp_path / "damaged"
+    shutil.copytree(drafter_dir, damaged)
+    for f in damaged.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(UserInputError, match="cannot read"):
+        build(str(damaged))
