@@ -3,11 +3,14 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
      "disable_by_batch_size": 3}
     {"method": "mtp", "model": "path/to/gemma-4-E2B-it-assistant", "num_speculative_tokens": 4}
+    {"method": "draft_model", "model": "gemma3-270m", "num_speculative_tokens": 4}
 
 `ngram` (prompt lookup) drafts the tokens that followed the latest earlier occurrence of the sequence's
 last n tokens (n from prompt_lookup_max down to prompt_lookup_min), no model needed. `mtp` drafts with
 a Gemma 4 target's MTP drafter (a Hugging Face directory of `Gemma4AssistantForCausalLM` or its unified
-twin), which reads the target's KV and last hidden state (models/gemma4_assistant.py). The target checks
+twin), which reads the target's KV and last hidden state (models/gemma4_assistant.py). `draft_model`
+drafts with any smaller Gemma whose vocabulary the target's contains (a model name, directory or GGUF
+file), its KV in the target's pool and budget (engine/draft_model.py). The target checks
 every draft in the same forward and keeps the longest run it agrees with, plus its own next token, so
 the output is what one token per step would give (engine/spec_decode.py).
 
@@ -23,9 +26,9 @@ from dataclasses import dataclass
 
 from ..errors import UserInputError
 
-METHODS = ("ngram", "mtp")
+METHODS = ("ngram", "mtp", "draft_model")
 # Drafting methods still to come, refused by name rather than as unknown.
-PLANNED = ("draft_model",)
+PLANNED: tuple[str, ...] = ()
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 3
 
@@ -60,7 +63,7 @@ class SpeculativeConfig:
                                  f"(known: {', '.join(sorted(known))})")
         method = value.get("method")
         if method in PLANNED:
-            raise UserInputError(f"speculative method {method!r} is not available yet; use \"ngram\" or \"mtp\"")
+            raise UserInputError(f"speculative method {method!r} is not available yet")
         if method not in METHODS:
             raise UserInputError(f"speculative config: method must be one of {', '.join(METHODS)}, got {method!r}")
         k = value.get("num_speculative_tokens")
@@ -70,14 +73,15 @@ class SpeculativeConfig:
         cap = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         if not _int(cap) or cap < 1:
             raise UserInputError(f"speculative config: disable_by_batch_size must be an integer >= 1, got {cap!r}")
-        if method == "mtp":
+        if method != "ngram":
             lookup = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(value))
             if lookup:
-                raise UserInputError(f"speculative config: method mtp takes no {' or '.join(lookup)}")
+                raise UserInputError(f"speculative config: method {method} takes no {' or '.join(lookup)}")
             model = value.get("model")
             if not isinstance(model, str) or not model:
-                raise UserInputError('speculative config: method mtp needs "model", the drafter\'s directory '
-                                     '(e.g. a copy of google/gemma-4-E2B-it-assistant)')
+                example = ("the drafter's directory (e.g. a copy of google/gemma-4-E2B-it-assistant)" if method == "mtp"
+                           else "a smaller Gemma with the target's vocabulary (e.g. gemma3-270m)")
+                raise UserInputError(f'speculative config: method {method} needs "model", {example}')
             return cls(method, k, model=model, disable_by_batch_size=cap)
         hi, lo = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
         if hi is None and lo is None:

@@ -28,6 +28,7 @@ from ..transfer.runtime import probe as probe_transfer
 from .executor import create_executor
 from .input_processor import InputProcessor
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
+from .draft_model import DraftModelDrafter, offset_layers
 from .mtp import MtpDrafter
 from .output_processor import OutputProcessor
 from .proposers import create_proposer
@@ -89,6 +90,30 @@ def _mtp_drafter(config: EngineConfig, model, backend: AttentionBackend, dtype: 
     return MtpDrafter(assistant, model, backend, lookback=assistant.config.lookback(target))
 
 
+def _draft_model(config: EngineConfig, target: LoadedModel, dtype: torch.dtype,
+                 device: torch.device) -> LoadedModel | None:
+    """The draft model of `--speculative-config '{"method": "draft_model", ...}'`, checked against the
+    target: its vocabulary must be the target's (or its first part: a multimodal target adds image ids)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    from ..models.loader import load_model
+
+    draft = load_model(spec.model, dtype, device, config.quantized_weights(device))
+    ours, theirs = target.tokenizer, draft.tokenizer
+    n = draft.model.vocab_size
+    if n > target.model.vocab_size:
+        raise UserInputError(f"draft model {spec.model!r} has a vocabulary of {n} tokens, more than the target's "
+                             f"{target.model.vocab_size}: it must draft with the target's tokens")
+    sample = list(range(0, min(n, ours.vocab_size, theirs.vocab_size), 997))
+    if (ours.eos_token_id, ours.bos_token_id) != (theirs.eos_token_id, theirs.bos_token_id) or any(
+            ours.decode([i], skip_special_tokens=False) != theirs.decode([i], skip_special_tokens=False) for i in sample):
+        raise UserInputError(f"draft model {spec.model!r} does not use the target's tokenizer")
+    log.info("draft model %s: %s, %d layers, loaded in %.2f s", spec.model, type(draft.model).__name__,
+             len(draft.model.kv_layer_specs(dtype)), draft.load_seconds)
+    return draft
+
+
 @dataclass
 class EngineParts:
     config: EngineConfig
@@ -128,6 +153,13 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     specs = executor.local_kv_specs(model.kv_layer_specs(kv_dtype))   # one device's KV heads
     if kv_dtype == FP8_DTYPE:
         specs = calibrate_kv_scales(model, specs, calibration_tokens(tokenizer, model.vocab_size), device)
+    draft = _draft_model(config, loaded, dtype, device)
+    if draft is not None:   # its KV layers follow the target's: one pool, one budget
+        draft_specs = draft.model.kv_layer_specs(kv_dtype)
+        if kv_dtype == FP8_DTYPE:
+            draft_specs = calibrate_kv_scales(draft.model, draft_specs,
+                                              calibration_tokens(tokenizer, draft.model.vocab_size), device)
+        specs = specs + offset_layers(draft.model, draft_specs, len(specs))
     backend = select_backend(config.attention_backend, device, specs)
     invariance = resolve_batch_invariance(config, device.type, backend.capabilities, bool(loaded.weight_formats))
     backend.batch_invariant = invariance is BatchInvariance.KERNELS
@@ -136,7 +168,8 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         log.info("batch invariant: %s", "; ".join(BATCH_INVARIANT_CHANGES))
     elif config.batch_invariant:
         log.info("batch invariant: every CPU step is (row-independent kernels, blockwise attention)")
-    drafter = _mtp_drafter(config, model, backend, dtype, device)
+    drafter = _mtp_drafter(config, model, backend, dtype, device) if draft is None else DraftModelDrafter(
+        draft.model, backend, tokenizer.pad_token_id or 0)
     cache_options = resolve_cache_options(config, model.engine_preferences(), backend.capabilities, specs,
                                           probe=lambda name: probe_transfer(name, device))
     kv = create_kv_manager(cache_options.kv_cache_manager, specs, config.page_size, config.kv_budget_bytes(device),

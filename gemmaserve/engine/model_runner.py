@@ -5,9 +5,10 @@
     sample rows: last token of every sequence the plan marks `sample`
 
 Speculative sequences (`num_drafts` k) sample their last k + 1 rows, and spec_decode.py keeps the
-drafts the target agrees with. Sequences that ask for drafts (`propose`) get them from the drafter
-(mtp.py) after sampling, from the hidden state of the row that chose their last token (eager steps:
-graphs and compiled steps give logits only).
+drafts the target agrees with. A drafter (drafters.py) fills a step's draft slots before the target's
+forward (draft_model.py), or drafts after sampling for sequences that ask (`propose`; mtp.py, from the
+hidden state of the row that chose their last token: eager steps, as graphs and compiled steps give
+logits only).
 
 The runner sees only plans: it keeps its own block tables (updated by the plan's deltas) and a
 sampling state per request (from its `NewRequest` until it is `finished`), never a live Request.
@@ -53,7 +54,7 @@ class ModelRunner:
         """`suppress_token_ids`: never sampled (their logits become -inf before the sampler).
         `grammars`: matchers for requests with structured output. `cpu_compile`: decode steps through
         torch.compile (compiled_decode.py), compiled here: "required" raises if that fails, "try" warns
-        and stays eager, "off" never compiles. `drafter`: an MtpDrafter for steps that ask for drafts."""
+        and stays eager, "off" never compiles. `drafter`: drafts for speculative steps (drafters.py)."""
         self.model = model
         self.drafter = drafter
         self.backend = backend
@@ -207,9 +208,15 @@ class ModelRunner:
         consecutive), or None."""
         return self._forward(seqs, False)[0]
 
-    def _forward(self, seqs: list[SeqStep], want_hidden: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(logits, their hidden states where `want_hidden`, else None)."""
+    def _forward(self, seqs: list[SeqStep], want_hidden: bool, drafts: dict | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits, their hidden states where `want_hidden`, else None). `drafts` receives what the
+        drafter put in the step's draft slots."""
         input_ids, positions, md = self.build_inputs(seqs)
+        if self.drafter is not None:
+            filled = self.drafter.in_step(self, seqs, input_ids, positions)
+            if filled and drafts is not None:
+                drafts.update(filled)
         rows, sampled, end = [], [], 0
         for b, s in enumerate(seqs):
             end += s.num_new_tokens
@@ -251,7 +258,8 @@ class ModelRunner:
         self.apply(plan)
         seqs = plan.seqs if only is None else [plan.seqs[i] for i in only]
         proposing = self.drafter is not None and any(s.propose for s in seqs if s.sample)
-        logits, hidden = self._forward(seqs, proposing)
+        filled: dict[str, list[int]] = {}
+        logits, hidden = self._forward(seqs, proposing and self.drafter.wants_hidden, filled)
         ids = [s.req_id for s in seqs if s.sample]
         if not ids:
             return PendingStep([], None)
@@ -260,7 +268,7 @@ class ModelRunner:
         row_by_row = self.backend.batch_invariant or self.device.type == "cpu"
         sampling = [s for s in seqs if s.sample]
         if any(s.num_drafts for s in sampling):
-            pending = self._verify(logits, sampling, row_by_row)
+            pending = self._verify(logits, sampling, row_by_row, filled)
             emitted = pending.result.by_request()
             counts = [len(emitted[s.req_id]) for s in sampling]
             tokens = to_device([emitted[s.req_id][-1][0] for s in sampling], torch.long, self.device)
@@ -271,32 +279,14 @@ class ModelRunner:
             sampled.to_host()
             pending, counts, tokens = PendingStep(ids, sampled), [1] * len(ids), sampled.tokens
         if proposing:
-            pending.drafts = self._draft(sampling, counts, hidden, tokens)
+            pending.drafts = self.drafter.after_step(self, sampling, counts, hidden, tokens)
         return pending
 
-    def _draft(self, seqs: list[SeqStep], emitted: list[int], hidden: torch.Tensor,
-               tokens: torch.Tensor) -> tuple[list[str], list[int], torch.Tensor]:
-        """Drafts for the sequences that ask (mtp.py): (their ids, how many each wants, [B, k] on the
-        device). `hidden` holds a row per sampled position of `seqs`, `tokens` each sequence's last
-        emitted token and `emitted` how many it emitted: the last one's row chose the token drafts follow."""
-        rows, chosen, lengths, want = [], [], [], []
-        first = 0
-        for b, (s, n) in enumerate(zip(seqs, emitted)):
-            if s.propose:
-                rows.append(first + n - 1)
-                chosen.append(b)
-                lengths.append(s.start + s.num_new_tokens - s.num_drafts + n - 1)   # committed KV: [0, p)
-                want.append(s.propose)
-            first += s.num_drafts + 1
-        ids = [seqs[b].req_id for b in chosen]
-        drafts = self.drafter.draft(hidden[to_device(rows, torch.long, self.device)],
-                                    tokens[to_device(chosen, torch.long, self.device)], lengths,
-                                    self.tables.tables(ids), self.layer_slot, self.kv_cache, max(want))
-        return ids, want, drafts
-
-    def _verify(self, logits: torch.Tensor, seqs: list[SeqStep], row_by_row: bool) -> "PendingStep":
-        """A step with drafts: each sequence's emitted tokens, read back now (spec_decode.py)."""
-        drafts = [s.token_ids[len(s.token_ids) - s.num_drafts:] for s in seqs]
+    def _verify(self, logits: torch.Tensor, seqs: list[SeqStep], row_by_row: bool,
+                filled: dict[str, list[int]]) -> "PendingStep":
+        """A step with drafts: each sequence's emitted tokens, read back now (spec_decode.py). `filled`:
+        the drafts the drafter put in draft slots."""
+        drafts = [filled.get(s.req_id) or s.token_ids[len(s.token_ids) - s.num_drafts:] for s in seqs]
         got = verify(logits, [s.num_drafts + 1 for s in seqs], drafts, [self.sampling[s.req_id] for s in seqs],
                      self.grammars, row_by_row=row_by_row)
         result = StepResult()

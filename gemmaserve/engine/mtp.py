@@ -19,9 +19,14 @@ from ..device import to_device
 from ..kv.base import GroupTables
 from ..models.base import ModelInputs
 from ..models.gemma4_assistant import Gemma4Assistant
+from .step import SeqStep
 
 
 class MtpDrafter:
+    """A drafter (drafters.py) that works after the step."""
+
+    wants_hidden = True
+
     def __init__(self, assistant: Gemma4Assistant, target: torch.nn.Module, backend: AttentionBackend,
                  lookback: int = 0):
         """`lookback`: keys behind a sequence's next query that the KV manager must keep for the drafter."""
@@ -30,6 +35,30 @@ class MtpDrafter:
         self.target = target   # its `embed(ids)`: the drafter reads tokens through the target's embedding
         self.backend = backend
         self.dtype = assistant.pre_projection.weight.dtype
+
+    def in_step(self, runner, seqs, input_ids, positions) -> None:
+        return None
+
+    def after_step(self, runner, seqs: list[SeqStep], emitted: list[int], hidden: torch.Tensor,
+                   tokens: torch.Tensor) -> tuple[list[str], list[int], torch.Tensor] | None:
+        """`hidden` holds a row per sampled position of `seqs`, `tokens` each sequence's last emitted token
+        and `emitted` how many it emitted: the last one's row chose the token the drafts follow."""
+        rows, chosen, lengths, want = [], [], [], []
+        first = 0
+        for b, (s, n) in enumerate(zip(seqs, emitted)):
+            if s.propose:
+                rows.append(first + n - 1)
+                chosen.append(b)
+                lengths.append(s.start + s.num_new_tokens - s.num_drafts + n - 1)   # committed KV: [0, p)
+                want.append(s.propose)
+            first += s.num_drafts + 1
+        if not chosen:
+            return None
+        ids = [seqs[b].req_id for b in chosen]
+        device = hidden.device
+        drafts = self.draft(hidden[to_device(rows, torch.long, device)], tokens[to_device(chosen, torch.long, device)],
+                            lengths, runner.tables.tables(ids), runner.layer_slot, runner.kv_cache, max(want))
+        return ids, want, drafts
 
     @torch.inference_mode()
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, lengths: list[int], groups: list[GroupTables],

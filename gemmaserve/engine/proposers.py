@@ -7,6 +7,8 @@ checks in one forward (spec_decode.py). A wrong guess costs compute, never outpu
     runner drafts (mtp)     a model that needs the target's hidden states and KV drafts on the runner, right
                             after the step that sampled the request's last token (SeqStep.propose, mtp.py);
                             the scheduler keeps them on the request until its next step uses them
+    draft slots (draft_model)  the step carries k empty slots (DRAFT_TOKEN) that the runner's draft model
+                            fills before the target verifies them, in the same step (draft_model.py)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ..config.speculative import SpeculativeConfig
 from .request import Request
+from .step import DRAFT_TOKEN
 
 
 class Proposer(Protocol):
@@ -65,11 +68,24 @@ class RunnerDrafts:
         return req.drafts[:max(0, limit)]
 
 
+@dataclass(frozen=True)
+class DraftSlots:
+    """Empty slots the runner's draft model fills in the step itself."""
+
+    num_speculative_tokens: int
+    drafts_after_step = False
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        return [DRAFT_TOKEN] * max(0, min(self.num_speculative_tokens, limit))
+
+
 def create_proposer(config: SpeculativeConfig | None) -> Proposer | None:
     if config is None:
         return None
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.method == "draft_model":
+        return DraftSlots(config.num_speculative_tokens)
     if config.drafts_on_runner:
         return RunnerDrafts(config.num_speculative_tokens)
     raise ValueError(f"no proposer for method {config.method!r}")   # SpeculativeConfig.parse refuses it first

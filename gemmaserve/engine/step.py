@@ -26,6 +26,8 @@ from .sampling_params import SamplingParams
 
 # A token the runner sampled in the step before, not yet known to the host (asynchronous scheduling).
 DEVICE_TOKEN = -1
+# A draft slot: the runner's drafter puts its guess there before the target's forward (draft_model.py).
+DRAFT_TOKEN = -2
 
 
 @dataclass
@@ -59,7 +61,8 @@ class SeqStep:
     deltas: list[TableDelta] | None = None   # per group; None: no table changed
     new_table: bool = False      # the runner holds no table for it (deltas carry the whole table)
     # Speculative decoding: the last `num_drafts` of token_ids are guesses the runner checks against the
-    # target's own choices at each position (sampling every one), emitting 1..num_drafts + 1 tokens.
+    # target's own choices at each position (sampling every one), emitting 1..num_drafts + 1 tokens
+    # (DRAFT_TOKEN: a slot the runner's drafter fills).
     num_drafts: int = 0
     # Drafts the runner's drafter should make after this step for the token it emits last (MTP).
     propose: int = 0
