@@ -191,8 +191,7 @@ def test_every_round_drafts_what_transformers_drafts_from_the_committed_context(
 def test_config_and_checkpoint_errors_are_clear(pair, tmp_path):
     _, _, path, drafter_dir, base = pair
     for bad, match in [({"method": "mtp", "num_speculative_tokens": 2}, 'needs "model"'),
-                       ({**_mtp(drafter_dir), "prompt_lookup_max": 3}, "takes no prompt_lookup_max"),
-                       ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not available yet")]:
+                       ({**_mtp(drafter_dir), "prompt_lookup_max": 3}, "takes no prompt_lookup_max")]:
         with pytest.raises(UserInputError, match=match):
             EngineConfig(speculative_config=bad)
     with pytest.raises(UserInputError, match="tensor_parallel_size > 1 is not supported yet"):

@@ -53,7 +53,7 @@ def test_speculative_config_is_checked():
     assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}').speculative_config == (
         SpeculativeConfig("ngram", 2, 4, 2, None, 3))
     for bad, match in [('{"method": "ngram"', "not valid JSON"), ({"method": "eagle"}, "method must be"),
-                       ({"method": "draft_model", "num_speculative_tokens": 2}, "not available yet"),
+                       ({"method": "draft_model", "num_speculative_tokens": 2}, 'needs "model"'),
                        ({"method": "ngram", "num_speculative_tokens": 0}, r"in \[1, 16\]"),
                        ({**NGRAM, "prompt_lookup_min": 5}, "prompt_lookup_min <= prompt_lookup_max"),
                        ({**NGRAM, "draft": 1}, "unknown key"), ({**NGRAM, "model": "x"}, "takes no model"),

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from ..errors import UserInputError
 
 METHODS = ("ngram", "mtp", "draft_model")
-# Drafting methods still to come, refused by name rather than as unknown.
-PLANNED: tuple[str, ...] = ()
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 3
 
@@ -62,8 +60,6 @@ class SpeculativeConfig:
             raise UserInputError(f"speculative config: unknown key(s) {', '.join(unknown)} "
                                  f"(known: {', '.join(sorted(known))})")
         method = value.get("method")
-        if method in PLANNED:
-            raise UserInputError(f"speculative method {method!r} is not available yet")
         if method not in METHODS:
             raise UserInputError(f"speculative config: method must be one of {', '.join(METHODS)}, got {method!r}")
         k = value.get("num_speculative_tokens")
