@@ -132,3 +132,13 @@ def test_270m_drafts_for_itself(llm_270m):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     st = llm.engine.scheduler.spec_stats
     assert st.drafted > 0 and st.accepted == st.drafted, st
+
+
+def test_roles_and_tensor_parallelism_refuse_a_draft_model(models):
+    from gemmaserve.config.kv_transfer import KVTransferConfig
+
+    path, near, _ = models
+    with pytest.raises(UserInputError, match="tensor_parallel_size > 1 is not supported yet"):
+        EngineConfig(model=path, speculative_config=_draft(near), tensor_parallel_size=2)
+    with pytest.raises(UserInputError, match="prefill or decode role is not supported yet"):
+        EngineConfig(model=path, speculative_config=_draft(near), kv_transfer=KVTransferConfig(role="decode"))

@@ -168,6 +168,10 @@ class EngineConfig:
                 raise UserInputError(f"speculative method {self.speculative_config.method!r} with "
                                      "tensor_parallel_size > 1 is not supported yet (the drafter is not sharded); "
                                      "use \"ngram\"")
+            if self.speculative_config.method == "draft_model" and self.kv_transfer is not None \
+                    and self.kv_transfer.disaggregated:
+                raise UserInputError("a draft model with a prefill or decode role is not supported yet (both "
+                                     "roles would hold its KV layers; use \"ngram\" or no speculation)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
 

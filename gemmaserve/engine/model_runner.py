@@ -35,6 +35,7 @@ from ..kv.spec import LayerSpec
 from ..models.base import ModelInputs
 from .block_tables import BlockTables
 from ..device import to_device
+from .drafters import Drafter
 from .encoder_cache import EncoderCache
 from .images import ImageItem
 from .sampler import Sampled, SamplingState, sample
@@ -50,7 +51,7 @@ class ModelRunner:
                  layer_slot: tuple[tuple[int, int], ...], specs: list[LayerSpec], device: torch.device,
                  cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0,
                  encoder_cache_bytes: int = 256 * 2**20, suppress_token_ids: list[int] | None = None,
-                 grammars: Grammars | None = None, cpu_compile: str = "off", drafter=None):
+                 grammars: Grammars | None = None, cpu_compile: str = "off", drafter: "Drafter | None" = None):
         """`suppress_token_ids`: never sampled (their logits become -inf before the sampler).
         `grammars`: matchers for requests with structured output. `cpu_compile`: decode steps through
         torch.compile (compiled_decode.py), compiled here: "required" raises if that fails, "try" warns
