@@ -225,3 +225,32 @@ def test_config_and_checkpoint_errors_are_clear(pair, tmp_path):
         f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(UserInputError, match="cannot read"):
         build(str(damaged))
+
+
+def test_drafts_the_grammar_forbids_are_cut_before_verification(pair):
+    """Structured output: a request carries only drafts its grammar allows after what it has emitted (so
+    the target never verifies a forbidden one), and its text is what it is without drafts."""
+    from gemmaserve.engine.structured_output import StructuredOutput
+
+    _, _, path, drafter_dir, base = pair
+    so = {"kind": "regex", "spec": "(ab|cd|aa|bb)+x"}
+    params = SamplingParams(max_tokens=16, structured_output=so)
+    want = [o.outputs[0].text for o in base.generate(PROMPTS[:3], params)]
+    engine = LLM.from_config(EngineConfig(model=path, page_size=4, speculative_config=_mtp(drafter_dir)), base).engine
+    ids = [engine.add_request(p, params) for p in PROMPTS[:3]]
+    done, kept, cut = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].text
+        for req in engine.scheduler.running:
+            if not req.sampling_sent:
+                continue
+            matcher = engine.grammars.matcher(StructuredOutput.parse(so))
+            for t in req.output_token_ids:
+                matcher.accept(t)
+            assert matcher.allowed_prefix(req.drafts) == len(req.drafts), (req.output_token_ids, req.drafts)
+            kept += len(req.drafts)
+            cut += len(req.drafts) < 3
+    assert [done[i] for i in ids] == want
+    assert kept > 0 and cut > 0, (kept, cut)

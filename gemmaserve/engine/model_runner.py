@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -281,7 +282,15 @@ class ModelRunner:
             pending, counts, tokens = PendingStep(ids, sampled), [1] * len(ids), sampled.tokens
         if proposing:
             pending.drafts = self.drafter.after_step(self, sampling, counts, hidden, tokens)
+            pending.cut = self._allowed_drafts
         return pending
+
+    def _allowed_drafts(self, req_id: str, drafts: list[int]) -> list[int]:
+        """`drafts` up to the first one the request's grammar forbids (structured output)."""
+        state = self.sampling.get(req_id)
+        if state is None or state.grammar is None:
+            return drafts
+        return drafts[:state.grammar.allowed_prefix(drafts)]
 
     def _verify(self, logits: torch.Tensor, seqs: list[SeqStep], row_by_row: bool,
                 filled: dict[str, list[int]]) -> "PendingStep":
@@ -312,6 +321,7 @@ class PendingStep:
     sampled: Sampled | None
     result: StepResult | None = None   # already on the host (a verified speculative step)
     drafts: tuple[list[str], list[int], torch.Tensor] | None = None   # the drafter's (ids, counts, [B, k])
+    cut: Callable[[str, list[int]], list[int]] | None = None   # drafts of a request as its grammar allows them
 
     def resolve(self) -> StepResult:
         if self.result is not None:
@@ -323,5 +333,6 @@ class PendingStep:
             result = StepResult(self.req_ids, tokens, records)
         if self.drafts is not None:
             ids, want, tokens = self.drafts
-            result.drafts = {req_id: row[:n] for req_id, n, row in zip(ids, want, tokens.tolist())}
+            cut = self.cut or (lambda _, drafts: drafts)
+            result.drafts = {req_id: cut(req_id, row[:n]) for req_id, n, row in zip(ids, want, tokens.tolist())}
         return result

@@ -395,6 +395,19 @@ class GrammarState:
     def sampled(self, step: "Sampled", row: int) -> None:
         self._pending = (step, row)
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar takes next, in a row (drafts it forbids are never worth
+        verifying); the matcher is left as it was."""
+        self.catch_up()
+        n = 0
+        for t in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
     def catch_up(self) -> None:
         if self._pending is None:
             return
