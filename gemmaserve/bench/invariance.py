@@ -19,16 +19,16 @@ def record_logits(engine) -> dict[str, list[torch.Tensor]]:
         return runner.recorded_logits
     seen: dict[str, list[torch.Tensor]] = {}
     runner.recorded_logits = seen
-    forward = runner.forward
+    run_model = runner.run_model
 
-    def recording(seqs):
-        out = forward(seqs)
-        if out is not None:
+    def recording(seqs, *args, **kwargs):
+        out = run_model(seqs, *args, **kwargs)
+        if out[0] is not None:
             for row, s in enumerate([s for s in seqs if s.sample]):
-                seen.setdefault(s.req_id, []).append(out[row].clone())
+                seen.setdefault(s.req_id, []).append(out[0][row].clone())
         return out
 
-    runner.forward = recording
+    runner.run_model = recording
     return seen
 
 

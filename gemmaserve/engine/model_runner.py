@@ -208,12 +208,12 @@ class ModelRunner:
     def forward(self, seqs: list[SeqStep]) -> torch.Tensor | None:
         """Logits [N, V] for the N sequences with `sample` (in order; a speculative one's k + 1 rows
         consecutive), or None."""
-        return self._forward(seqs, False)[0]
+        return self.run_model(seqs)[0]
 
-    def _forward(self, seqs: list[SeqStep], want_hidden: bool, drafts: dict | None = None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(logits, their hidden states where `want_hidden`, else None). `drafts` receives what the
-        drafter put in the step's draft slots."""
+    def run_model(self, seqs: list[SeqStep], want_hidden: bool = False, drafts: dict | None = None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits as `forward` has them, their hidden states where `want_hidden`, else None). `drafts`
+        receives what the drafter put in the step's draft slots. Every step's forward passes here."""
         input_ids, positions, md = self.build_inputs(seqs)
         if self.drafter is not None:
             filled = self.drafter.in_step(self, seqs, input_ids, positions)
@@ -261,7 +261,7 @@ class ModelRunner:
         seqs = plan.seqs if only is None else [plan.seqs[i] for i in only]
         proposing = self.drafter is not None and any(s.propose for s in seqs if s.sample)
         filled: dict[str, list[int]] = {}
-        logits, hidden = self._forward(seqs, proposing and self.drafter.wants_hidden, filled)
+        logits, hidden = self.run_model(seqs, proposing and self.drafter.wants_hidden, filled)
         ids = [s.req_id for s in seqs if s.sample]
         if not ids:
             return PendingStep([], None)
