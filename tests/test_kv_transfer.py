@@ -171,6 +171,40 @@ def test_handoff_to_another_manager_and_page_size_gives_the_single_engine_tokens
         assert eng.kv.stats().pages_used == 0
 
 
+def test_a_decode_engine_that_speculates_gives_the_single_engine_tokens(engines):
+    """Speculative decoding (prompt lookup) on the decode engine: the handed-over request drafts from its
+    first decode step on, and its tokens are the single engine's."""
+    from gemmaserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
+    from gemmaserve.engine.llm_engine import LLMEngine
+    from gemmaserve.engine.sampling_params import SamplingParams
+    from gemmaserve.transfer.torch_runtime import TorchSource
+
+    single, prefill, _ = engines
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 8}
+    decode = LLMEngine(prefill.config.replace(kv_transfer=KVTransferConfig(role="decode", kv_transfer_runtime="torch"),
+                                              speculative_config=ngram), single.loaded)
+    prompt = [5 + (i % 7) * 11 for i in range(40)]   # repetitive: lookups find matches
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = _run(single, "s", params, prompt).outputs[0].token_ids
+    source = TorchSource(torch.device("cpu"))
+    staging = PrefillHandoff(prefill, source, timeout=30, engine_id="p")
+    staging.expect("xs", "t2")
+    _run(prefill, "xs", dataclasses.replace(params, max_tokens=1), prompt)
+    desc = staging.describe("t2")
+    handoff = DecodeHandoff(decode)
+    decode.add_request("", params, prompt_ids=prompt, request_id="ys")
+    handoff.reserve("ys", prompt)
+    handoff.adopt(decode, "ys", TransferPlan.from_dict(desc["plan"]), source._buffers["t2"], desc["first_token"], None)
+    final = None
+    while decode.has_unfinished_requests():
+        final = next((o for o in decode.step() if o.finished), final)
+    assert final.outputs[0].token_ids == want
+    assert decode.scheduler.spec_stats.accepted > 0, decode.scheduler.spec_stats   # drafts kept after the handoff
+    assert staging.release("t2")
+    decode.kv.check_integrity()
+    assert decode.kv.stats().pages_used == 0
+
+
 def test_staged_kv_nobody_fetches_is_freed_after_the_timeout(engines):
     import time
 
