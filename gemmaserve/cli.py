@@ -38,6 +38,7 @@ BENCHMARKS = {
     "kv-transfer": ("disaggregated serving: KV bytes per request (V2 vs V1), latency against one engine", False),
     "startup": ("cold and warm starts: serve to /health 200 and to compiled steps; generate vs llama.cpp", False),
     "spec": ("speculative decoding (prompt lookup) on input-grounded tasks vs ours and llama.cpp's lookup", True),
+    "spec-drafters": ("draft_model and MTP drafting steps against plain ones on tiny random checkpoints", False),
 }
 
 
