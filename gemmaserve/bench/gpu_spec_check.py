@@ -1,7 +1,8 @@
 """Speculative decoding on CUDA, correctness only (`python -m gemmaserve.bench.gpu_spec_check`): random
 bf16 weights at the Gemma 3 1B shape (Triton attention; CUDA graphs and asynchronous scheduling on, then each
-off) give the same greedy and seeded tokens with prompt-lookup drafts as without. Exit 1 on any difference.
-Writes $OUT/gpu_spec_check.json."""
+off) give the same greedy and seeded tokens with prompt-lookup drafts as without; then tiny random checkpoints
+(written by transformers, as `bench spec-drafters` does) with a draft model and with a Gemma 4 MTP drafter,
+the same. Exit 1 on any difference. Writes $OUT/gpu_spec_check.json."""
 
 from __future__ import annotations
 
@@ -26,6 +27,38 @@ def _generate(llm, prompts: list[list[int]], params) -> list[list[int]]:
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     return [done[i] for i in ids]
+
+
+def _drafters(prompts: list[list[int]]) -> list[dict]:
+    """draft_model and mtp on tiny checkpoints (bench/spec_drafters.py), CUDA graphs and async on."""
+    import tempfile
+
+    from ..engine.llm import LLM
+    from ..engine.sampling_params import SamplingParams
+    from .spec_drafters import VOCAB, _checkpoints
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            paths = _checkpoints(Path(tmp))
+        except (ImportError, AttributeError, ValueError) as exc:   # a transformers without Gemma 4 drafters
+            print(f"drafter checks skipped: {exc}", flush=True)
+            return [{"method": "draft_model/mtp", "same_tokens": True, "skipped": str(exc)}]
+        tiny = [[t % VOCAB for t in p] for p in prompts]
+        for target, method, drafter in (("gemma3", "draft_model", paths["gemma3_draft"]),
+                                        ("gemma3", "draft_model", paths["gemma3"]), ("gemma4", "mtp", paths["mtp"])):
+            base = LLM(model=paths[target], device="cuda", dtype="bfloat16", kv_cache_memory=1 << 30)
+            spec = LLM.from_config(base.engine.config.replace(speculative_config={
+                "method": method, "model": drafter, "num_speculative_tokens": 4, "disable_by_batch_size": 64}), base)
+            params = SamplingParams(max_tokens=32, ignore_eos=True)
+            want, got = _generate(base, tiny, params), _generate(spec, tiny, params)
+            st = spec.engine.scheduler.spec_stats
+            row = {"target": target, "method": method, "self_draft": drafter == paths[target],
+                   "same_tokens": got == want, "drafted": st.drafted, "accepted": st.accepted,
+                   "cuda_graphs": spec.engine.info.cuda_graphs, "async": spec.engine.info.async_scheduling}
+            print(row, flush=True)
+            rows.append(row)
+    return rows
 
 
 def main(argv: list[str]) -> int:
@@ -60,6 +93,8 @@ def main(argv: list[str]) -> int:
             print(row, flush=True)
         del base, spec
         torch.cuda.empty_cache()
+    rows += _drafters(prompts)
+    ok &= all(r["same_tokens"] for r in rows)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
                                "ok": ok}, indent=1))
     return 0 if ok else 1
