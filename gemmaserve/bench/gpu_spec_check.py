@@ -45,18 +45,27 @@ def _drafters(prompts: list[list[int]]) -> list[dict]:
             print(f"drafter checks skipped: {exc}", flush=True)
             return [{"method": "draft_model/mtp", "same_tokens": True, "skipped": str(exc)}]
         tiny = [[t % VOCAB for t in p] for p in prompts]
-        for target, method, drafter in (("gemma3", "draft_model", paths["gemma3_draft"]),
-                                        ("gemma3", "draft_model", paths["gemma3"]), ("gemma4", "mtp", paths["mtp"])):
-            base = LLM(model=paths[target], device="cuda", dtype="bfloat16", kv_cache_memory=1 << 30)
+        cases = [("gemma3", "draft_model", paths["gemma3_draft"], "bfloat16", False),
+                 ("gemma3", "draft_model", paths["gemma3"], "bfloat16", False)]
+        # Random Gemma 4 weights in bf16 turn a change of rounding order (a verification step's k + 1 rows
+        # against a one-row graph) into other tokens: equal tokens need fp32 or --batch-invariant there.
+        cases += [("gemma4", "mtp", paths["mtp"], dtype, inv) for dtype, inv in
+                  (("bfloat16", False), ("float32", False), ("bfloat16", True))]
+        for target, method, drafter, dtype, invariant in cases:
+            base = LLM(model=paths[target], device="cuda", dtype=dtype, kv_cache_memory=1 << 30,
+                       batch_invariant=invariant)
             spec = LLM.from_config(base.engine.config.replace(speculative_config={
                 "method": method, "model": drafter, "num_speculative_tokens": 4, "disable_by_batch_size": 64}), base)
             params = SamplingParams(max_tokens=32, ignore_eos=True)
             want, got = _generate(base, tiny, params), _generate(spec, tiny, params)
             st = spec.engine.scheduler.spec_stats
-            row = {"target": target, "method": method, "self_draft": drafter == paths[target],
+            row = {"target": target, "method": method, "dtype": dtype, "batch_invariant": invariant,
+                   "self_draft": drafter == paths[target],
                    "same_tokens": got == want, "drafted": st.drafted, "accepted": st.accepted,
                    "cuda_graphs": spec.engine.info.cuda_graphs, "async": spec.engine.info.async_scheduling}
             print(row, flush=True)
+            if dtype == "bfloat16" and target == "gemma4" and not invariant:
+                row["same_tokens_expected"] = False   # reported, not a failure (see above)
             rows.append(row)
     return rows
 
@@ -94,7 +103,7 @@ def main(argv: list[str]) -> int:
         del base, spec
         torch.cuda.empty_cache()
     rows += _drafters(prompts)
-    ok &= all(r["same_tokens"] for r in rows)
+    ok &= all(r["same_tokens"] or r.get("same_tokens_expected") is False for r in rows)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
                                "ok": ok}, indent=1))
     return 0 if ok else 1
