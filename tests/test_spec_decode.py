@@ -287,3 +287,12 @@ def test_multi_turn_sessions_keep_their_prefix_hits(tiny):
         llm.engine.kv.check_integrity()
         accepted = llm.engine.scheduler.spec_stats.accepted
     assert stats[True] == stats[False] and stats[True][2] > 0 and accepted > 0
+
+
+def test_an_http_request_opts_out_with_speculative_false():
+    from gemmaserve.server.protocol import ChatRequest, CompletionRequest, sampling_params
+
+    assert sampling_params(CompletionRequest(prompt="hi"), 8).speculative is True
+    assert sampling_params(CompletionRequest(prompt="hi", speculative=False), 8).speculative is False
+    chat = ChatRequest(messages=[{"role": "user", "content": "hi"}], speculative=False)
+    assert sampling_params(chat, 8).speculative is False

@@ -86,6 +86,7 @@ class _Common(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    speculative: bool = True   # false: no drafts for this request (the server's --speculative-config)
     request_timeout: float | None = _doc(exclusiveMinimum=0)   # seconds from arrival; only shortens the server's
     response_format: dict[str, Any] | None = None   # text, json_object or json_schema (also on completions, as vLLM)
 
@@ -159,7 +160,7 @@ def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> Sa
                   frequency_penalty=req.frequency_penalty or 0.0,
                   repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                   ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids or [],
-                  skip_special_tokens=req.skip_special_tokens,
+                  skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
                   structured_output=response_format(req.response_format))
     try:
         return SamplingParams(**values)
