@@ -4,9 +4,12 @@ drafter, against a plain decode step of the same target, on tiny random checkpoi
 
 Random weights accept (almost) nothing, so a drafter's cost shows alone: per case, batch-1 greedy
 decoding of `--new-tokens` tokens after a short prompt, speculation off and on (k drafts per step),
-median of `--repeats` runs; each row gives the time per engine step, tokens per step and the ratio of a
-drafting step to a plain one (the overhead a drafter must win back by acceptance). The draft model also
-runs as the target's own draft (every draft accepted): the upper end, k + 1 tokens per step.
+median of `--repeats` runs; each row gives the time per engine step, tokens per step, the share of
+steps that drafted (a request whose drafts keep missing pauses drafting: scheduler.py), the cost of a
+drafting step against a plain one (the overhead a drafter must win back by acceptance: the run's time
+less its steps without drafts at the plain step's price, over its drafting steps) and the end-to-end
+ratio. The draft model also runs as the target's own draft (every draft accepted): the upper end, k + 1
+tokens per step.
 """
 
 from __future__ import annotations
@@ -109,25 +112,28 @@ def run(args: argparse.Namespace) -> int:
             spec_config = {"method": method.split()[0], "model": drafter, "num_speculative_tokens": k}
             spec = LLM.from_config(base.engine.config.replace(speculative_config=spec_config), base)
             times = {"off": [], "on": []}
+            stats = spec.engine.scheduler.spec_stats
             for r in range(args.repeats + 1):   # the first of each is a warm-up
                 for name, llm in (("off", base), ("on", spec)):
+                    drafting = stats.steps
                     seconds, steps, tokens = _decode(llm, prompt, args.new_tokens)
                     if r:
-                        times[name].append((seconds, steps))
+                        times[name].append((seconds, steps, stats.steps - drafting))
                     if name == "off":
                         want = tokens
                     elif tokens != want:
                         ok = False
                         print(f"{target}/{method}: tokens differ with speculation", file=sys.stderr)
-            off_s, off_steps = statistics.median(t for t, _ in times["off"]), times["off"][0][1]
-            on_s, on_steps = statistics.median(t for t, _ in times["on"]), times["on"][0][1]
-            st = spec.engine.scheduler.spec_stats
+            off_s, off_steps = statistics.median(t[0] for t in times["off"]), times["off"][0][1]
+            on_s, on_steps, drafted = statistics.median(t[0] for t in times["on"]), times["on"][0][1], times["on"][0][2]
+            plain = off_s / off_steps
+            drafting_step = (on_s - (on_steps - drafted) * plain) / drafted if drafted else float("nan")
             row = {"target": target, "method": method, "k": k, "new_tokens": args.new_tokens,
-                   "plain_step_ms": round(1e3 * off_s / off_steps, 3), "spec_step_ms": round(1e3 * on_s / on_steps, 3),
-                   "step_ratio": round((on_s / on_steps) / (off_s / off_steps), 3),
+                   "plain_step_ms": round(1e3 * plain, 3), "drafting_step_ms": round(1e3 * drafting_step, 3),
+                   "step_ratio": round(drafting_step / plain, 3), "drafting_steps": drafted,
+                   "spec_steps": on_steps, "plain_steps": off_steps,
                    "tokens_per_step": round(args.new_tokens / on_steps, 3),
-                   "acceptance_rate": round(st.acceptance_rate, 3),
-                   "speedup": round(off_s / on_s, 3), "plain_steps": off_steps, "spec_steps": on_steps}
+                   "acceptance_rate": round(stats.acceptance_rate, 3), "speedup": round(off_s / on_s, 3)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = Path(args.out)
@@ -135,9 +141,10 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps({"date": date.today().isoformat(), "machine": _machine(torch.device("cpu")), "torch": torch.__version__,
                                "command": "gemmaserve bench spec-drafters " + " ".join(sys.argv[3:]),
                                "rows": rows, "same_tokens": ok}, indent=1))
-    print(f"{'target':8} {'method':22} {'plain ms/step':>13} {'spec ms/step':>12} {'ratio':>6} {'tok/step':>8} "
-          f"{'accept':>6} {'speedup':>7}")
+    print(f"{'target':8} {'method':22} {'plain ms':>8} {'drafting ms':>11} {'ratio':>6} {'drafting':>9} "
+          f"{'tok/step':>8} {'accept':>6} {'speedup':>7}")
     for r in rows:
-        print(f"{r['target']:8} {r['method']:22} {r['plain_step_ms']:13.2f} {r['spec_step_ms']:12.2f} "
-              f"{r['step_ratio']:6.2f} {r['tokens_per_step']:8.2f} {r['acceptance_rate']:6.2f} {r['speedup']:7.2f}")
+        print(f"{r['target']:8} {r['method']:22} {r['plain_step_ms']:8.2f} {r['drafting_step_ms']:11.2f} "
+              f"{r['step_ratio']:6.2f} {r['drafting_steps']:4d}/{r['spec_steps']:<4d} {r['tokens_per_step']:8.2f} "
+              f"{r['acceptance_rate']:6.2f} {r['speedup']:7.2f}")
     return 0 if ok else 1

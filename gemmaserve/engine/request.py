@@ -67,6 +67,9 @@ class Request:
     num_draft_tokens: int = 0              # speculative decoding: tokens drafted for it ...
     num_accepted_tokens: int = 0           # ... and how many of them the target agreed with
     drafts: list[int] = field(default_factory=list)   # guesses the runner's drafter made after its last step
+    draft_misses: int = 0                  # speculative steps in a row whose drafts were all rejected ...
+    draft_pause: int = 0                   # ... the last pause they caused (steps), and until which step
+    drafts_resume_at: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None   # the stop token id (or, set by the engine, stop string) that ended it

@@ -24,7 +24,10 @@ Speculative decoding (a `Proposer`): a decode runs its last token and up to k dr
 tokens after it; the runner keeps the longest run of guesses the target agrees with, plus the target's
 own next token. Only those tokens' KV is committed: the rejected drafts' positions are computed again
 the next step (no KV policy drops a block a query at the committed position reads). A request whose
-speculative step is still in flight is not scheduled again until its tokens are known.
+speculative step is still in flight is not scheduled again until its tokens are known. Drafts take
+only free pages. A request whose drafts were all rejected MISSES_BEFORE_PAUSE steps in a row stops
+drafting for a while (8 steps, doubling while it keeps missing, up to 256): a drafter that guesses
+nothing for a text costs a drafting step's price every step, about 1.5-1.9x a plain one (BENCHMARKS.md).
 
 The scheduler owns request and KV state: `schedule()` decides and allocates, then describes the step
 as plain data (`StepPlan`: tokens per request, block-table deltas, new slots, requests gone), and
@@ -40,6 +43,9 @@ from ..kv.base import KVCacheManager
 from .proposers import Proposer
 from .request import FinishReason, Request, RequestStatus
 from .step import DEVICE_TOKEN, NewRequest, SeqStep, SlotUpdate, StepPlan, StepResult, TableDelta
+
+MISSES_BEFORE_PAUSE = 4
+FIRST_PAUSE, LONGEST_PAUSE = 8, 256   # steps
 
 
 @dataclass
@@ -192,11 +198,15 @@ class Scheduler:
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Guesses at `req`'s next tokens: within `room` (budget), the request's own limits (a token
         past max_tokens or max_model_len is never emitted) and its opt-out."""
-        if not req.params.speculative or room <= 0 or req.num_pending_samples:
+        if not self._drafts_for(req) or room <= 0 or req.num_pending_samples:
             return []
         limit = min(room, req.params.max_tokens - len(req.output_token_ids) - 1,
                     req.max_total_tokens - req.num_tokens - 1)
         return self.proposer.propose(req, limit) if limit > 0 else []
+
+    def _drafts_for(self, req: Request, step: int | None = None) -> bool:
+        """`req` drafts at `step` (default: this one): it did not opt out and is not pausing."""
+        return req.params.speculative and (self._step if step is None else step) >= req.drafts_resume_at
 
     # -- the step as data ----------------------------------------------------------------------
     def _describe(self, out: _Decision) -> StepPlan:
@@ -213,7 +223,7 @@ class Scheduler:
             real = end - len(s.drafts)
             known = req.all_token_ids[start:real]   # beyond: sampled by the step in flight, still on the device
             propose = self.proposer.num_speculative_tokens if (
-                self._proposing and s.completes and req.params.speculative) else 0
+                self._proposing and s.completes and self._drafts_for(req, self._step + 1)) else 0
             plan.seqs.append(SeqStep(req.request_id, start,
                                      known + [DEVICE_TOKEN] * (real - start - len(known)) + s.drafts,
                                      s.completes, deltas, new_table, len(s.drafts), propose))
@@ -283,6 +293,13 @@ class Scheduler:
         self.spec_stats.record(s.num_drafts, emitted - 1)
         req.num_draft_tokens += s.num_drafts
         req.num_accepted_tokens += emitted - 1
+        if emitted > 1:
+            req.draft_misses, req.draft_pause = 0, 0
+        else:
+            req.draft_misses += 1
+            if req.draft_misses >= MISSES_BEFORE_PAUSE:
+                req.draft_pause = min(LONGEST_PAUSE, 2 * req.draft_pause or FIRST_PAUSE)
+                req.drafts_resume_at, req.draft_misses = self._step + req.draft_pause, 0
         end = s.start + emitted
         if req.status is RequestStatus.RUNNING and req.num_computed_tokens == s.start + s.num_new_tokens:
             req.num_computed_tokens = end
