@@ -60,10 +60,11 @@ class DraftModelDrafter:
         for s in seqs:
             starts.append(row)
             row += s.num_new_tokens
-        plain = [b for b, s in enumerate(seqs) if not (s.num_drafts and s.token_ids[-1] == DRAFT_TOKEN)]
+        slots = [b for b, s in enumerate(seqs) if s.num_drafts and s.token_ids[-1] == DRAFT_TOKEN]
+        plain = [b for b in range(len(seqs)) if b not in set(slots)]
         if plain:
             self._mirror(runner, [seqs[b] for b in plain], [starts[b] for b in plain], input_ids, positions)
-        drafting = [b for b in range(len(seqs)) if b not in set(plain)]
+        drafting = slots
         if not drafting:
             return None
         return self._draft(runner, [seqs[b] for b in drafting], [starts[b] for b in drafting], input_ids)

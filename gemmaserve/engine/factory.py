@@ -25,10 +25,10 @@ from ..models.gemma4_assistant import load_assistant
 from ..models.layers import set_batch_invariant
 from ..models.loader import LoadedModel
 from ..transfer.runtime import probe as probe_transfer
+from .draft_model import DraftModelDrafter, offset_layers
 from .executor import create_executor
 from .input_processor import InputProcessor
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
-from .draft_model import DraftModelDrafter, offset_layers
 from .mtp import MtpDrafter
 from .output_processor import OutputProcessor
 from .proposers import create_proposer
@@ -68,8 +68,6 @@ def _weights_label(loaded: LoadedModel, dtype: torch.dtype) -> str:
     if not formats:
         return str(dtype).removeprefix("torch.")
     return ", ".join(f"{fmt} x {n}" for fmt, n in formats.items() if n)
-
-
 
 
 def _mtp_drafter(config: EngineConfig, model, backend: AttentionBackend, dtype: torch.dtype,
@@ -195,6 +193,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                                     cuda_graphs=use_graphs, max_model_len=max_model_len,
                                     max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
                                     suppress_token_ids=suppressed, grammars=grammars,
+                                    # (tensor-parallel runners take no drafter: the config refuses one there)
                                     **({} if drafter is None else {"drafter": drafter}))
     async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
     info = EngineInfo(
