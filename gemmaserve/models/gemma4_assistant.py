@@ -103,7 +103,6 @@ class AssistantConfig:
         return max(0, self.text.sliding_window + 2 - target.sliding_window)
 
 
-
 class Gemma4Assistant(CausalLM):
     """The drafter. `forward(inputs)`: `inputs.inputs_embeds` is [B, 2 x backbone] (target embedding of the
     token ; target hidden state), `inputs.positions` the committed length p of each sequence, and
