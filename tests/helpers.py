@@ -97,7 +97,13 @@ def tiny_gemma4_hf(seed: int, variant: str, **overrides):
         cls = transformers.Gemma4ForCausalLM
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = cls(hf_cfg).eval()
+    return _gemma4_random(cls(hf_cfg).eval(), seed, 0.5)
+
+
+def _gemma4_random(model, seed: int, spread: float):
+    """Every weight of a transformers Gemma 4 model random: norm weights, layer scalars and scales around 1
+    (so their flavour matters), q/k norm gains around D^-1/4 (with attention scale 1 they carry the
+    temperature, as trained ones do), matrices with rows of norm ~`spread`."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -105,7 +111,7 @@ def tiny_gemma4_hf(seed: int, variant: str, **overrides):
                 gain = p.shape[-1] ** -0.25 if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0
                 p.copy_(gain * (1.0 + 0.3 * torch.randn(p.shape, generator=gen)))
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 / p.shape[-1] ** 0.5)
+                p.copy_(torch.randn(p.shape, generator=gen) * spread / p.shape[-1] ** 0.5)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand(b.shape, generator=gen))
@@ -431,19 +437,22 @@ def tiny_gemma4_assistant(seed: int, variant: str, ordered: bool = False, hidden
     cfg.text_config._attn_implementation = "eager"
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.Gemma4AssistantForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                gain = p.shape[-1] ** -0.25 if name.endswith("q_norm.weight") else 1.0
-                p.copy_(gain * (1.0 + 0.3 * torch.randn(p.shape, generator=gen)))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 1.0 / p.shape[-1] ** 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
-        if ordered:
-            model.masked_embedding.token_ordering.copy_(torch.randperm(tc["vocab_size"], generator=gen))
-    model.tie_weights()
+    model = _gemma4_random(transformers.Gemma4AssistantForCausalLM(cfg).eval(), seed, 1.0)
+    if ordered:
+        with torch.no_grad():
+            model.masked_embedding.token_ordering.copy_(
+                torch.randperm(tc["vocab_size"], generator=torch.Generator().manual_seed(seed + 1)))
     return model
+
+
+def generate_rows(path: str, base, options: dict, params, spec: dict | None, prompts: list[str]):
+    """An engine over `base`'s weights with `options` and `spec` (speculative config): each completion's
+    (token ids, finish reason, logprobs) for `prompts`, and the engine (its KV integrity checked)."""
+    from gemmaserve import LLM
+    from gemmaserve.config.engine import EngineConfig
+
+    llm = LLM.from_config(EngineConfig(model=path, page_size=4, **options, speculative_config=spec), base)
+    outs = llm.generate(prompts, params)
+    llm.engine.kv.check_integrity()
+    return [(c.token_ids, c.finish_reason, [(lp.token_id, lp.logprob) for lp in c.logprobs or []])
+            for o in outs for c in o.outputs], llm.engine

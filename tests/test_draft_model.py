@@ -11,7 +11,7 @@ from gemmaserve import LLM, SamplingParams
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.errors import UserInputError
 
-from helpers import save_checkpoint, tiny_hf_model
+from helpers import generate_rows, save_checkpoint, tiny_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +45,8 @@ MODES = {
 }
 
 
-def _generate(path, base, opts, params, spec, prompts=PROMPTS):
-    llm = LLM.from_config(EngineConfig(model=path, page_size=4, **opts, speculative_config=spec), base)
-    outs = llm.generate(prompts, params)
-    llm.engine.kv.check_integrity()
-    return [(c.token_ids, c.finish_reason, [(lp.token_id, lp.logprob) for lp in c.logprobs or []])
-            for o in outs for c in o.outputs], llm.engine
+def _generate(path, base, opts, params, spec):
+    return generate_rows(path, base, opts, params, spec, PROMPTS)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

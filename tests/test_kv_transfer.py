@@ -129,29 +129,38 @@ def _run(engine, rid, params, ids):
     return final
 
 
+def _hand_over(prefill, decode, prompt, params, prefill_id, decode_id, transfer_id):
+    """Prefill `prompt` on `prefill` (one token), stage its KV and adopt it on `decode` as `decode_id`:
+    (staging, the decode handoff, the staged description, the outputs the adoption gave)."""
+    from gemmaserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
+    from gemmaserve.transfer.torch_runtime import TorchSource
+
+    source = TorchSource(torch.device("cpu"))
+    staging = PrefillHandoff(prefill, source, timeout=30, engine_id="p")
+    staging.expect(prefill_id, transfer_id)
+    _run(prefill, prefill_id, dataclasses.replace(params, max_tokens=1), prompt)
+    desc = staging.describe(transfer_id)
+    handoff = DecodeHandoff(decode)
+    decode.add_request("", params, prompt_ids=prompt, request_id=decode_id)
+    handoff.reserve(decode_id, prompt)
+    outputs = handoff.adopt(decode, decode_id, TransferPlan.from_dict(desc["plan"]), source._buffers[transfer_id],
+                            desc["first_token"], None)
+    return staging, handoff, desc, outputs
+
+
 def test_handoff_to_another_manager_and_page_size_gives_the_single_engine_tokens(engines):
     """V2 with scratch (page 4) hands to V1 (page 8): tokens equal a single engine's; no page leaks;
     a reservation whose transfer fails is freed."""
-    from gemmaserve.engine.kv_handoff import DecodeHandoff, NoKVRoom, PrefillHandoff
+    from gemmaserve.engine.kv_handoff import NoKVRoom
     from gemmaserve.engine.sampling_params import SamplingParams
-    from gemmaserve.transfer.torch_runtime import TorchSource
 
     single, prefill, decode = engines
     assert prefill.cache_options.swa_scratch_reuse and decode.kv.name == "v1"
     prompt = [(7 * i + 3) % 290 + 5 for i in range(50)]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     want = _run(single, "a", params, prompt).outputs[0].token_ids
-    source = TorchSource(torch.device("cpu"))
-    staging = PrefillHandoff(prefill, source, timeout=30, engine_id="p")
-    staging.expect("x", "t1")
-    _run(prefill, "x", dataclasses.replace(params, max_tokens=1), prompt)
-    desc = staging.describe("t1")
+    staging, handoff, desc, outputs = _hand_over(prefill, decode, prompt, params, "x", "y", "t1")
     assert desc["first_token"] == want[0] and prefill.kv.stats().pages_used == 0
-    handoff = DecodeHandoff(decode)
-    decode.add_request("", params, prompt_ids=prompt, request_id="y")
-    handoff.reserve("y", prompt)
-    outputs = handoff.adopt(decode, "y", TransferPlan.from_dict(desc["plan"]), source._buffers["t1"],
-                            desc["first_token"], None)
     assert [o.outputs[0].delta_token_ids for o in outputs] == [[want[0]]]   # the first token, at once
     final = None
     while decode.has_unfinished_requests():
@@ -174,10 +183,8 @@ def test_handoff_to_another_manager_and_page_size_gives_the_single_engine_tokens
 def test_a_decode_engine_that_speculates_gives_the_single_engine_tokens(engines):
     """Speculative decoding (prompt lookup) on the decode engine: the handed-over request drafts from its
     first decode step on, and its tokens are the single engine's."""
-    from gemmaserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
     from gemmaserve.engine.llm_engine import LLMEngine
     from gemmaserve.engine.sampling_params import SamplingParams
-    from gemmaserve.transfer.torch_runtime import TorchSource
 
     single, prefill, _ = engines
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 8}
@@ -186,15 +193,7 @@ def test_a_decode_engine_that_speculates_gives_the_single_engine_tokens(engines)
     prompt = [5 + (i % 7) * 11 for i in range(40)]   # repetitive: lookups find matches
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = _run(single, "s", params, prompt).outputs[0].token_ids
-    source = TorchSource(torch.device("cpu"))
-    staging = PrefillHandoff(prefill, source, timeout=30, engine_id="p")
-    staging.expect("xs", "t2")
-    _run(prefill, "xs", dataclasses.replace(params, max_tokens=1), prompt)
-    desc = staging.describe("t2")
-    handoff = DecodeHandoff(decode)
-    decode.add_request("", params, prompt_ids=prompt, request_id="ys")
-    handoff.reserve("ys", prompt)
-    handoff.adopt(decode, "ys", TransferPlan.from_dict(desc["plan"]), source._buffers["t2"], desc["first_token"], None)
+    staging = _hand_over(prefill, decode, prompt, params, "xs", "ys", "t2")[0]
     final = None
     while decode.has_unfinished_requests():
         final = next((o for o in decode.step() if o.finished), final)

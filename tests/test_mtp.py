@@ -18,8 +18,8 @@ from gemmaserve.errors import UserInputError
 from gemmaserve.models.base import ModelInputs
 from gemmaserve.models.gemma4_assistant import AssistantConfig, Gemma4Assistant
 
-from helpers import (fresh_seed, make_manager, ours_from_hf, save_checkpoint, tiny_gemma4_assistant, tiny_gemma4_hf,
-                     tiny_hf_model)
+from helpers import (fresh_seed, generate_rows, make_manager, ours_from_hf, save_checkpoint, tiny_gemma4_assistant,
+                     tiny_gemma4_hf, tiny_hf_model)
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -138,11 +138,7 @@ MODES = {
 
 
 def _generate(path, base, opts, params, spec):
-    llm = LLM.from_config(EngineConfig(model=path, page_size=4, **opts, speculative_config=spec), base)
-    outs = llm.generate(PROMPTS, params)
-    llm.engine.kv.check_integrity()
-    return [(c.token_ids, c.finish_reason, [(lp.token_id, lp.logprob) for lp in c.logprobs or []])
-            for o in outs for c in o.outputs], llm.engine
+    return generate_rows(path, base, opts, params, spec, PROMPTS)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

@@ -97,7 +97,6 @@ def _decode(llm, prompt: list[int], new_tokens: int) -> tuple[float, int, list[i
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config.engine import EngineConfig
     from ..engine.llm import LLM
 
     k = args.num_speculative_tokens
