@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from gemmaserve import LLM, SamplingParams
+from gemmaserve.errors import UserInputError
 from gemmaserve.models.gemma3 import Gemma3Config
 
 from helpers import fresh_seed, save_checkpoint, save_vision_checkpoint, tiny_hf_model, tiny_hf_vision
@@ -53,6 +54,9 @@ def test_missing_weight_is_an_error(tmp_path):
     del tensors["model.layers.3.self_attn.k_proj.weight"]
     save_file(tensors, str(f))
     with pytest.raises(ValueError, match="missing weights.*layers.3.self_attn.qkv_proj"):
+        LLM(model=str(path))
+    f.write_bytes(f.read_bytes()[:1000])   # a truncated download
+    with pytest.raises(UserInputError, match="cannot read .*safetensors"):
         LLM(model=str(path))
 
 

@@ -200,7 +200,7 @@ def _hf_config(path: Path) -> tuple[type[CausalLM], object]:
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device,
                  shard: TensorParallelShard | None) -> tuple[CausalLM, Tokenizer]:
     """A tensor-parallel rank reads only its slices from the files (safetensors' `get_slice`)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     model_class, config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
@@ -209,14 +209,17 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device,
 
     def weights(model: CausalLM, plan: ShardPlan | None) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
-            with safe_open(str(file), framework="pt") as fh:
-                for raw_name in fh.keys():
-                    name = model.checkpoint_name(raw_name)
-                    if name is None:
-                        continue
-                    part = plan.slice_for(name) if plan is not None else None
-                    tensor = fh.get_tensor(raw_name) if part is None else part.read(fh.get_slice(raw_name))
-                    yield name, tensor.to(torch.float32)
+            try:
+                with safe_open(str(file), framework="pt") as fh:
+                    for raw_name in fh.keys():
+                        name = model.checkpoint_name(raw_name)
+                        if name is None:
+                            continue
+                        part = plan.slice_for(name) if plan is not None else None
+                        tensor = fh.get_tensor(raw_name) if part is None else part.read(fh.get_slice(raw_name))
+                        yield name, tensor.to(torch.float32)
+            except SafetensorError as exc:   # a damaged or truncated file
+                raise UserInputError(f"cannot read {file}: {exc}") from None
 
     model = build_model(model_class, config, weights, dtype, device, shard)
     return model, Tokenizer.from_checkpoint_dir(path)
