@@ -120,6 +120,7 @@ class Scheduler:
         self._slot_cursors = [-1] * len(kv.groups)
         self._uncommitted: list[tuple[Request, int]] = []   # (request, end) scheduled, KV not committed yet
         self._proposing = False   # this step asks the runner for drafts (a runner-side proposer, batch small enough)
+        self.misses_before_pause = MISSES_BEFORE_PAUSE   # (a benchmark that times drafting steps turns it off)
 
     def add(self, request: Request) -> None:
         if request.request_id in self._by_id:
@@ -297,7 +298,7 @@ class Scheduler:
             req.draft_misses, req.draft_pause = 0, 0
         else:
             req.draft_misses += 1
-            if req.draft_misses >= MISSES_BEFORE_PAUSE:
+            if req.draft_misses >= self.misses_before_pause:
                 req.draft_pause = min(LONGEST_PAUSE, 2 * req.draft_pause or FIRST_PAUSE)
                 req.drafts_resume_at, req.draft_misses = self._step + req.draft_pause, 0
         end = s.start + emitted
