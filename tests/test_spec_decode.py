@@ -296,3 +296,50 @@ def test_an_http_request_opts_out_with_speculative_false():
     assert sampling_params(CompletionRequest(prompt="hi", speculative=False), 8).speculative is False
     chat = ChatRequest(messages=[{"role": "user", "content": "hi"}], speculative=False)
     assert sampling_params(chat, 8).speculative is False
+
+
+@pytest.mark.parametrize("variant,backend", [("gemma3", "torch"), ("e2b", "torch"), ("31b", "triton")])
+def test_a_verification_step_as_a_decode_batch_gives_the_same_logits(variant, backend):
+    """CUDA graphs replay a verification step as a decode batch of one row per token (runner's
+    `verification_as_decode`): its logits are the multi-token step's, sliding windows and KV-shared layers
+    included (the Triton kernels under the interpreter here)."""
+    from gemmaserve.attention.base import AttentionMetadata
+    from gemmaserve.attention.torch_backend import TorchAttentionBackend
+    from gemmaserve.engine.model_runner import verification_as_decode
+    from gemmaserve.engine.step import SeqStep
+    from gemmaserve.models.base import ModelInputs
+
+    from helpers import make_manager, ours_from_hf, tiny_gemma4_hf
+
+    seed = fresh_seed()
+    hf = tiny_hf_model(seed, sliding_window=6) if variant == "gemma3" else tiny_gemma4_hf(seed, variant)
+    model = ours_from_hf(hf)
+    specs = model.kv_layer_specs(torch.float32)
+    kv = make_manager("v2", specs, 4, 600, enable_prefix_caching=False)
+    if backend == "triton":
+        from gemmaserve.attention.triton_backend import TritonAttentionBackend
+
+        backend = TritonAttentionBackend()
+    else:
+        backend = TorchAttentionBackend()
+    cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
+    rng = random.Random(seed)
+    prompt = [2] + [rng.randrange(3, 300) for _ in range(22)]
+    n, rows = len(prompt), [rng.randrange(3, 300) for _ in range(4)]   # the last token and 3 drafts
+
+    def logits(md, ids, positions):
+        with torch.inference_mode():
+            return model.compute_logits(model(ModelInputs(torch.tensor(ids), torch.tensor(positions),
+                                                          backend.begin_batch(md, cache))))
+
+    assert kv.allocate("s", prompt, 0, n, prefill=True)
+    logits(AttentionMetadata([n], [n], kv.group_tables(["s"]), kv.layer_slot), prompt, list(range(n)))
+    kv.commit("s", prompt, n)
+    assert kv.allocate("s", prompt + rows, n, n + 4, prefill=False)
+    step = AttentionMetadata([4], [n + 4], kv.group_tables(["s"]), kv.layer_slot)
+    want = logits(step, rows, list(range(n, n + 4)))
+    as_decode = verification_as_decode([SeqStep("s", n, rows, True, num_drafts=3)], step)
+    assert as_decode.query_lens == [1] * 4 and as_decode.seq_lens == [n + 1, n + 2, n + 3, n + 4]
+    got = logits(as_decode, rows, list(range(n, n + 4)))
+    assert (got - want).abs().max().item() < 1e-5, (variant, (got - want).abs().max().item())
+    assert verification_as_decode([SeqStep("s", n, rows, True)], step) is None   # a prefill chunk stays as it is

@@ -227,12 +227,16 @@ class ModelRunner:
                 sampled.extend([b] * (s.num_drafts + 1))
         embeds = self._image_embeds(seqs, input_ids) if self.images else None
         fast = md.is_decode_only and embeds is None and not want_hidden
-        if self.graphs is not None and fast and len(seqs) <= self.graphs.max_size:
-            logits = self.graphs.run(input_ids, positions, md)   # a logit row per sequence
-            if len(sampled) == len(seqs):
+        if self.graphs is not None and not fast and embeds is None and not want_hidden:
+            rows_md = verification_as_decode(seqs, md)   # a verification step replays a decode graph
+            if rows_md is not None and rows_md.num_seqs <= self.graphs.max_size:
+                md, fast = rows_md, True
+        if self.graphs is not None and fast and md.num_seqs <= self.graphs.max_size:
+            logits = self.graphs.run(input_ids, positions, md)   # a logit row per input row
+            if len(rows) == md.num_seqs:
                 return logits, None
             # A one-token row can be a prefill chunk that does not complete its prompt: no sample.
-            return (logits[to_device(sampled, torch.long, self.device)] if sampled else None), None
+            return (logits[to_device(rows, torch.long, self.device)] if rows else None), None
         if self.compiled is not None and fast and len(sampled) == len(seqs):
             logits = self.compiled.run(input_ids, positions, md)
             if logits is not None:
@@ -311,6 +315,18 @@ class ModelRunner:
     def execute(self, plan: StepPlan, only: list[int] | None = None) -> StepResult:
         """Run the plan (or the sequences `only` of it) and sample. Returns a token per `sample` row."""
         return self.launch(plan, only).resolve()
+
+
+def verification_as_decode(seqs: list[SeqStep], md: AttentionMetadata) -> AttentionMetadata | None:
+    """A step whose sequences each run one token and their drafts, as a decode batch of one row per token
+    (what a decode graph replays): row j of a sequence at `start` is a sequence of start + j + 1 keys over
+    the same block tables. A layer writes every row's K/V before any row attends, so each row sees the rows
+    before it, as in the multi-token step. None if a sequence runs a prefill chunk or nothing is drafted."""
+    if not any(s.num_drafts for s in seqs) or any(s.num_new_tokens != 1 + s.num_drafts for s in seqs):
+        return None
+    owner = [b for b, s in enumerate(seqs) for _ in range(s.num_new_tokens)]
+    seq_lens = [s.start + j + 1 for s in seqs for j in range(s.num_new_tokens)]
+    return AttentionMetadata([1] * len(owner), seq_lens, [g.select(owner) for g in md.groups], md.layer_slot)
 
 
 @dataclass
