@@ -120,8 +120,9 @@ class AttentionBackend(ABC):
         layer's KV get that layer's views."""
 
     def graph_inputs(self, max_batch: int, groups, max_model_len: int, null_page: int,
-                     device: torch.device) -> GraphInputs:
-        """Inputs for CUDA-graph decode (backends whose capabilities say `cuda_graphs`)."""
+                     device: torch.device, extra_keys: int = 0) -> GraphInputs:
+        """Inputs for CUDA-graph decode (backends whose capabilities say `cuda_graphs`). `extra_keys`: keys a
+        sliding table holds beyond its window (drafts verified as decode rows, a drafter's lookback)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     @abstractmethod

@@ -110,14 +110,15 @@ class DecodeGraphBuffers:
     per sequence (set by batch size, not context), so graphs do not depend on context length."""
 
     def __init__(self, max_size: int, groups_geometry: list[tuple[int, int, int | None]], max_model_len: int,
-                 null_page: int, device: torch.device):
-        """groups_geometry: per group (layers, tokens per page, window)."""
+                 null_page: int, device: torch.device, extra_keys: int = 0):
+        """groups_geometry: per group (layers, tokens per page, window). `extra_keys`: keys a sliding table
+        holds beyond its window (a verification step's drafts, a drafter's lookback)."""
         self.null_page = null_page
         self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)
         self.groups: list[GroupBatch] = []
         self.max_keys: list[int] = []
         for layers, t, window in groups_geometry:
-            width = -(-(min(window, max_model_len) if window else max_model_len) // t) + 1
+            width = -(-(min(window + extra_keys, max_model_len) if window else max_model_len) // t) + 1
             self.groups.append(GroupBatch(
                 torch.full((layers, max_size, width), null_page, dtype=torch.int32, device=device),
                 torch.zeros(max_size, dtype=torch.int32, device=device),
@@ -255,9 +256,10 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonBatchAttention(batch, layer_slot, kv_cache, self._specs, query_lens, self.sm_count, metadata,
                                     self if metadata is not None else None, self.batch_invariant)
 
-    def graph_inputs(self, max_batch, groups, max_model_len, null_page, device) -> TritonGraphInputs:
+    def graph_inputs(self, max_batch, groups, max_model_len, null_page, device, extra_keys=0) -> TritonGraphInputs:
         geometry = [(g.num_layers, g.tokens_per_page, g.window) for g in groups]
-        return TritonGraphInputs(self, DecodeGraphBuffers(max_batch, geometry, max_model_len, null_page, device))
+        return TritonGraphInputs(self, DecodeGraphBuffers(max_batch, geometry, max_model_len, null_page, device,
+                                                          extra_keys))
 
     def begin_batch(self, metadata, kv_cache):
         return self.attention_for(self.prepare(metadata), metadata.layer_slot, kv_cache, metadata.query_lens,

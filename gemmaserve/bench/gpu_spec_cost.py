@@ -107,6 +107,9 @@ def main(argv: list[str]) -> int:
             config = EngineConfig(model=name, device=args.device, dtype="bfloat16" if device.type == "cuda" else "float32",
                                   max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch * (args.max_k + 1)),
                                   async_scheduling="off", enable_prefix_caching=False,
+                                  # sizes the graphs for k + 1 rows per sequence (the proposer is swapped below)
+                                  speculative_config={"method": "ngram", "num_speculative_tokens": args.max_k,
+                                                      "disable_by_batch_size": batch},
                                   kv_cache_memory=int(1.3 * batch * (args.context + args.steps * (args.max_k + 2) + 64)
                                                       * _kv_bytes_per_token(loaded.model)) + (256 << 20))
             engine = LLM.from_config(config, loaded).engine

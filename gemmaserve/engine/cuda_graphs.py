@@ -29,13 +29,14 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv_cache, layer_slot, groups, max_model_len: int,
-                 null_page: int, max_batch: int, device: torch.device):
+                 null_page: int, max_batch: int, device: torch.device, extra_keys: int = 0):
+        """`extra_keys`: keys a sliding table may hold beyond its window (speculation: drafts, lookback)."""
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
         self.layer_slot = layer_slot
         self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [max_batch]
-        self.inputs = backend.graph_inputs(max_batch, groups, max_model_len, null_page, device)
+        self.inputs = backend.graph_inputs(max_batch, groups, max_model_len, null_page, device, extra_keys)
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.device = device

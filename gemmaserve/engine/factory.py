@@ -194,7 +194,10 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                                     max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
                                     suppress_token_ids=suppressed, grammars=grammars,
                                     # (tensor-parallel runners take no drafter: the config refuses one there)
-                                    **({} if drafter is None else {"drafter": drafter}))
+                                    **({} if drafter is None else {"drafter": drafter}),
+                                    **({} if config.speculative_config is None else
+                                       {"speculative_tokens": config.speculative_config.num_speculative_tokens,
+                                        "speculative_batch": config.speculative_config.disable_by_batch_size}))
     async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
     info = EngineInfo(
         model=config.model, device=str(device), dtype=str(dtype).removeprefix("torch."),

@@ -52,11 +52,14 @@ class ModelRunner:
                  layer_slot: tuple[tuple[int, int], ...], specs: list[LayerSpec], device: torch.device,
                  cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0,
                  encoder_cache_bytes: int = 256 * 2**20, suppress_token_ids: list[int] | None = None,
-                 grammars: Grammars | None = None, cpu_compile: str = "off", drafter: "Drafter | None" = None):
+                 grammars: Grammars | None = None, cpu_compile: str = "off", drafter: "Drafter | None" = None,
+                 speculative_tokens: int = 0, speculative_batch: int = 0):
         """`suppress_token_ids`: never sampled (their logits become -inf before the sampler).
         `grammars`: matchers for requests with structured output. `cpu_compile`: decode steps through
         torch.compile (compiled_decode.py), compiled here: "required" raises if that fails, "try" warns
-        and stays eager, "off" never compiles. `drafter`: drafts for speculative steps (drafters.py)."""
+        and stays eager, "off" never compiles. `drafter`: drafts for speculative steps (drafters.py);
+        `speculative_tokens`: drafts a step may verify for each of up to `speculative_batch` sequences (CUDA
+        graphs replay such steps as decode rows: that many more rows, and keys per sliding table)."""
         self.model = model
         self.drafter = drafter
         self.backend = backend
@@ -78,8 +81,10 @@ class ModelRunner:
         if cuda_graphs:
             from .cuda_graphs import DecodeGraphs
 
+            extra = speculative_tokens + (drafter.lookback if drafter is not None else 0)
+            rows = max(max_batch, min(max_batch, speculative_batch) * (1 + speculative_tokens))
             self.graphs = DecodeGraphs(model, backend, self.kv_cache, layer_slot, groups, max_model_len,
-                                       layout.num_pages, max_batch, device)
+                                       layout.num_pages, rows, device, extra)
             self.graphs.capture_all()
         # Compiled decode steps (a CompiledDecode or an AotDecode: `run` gives a decode batch's logits, or
         # None to run it eagerly), set now or between steps by the engine (`use_compiled`).
