@@ -27,7 +27,8 @@ the next step (no KV policy drops a block a query at the committed position read
 speculative step is still in flight is not scheduled again until its tokens are known. Drafts take
 only free pages. A request whose drafts were all rejected MISSES_BEFORE_PAUSE steps in a row stops
 drafting for a while (8 steps, doubling while it keeps missing, up to 256): a drafter that guesses
-nothing for a text costs a drafting step's price every step, about 1.5-1.9x a plain one (BENCHMARKS.md).
+nothing for a text costs a drafting step's price every step (1.5-1.9x a plain one for the tiny CPU
+models of BENCHMARKS.md).
 
 The scheduler owns request and KV state: `schedule()` decides and allocates, then describes the step
 as plain data (`StepPlan`: tokens per request, block-table deltas, new slots, requests gone), and
