@@ -456,3 +456,17 @@ def generate_rows(path: str, base, options: dict, params, spec: dict | None, pro
     llm.engine.kv.check_integrity()
     return [(c.token_ids, c.finish_reason, [(lp.token_id, lp.logprob) for lp in c.logprobs or []])
             for o in outs for c in o.outputs], llm.engine
+
+
+def paged_kv(model, backend: str, num_pages: int, page_size: int = 4):
+    """(KV manager V2, attention backend "torch" or "triton", its cache) for `model`'s fp32 layers, no prefix
+    caching: the pieces a test drives steps through by hand."""
+    specs = model.kv_layer_specs(torch.float32)
+    kv = make_manager("v2", specs, page_size, num_pages, enable_prefix_caching=False)
+    if backend == "triton":
+        from gemmaserve.attention.triton_backend import TritonAttentionBackend
+
+        attention = TritonAttentionBackend()
+    else:
+        attention = TorchAttentionBackend()
+    return kv, attention, attention.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))

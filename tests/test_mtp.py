@@ -12,13 +12,12 @@ import torch
 
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.attention.base import AttentionMetadata
-from gemmaserve.attention.torch_backend import TorchAttentionBackend
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.errors import UserInputError
 from gemmaserve.models.base import ModelInputs
 from gemmaserve.models.gemma4_assistant import AssistantConfig, Gemma4Assistant
 
-from helpers import (fresh_seed, generate_rows, make_manager, ours_from_hf, save_checkpoint, tiny_gemma4_assistant,
+from helpers import (fresh_seed, generate_rows, ours_from_hf, paged_kv, save_checkpoint, tiny_gemma4_assistant,
                      tiny_gemma4_hf, tiny_hf_model)
 
 
@@ -64,15 +63,7 @@ def test_drafter_logits_match_transformers(variant, ordered, backend):
     cfg = AssistantConfig.from_hf(hf.config.to_dict())
     drafter = Gemma4Assistant(cfg, cfg.reads(ours.config))
     drafter.load_weights(drafter.map_checkpoint(hf.state_dict().items()))
-    specs = ours.kv_layer_specs(torch.float32)
-    kv = make_manager("v2", specs, 4, 400, enable_prefix_caching=False)
-    if backend == "triton":
-        from gemmaserve.attention.triton_backend import TritonAttentionBackend
-
-        backend = TritonAttentionBackend()
-    else:
-        backend = TorchAttentionBackend()
-    cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
+    kv, backend, cache = paged_kv(ours, backend, 400)
     n = len(ids)
     assert kv.allocate("0", ids, 0, n, prefill=True)
     with torch.inference_mode():

@@ -304,25 +304,16 @@ def test_a_verification_step_as_a_decode_batch_gives_the_same_logits(variant, ba
     `verification_as_decode`): its logits are the multi-token step's, sliding windows and KV-shared layers
     included (the Triton kernels under the interpreter here)."""
     from gemmaserve.attention.base import AttentionMetadata
-    from gemmaserve.attention.torch_backend import TorchAttentionBackend
     from gemmaserve.engine.model_runner import verification_as_decode
     from gemmaserve.engine.step import SeqStep
     from gemmaserve.models.base import ModelInputs
 
-    from helpers import make_manager, ours_from_hf, tiny_gemma4_hf
+    from helpers import ours_from_hf, paged_kv, tiny_gemma4_hf
 
     seed = fresh_seed()
     hf = tiny_hf_model(seed, sliding_window=6) if variant == "gemma3" else tiny_gemma4_hf(seed, variant)
     model = ours_from_hf(hf)
-    specs = model.kv_layer_specs(torch.float32)
-    kv = make_manager("v2", specs, 4, 600, enable_prefix_caching=False)
-    if backend == "triton":
-        from gemmaserve.attention.triton_backend import TritonAttentionBackend
-
-        backend = TritonAttentionBackend()
-    else:
-        backend = TorchAttentionBackend()
-    cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
+    kv, backend, cache = paged_kv(model, backend, 600)
     rng = random.Random(seed)
     prompt = [2] + [rng.randrange(3, 300) for _ in range(22)]
     n, rows = len(prompt), [rng.randrange(3, 300) for _ in range(4)]   # the last token and 3 drafts
