@@ -189,15 +189,13 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         suppress = not model.config.multimodal
     suppressed = sorted(t for t in tokenizer.media_token_ids if t < model.vocab_size) if suppress else []
     grammars = Grammars(tokenizer, model.vocab_size)   # built on first use
+    spec = config.speculative_config
     runner = executor.create_runner(model, backend, kv.layout, kv.groups, kv.layer_slot, specs, device,
                                     cuda_graphs=use_graphs, max_model_len=max_model_len,
                                     max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
-                                    suppress_token_ids=suppressed, grammars=grammars,
-                                    # (tensor-parallel runners take no drafter: the config refuses one there)
-                                    **({} if drafter is None else {"drafter": drafter}),
-                                    **({} if config.speculative_config is None else
-                                       {"speculative_tokens": config.speculative_config.num_speculative_tokens,
-                                        "speculative_batch": config.speculative_config.disable_by_batch_size}))
+                                    suppress_token_ids=suppressed, grammars=grammars, drafter=drafter,
+                                    speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                    speculative_batch=spec.disable_by_batch_size if spec else 0)
     async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
     info = EngineInfo(
         model=config.model, device=str(device), dtype=str(dtype).removeprefix("torch."),
