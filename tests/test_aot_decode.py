@@ -100,6 +100,34 @@ def test_a_later_engine_loads_the_packages_at_once(built, monkeypatch, caplog):
     assert _out(llm, ["hello world"]) == _out(built["eager"], ["hello world"])
 
 
+def test_verification_steps_run_the_packages_and_keep_every_token(built, monkeypatch):
+    """A speculating engine loads the same packages (speculation is not in their key) and runs its
+    verification steps through them as one decode row per token: tokens and logprobs are the eager
+    non-speculative engine's, with drafts accepted and rejected."""
+    from gemmaserve.bench.replay_drafts import ReplayDrafts
+
+    monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(built["root"] / "cache"))
+    monkeypatch.setattr(BuildJob, "start", lambda *a: pytest.fail("a background build started"))
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    llm = LLM.from_config(built["llm"].engine.config.replace(cpu_compile="on", speculative_config=spec), built["llm"])
+    assert llm.engine.info.cpu_compile == "ready"
+    rows: list[tuple[int, int]] = []
+    run = llm.engine.runner.compiled.run
+    llm.engine.runner.compiled.run = lambda ids, pos, md: rows.append((len(ids), max(md.new_before or [0]))) or run(
+        ids, pos, md)
+    prompts = [f"{w} " * (3 + i) for i, w in enumerate(WORDS[:5])]
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True)
+    want = built["eager"].generate(prompts, params)
+    sched = llm.engine.scheduler
+    sched.proposer = ReplayDrafts(4, {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in want}, 0.6,
+                                  llm.engine.model.vocab_size)
+    sched.misses_before_pause = 1 << 30
+    assert _out(llm, prompts, params) == [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in want]
+    st = sched.spec_stats
+    assert 0 < st.accepted < st.drafted and st.accepted_at[3] > 0, st
+    assert (25, 4) in rows   # 5 sequences of 5 rows: the dynamic graph
+
+
 def test_other_options_have_other_packages(built, monkeypatch):
     """The key covers the KV layout: another page size is another store (built anew, never misread)."""
     monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(built["root"] / "cache"))

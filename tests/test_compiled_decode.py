@@ -19,6 +19,8 @@ from gemmaserve.models.quant import Int8Kernel, Int8Matmul, int8_rows, quantize_
 from helpers import fresh_seed, ours_from_hf, save_checkpoint, tiny_hf_model
 
 needs_compile = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+# 3 layers, a sliding and a full kind: graphs ~3x faster to compile than the usual 7 layers
+LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 
 
 @needs_compile
@@ -30,7 +32,8 @@ def test_compiled_quantised_decode_matches_the_eager_step(kv_manager):
     calls as they are: models/cpu_kernels.py). With V2's one arena attention is traced into the graph;
     with V1 the graph calls it through the opaque op."""
     seed = fresh_seed()
-    hf = tiny_hf_model(seed, hidden_size=64, intermediate_size=128, head_dim=32)
+    small = dict(hidden_size=64, intermediate_size=128, head_dim=32, num_hidden_layers=3, layer_types=LAYERS)
+    hf = tiny_hf_model(seed, **small)
     ours = ours_from_hf(hf)
     quantize_model(ours, {})
     if "fbgemm" in torch.backends.quantized.supported_engines:
@@ -41,31 +44,40 @@ def test_compiled_quantised_decode_matches_the_eager_step(kv_manager):
     compiled = score(ours, ids, chunk=1, reference=eager, keep_logprobs=True, compiled=True, kv_manager=kv_manager)
     assert torch.equal(compiled.full_logprobs, eager.full_logprobs), compiled.kl
     # a wrong layer order, a stale handle or a missing KV write would move it by ~1 (a different model)
-    other = score(ours_from_hf(tiny_hf_model(seed + 1, hidden_size=64, intermediate_size=128, head_dim=32)), ids,
+    other = score(ours_from_hf(tiny_hf_model(seed + 1, **small)), ids,
                   chunk=1, reference=eager)
     assert other.mean_kl > 1e-3
 
 
-def _compiled_in_process(eager: LLM) -> LLM:
-    """An engine on the same weights whose runner compiled its decode steps with torch.compile."""
-    comp = LLM.from_config(eager.engine.config, eager)
+def _compiled_in_process(eager: LLM, **changes) -> LLM:
+    """An engine on the same weights (options `changes`) whose runner compiled its decode steps with torch.compile."""
+    comp = LLM.from_config(eager.engine.config.replace(**changes), eager)
     comp.engine.runner.compile_decode(required=True)
     return comp
 
 
+def _small_checkpoint(tmp_path):
+    return save_checkpoint(tiny_hf_model(fresh_seed(), sliding_window=4, num_hidden_layers=3, layer_types=LAYERS),
+                           tmp_path / "tiny")
+
+
 @needs_compile
-def test_engine_runs_decode_batches_through_the_graphs_and_keeps_greedy_tokens(tmp_path):
+def test_engine_runs_decode_and_verification_batches_through_the_graphs_and_keeps_tokens(tmp_path):
     """Compiled before the first step; decode-only steps of 1 and of several sequences run the graphs,
-    prefill and mixed steps stay eager, and every token and logprob is the eager engine's, bit for bit."""
-    path = save_checkpoint(tiny_hf_model(fresh_seed(), sliding_window=4), tmp_path / "tiny")
-    eager = LLM(str(path), dtype="float32", cpu_compile="off", max_num_seqs=10)
+    and so do speculative verification steps (one decode row per token: a row sees its sequence's
+    earlier rows through the step's new K/V, never the cache they are not in yet); prefill and mixed
+    steps stay eager; every token and logprob is the eager non-speculative engine's, bit for bit."""
+    from gemmaserve.bench.replay_drafts import ReplayDrafts
+
+    eager = LLM(str(_small_checkpoint(tmp_path)), dtype="float32", cpu_compile="off", max_num_seqs=10)
     assert eager.engine.runner.compiled is None and eager.engine.info.cpu_compile == "off"
-    comp = _compiled_in_process(eager)
-    runner = comp.engine.runner
+    comp = _compiled_in_process(eager, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                           "disable_by_batch_size": 10})
+    runner, sched = comp.engine.runner, comp.engine.scheduler
     assert runner.compiled.attention_path == "traced"   # Gemma's default V2 arena: attention in the graph
-    calls: list[int] = []
+    calls: list[tuple[int, int]] = []   # (rows, most rows of one sequence before a row)
     run = runner.compiled.run
-    runner.compiled.run = lambda ids, pos, md: calls.append(len(ids)) or run(ids, pos, md)
+    runner.compiled.run = lambda ids, pos, md: calls.append((len(ids), max(md.new_before or [0]))) or run(ids, pos, md)
     # each graph captured at compile time, checked against Dynamo's call, and called directly since
     assert set(runner.compiled._direct) == {1, 8, None}
     assert all(isinstance(d, DirectGraph) and d.verified for d in runner.compiled._direct.values())
@@ -75,17 +87,31 @@ def test_engine_runs_decode_batches_through_the_graphs_and_keeps_greedy_tokens(t
         setattr(runner.compiled, name, lambda *a, graph=graph: through_dynamo.append(len(a[0])) or graph(*a))
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
 
-    def tokens(llm, prompts):
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+    def tokens(outs):
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
     words = "the cat sat on a mat by the door".split()
+    sched.proposer = None   # plain decode steps first
     for n in (3, 6, 9):   # the dynamic graph, the 8-row one (padded), the dynamic one again
         prompts = [f"{w} " * (2 + i) for i, w in enumerate(words[:n])]
-        assert tokens(comp, prompts) == tokens(eager, prompts)
-    assert {3, 6, 9} <= set(calls) and runner.compiled.sizes == [1, 8] and runner.compiled.dynamic
+        assert tokens(comp.generate(prompts, params)) == tokens(eager.generate(prompts, params))
+    assert {3, 6, 9} <= {rows for rows, _ in calls} and runner.compiled.sizes == [1, 8] and runner.compiled.dynamic
+    assert tokens(comp.generate(["hello world"], params)) == tokens(eager.generate(["hello world"], params))
+    assert calls[-1] == (1, 0)
+    # verification: 3 drafts of the eager engine's own continuation per step, each right 60% of the time
+    sched.misses_before_pause = 1 << 30
+    long = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    for n in (1, 3):
+        prompts = [f"{w} " * (3 + i) for i, w in enumerate(words[:n])]
+        want = eager.generate(prompts, long)
+        sched.proposer = ReplayDrafts(3, {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in want}, 0.6,
+                                      eager.engine.model.vocab_size)
+        assert tokens(comp.generate(prompts, long)) == tokens(want)
+    st = sched.spec_stats
+    assert 0 < st.accepted < st.drafted and st.accepted_at[2] > 0, st
+    assert {(4, 3), (12, 3)} <= set(calls)   # 1 and 3 sequences of 4 rows each
     assert runner.compiled.refused_recompiles == 0   # every batch ran the graphs compiled at start
     assert through_dynamo == []
-    assert tokens(comp, ["hello world"]) == tokens(eager, ["hello world"]) and calls[-1] == 1
 
 
 @needs_compile
@@ -96,8 +122,7 @@ def test_a_graph_that_cannot_be_called_directly_runs_through_dynamo(monkeypatch,
         raise RuntimeError("unforeseen layout")
 
     monkeypatch.setattr(DirectGraph, "capture", classmethod(unforeseen))
-    path = save_checkpoint(tiny_hf_model(fresh_seed(), sliding_window=4), tmp_path / "tiny")
-    eager = LLM(str(path), dtype="float32", cpu_compile="off", max_num_seqs=2)
+    eager = LLM(str(_small_checkpoint(tmp_path)), dtype="float32", cpu_compile="off", max_num_seqs=2)
     comp = _compiled_in_process(eager)
     compiled = comp.engine.runner.compiled
     assert compiled.state is CompileState.READY and compiled._direct

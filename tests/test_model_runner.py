@@ -12,8 +12,8 @@ from helpers import fresh_seed, save_checkpoint, tiny_hf_model
 
 
 class _EagerAsGraphs:
-    """Stands in for DecodeGraphs on the CPU: like a captured decode graph, it returns a logit row for
-    every sequence of a batch whose rows are all one token long."""
+    """Stands in for DecodeGraphs on the CPU: like a captured decode graph, it returns a logit row (and the
+    hidden state) for every sequence of a batch whose rows are all one token long."""
 
     max_size = 64
 
@@ -22,7 +22,8 @@ class _EagerAsGraphs:
 
     def run(self, input_ids, positions, metadata):
         attn = self.runner.backend.begin_batch(metadata, self.runner.kv_cache)
-        return self.runner.model.compute_logits(self.runner.model(ModelInputs(input_ids, positions, attn)))
+        hidden = self.runner.model(ModelInputs(input_ids, positions, attn))
+        return self.runner.model.compute_logits(hidden), hidden
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

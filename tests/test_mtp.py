@@ -125,6 +125,7 @@ MODES = {
     "preempting": dict(kv_cache_manager="v2", kv_cache_memory=88 * 1024, max_num_batched_tokens=16),
     "async": dict(async_scheduling="on"),
     "fp8 kv": dict(kv_cache_dtype="fp8"),
+    "compiled": dict(cpu_compile="on"),   # decode and verification steps through the graphs, hidden states too
 }
 
 
@@ -144,6 +145,8 @@ def test_greedy_tokens_equal_without_drafts_in_every_cache_mode(pair, mode):
     assert len(st.accepted_at) == 3 and st.accepted_at[2] > 0, st   # whole rounds accepted too
     if mode == "preempting":
         assert engine.scheduler.num_preemptions > 0
+    if mode == "compiled":
+        assert engine.info.cpu_compile == "ready"
 
 
 def test_sampling_with_seeds_and_logprobs_equal_without_drafts(pair):
@@ -154,13 +157,20 @@ def test_sampling_with_seeds_and_logprobs_equal_without_drafts(pair):
     assert got == ref and engine.scheduler.spec_stats.accepted > 0
 
 
-def test_every_round_drafts_what_transformers_drafts_from_the_committed_context(pair):
+@pytest.mark.parametrize("cpu_compile", ["off", "on"])
+def test_every_round_drafts_what_transformers_drafts_from_the_committed_context(pair, cpu_compile):
     """After each step, the drafts a request carries are transformers' drafter loop over the tokens it has
     committed, whatever the last round accepted (the hidden state comes from the row that chose the last
-    token, the KV stops before it)."""
+    token, the KV stops before it), also where the target's steps run compiled graphs (their hidden states)."""
     target, drafter, path, drafter_dir, base = pair
-    llm = LLM.from_config(EngineConfig(model=path, page_size=4, speculative_config=_mtp(drafter_dir)), base)
+    llm = LLM.from_config(EngineConfig(model=path, page_size=4, speculative_config=_mtp(drafter_dir),
+                                       cpu_compile=cpu_compile), base)
+    assert llm.engine.info.cpu_compile == ("ready" if cpu_compile == "on" else "off")
     engine = llm.engine
+    compiled_rows: list[int] = []
+    if cpu_compile == "on":
+        run = engine.runner.compiled.run
+        engine.runner.compiled.run = lambda ids, pos, md: compiled_rows.append(len(ids)) or run(ids, pos, md)
     for prompt in PROMPTS[:2]:
         engine.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
     checked = 0
@@ -173,6 +183,7 @@ def test_every_round_drafts_what_transformers_drafts_from_the_committed_context(
                 checked += 1
     st = engine.scheduler.spec_stats
     assert checked > 10 and 0 < st.accepted_at[0] and st.accepted_at[0] > st.accepted_at[2] > 0, (checked, st)
+    assert cpu_compile == "off" or 8 in compiled_rows   # verification steps of 2 x 4 rows ran the graphs
 
 
 def test_config_and_checkpoint_errors_are_clear(pair, tmp_path):

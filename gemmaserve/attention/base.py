@@ -46,6 +46,10 @@ class AttentionMetadata:
     groups: list[GroupTables]
     layer_slot: tuple[tuple[int, int], ...]
     image_spans: list[list[tuple[int, int]]] | None = None
+    # Per sequence of a decode batch: how many keys just before its new token are the new tokens of the
+    # sequences just before it in the batch (one sequence's verification rows, run as a decode batch).
+    # Backends that write every row's K/V before attending need not look; a traced step does.
+    new_before: list[int] | None = None
 
     def query_ends(self) -> list[int] | None:
         """Per new token (rows of q): the position its keys end before (exclusive): q + 1 (causal),

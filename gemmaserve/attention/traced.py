@@ -13,8 +13,9 @@ rows [pages * T, 2, Hkv, D] and the graph reads it like any other input:
              -> logits, and every owning layer's new k/v [layers, B, 2, Hkv, D]
     runner   kv[write rows] = new k/v             (one index_copy_ for every layer)
 
-The graph writes nothing: a new token's K/V joins its own row's keys inside the graph and reaches the
-cache after it, so there is no side effect to order and no input to mutate. A row's keys start at the
+The graph writes nothing: a new token's K/V joins its own row's keys inside the graph (and the later
+rows' of its sequence, where a verification step runs as one row per token: `state` NEW + d) and reaches
+the cache after it, so there is no side effect to order and no input to mutate. A row's keys start at the
 block boundary before its first visible key, as the eager backend's do, and go through the same
 blockwise arithmetic (blockwise.py): the same bits as an eager step. Keys a row must not see (before
 its window in its first block, padding up to the batch's widest row, rows that pad the batch) read the
@@ -40,7 +41,7 @@ from .kv_quant import FP8_DTYPE
 from .torch_backend import TokenRows
 
 MIN_WIDTH = 2   # key blocks
-MASKED, SEEN, NEW = 0, 1, 2   # what a key of DecodeTables.state is
+MASKED, SEEN, NEW = 0, 1, 2   # what a key of DecodeTables.state is; NEW + d: the new token of the row d before
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class DecodeTables:
     """One decode step's addresses: the tensor inputs of the graph, and where its new K/V go."""
 
     keys: list[torch.Tensor]     # per kind: [cols, rows, nb, KEY_BLOCK] token rows of each row's keys
-    state: list[torch.Tensor]    # per kind: [rows, nb, KEY_BLOCK] int8, MASKED / SEEN / NEW (the row's new token)
+    state: list[torch.Tensor]    # per kind: [rows, nb, KEY_BLOCK] int8, MASKED / SEEN / NEW + d (a new token)
     writes: torch.Tensor         # [owning layers, rows] token row of each layer's new K/V
 
     @classmethod
@@ -107,6 +108,10 @@ class DecodeTables:
         b, t = md.num_seqs, layout.tokens_per_page
         seqs = np.arange(b)[:, None]
         ends = np.asarray(md.seq_lens, dtype=np.int64)   # the new token sits at ends - 1
+        # keys [ends - 1 - before, ends - 1) are the new tokens of the rows just before (not in the cache yet)
+        before = np.asarray(md.new_before if md.new_before is not None else [0] * b, dtype=np.int64)
+        if before.size and before.max() >= 127 - NEW:
+            raise ValueError("a traced decode step takes fewer than 125 rows of one sequence")
         written: dict[int, np.ndarray] = {}   # group -> [cols, b] token row of each new token
         keys, state = [], []
         for i, (group, window) in enumerate(layout.kinds):
@@ -125,7 +130,8 @@ class DecodeTables:
             lo = first // KEY_BLOCK * KEY_BLOCK
             nb = max(MIN_WIDTH, int(((ends - lo + KEY_BLOCK - 1) // KEY_BLOCK).max()), widths[i] if widths else 0)
             pos = lo[:, None] + np.arange(nb * KEY_BLOCK)[None, :]
-            old = (pos >= first[:, None]) & (pos < ends[:, None] - 1)   # visible keys before the new token
+            old = (pos >= first[:, None]) & (pos < (ends - 1 - before)[:, None])   # visible keys in the cache
+            fresh = (pos >= first[:, None]) & (pos >= (ends - 1 - before)[:, None]) & (pos < ends[:, None])
             # One memory layout whatever the batch (padding rows: nothing old to see): a compiled
             # graph guards on its inputs' strides, and another layout would compile it again.
             padded = np.full((slot_pages.shape[1], rows, nb * KEY_BLOCK), layout.null_row, dtype=np.int64)
@@ -133,7 +139,7 @@ class DecodeTables:
             keys.append(torch.from_numpy(padded).view(-1, rows, nb, KEY_BLOCK))
             what = np.zeros((rows, nb * KEY_BLOCK), dtype=np.int8)
             what[:b][old] = SEEN
-            what[np.arange(b), ends - 1 - lo] = NEW
+            what[:b][fresh] = (NEW + (ends[:, None] - 1 - pos))[fresh]   # NEW + d: the new token of row r - d
             what[b:, 0] = NEW   # a padding row's new token: position 0
             state.append(torch.from_numpy(what).view(rows, nb, KEY_BLOCK))
         writes = np.full((len(layout.owners), rows), layout.null_row, dtype=np.int64)   # padding: null page
@@ -164,11 +170,14 @@ class TracedDecodeAttention(BatchAttention):
         state = self.state[kind].flatten(1)                                # [B, nk]
         b, nk = at.shape
         old = self.kv.index_select(0, at.reshape(-1)).view(b, nk, *self.kv.shape[1:])   # [B, nk, 2, Hkv, D]
-        new_at = state == NEW
+        new_at = state >= NEW
         if k is not None:
             self._new[layer] = torch.stack((k, v), 1).to(self.kv.dtype)
-        new = self._new[self.layout.source[layer]]
-        kv = torch.where(new_at[:, :, None, None, None], new[:, None], old).to(q.dtype)
+        new = self._new[self.layout.source[layer]]                          # [B, 2, Hkv, D]
+        # which row's new token a key is: the row itself, or one of the rows before it (state NEW + d)
+        src = torch.arange(b, device=at.device)[:, None] - (state.long() - NEW).clamp(min=0)
+        fresh = new.index_select(0, src.reshape(-1)).view(b, nk, *new.shape[1:])
+        kv = torch.where(new_at[:, :, None, None, None], fresh, old).to(q.dtype)
         o = attend(q.unsqueeze(1), kv.select(2, 0), kv.select(2, 1), (state != MASKED)[:, None, :], scale)
         return o.squeeze(1)
 

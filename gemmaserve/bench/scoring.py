@@ -96,7 +96,7 @@ class Scorer:
                         raise RuntimeError("scoring KV pool too small")
                     md = AttentionMetadata([end - start], [end], kv.group_tables(["s"]), kv.layer_slot)
                     if self.step is not None:
-                        logits = self.step.run(torch.tensor(ids[start:end]), torch.arange(start, end), md).float()
+                        logits = self.step.run(torch.tensor(ids[start:end]), torch.arange(start, end), md)[0].float()
                     else:
                         hidden = self.model(ModelInputs(torch.tensor(ids[start:end]), torch.arange(start, end),
                                                         self.backend.begin_batch(md, self.cache)))

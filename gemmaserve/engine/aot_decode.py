@@ -47,7 +47,7 @@ from ..models.quant_cache import code_fingerprint
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1             # of the packages and their manifest: a change makes every old one stale
+FORMAT = 2             # of the packages and their manifest: a change makes every old one stale
 MAX_ROWS = 63          # the dynamic graph's rows (2..MAX_ROWS); larger decode batches run eagerly
 STATIC_SIZES = (1, 8)  # graphs for exactly this many rows (a batch of b runs the one of size s if b <= s < 2b)
 # CPU features that change what inductor writes or what our kernels do
@@ -56,7 +56,7 @@ _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "
 
 
 class DecodeStep(nn.Module):
-    """What a package computes: logits of a decode batch and every owning layer's new K/V."""
+    """What a package computes: logits and hidden states of a decode batch, every owning layer's new K/V."""
 
     def __init__(self, model: nn.Module, layout: DecodeLayout):
         super().__init__()
@@ -64,10 +64,10 @@ class DecodeStep(nn.Module):
         self.layout = layout
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
-                keys: list[torch.Tensor], state: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                keys: list[torch.Tensor], state: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attention = TracedDecodeAttention(self.layout, kv, keys, state)
-        logits = self.model.compute_logits(self.model(ModelInputs(input_ids, positions, attention)))
-        return logits, attention.new_kv()
+        hidden = self.model(ModelInputs(input_ids, positions, attention))
+        return self.model.compute_logits(hidden), hidden, attention.new_kv()
 
 
 def tensor_paths(root: Any) -> dict[str, torch.Tensor]:
@@ -250,8 +250,10 @@ class AotDecode:
     def _size_for(self, b: int) -> int | None:
         return next((s for s in self.sizes if b <= s < 2 * b), None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor | None:
-        """Logits [B, V] of a decode batch, or None where no graph takes it (the caller runs it eagerly)."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits [B, V], hidden states [B, H]) of a decode batch, or None where no graph takes it (the
+        caller runs it eagerly)."""
         b = input_ids.shape[0]
         if not 1 <= b <= self.max_rows:
             return None
@@ -263,6 +265,6 @@ class AotDecode:
             input_ids = torch.cat([input_ids, input_ids.new_zeros(rows - b)])
             positions = torch.cat([positions, positions.new_zeros(rows - b)])
         tables = DecodeTables.build(self.layout, metadata, rows)
-        logits, new_kv = self.graphs[size](input_ids, positions, self.layout.kv, tables.keys, tables.state)
+        logits, hidden, new_kv = self.graphs[size](input_ids, positions, self.layout.kv, tables.keys, tables.state)
         tables.commit(self.layout, new_kv)
-        return logits[:b]
+        return logits[:b], hidden[:b]

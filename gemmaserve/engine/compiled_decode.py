@@ -123,12 +123,14 @@ class CompiledDecode:
     # -- the traced function --------------------------------------------------------------------
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor | None = None,
               keys: list[torch.Tensor] | None = None, state: list[torch.Tensor] | None = None):
-        """Logits, and the new K/V to commit when attention is traced (else None: the op wrote them)."""
+        """Logits, hidden states (a drafter reads them), and the new K/V to commit when attention is
+        traced (where it runs through the op, the op wrote them)."""
         if kv is None:
-            return self.model.compute_logits(self.model(ModelInputs(input_ids, positions, self._attention))), None
+            hidden = self.model(ModelInputs(input_ids, positions, self._attention))
+            return self.model.compute_logits(hidden), hidden
         attention = TracedDecodeAttention(self.layout, kv, keys, state)
-        logits = self.model.compute_logits(self.model(ModelInputs(input_ids, positions, attention)))
-        return logits, attention.new_kv()
+        hidden = self.model(ModelInputs(input_ids, positions, attention))
+        return self.model.compute_logits(hidden), hidden, attention.new_kv()
 
     # -- compiling ------------------------------------------------------------------------------
     def compile(self) -> None:
@@ -179,9 +181,11 @@ class CompiledDecode:
         return AttentionMetadata([1] * size, [1] * size, groups, self.layer_slot)
 
     # -- running --------------------------------------------------------------------------------
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor | None:
-        """Logits [B, V] of a decode batch (one token per sequence, every row sampled) through the
-        compiled graph, or None when there is none for it yet (the caller runs the step eagerly)."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits [B, V], hidden states [B, H]) of a decode batch (one token per sequence, every row
+        sampled) through the compiled graph, or None when there is none for it yet (the caller runs the
+        step eagerly)."""
         b = input_ids.shape[0]
         if self.state is not CompileState.READY or not 1 <= b <= self.max_rows:
             return None
@@ -193,7 +197,8 @@ class CompiledDecode:
             # A batch the graphs' guards reject would compile again, for seconds to minutes inside a
             # step while every request waits: run that step eagerly instead, and say so once.
             with torch.compiler.set_stance("fail_on_recompile"):
-                return self._run(input_ids, positions, metadata, b)[:b]
+                logits, hidden = self._run(input_ids, positions, metadata, b)
+                return logits[:b], hidden[:b]
         except RuntimeError as e:
             if "fail_on_recompile" not in str(e):
                 raise
@@ -203,15 +208,15 @@ class CompiledDecode:
             return None
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, b: int,
-             compiling: bool = False) -> torch.Tensor:
-        """One step of `b` real rows through the graph for `len(input_ids)` rows. `compiling`: the
+             compiling: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden) of one step of `b` real rows through the graph for `len(input_ids)` rows. `compiling`: the
         dynamic graph's first call, whose traced widths (and batch) are marked dynamic."""
         size = input_ids.shape[0]
         key = size if size in self.sizes and not compiling else None
         if self.layout is None:
             self.handle.batch, self.handle.rows = self.backend.begin_batch(metadata, self.kv_cache), b
             try:
-                return self._call(key, (input_ids, positions))[0]
+                return self._call(key, (input_ids, positions))
             finally:
                 self.handle.batch = None
         tracing = self.state is CompileState.WAITING
@@ -226,19 +231,19 @@ class CompiledDecode:
                 if compiling:
                     torch._dynamo.mark_dynamic(t, 1, min=2, max=max(3, self.max_rows))
                     torch._dynamo.mark_dynamic(at, 0, min=2, max=max(3, self.max_rows))
-        logits, new_kv = self._call(key, (input_ids, positions, self.layout.kv, *tables.keys, *tables.state))
+        logits, hidden, new_kv = self._call(key, (input_ids, positions, self.layout.kv, *tables.keys, *tables.state))
         tables.commit(self.layout, new_kv)
-        return logits
+        return logits, hidden
 
-    def _call(self, key: int | None, call: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits, new K/V or None) of the graph `key` (a static size, None: the dynamic one) for the
+    def _call(self, key: int | None, call: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """(logits, hidden[, new K/V where attention is traced]) of the graph `key` (a static size, None: the dynamic one) for the
         call's tensors (ids, positions[, KV arena, key tables...]): directly where its capture was
         verified and its guards hold, else through Dynamo (whose first call traces and captures)."""
         direct = self._direct.get(key)
         if isinstance(direct, DirectGraph) and direct.verified:
             out = direct(call)
             if out is not None:
-                return out[0], (out[1] if len(out) > 1 else None)
+                return tuple(out)
         graph = self._dynamic if key is None else self._static
         waiting = self.state is CompileState.WAITING
         if waiting:

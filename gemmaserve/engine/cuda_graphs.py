@@ -25,6 +25,7 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384,
 class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
+    hidden: torch.Tensor   # the final hidden states (a drafter reads them)
 
 
 class DecodeGraphs:
@@ -58,7 +59,8 @@ class DecodeGraphs:
         """The captured graph of a padded batch size (benchmarks replay it alone)."""
         return self._graphs[size].graph
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden states) of a decode batch: views of the graph's outputs until its next replay."""
         b = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
         g = self._graphs.get(size) or self._capture(size)
@@ -68,7 +70,7 @@ class DecodeGraphs:
         self.positions[:b].copy_(positions)
         self.positions[b:size].zero_()
         g.graph.replay()
-        return g.logits[:b]
+        return g.logits[:b], g.hidden[:b]
 
     @torch.inference_mode()
     def _capture(self, size: int) -> _Graph:
@@ -84,7 +86,8 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.compute_logits(self.model(ModelInputs(ids, pos, attn)))
-        g = _Graph(graph, logits)
+            hidden = self.model(ModelInputs(ids, pos, attn))
+            logits = self.model.compute_logits(hidden)
+        g = _Graph(graph, logits, hidden)
         self._graphs[size] = g
         return g

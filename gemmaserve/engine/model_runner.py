@@ -231,21 +231,24 @@ class ModelRunner:
                 rows.extend(range(end - 1 - s.num_drafts, end))
                 sampled.extend([b] * (s.num_drafts + 1))
         embeds = self._image_embeds(seqs, input_ids) if self.images else None
-        fast = md.is_decode_only and embeds is None and not want_hidden
-        if self.graphs is not None and not fast and embeds is None and not want_hidden:
-            rows_md = verification_as_decode(seqs, md)   # a verification step replays a decode graph
-            if rows_md is not None and rows_md.num_seqs <= self.graphs.max_size:
-                md, fast = rows_md, True
-        if self.graphs is not None and fast and md.num_seqs <= self.graphs.max_size:
-            logits = self.graphs.run(input_ids, positions, md)   # a logit row per input row
-            if len(rows) == md.num_seqs:
-                return logits, None
-            # A one-token row can be a prefill chunk that does not complete its prompt: no sample.
-            return (logits[to_device(rows, torch.long, self.device)] if rows else None), None
-        if self.compiled is not None and fast and len(sampled) == len(seqs):
-            logits = self.compiled.run(input_ids, positions, md)
-            if logits is not None:
-                return logits, None
+        # Decode batches, and verification steps as one decode row per token, run through CUDA graphs or
+        # compiled CPU steps where the engine has them; everything else eagerly.
+        as_decode = md if md.is_decode_only and embeds is None else None
+        if as_decode is None and embeds is None and (self.graphs is not None or self.compiled is not None):
+            as_decode = verification_as_decode(seqs, md)
+        if self.graphs is not None and as_decode is not None and as_decode.num_seqs <= self.graphs.max_size:
+            logits, hidden = self.graphs.run(input_ids, positions, as_decode)   # a row per input row
+            if len(rows) != as_decode.num_seqs:
+                # A one-token row can be a prefill chunk that does not complete its prompt: no sample.
+                if not rows:
+                    return None, None
+                picked = to_device(rows, torch.long, self.device)
+                logits, hidden = logits[picked], hidden[picked]
+            return logits, hidden if want_hidden else None
+        if self.compiled is not None and as_decode is not None and len(rows) == as_decode.num_seqs:
+            out = self.compiled.run(input_ids, positions, as_decode)
+            if out is not None:
+                return out[0], out[1] if want_hidden else None
         attn = self.backend.begin_batch(md, self.kv_cache)
         inputs = ModelInputs(input_ids, positions, attn, inputs_embeds=embeds)
         # Prefill chunks: only the last row of completing sequences is sampled. A model may then skip
@@ -326,12 +329,15 @@ def verification_as_decode(seqs: list[SeqStep], md: AttentionMetadata) -> Attent
     """A step whose sequences each run one token and their drafts, as a decode batch of one row per token
     (what a decode graph replays): row j of a sequence at `start` is a sequence of start + j + 1 keys over
     the same block tables. A layer writes every row's K/V before any row attends, so each row sees the rows
-    before it, as in the multi-token step. None if a sequence runs a prefill chunk or nothing is drafted."""
+    before it, as in the multi-token step (a traced step, which writes after the graph, reads them from the
+    step's new K/V: `new_before`). None if a sequence runs a prefill chunk or nothing is drafted."""
     if not any(s.num_drafts for s in seqs) or any(s.num_new_tokens != 1 + s.num_drafts for s in seqs):
         return None
     owner = [b for b, s in enumerate(seqs) for _ in range(s.num_new_tokens)]
     seq_lens = [s.start + j + 1 for s in seqs for j in range(s.num_new_tokens)]
-    return AttentionMetadata([1] * len(owner), seq_lens, [g.select(owner) for g in md.groups], md.layer_slot)
+    before = [j for s in seqs for j in range(s.num_new_tokens)]
+    return AttentionMetadata([1] * len(owner), seq_lens, [g.select(owner) for g in md.groups], md.layer_slot,
+                             new_before=before)
 
 
 @dataclass
