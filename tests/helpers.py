@@ -470,3 +470,33 @@ def paged_kv(model, backend: str, num_pages: int, page_size: int = 4):
     else:
         attention = TorchAttentionBackend()
     return kv, attention, attention.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
+
+
+def watch_grammar_drafts(engine, so: dict) -> dict:
+    """Wraps the engine runner's forward: every draft it verifies must be one the grammar `so` allows after
+    the request's output so far (drafts it forbids are cut before the forward). Counts what it verified
+    and what was cut."""
+    from gemmaserve.engine.step import DRAFT_TOKEN
+    from gemmaserve.engine.structured_output import StructuredOutput
+
+    counts = {"verified": 0, "cut": 0}
+    run_model = engine.runner.run_model
+
+    def checked(seqs, want_hidden=False, drafts=None):
+        out = run_model(seqs, want_hidden, drafts)
+        for planned, ran in zip(seqs, out.seqs):
+            if not planned.num_drafts:
+                continue
+            verified = ran.token_ids[len(ran.token_ids) - ran.num_drafts:]
+            if DRAFT_TOKEN in verified:   # a drafter's slots: what it filled in
+                verified = (drafts or {})[ran.req_id]
+            matcher = engine.grammars.matcher(StructuredOutput.parse(so))
+            for t in engine.request(ran.req_id).output_token_ids:
+                matcher.accept(t)
+            assert matcher.allowed_prefix(verified) == len(verified), (ran.req_id, verified)
+            counts["verified"] += len(verified)
+            counts["cut"] += planned.num_drafts - ran.num_drafts
+        return out
+
+    engine.runner.run_model = checked
+    return counts

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,6 +46,12 @@ from .structured_output import Grammars
 from .step import DEVICE_TOKEN, SeqStep, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
+
+
+class Forward(NamedTuple):
+    logits: torch.Tensor | None   # a row per sampled position, in order (`forward`)
+    hidden: torch.Tensor | None   # their hidden states, where asked for
+    seqs: list[SeqStep]           # the sequences as they ran (drafts a grammar forbids cut)
 
 
 class ModelRunner:
@@ -215,15 +222,19 @@ class ModelRunner:
         consecutive), or None."""
         return self.run_model(seqs)[0]
 
-    def run_model(self, seqs: list[SeqStep], want_hidden: bool = False, drafts: dict | None = None
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(logits as `forward` has them, their hidden states where `want_hidden`, else None). `drafts`
-        receives what the drafter put in the step's draft slots. Every step's forward passes here."""
+    def run_model(self, seqs: list[SeqStep], want_hidden: bool = False, drafts: dict | None = None) -> Forward:
+        """Logits as `forward` has them, their hidden states where `want_hidden` (else None), and the
+        sequences as they ran (drafts a grammar forbids cut). `drafts` receives what the drafter put in
+        the step's draft slots. Every step's forward passes here."""
         input_ids, positions, md = self.build_inputs(seqs)
-        if self.drafter is not None:
-            filled = self.drafter.in_step(self, seqs, input_ids, positions)
-            if filled and drafts is not None:
-                drafts.update(filled)
+        filled = self.drafter.in_step(self, seqs, input_ids, positions) if self.drafter is not None else None
+        if self.grammars is not None and any(s.num_drafts for s in seqs):
+            cut = self._within_grammars(seqs, filled or {})
+            if cut is not None:
+                seqs, filled = cut
+                input_ids, positions, md = self.build_inputs(seqs)
+        if filled and drafts is not None:
+            drafts.update(filled)
         rows, sampled, end = [], [], 0
         for b, s in enumerate(seqs):
             end += s.num_new_tokens
@@ -241,14 +252,14 @@ class ModelRunner:
             if len(rows) != as_decode.num_seqs:
                 # A one-token row can be a prefill chunk that does not complete its prompt: no sample.
                 if not rows:
-                    return None, None
+                    return Forward(None, None, seqs)
                 picked = to_device(rows, torch.long, self.device)
                 logits, hidden = logits[picked], hidden[picked]
-            return logits, hidden if want_hidden else None
+            return Forward(logits, hidden if want_hidden else None, seqs)
         if self.compiled is not None and as_decode is not None and len(rows) == as_decode.num_seqs:
             out = self.compiled.run(input_ids, positions, as_decode)
             if out is not None:
-                return out[0], out[1] if want_hidden else None
+                return Forward(out[0], out[1] if want_hidden else None, seqs)
         attn = self.backend.begin_batch(md, self.kv_cache)
         inputs = ModelInputs(input_ids, positions, attn, inputs_embeds=embeds)
         # Prefill chunks: only the last row of completing sequences is sampled. A model may then skip
@@ -260,10 +271,29 @@ class ModelRunner:
             inputs.sample_seqs = sampled
         hidden = self.model(inputs)
         if not rows:
-            return None, None
+            return Forward(None, None, seqs)
         if pick_after:
             hidden = hidden[to_device(rows, torch.long, self.device)]
-        return self.model.compute_logits(hidden), hidden if want_hidden else None
+        return Forward(self.model.compute_logits(hidden), hidden if want_hidden else None, seqs)
+
+    def _within_grammars(self, seqs: list[SeqStep], filled: dict[str, list[int]]
+                         ) -> tuple[list[SeqStep], dict[str, list[int]]] | None:
+        """`seqs` with each one's drafts up to the first its grammar forbids (a forbidden draft and those after
+        it are never worth a row), and the drafter's filled drafts likewise; None if nothing is cut."""
+        out, kept, cut = [], dict(filled), False
+        for s in seqs:
+            if s.num_drafts:
+                real = s.token_ids[:len(s.token_ids) - s.num_drafts]
+                drafts = filled.get(s.req_id) or s.token_ids[len(real):]
+                state = self.sampling.get(s.req_id) if s.sample else None
+                n = s.num_drafts if state is None or state.grammar is None else state.grammar.allowed_prefix(drafts)
+                cut |= n < s.num_drafts
+                # the drafter's slots as the ids it filled in: the inputs are built again if anything is cut
+                s = dataclasses.replace(s, token_ids=real + drafts[:n], num_drafts=n)
+                if s.req_id in kept:
+                    kept[s.req_id] = drafts[:n]
+            out.append(s)
+        return (out, kept) if cut else None
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, only: list[int] | None = None) -> "PendingStep":
@@ -273,7 +303,8 @@ class ModelRunner:
         seqs = plan.seqs if only is None else [plan.seqs[i] for i in only]
         proposing = self.drafter is not None and any(s.propose for s in seqs if s.sample)
         filled: dict[str, list[int]] = {}
-        logits, hidden = self.run_model(seqs, proposing and self.drafter.wants_hidden, filled)
+        planned = {s.req_id: s.num_drafts for s in seqs}
+        logits, hidden, seqs = self.run_model(seqs, proposing and self.drafter.wants_hidden, filled)
         ids = [s.req_id for s in seqs if s.sample]
         if not ids:
             return PendingStep([], None)
@@ -295,6 +326,7 @@ class ModelRunner:
         if proposing:
             pending.drafts = self.drafter.after_step(self, sampling, counts, hidden, tokens)
             pending.cut = self._allowed_drafts
+        pending.verified_drafts = {s.req_id: s.num_drafts for s in seqs if s.num_drafts != planned[s.req_id]}
         return pending
 
     def _allowed_drafts(self, req_id: str, drafts: list[int]) -> list[int]:
@@ -349,6 +381,7 @@ class PendingStep:
     result: StepResult | None = None   # already on the host (a verified speculative step)
     drafts: tuple[list[str], list[int], torch.Tensor] | None = None   # the drafter's (ids, counts, [B, k])
     cut: Callable[[str, list[int]], list[int]] | None = None   # drafts of a request as its grammar allows them
+    verified_drafts: dict[str, int] | None = None   # StepResult.verified_drafts
 
     def resolve(self) -> StepResult:
         if self.result is not None:
@@ -358,6 +391,8 @@ class PendingStep:
         else:
             tokens, records = self.sampled.resolve()
             result = StepResult(self.req_ids, tokens, records)
+        if self.verified_drafts:
+            result.verified_drafts.update(self.verified_drafts)
         if self.drafts is not None:
             ids, want, tokens = self.drafts
             cut = self.cut or (lambda _, drafts: drafts)

@@ -275,7 +275,7 @@ class Scheduler:
             elif s.req_id in sampled:   # a request preempted since still keeps its tokens
                 tokens = [t for t, _ in sampled[s.req_id]]
                 if s.num_drafts:
-                    self._settle_drafts(req, s, len(tokens))
+                    self._settle_drafts(req, s, len(tokens), result.verified_drafts.get(s.req_id, s.num_drafts))
                 for t in tokens:
                     req.append_token(t)
                     if req.is_finished:   # a stop token or the length inside an accepted run
@@ -289,11 +289,14 @@ class Scheduler:
             touched.append(req)
         return touched
 
-    def _settle_drafts(self, req: Request, s: SeqStep, emitted: int) -> None:
+    def _settle_drafts(self, req: Request, s: SeqStep, emitted: int, verified: int) -> None:
         """A speculative step computed [start, start + 1 + drafts) but only its first `emitted` tokens
-        (the last real token and the accepted drafts) are the sequence's: the rest is rolled back."""
-        self.spec_stats.record(s.num_drafts, emitted - 1)
-        req.num_draft_tokens += s.num_drafts
+        (the last real token and the accepted drafts) are the sequence's: the rest is rolled back.
+        `verified`: the drafts the runner verified (its grammar may have cut the others; those count
+        as drafted nowhere, as a drafter's cut drafts never reach the scheduler)."""
+        if verified:
+            self.spec_stats.record(verified, emitted - 1)
+        req.num_draft_tokens += verified
         req.num_accepted_tokens += emitted - 1
         if emitted > 1:
             req.draft_misses, req.draft_pause = 0, 0

@@ -120,6 +120,8 @@ class StepResult:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)   # req id -> what failed running it alone
     drafts: dict[str, list[int]] = field(default_factory=dict)   # req id -> its drafter's guesses (SeqStep.propose)
+    # req id -> how many of the step's drafts it verified, where its grammar cut the others before the forward
+    verified_drafts: dict[str, int] = field(default_factory=dict)
 
     def by_request(self) -> dict[str, list[tuple[int, TokenLogprob | None]]]:
         out: dict[str, list[tuple[int, TokenLogprob | None]]] = {}
@@ -133,3 +135,4 @@ class StepResult:
         self.logprobs += other.logprobs
         self.failed.update(other.failed)
         self.drafts.update(other.drafts)
+        self.verified_drafts.update(other.verified_drafts)
