@@ -1,8 +1,9 @@
 """The runner side of `draft_model` speculation: a smaller Gemma (the embedded 270M for a Gemma 3 target)
 with its own KV layers in the target's pool, drafting inside the step, before the target's forward.
 
-    KV      its layers come after the target's (layer ids L.., one pool, one budget, one block table per
-            group): its KV follows the target's pages, prefix hits, preemption and rollback for free
+    KV      its layers come after the target's (the pool's layers L.., one pool, one budget, one block table
+            per group; the model keeps its own ids 0.., OffsetLayers maps them): its KV follows the target's
+            pages, prefix hits, preemption and rollback for free
     mirror  every row the target computes without drafts (prefill chunks, plain decodes) runs through
             the draft model too, so its KV covers every position the target's does
     drafts  a sequence with k draft slots at positions p+1..p+k (its last token t at p):
@@ -22,20 +23,29 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..attention.base import AttentionBackend, AttentionMetadata
+from ..attention.base import AttentionBackend, AttentionMetadata, BatchAttention
 from ..device import to_device
 from ..kv.spec import LayerSpec
 from ..models.base import ModelInputs
-from ..models.layers import Attention
 from .step import DRAFT_TOKEN, SeqStep
 
 
-def offset_layers(model: nn.Module, specs: list[LayerSpec], offset: int) -> list[LayerSpec]:
-    """Move `model`'s attention layers to ids offset.. (after the target's), and its KV specs with them."""
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.p = dataclasses.replace(module.p, layer=module.p.layer + offset)
+def offset_specs(specs: list[LayerSpec], offset: int) -> list[LayerSpec]:
+    """The draft model's KV specs as layers offset.. of the pool (after the target's)."""
     return [s if s.kv_source is None else dataclasses.replace(s, kv_source=s.kv_source + offset) for s in specs]
+
+
+class OffsetLayers(BatchAttention):
+    """A batch's attention as the draft model sees it: its layers 0.. are the pool's layers offset.."""
+
+    def __init__(self, inner: BatchAttention, offset: int):
+        self.inner, self.offset = inner, offset
+
+    def __call__(self, layer, q, k, v, **kwargs):
+        return self.inner(layer + self.offset, q, k, v, **kwargs)
+
+    def last_tokens(self, seqs: list[int]) -> "OffsetLayers":
+        return OffsetLayers(self.inner.last_tokens(seqs), self.offset)
 
 
 class DraftModelDrafter:
@@ -44,11 +54,16 @@ class DraftModelDrafter:
     lookback = 0
     wants_hidden = False
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, pad_token_id: int = 0):
+    def __init__(self, model: nn.Module, backend: AttentionBackend, first_layer: int, pad_token_id: int = 0):
+        """`first_layer`: the pool's id of the draft model's layer 0 (its layers follow the target's)."""
         self.model = model
         self.backend = backend
+        self.first_layer = first_layer
         self.vocab_size = model.vocab_size
         self.pad = pad_token_id
+
+    def _attention(self, runner, md: AttentionMetadata) -> OffsetLayers:
+        return OffsetLayers(self.backend.begin_batch(md, runner.kv_cache), self.first_layer)
 
     def after_step(self, runner, seqs, emitted, hidden, tokens) -> None:
         return None
@@ -79,8 +94,7 @@ class DraftModelDrafter:
                          torch.long, input_ids.device)
         md = AttentionMetadata([s.num_new_tokens for s in seqs], [s.start + s.num_new_tokens for s in seqs],
                                runner.tables.tables([s.req_id for s in seqs]), runner.layer_slot)
-        attn = self.backend.begin_batch(md, runner.kv_cache)
-        self.model(ModelInputs(self._ids(input_ids[rows]), positions[rows], attn))
+        self.model(ModelInputs(self._ids(input_ids[rows]), positions[rows], self._attention(runner, md)))
 
     def _draft(self, runner, seqs: list[SeqStep], starts: list[int],
                input_ids: torch.Tensor) -> dict[str, list[int]]:
@@ -95,7 +109,7 @@ class DraftModelDrafter:
             md = AttentionMetadata([1] * len(active), [seqs[b].start + i + 1 for b in active],
                                    runner.tables.tables([seqs[b].req_id for b in active]), runner.layer_slot)
             at = to_device([seqs[b].start + i for b in active], torch.long, device)
-            hidden = self.model(ModelInputs(self._ids(tokens), at, self.backend.begin_batch(md, runner.kv_cache)))
+            hidden = self.model(ModelInputs(self._ids(tokens), at, self._attention(runner, md)))
             filling = [j for j, b in enumerate(active) if i < k[b]]
             if not filling:
                 break

@@ -25,7 +25,7 @@ from ..models.gemma4_assistant import load_assistant
 from ..models.layers import set_batch_invariant
 from ..models.loader import LoadedModel
 from ..transfer.runtime import probe as probe_transfer
-from .draft_model import DraftModelDrafter, offset_layers
+from .draft_model import DraftModelDrafter, offset_specs
 from .executor import create_executor
 from .input_processor import InputProcessor
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
@@ -157,7 +157,8 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         if kv_dtype == FP8_DTYPE:
             draft_specs = calibrate_kv_scales(draft.model, draft_specs,
                                               calibration_tokens(tokenizer, draft.model.vocab_size), device)
-        specs = specs + offset_layers(draft.model, draft_specs, len(specs))
+        first_draft_layer = len(specs)
+        specs = specs + offset_specs(draft_specs, first_draft_layer)
     backend = select_backend(config.attention_backend, device, specs)
     invariance = resolve_batch_invariance(config, device.type, backend.capabilities, bool(loaded.weight_formats))
     backend.batch_invariant = invariance is BatchInvariance.KERNELS
@@ -167,7 +168,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     elif config.batch_invariant:
         log.info("batch invariant: every CPU step is (row-independent kernels, blockwise attention)")
     drafter = _mtp_drafter(config, model, backend, dtype, device) if draft is None else DraftModelDrafter(
-        draft.model, backend, tokenizer.pad_token_id or 0)
+        draft.model, backend, first_draft_layer, tokenizer.pad_token_id or 0)
     cache_options = resolve_cache_options(config, model.engine_preferences(), backend.capabilities, specs,
                                           probe=lambda name: probe_transfer(name, device))
     kv = create_kv_manager(cache_options.kv_cache_manager, specs, config.page_size, config.kv_budget_bytes(device),
