@@ -232,6 +232,38 @@ def test_drafts_the_grammar_forbids_never_reach_the_forward(tiny):
     assert spec.engine.scheduler.spec_stats.drafted == counts["verified"]
 
 
+def test_counters_agree_when_requests_are_aborted_mid_speculation(tiny):
+    """Aborts between steps, with asynchronous scheduling (a step may be in flight for the aborted request):
+    the totals /metrics reads equal the sum of every request's own counters in its final output (usage,
+    --json), aborted ones included; an aborted request's tokens are a prefix of what it would have made."""
+    path, base = tiny
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = {o.prompt: o.outputs[0].token_ids for o in base.generate(PROMPTS, params)}
+    llm = LLM.from_config(EngineConfig(model=path, page_size=4, async_scheduling="on",
+                                       speculative_config=dict(NGRAM)), base)
+    eng = llm.engine
+    ids = [eng.add_request(p, params) for p in PROMPTS]
+    final, steps = {}, 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        steps += 1
+        for at, victim in ((4, ids[0]), (7, ids[2])):
+            if steps == at:
+                for out in eng.abort_request(victim):
+                    final[out.request_id] = out
+    eng.kv.check_integrity()
+    assert [final[i].outputs[0].finish_reason for i in ids] == ["abort", "length", "abort", "length"]
+    for i in ids:
+        got = final[i].outputs[0].token_ids
+        assert got == want[final[i].prompt][:len(got)]
+    st = eng.scheduler.spec_stats
+    assert st.accepted > 0
+    assert sum(final[i].outputs[0].num_draft_tokens for i in ids) == st.drafted == sum(st.drafted_at)
+    assert sum(final[i].outputs[0].num_accepted_tokens for i in ids) == st.accepted == sum(st.accepted_at)
+
+
 def test_270m_copies_its_input_faster_with_the_same_tokens(llm_270m):
     prompt = ("Copy the list exactly.\nList: apples, oranges, pears, plums, grapes, cherries, lemons, limes, "
               "figs, dates.\nCopy: apples, oranges, pears, plums,")
