@@ -81,7 +81,7 @@ def test_a_background_build_switches_between_steps_without_changing_tokens(built
 
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 20])
 def test_packages_give_the_eager_steps_bits(built, n):
-    """The static graph of 1 row, the 8-row one (a batch of 5-8 padded up) and the dynamic one."""
+    """The static graph of 1 row, the 8-row one and the dynamic one (every other batch)."""
     prompts = [f"{w} " * (2 + i) for i, w in enumerate((WORDS * 2)[:n])]
     assert _out(built["llm"], prompts) == _out(built["eager"], prompts)
 

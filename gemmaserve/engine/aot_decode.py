@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 2             # of the packages and their manifest: a change makes every old one stale
 MAX_ROWS = 63          # the dynamic graph's rows (2..MAX_ROWS); larger decode batches run eagerly
-STATIC_SIZES = (1, 8)  # graphs for exactly this many rows (a batch of b runs the one of size s if b <= s < 2b)
+STATIC_SIZES = (1, 8)  # graphs for exactly this many rows (other batches run the dynamic one)
 # CPU features that change what inductor writes or what our kernels do
 _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8",
               "amx_bf16", "asimd", "sve")
@@ -248,7 +248,7 @@ class AotDecode:
         self.sizes = sorted(s for s in self.graphs if s is not None)
 
     def _size_for(self, b: int) -> int | None:
-        return next((s for s in self.sizes if b <= s < 2 * b), None)
+        return b if b in self.sizes else None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -260,11 +260,7 @@ class AotDecode:
         size = self._size_for(b)
         if size is None and (b < 2 or None not in self.graphs):
             return None
-        rows = size or b
-        if rows > b:   # padding rows: token 0 at position 0; they see nothing real and write the null page
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(rows - b)])
-            positions = torch.cat([positions, positions.new_zeros(rows - b)])
-        tables = DecodeTables.build(self.layout, metadata, rows)
+        tables = DecodeTables.build(self.layout, metadata, b)
         logits, hidden, new_kv = self.graphs[size](input_ids, positions, self.layout.kv, tables.keys, tables.state)
         tables.commit(self.layout, new_kv)
-        return logits[:b], hidden[:b]
+        return logits, hidden

@@ -11,8 +11,9 @@ Inductor writes the code that calls the kernels in C++ where the graph takes no 
 once compiled a graph is called without Dynamo's frame evaluation (direct_graph.py).
 
     decode step, B = 1     a graph for 1 row (static shapes)
-    decode step, B 5-8     a graph for 8 rows (static; the batch padded up)
-    decode step, other B   one graph whose batch dimension is dynamic (2-63)
+    decode step, B = 8     a graph for 8 rows (static)
+    decode step, other B   one graph whose batch dimension is dynamic (2-63; padding a batch of 5-7
+                           up to the 8-row graph cost 10-25% more on the 270M)
     every other step       eager (prefill chunks, mixed steps, images, B >= 64)
 
 Compiling the three graphs took 4-8 min on 2 cores the first time, 26-31 s with inductor's cache warm,
@@ -52,8 +53,8 @@ log = logging.getLogger(__name__)
 
 # Decode batches of more rows run eagerly (a graph for them would be one more compile: rare, large batches).
 MAX_ROWS = 63
-# Graphs compiled for exactly this many rows; a batch of b rows runs the one of size s if b <= s < 2b
-# (padded up), else the graph whose batch dimension is dynamic.
+# Graphs compiled for exactly this many rows; a batch of another size runs the graph whose batch
+# dimension is dynamic (padding up costs more than the static shapes save: BENCHMARKS.md, issue 30).
 STATIC_SIZES = (1, 8)
 # Inductor's options for the graphs. cpp_wrapper: the code that calls the kernels is C++, not Python
 # (12.2 vs 12.8 ms a batch-1 step of the 270M). The Python wrapper, where a graph takes Python objects
@@ -170,8 +171,8 @@ class CompiledDecode:
         self._run(ids, pos, self._null_batch(size), size, compiling=dynamic)
 
     def _size_for(self, b: int) -> int | None:
-        """The static graph a batch of `b` rows runs (padded up to it), or None: the dynamic one."""
-        return next((s for s in self.sizes if b <= s < 2 * b), None)
+        """The static graph a batch of `b` rows runs, or None: the dynamic one."""
+        return b if b in self.sizes else None
 
     def _null_batch(self, size: int) -> AttentionMetadata:
         """`size` one-token sequences at position 0 whose every page is the null page."""
@@ -189,16 +190,11 @@ class CompiledDecode:
         b = input_ids.shape[0]
         if self.state is not CompileState.READY or not 1 <= b <= self.max_rows:
             return None
-        size = self._size_for(b) or b
-        if size > b:   # padding rows: token 0 at position 0; they see nothing real and write at most the null page
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(size - b)])
-            positions = torch.cat([positions, positions.new_zeros(size - b)])
         try:
             # A batch the graphs' guards reject would compile again, for seconds to minutes inside a
             # step while every request waits: run that step eagerly instead, and say so once.
             with torch.compiler.set_stance("fail_on_recompile"):
-                logits, hidden = self._run(input_ids, positions, metadata, b)
-                return logits[:b], hidden[:b]
+                return self._run(input_ids, positions, metadata, b)
         except RuntimeError as e:
             if "fail_on_recompile" not in str(e):
                 raise
