@@ -29,8 +29,9 @@ import torch
 ACCEPTANCE = (0.5, 0.7, 0.9, 1.0)
 
 
-def _decode(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, int]:
-    """(each prompt's greedy continuation, decode seconds after prefill, decode steps)."""
+def _decode(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, int, float]:
+    """(each prompt's greedy continuation, decode seconds after prefill, forwards, seconds in the runner's
+    launch: the forward and, for a verification step, the readback of each position's choice)."""
     from ..engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
@@ -47,13 +48,27 @@ def _decode(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[lis
         step()
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
-    start, steps = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        step()
-        steps += 1
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    return [done[i] for i in ids], time.perf_counter() - start, steps
+    runner, launched = engine.runner, [0, 0.0]
+    launch = runner.launch
+
+    def timed(plan, only=None):
+        t = time.perf_counter()
+        try:
+            return launch(plan, only)
+        finally:
+            launched[0] += bool(plan.seqs)
+            launched[1] += time.perf_counter() - t
+
+    runner.launch = timed
+    start = time.perf_counter()
+    try:
+        while engine.has_unfinished_requests():
+            step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        runner.launch = launch
+    return [done[i] for i in ids], time.perf_counter() - start, launched[0], launched[1]
 
 
 def main(argv: list[str]) -> int:
@@ -70,6 +85,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--acceptance", default=",".join(map(str, ACCEPTANCE)))
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens per sequence")
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -87,7 +103,7 @@ def main(argv: list[str]) -> int:
             tokens = batch * (args.context + args.new_tokens + args.k + 64)
             config = EngineConfig(model=name, device=args.device, dtype="bfloat16" if device.type == "cuda" else "float32",
                                   max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * (args.k + 1)),
-                                  enable_prefix_caching=False,
+                                  enable_prefix_caching=False, async_scheduling=args.async_scheduling,
                                   # sizes the graphs for k + 1 rows per sequence (the proposer is swapped below)
                                   speculative_config={"method": "ngram", "num_speculative_tokens": args.k,
                                                       "disable_by_batch_size": batch},
@@ -99,14 +115,14 @@ def main(argv: list[str]) -> int:
             prompts = [[2] + [rng.randrange(3, vocab) for _ in range(args.context - 1)] for _ in range(batch)]
             sched.proposer = None
             _decode(engine, prompts[:1], 8)   # warm-up
-            want, base_s, base_steps = _decode(engine, prompts, args.new_tokens)
+            want, base_s, base_steps, _ = _decode(engine, prompts, args.new_tokens)
             base = batch * args.new_tokens / base_s
-            row = {"shape": name, "batch": batch, "base_tok_s": round(base, 1),
+            row = {"shape": name, "batch": batch, "async": engine.info.async_scheduling, "base_tok_s": round(base, 1),
                    "base_step_ms": round(1e3 * base_s / base_steps, 3), "by_acceptance": {}}
             for a in rates:
                 sched.proposer = ReplayDrafts(args.k, {tuple(p): w for p, w in zip(prompts, want)}, a, vocab)
                 before = (sched.spec_stats.drafted, sched.spec_stats.accepted, sched.spec_stats.steps)
-                got, spec_s, steps = _decode(engine, prompts, args.new_tokens)
+                got, spec_s, steps, in_launch = _decode(engine, prompts, args.new_tokens)
                 drafted = sched.spec_stats.drafted - before[0]
                 accepted = sched.spec_stats.accepted - before[1]
                 row["by_acceptance"][str(a)] = {
@@ -114,8 +130,9 @@ def main(argv: list[str]) -> int:
                     "speedup": round(base_s / spec_s, 3),
                     # accepted / drafted, as /metrics has it: drafts after a miss count, so below a
                     "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-                    "tokens_per_step": round(args.new_tokens / steps, 3),   # per sequence
-                    "step_ms": round(1e3 * spec_s / steps, 3),
+                    "tokens_per_step": round(args.new_tokens / steps, 3),   # per sequence and forward
+                    "step_ms": round(1e3 * spec_s / steps, 3),              # per forward, host work included
+                    "launch_ms": round(1e3 * in_launch / steps, 3),          # of which the runner's launch
                     "same_tokens": got == want}
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
