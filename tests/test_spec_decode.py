@@ -264,6 +264,30 @@ def test_counters_agree_when_requests_are_aborted_mid_speculation(tiny):
     assert sum(final[i].outputs[0].num_accepted_tokens for i in ids) == st.accepted == sum(st.accepted_at)
 
 
+def test_drafting_requests_verify_together_under_asynchronous_scheduling(tiny):
+    """With a step in flight, the drafting requests wait for it together: prompts that finish prefilling in
+    different steps do not leave them split into groups verifying in alternate steps (each group at half
+    the tokens per forward). Drafts are each request's own greedy continuation, so every one is right."""
+    from gemmaserve.bench.replay_drafts import ReplayDrafts
+
+    path, base = tiny
+    params = SamplingParams(max_tokens=21, ignore_eos=True)
+    want = base.generate(PROMPTS, params)
+    llm = LLM.from_config(EngineConfig(model=path, page_size=4, async_scheduling="on", max_num_batched_tokens=24,
+                                       speculative_config=dict(NGRAM)), base)
+    sched = llm.engine.scheduler
+    sched.proposer = ReplayDrafts(4, {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in want}, 1.0,
+                                  llm.engine.model.vocab_size)
+    drafts: list[list[int]] = []   # per launched step, the drafts of each sequence in it
+    launch = llm.engine.runner.launch
+    llm.engine.runner.launch = lambda plan, only=None: drafts.append([s.num_drafts for s in plan.seqs]) or launch(
+        plan, only)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == [o.outputs[0].token_ids for o in want]
+    together = [sum(1 for n in d if n) for d in drafts if any(d)]   # sequences verifying, per step
+    first = together.index(len(PROMPTS))   # every prompt is in: from here on the group only shrinks (finishing)
+    assert together[first:] == sorted(together[first:], reverse=True), drafts
+
+
 def test_270m_copies_its_input_faster_with_the_same_tokens(llm_270m):
     prompt = ("Copy the list exactly.\nList: apples, oranges, pears, plums, grapes, cherries, lemons, limes, "
               "figs, dates.\nCopy: apples, oranges, pears, plums,")

@@ -152,8 +152,13 @@ class Scheduler:
                           and not self._finishing(r)), key=lambda r: (r.last_served, r.admitted_order))
         drafting = self.proposer is not None and len(decodes) <= self.spec_max_batch
         self._proposing = drafting and self.proposer.drafts_after_step
-        if drafting:   # a request that drafts waits for its last token (asynchronous scheduling: still in flight)
-            decodes = [r for r in decodes if not (r.num_pending_samples and r.params.speculative)]
+        if drafting:
+            # A request that drafts waits for its last token (asynchronous scheduling: still in flight), and the
+            # drafting requests wait together: scheduling those whose token is in while the others' is not
+            # splits them into two groups verifying in alternate steps, each at half the tokens per forward
+            # (measured: 2.0 instead of 4.0 at k = 3, batch 8, every draft right).
+            if any(r.num_pending_samples and self._drafts_for(r) for r in decodes):
+                decodes = [r for r in decodes if not self._drafts_for(r)]
         prefills = [r for r in self.running if not (r.prompt_computed and r.num_pending_tokens <= 1)]
         # Decodes go first but may not take the whole budget while prompts wait: a quarter stays
         # for prefill, so many decodes cannot starve a prompt (and round robin keeps every decode moving).
