@@ -50,8 +50,11 @@ def test_ngram_proposer_equals_brute_force():
 def test_speculative_config_is_checked():
     want = SpeculativeConfig("ngram", 4, 3, 1, None, 64)
     assert EngineConfig(speculative_config=dict(NGRAM)).speculative_config == want
-    assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}').speculative_config == (
-        SpeculativeConfig("ngram", 2, 4, 2, None, 3))
+    default = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}').speculative_config
+    assert default == SpeculativeConfig("ngram", 2, 4, 2, None, None)
+    # the batch above which steps stop drafting: the device's measured default, unless given
+    assert [default.for_device(d).disable_by_batch_size for d in ("cpu", "cuda")] == [4, 8]
+    assert want.for_device("cuda") == want
     for bad, match in [('{"method": "ngram"', "not valid JSON"), ({"method": "eagle"}, "method must be"),
                        ({"method": "draft_model", "num_speculative_tokens": 2}, 'needs "model"'),
                        ({"method": "ngram", "num_speculative_tokens": 0}, r"in \[1, 16\]"),

@@ -1,7 +1,7 @@
 """`--speculative-config`: several tokens per target forward, with vLLM's keys.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-     "disable_by_batch_size": 3}
+     "disable_by_batch_size": 4}
     {"method": "mtp", "model": "path/to/gemma-4-E2B-it-assistant", "num_speculative_tokens": 4}
     {"method": "draft_model", "model": "gemma3-270m", "num_speculative_tokens": 4}
 
@@ -15,12 +15,15 @@ every draft in the same forward and keeps the longest run it agrees with, plus i
 the output is what one token per step would give (engine/spec_decode.py).
 
 A step with more running decodes than `disable_by_batch_size` drafts nothing: a bigger batch already
-uses the compute that verification would (the default is where `gemmaserve bench spec` measured
-speculation to stop paying on the CPU; BENCHMARKS.md).
+uses the compute that verification would. The default is the device's, where it was measured to stop
+paying (BENCHMARKS.md): 4 on the CPU (`gemmaserve bench spec`: drafting paid up to 4 running decodes on
+both workloads, lost at 8), 8 on CUDA (`gpu_spec_replay`: 1.73-1.74x at batch 8 on the Gemma 3 12B and
+Gemma 4 31B shapes at acceptance 0.7, k = 3).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -28,7 +31,7 @@ from ..errors import UserInputError
 
 METHODS = ("ngram", "mtp", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
-DEFAULT_DISABLE_BY_BATCH_SIZE = 3
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 4, "cuda": 8}   # by device type (see above)
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None   # None: the device's default (`for_device`)
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -66,8 +69,8 @@ class SpeculativeConfig:
         if not _int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise UserInputError(f"speculative config: num_speculative_tokens must be an integer in "
                                  f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        cap = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
-        if not _int(cap) or cap < 1:
+        cap = value.get("disable_by_batch_size")
+        if cap is not None and (not _int(cap) or cap < 1):
             raise UserInputError(f"speculative config: disable_by_batch_size must be an integer >= 1, got {cap!r}")
         if method != "ngram":
             lookup = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(value))
@@ -91,6 +94,12 @@ class SpeculativeConfig:
             raise UserInputError("speculative config: method ngram takes no model")
         return cls(method, k, hi, lo, None, cap)
 
+
+    def for_device(self, device_type: str) -> "SpeculativeConfig":
+        """The config with `disable_by_batch_size` resolved for a device of this type."""
+        if self.disable_by_batch_size is not None:
+            return self
+        return dataclasses.replace(self, disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE.get(device_type, 4))
 
     @property
     def label(self) -> str:

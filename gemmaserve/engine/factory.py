@@ -190,7 +190,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         suppress = not model.config.multimodal
     suppressed = sorted(t for t in tokenizer.media_token_ids if t < model.vocab_size) if suppress else []
     grammars = Grammars(tokenizer, model.vocab_size)   # built on first use
-    spec = config.speculative_config
+    spec = config.speculative_config.for_device(device.type) if config.speculative_config else None
     runner = executor.create_runner(model, backend, kv.layout, kv.groups, kv.layer_slot, specs, device,
                                     cuda_graphs=use_graphs, max_model_len=max_model_len,
                                     max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
@@ -207,14 +207,13 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         kv_pages=kv.num_pages, kv_page_size=kv.page_size, kv_bytes=kv.num_pages * kv.page_bytes,
         load_seconds=loaded.load_seconds, tensor_parallel_size=config.tensor_parallel_size,
         batch_invariant=invariance is not BatchInvariance.OFF,
-        speculative="off" if config.speculative_config is None else config.speculative_config.label)
+        speculative="off" if spec is None else spec.label)
     return EngineParts(
         config=config, device=device, dtype=dtype, executor=executor, loaded=loaded, max_model_len=max_model_len,
         specs=specs, backend=backend, cache_options=cache_options, kv=kv, grammars=grammars,
         suppressed_token_ids=suppressed, runner=runner,
         scheduler=Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
-                            create_proposer(config.speculative_config),
-                            config.speculative_config.disable_by_batch_size if config.speculative_config else 1),
+                            create_proposer(spec), spec.disable_by_batch_size if spec else 1),
         inputs=InputProcessor(config.model, tokenizer, model.vocab_size, max_model_len, config.max_num_batched_tokens,
                               kv, grammars, image_layout),
         outputs=OutputProcessor(tokenizer), async_scheduling=async_scheduling, info=info)
