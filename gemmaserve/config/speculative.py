@@ -94,7 +94,6 @@ class SpeculativeConfig:
             raise UserInputError("speculative config: method ngram takes no model")
         return cls(method, k, hi, lo, None, cap)
 
-
     def for_device(self, device_type: str) -> "SpeculativeConfig":
         """The config with `disable_by_batch_size` resolved for a device of this type."""
         if self.disable_by_batch_size is not None:
@@ -103,9 +102,10 @@ class SpeculativeConfig:
 
     @property
     def label(self) -> str:
-        """How `EngineInfo` and logs name it: "ngram k=4 n=4..2 up to batch 3"."""
+        """How `EngineInfo` and logs name it: "ngram k=4 n=4..2 up to batch 4"."""
         how = f"n={self.prompt_lookup_max}..{self.prompt_lookup_min}" if self.method == "ngram" else self.model
-        return f"{self.method} k={self.num_speculative_tokens} {how} up to batch {self.disable_by_batch_size}"
+        cap = self.disable_by_batch_size or "the device's default"
+        return f"{self.method} k={self.num_speculative_tokens} {how} up to batch {cap}"
 
     @property
     def drafts_on_runner(self) -> bool:
