@@ -149,7 +149,7 @@ def test_roles_and_tensor_parallelism_refuse_a_draft_model(models):
     from gemmaserve.config.kv_transfer import KVTransferConfig
 
     path, near, _ = models
-    with pytest.raises(UserInputError, match="tensor_parallel_size > 1 is not supported yet"):
+    with pytest.raises(UserInputError, match="'draft_model' with tensor_parallel_size > 1 is not supported yet"):
         EngineConfig(model=path, speculative_config=_draft(near), tensor_parallel_size=2)
     with pytest.raises(UserInputError, match="prefill or decode role is not supported yet"):
         EngineConfig(model=path, speculative_config=_draft(near), kv_transfer=KVTransferConfig(role="decode"))

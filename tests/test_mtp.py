@@ -186,14 +186,41 @@ def test_every_round_drafts_what_transformers_drafts_from_the_committed_context(
     assert cpu_compile == "off" or 8 in compiled_rows   # verification steps of 2 x 4 rows ran the graphs
 
 
+def test_two_tensor_parallel_ranks_draft_what_transformers_drafts(pair, tmp_path):
+    """Every rank builds its own drafter whose attention keeps the q heads that read that rank's KV heads
+    (o_proj all-reduced, the rest replicated). A random drafter at full strength (attention matters, drafts
+    mostly rejected): after every step each request's drafts are transformers' over its committed tokens,
+    and greedy tokens equal one process without drafts."""
+    target, _, path, _, base = pair
+    assistant = tiny_gemma4_assistant(8, "31b", hidden_size=target.config.hidden_size)
+    assistant.save_pretrained(tmp_path / "drafter")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want, _ = _generate(path, base, {}, params, None)
+    two = LLM(path, page_size=4, tensor_parallel_size=2, speculative_config=_mtp(str(tmp_path / "drafter")))
+    engine = two.engine
+    engine.scheduler.misses_before_pause = 1 << 30   # draft at every step, however often rejected
+    try:
+        ids = [engine.add_request(p, params) for p in PROMPTS[:2]]
+        done, checked = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            for req in engine.scheduler.running:
+                if req.drafts:
+                    assert req.drafts == _hf_drafts(target, assistant, req.all_token_ids, len(req.drafts))[0]
+                    checked += 1
+        assert [done[i] for i in ids] == [row[0] for row in want[:2]] and checked > 8, checked
+    finally:
+        engine.shutdown()
+
+
 def test_config_and_checkpoint_errors_are_clear(pair, tmp_path):
     _, _, path, drafter_dir, base = pair
     for bad, match in [({"method": "mtp", "num_speculative_tokens": 2}, 'needs "model"'),
                        ({**_mtp(drafter_dir), "prompt_lookup_max": 3}, "takes no prompt_lookup_max")]:
         with pytest.raises(UserInputError, match=match):
             EngineConfig(speculative_config=bad)
-    with pytest.raises(UserInputError, match="tensor_parallel_size > 1 is not supported yet"):
-        EngineConfig(speculative_config=_mtp(drafter_dir), tensor_parallel_size=2)
 
     def build(drafter: str, model: str = path):
         return LLM.from_config(EngineConfig(model=model, page_size=4, speculative_config=_mtp(drafter)),

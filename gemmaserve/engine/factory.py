@@ -24,6 +24,7 @@ from ..models.gemma4 import Gemma4Config
 from ..models.gemma4_assistant import load_assistant
 from ..models.layers import set_batch_invariant
 from ..models.loader import LoadedModel
+from ..models.tensor_parallel import shard_attention_heads
 from ..transfer.runtime import probe as probe_transfer
 from .draft_model import DraftModelDrafter, offset_specs
 from .executor import create_executor
@@ -70,9 +71,11 @@ def _weights_label(loaded: LoadedModel, dtype: torch.dtype) -> str:
     return ", ".join(f"{fmt} x {n}" for fmt, n in formats.items() if n)
 
 
-def _mtp_drafter(config: EngineConfig, model, backend: AttentionBackend, dtype: torch.dtype,
-                 device: torch.device) -> MtpDrafter | None:
-    """The runner's drafter for `--speculative-config '{"method": "mtp", ...}'`, checked against the target."""
+def mtp_drafter(config: EngineConfig, model, backend: AttentionBackend, dtype: torch.dtype,
+                device: torch.device) -> MtpDrafter | None:
+    """The runner's drafter for `--speculative-config '{"method": "mtp", ...}'`, checked against the target.
+    Under tensor parallelism (`model` a rank's shard: every rank builds its own) its attention keeps the
+    heads that read this rank's KV heads."""
     spec = config.speculative_config
     if spec is None or spec.method != "mtp":
         return None
@@ -82,6 +85,9 @@ def _mtp_drafter(config: EngineConfig, model, backend: AttentionBackend, dtype: 
                              f"{type(model).__name__} (use \"ngram\")")
     started = time.perf_counter()
     assistant = load_assistant(spec.model, target, dtype, device)
+    plan = getattr(model, "tensor_parallel_plan", None)
+    if plan is not None and plan.shard.world_size > 1:
+        shard_attention_heads(assistant, plan.shard)
     log.info("MTP drafter %s: %d layers of width %d reading target layers %s, loaded in %.2f s", spec.model,
              assistant.config.text.num_hidden_layers, assistant.config.text.hidden_size,
              sorted(set(l.self_attn.p.layer for l in assistant.model.layers)), time.perf_counter() - started)
@@ -167,7 +173,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         log.info("batch invariant: %s", "; ".join(BATCH_INVARIANT_CHANGES))
     elif config.batch_invariant:
         log.info("batch invariant: every CPU step is (row-independent kernels, blockwise attention)")
-    drafter = _mtp_drafter(config, model, backend, dtype, device) if draft is None else DraftModelDrafter(
+    drafter = mtp_drafter(config, model, backend, dtype, device) if draft is None else DraftModelDrafter(
         draft.model, backend, first_draft_layer, tokenizer.pad_token_id or 0)
     cache_options = resolve_cache_options(config, model.engine_preferences(), backend.capabilities, specs,
                                           probe=lambda name: probe_transfer(name, device))

@@ -118,9 +118,10 @@ class MultiprocExecutor:
             raise UserInputError("tensor parallelism needs weights loaded by its own executor (reusing another "
                                  "engine's weights is not supported)")
         self._expect("loaded")
-        # Each worker builds its own grammars from its own tokenizer (every rank samples the same way).
+        # Each worker builds its own grammars from its own tokenizer (every rank samples the same way), and
+        # its own drafter (an MTP drafter's attention reads that rank's KV heads).
         spec = RunnerSpec(backend.capabilities.name, layout, groups, layer_slot, specs,
-                          {k: v for k, v in options.items() if k != "grammars"})
+                          {k: v for k, v in options.items() if k not in ("grammars", "drafter")})
         for conn in self.conns:
             conn.send(spec)
         self.runner = self._guard(lambda: ModelRunner(model, backend, layout, groups, layer_slot, specs, device,

@@ -105,6 +105,7 @@ def worker_main(args: WorkerArgs, conn) -> None:
 def _serve(args: WorkerArgs, device: torch.device, comm: DistributedCommunicator, conn) -> None:
     from ..attention import select_backend
     from ..models.loader import load_model
+    from .factory import mtp_drafter
     from .model_runner import ModelRunner
     from .structured_output import Grammars
     from .step import StepPlan
@@ -118,8 +119,10 @@ def _serve(args: WorkerArgs, device: torch.device, comm: DistributedCommunicator
     if spec == ("stop",):   # rank 0 gave up while this rank was loading
         return
     backend = select_backend(spec.backend, device, spec.specs)
+    drafter = mtp_drafter(config, loaded.model, backend, dtype, device)   # None unless MTP drafts
     runner = ModelRunner(loaded.model, backend, spec.layout, spec.groups, spec.layer_slot, spec.specs, device,
-                         grammars=Grammars(loaded.tokenizer, loaded.model.vocab_size), **spec.options)
+                         grammars=Grammars(loaded.tokenizer, loaded.model.vocab_size), drafter=drafter,
+                         **spec.options)
     conn.send(("ready",))
     while True:
         msg = pickle.loads(conn.recv_bytes())

@@ -269,6 +269,30 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
+def shard_attention_heads(model: nn.Module, shard: TensorParallelShard) -> None:
+    """A loaded model whose attention reads KV that tensor parallelism split by heads (an MTP drafter reads
+    the target's cache): each Attention keeps this rank's q heads (and its k/v rows where it owns KV), its
+    o_proj the matching columns and the all_reduce. The rest stays replicated: a drafter's few small
+    layers cost less computed whole than another collective per layer."""
+    tp = shard.world_size
+    plan = ShardPlan(shard, {})
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, Attention):
+            continue
+        full = m.p
+        if full.num_heads % tp or (full.num_kv_heads % tp and tp % full.num_kv_heads):
+            raise UserInputError(f"tensor_parallel_size {tp} does not split the {full.num_heads} heads and "
+                                 f"{full.num_kv_heads} KV heads of {name}")
+        qkv = plan._attention_slice(full, "qkv_proj", None).read(m.qkv_proj.weight.data)
+        o = plan._attention_slice(full, "o_proj", None).read(m.o_proj.weight.data)
+        m.p = local_attention(full, tp)
+        m.qkv_proj = Linear(m.p.hidden_size, sum(m.p.qkv_sizes), qkv.dtype)
+        m.qkv_proj.weight.data = qkv.contiguous()
+        local_o = Linear(m.p.q_size, m.p.hidden_size, o.dtype)
+        local_o.weight.data = o.contiguous()
+        m.o_proj = AllReduceOutput(local_o, shard.comm)
+
+
 # -- the collectives, as wrappers ----------------------------------------------------------------------------
 class AllReduceOutput(nn.Module):
     """A row-parallel module (this rank's share of a sum) followed by the sum over ranks."""
