@@ -145,11 +145,26 @@ def test_270m_drafts_for_itself(llm_270m):
     assert st.drafted > 0 and st.accepted == st.drafted, st
 
 
-def test_roles_and_tensor_parallelism_refuse_a_draft_model(models):
+def test_two_tensor_parallel_ranks_split_the_draft_model_like_the_target(models):
+    """Each rank loads its shard of the draft model (heads, MLP and vocabulary split as the target's), its
+    KV layers after the target's in that rank's pool: the same drafts accepted as in one process, and
+    greedy tokens equal one process without drafts."""
+    path, near, base = models
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want, _ = _generate(path, base, {}, params, None)
+    _, single = _generate(path, base, {}, params, _draft(near))
+    two = LLM(path, page_size=4, tensor_parallel_size=2, speculative_config=_draft(near))
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == [row[0] for row in want]
+        st, one = two.engine.scheduler.spec_stats, single.scheduler.spec_stats
+        assert 0 < st.accepted < st.drafted and abs(st.accepted - one.accepted) <= one.drafted // 20, (st, one)
+    finally:
+        two.engine.shutdown()
+
+
+def test_roles_refuse_a_draft_model(models):
     from gemmaserve.config.kv_transfer import KVTransferConfig
 
     path, near, _ = models
-    with pytest.raises(UserInputError, match="'draft_model' with tensor_parallel_size > 1 is not supported yet"):
-        EngineConfig(model=path, speculative_config=_draft(near), tensor_parallel_size=2)
     with pytest.raises(UserInputError, match="prefill or decode role is not supported yet"):
         EngineConfig(model=path, speculative_config=_draft(near), kv_transfer=KVTransferConfig(role="decode"))

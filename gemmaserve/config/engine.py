@@ -164,9 +164,6 @@ class EngineConfig:
                                  "KV handoff reads and writes one process's cache)")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-            if tp > 1 and self.speculative_config.method == "draft_model":
-                raise UserInputError("speculative method 'draft_model' with tensor_parallel_size > 1 is not "
-                                     "supported yet (the draft model is not sharded); use \"ngram\" or \"mtp\"")
             if self.speculative_config.method == "draft_model" and self.kv_transfer is not None \
                     and self.kv_transfer.disaggregated:
                 raise UserInputError("a draft model with a prefill or decode role is not supported yet (both "

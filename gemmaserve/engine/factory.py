@@ -94,16 +94,19 @@ def mtp_drafter(config: EngineConfig, model, backend: AttentionBackend, dtype: t
     return MtpDrafter(assistant, model, backend, lookback=assistant.config.lookback(target))
 
 
-def _draft_model(config: EngineConfig, target: LoadedModel, dtype: torch.dtype,
-                 device: torch.device) -> LoadedModel | None:
+def draft_model(config: EngineConfig, target: LoadedModel, dtype: torch.dtype,
+                device: torch.device) -> LoadedModel | None:
     """The draft model of `--speculative-config '{"method": "draft_model", ...}'`, checked against the
-    target: its vocabulary must be the target's (or its first part: a multimodal target adds image ids)."""
+    target: its vocabulary must be the target's (or its first part: a multimodal target adds image ids).
+    Under tensor parallelism it is split like the target (`target` a rank's shard: every rank loads its own)."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
     from ..models.loader import load_model
 
-    draft = load_model(spec.model, dtype, device, config.quantized_weights(device))
+    plan = getattr(target.model, "tensor_parallel_plan", None)
+    draft = load_model(spec.model, dtype, device, config.quantized_weights(device),
+                       shard=plan.shard if plan is not None else None)
     ours, theirs = target.tokenizer, draft.tokenizer
     n = draft.model.vocab_size
     if n > target.model.vocab_size:
@@ -157,9 +160,9 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     specs = executor.local_kv_specs(model.kv_layer_specs(kv_dtype))   # one device's KV heads
     if kv_dtype == FP8_DTYPE:
         specs = calibrate_kv_scales(model, specs, calibration_tokens(tokenizer, model.vocab_size), device)
-    draft = _draft_model(config, loaded, dtype, device)
+    draft = draft_model(config, loaded, dtype, device)
     if draft is not None:   # its KV layers follow the target's: one pool, one budget
-        draft_specs = draft.model.kv_layer_specs(kv_dtype)
+        draft_specs = executor.local_kv_specs(draft.model.kv_layer_specs(kv_dtype))
         if kv_dtype == FP8_DTYPE:
             draft_specs = calibrate_kv_scales(draft.model, draft_specs,
                                               calibration_tokens(tokenizer, draft.model.vocab_size), device)

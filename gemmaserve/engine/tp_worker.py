@@ -105,7 +105,8 @@ def worker_main(args: WorkerArgs, conn) -> None:
 def _serve(args: WorkerArgs, device: torch.device, comm: DistributedCommunicator, conn) -> None:
     from ..attention import select_backend
     from ..models.loader import load_model
-    from .factory import mtp_drafter
+    from .draft_model import DraftModelDrafter
+    from .factory import draft_model, mtp_drafter
     from .model_runner import ModelRunner
     from .structured_output import Grammars
     from .step import StepPlan
@@ -120,6 +121,10 @@ def _serve(args: WorkerArgs, device: torch.device, comm: DistributedCommunicator
         return
     backend = select_backend(spec.backend, device, spec.specs)
     drafter = mtp_drafter(config, loaded.model, backend, dtype, device)   # None unless MTP drafts
+    draft = draft_model(config, loaded, dtype, device)   # this rank's shard of a draft model, if one drafts
+    if draft is not None:   # its layers follow the target's in the pool, as on rank 0
+        first = len(loaded.model.kv_layer_specs(config.torch_kv_dtype(dtype)))
+        drafter = DraftModelDrafter(draft.model, backend, first, loaded.tokenizer.pad_token_id or 0)
     runner = ModelRunner(loaded.model, backend, spec.layout, spec.groups, spec.layer_slot, spec.specs, device,
                          grammars=Grammars(loaded.tokenizer, loaded.model.vocab_size), drafter=drafter,
                          **spec.options)
