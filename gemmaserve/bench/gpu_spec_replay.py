@@ -17,6 +17,7 @@ drafter adds its k small forwards per step). Writes $OUT/gpu_spec_replay.json (o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -138,9 +139,11 @@ def main(argv: list[str]) -> int:
             print(json.dumps(row), flush=True)
             out.write_text(json.dumps(result, indent=1))
             del engine
+            gc.collect()   # the engine's KV cache sits in reference cycles: free it before the next one
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         del loaded
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return 0
