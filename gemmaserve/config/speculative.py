@@ -17,8 +17,8 @@ the output is what one token per step would give (engine/spec_decode.py).
 A step with more running decodes than `disable_by_batch_size` drafts nothing: a bigger batch already
 uses the compute that verification would. The default is the device's, where it was measured to stop
 paying (BENCHMARKS.md): 4 on the CPU (`gemmaserve bench spec`: drafting paid up to 4 running decodes on
-both workloads, lost at 8), 8 on CUDA (`gpu_spec_replay`: 1.73-1.74x at batch 8 on the Gemma 3 12B and
-Gemma 4 31B shapes at acceptance 0.7, k = 3).
+both workloads, lost at 8), 8 on CUDA (`gpu_spec_replay` on an H200, acceptance 0.7, k = 3: 1.59-1.75x at
+batch 8 on the Gemma 4 31B and Gemma 3 27B shapes, 0.96x at batch 64 on the 31B).
 """
 
 from __future__ import annotations
