@@ -472,6 +472,22 @@ def paged_kv(model, backend: str, num_pages: int, page_size: int = 4):
     return kv, attention, attention.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
 
 
+def check_grammar_cut(path: str, base, speculative_config: dict, prompts: list[str], max_tokens: int) -> None:
+    """Structured output with speculation: every draft the target verifies is one the grammar allows, some
+    were cut, the statistics count only the verified ones, and the texts equal `base`'s without drafts."""
+    from gemmaserve import LLM, SamplingParams
+    from gemmaserve.config.engine import EngineConfig
+
+    so = {"kind": "regex", "spec": "(ab|cd|aa|bb)+x"}
+    params = SamplingParams(max_tokens=max_tokens, structured_output=so)
+    spec = LLM.from_config(EngineConfig(model=path, page_size=4, speculative_config=speculative_config), base)
+    counts = watch_grammar_drafts(spec.engine, so)
+    want = [o.outputs[0].text for o in base.generate(prompts, params)]
+    assert [o.outputs[0].text for o in spec.generate(prompts, params)] == want
+    assert counts["verified"] > 0 and counts["cut"] > 0, counts
+    assert spec.engine.scheduler.spec_stats.drafted == counts["verified"]
+
+
 def watch_grammar_drafts(engine, so: dict) -> dict:
     """Wraps the engine runner's forward: every draft it verifies must be one the grammar `so` allows after
     the request's output so far (drafts it forbids are cut before the forward). Counts what it verified

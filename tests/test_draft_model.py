@@ -11,7 +11,7 @@ from gemmaserve import LLM, SamplingParams
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.errors import UserInputError
 
-from helpers import generate_rows, save_checkpoint, tiny_hf_model, watch_grammar_drafts
+from helpers import generate_rows, save_checkpoint, tiny_hf_model, check_grammar_cut
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +79,7 @@ def test_drafts_the_grammar_forbids_never_reach_the_forward(models):
     grammar often forbids; those drafts and the ones after them are cut before the target's forward
     (the draft model drafted them already), the text is what it is without drafts."""
     path, _, base = models
-    so = {"kind": "regex", "spec": "(ab|cd|aa|bb)+x"}
-    params = SamplingParams(max_tokens=16, structured_output=so)
-    spec = LLM.from_config(EngineConfig(model=path, page_size=4, speculative_config=_draft(path)), base)
-    counts = watch_grammar_drafts(spec.engine, so)
-    want = [o.outputs[0].text for o in base.generate(PROMPTS[:3], params)]
-    assert [o.outputs[0].text for o in spec.generate(PROMPTS[:3], params)] == want
-    assert counts["verified"] > 0 and counts["cut"] > 0, counts
-    assert spec.engine.scheduler.spec_stats.drafted == counts["verified"]
+    check_grammar_cut(path, base, _draft(path), PROMPTS[:3], 16)
 
 
 def test_a_preempted_request_rebuilds_the_draft_models_kv(models):

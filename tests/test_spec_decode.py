@@ -18,7 +18,7 @@ from gemmaserve.engine.sampler import SamplingState
 from gemmaserve.engine.spec_decode import verify
 from gemmaserve.errors import UserInputError
 
-from helpers import fresh_seed, save_checkpoint, tiny_hf_model, watch_grammar_drafts
+from helpers import fresh_seed, save_checkpoint, tiny_hf_model, check_grammar_cut
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "disable_by_batch_size": 64}
@@ -225,14 +225,7 @@ def test_drafts_the_grammar_forbids_never_reach_the_forward(tiny):
     it, is cut before the target's forward (the statistics count only what was verified); the text is
     what it is without speculation."""
     path, base = tiny
-    so = {"kind": "regex", "spec": "(ab|cd|aa|bb)+x"}
-    params = SamplingParams(max_tokens=24, structured_output=so)
-    spec = LLM.from_config(EngineConfig(model=path, page_size=4, speculative_config=dict(NGRAM)), base)
-    counts = watch_grammar_drafts(spec.engine, so)
-    want = [o.outputs[0].text for o in base.generate(PROMPTS[:3], params)]
-    assert [o.outputs[0].text for o in spec.generate(PROMPTS[:3], params)] == want
-    assert counts["verified"] > 0 and counts["cut"] > 0, counts
-    assert spec.engine.scheduler.spec_stats.drafted == counts["verified"]
+    check_grammar_cut(path, base, dict(NGRAM), PROMPTS[:3], 24)
 
 
 def test_counters_agree_when_requests_are_aborted_mid_speculation(tiny):
