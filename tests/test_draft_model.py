@@ -153,11 +153,3 @@ def test_two_tensor_parallel_ranks_split_the_draft_model_like_the_target(models)
         assert 0 < st.accepted < st.drafted and abs(st.accepted - one.accepted) <= one.drafted // 20, (st, one)
     finally:
         two.engine.shutdown()
-
-
-def test_roles_refuse_a_draft_model(models):
-    from gemmaserve.config.kv_transfer import KVTransferConfig
-
-    path, near, _ = models
-    with pytest.raises(UserInputError, match="prefill or decode role is not supported yet"):
-        EngineConfig(model=path, speculative_config=_draft(near), kv_transfer=KVTransferConfig(role="decode"))

@@ -204,6 +204,34 @@ def test_a_decode_engine_that_speculates_gives_the_single_engine_tokens(engines)
     assert decode.kv.stats().pages_used == 0
 
 
+def test_a_draft_model_on_both_roles_travels_with_the_target(engines):
+    """A draft model configured on both roles: the prefill engine computes its KV with the target's (the
+    mirror), the handoff moves its layers with the target's (they are layers of the same pool), and the
+    decode engine drafts from its first step. The target as its own draft has every draft accepted only
+    if that KV arrived whole; tokens equal the single engine's."""
+    from gemmaserve.engine.llm_engine import LLMEngine
+    from gemmaserve.engine.sampling_params import SamplingParams
+
+    single, prefill, _ = engines
+    draft = {"method": "draft_model", "model": single.config.model, "num_speculative_tokens": 3,
+             "disable_by_batch_size": 8}
+    role = lambda r: KVTransferConfig(role=r, kv_transfer_runtime="torch")   # noqa: E731
+    prefill_d = LLMEngine(prefill.config.replace(speculative_config=draft), single.loaded)
+    decode_d = LLMEngine(prefill.config.replace(kv_transfer=role("decode"), speculative_config=draft), single.loaded)
+    prompt = [(5 * i + 2) % 280 + 7 for i in range(45)]
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    want = _run(single, "d", params, prompt).outputs[0].token_ids
+    staging = _hand_over(prefill_d, decode_d, prompt, params, "xd", "yd", "t3")[0]
+    final = None
+    while decode_d.has_unfinished_requests():
+        final = next((o for o in decode_d.step() if o.finished), final)
+    st = decode_d.scheduler.spec_stats
+    assert final.outputs[0].token_ids == want
+    assert st.drafted > 0 and st.accepted == st.drafted, st
+    assert staging.release("t3")
+    decode_d.kv.check_integrity()
+
+
 def test_staged_kv_nobody_fetches_is_freed_after_the_timeout(engines):
     import time
 

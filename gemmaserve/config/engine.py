@@ -164,10 +164,6 @@ class EngineConfig:
                                  "KV handoff reads and writes one process's cache)")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-            if self.speculative_config.method == "draft_model" and self.kv_transfer is not None \
-                    and self.kv_transfer.disaggregated:
-                raise UserInputError("a draft model with a prefill or decode role is not supported yet (both "
-                                     "roles would hold its KV layers; use \"ngram\" or no speculation)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
 

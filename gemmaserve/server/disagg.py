@@ -206,7 +206,8 @@ class DisaggServer(OpenAIServer):
                                 "or chat template?)", param="kv_transfer_params", code="transfer_mismatch")
         if desc["source"]["spec_signature"] != self.decode.signature:
             raise ApiError(400, "the prefill engine's KV layout (layers, heads, dtype) differs from this engine's: "
-                                "serve the same model with the same --kv-cache-dtype", code="transfer_mismatch")
+                                "serve the same model with the same --kv-cache-dtype (and the same draft model, "
+                                "whose KV layers travel with the target's)", code="transfer_mismatch")
         plan = TransferPlan.from_dict(desc["plan"])
         why = check_plan(plan, self.engine.kv.specs)
         if why is not None:
