@@ -230,6 +230,9 @@ def test_a_draft_model_on_both_roles_travels_with_the_target(engines):
     assert st.drafted > 0 and st.accepted == st.drafted, st
     assert staging.release("t3")
     decode_d.kv.check_integrity()
+    # a prefill engine without the draft model sends no KV for its layers: refused, not adopted half
+    with pytest.raises(UserInputError, match="this engine stores layers"):
+        _hand_over(prefill, decode_d, prompt, params, "xe", "ye", "t4")
 
 
 def test_staged_kv_nobody_fetches_is_freed_after_the_timeout(engines):

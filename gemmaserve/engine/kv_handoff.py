@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from ..transfer.kv_io import scatter, gather
-from ..transfer.plan import TransferPlan, plan_transfer, spec_signature
+from ..errors import UserInputError
+from ..transfer.plan import TransferPlan, check_plan, plan_transfer, spec_signature
 from ..transfer.runtime import TransferSource
 from .llm_engine import LLMEngine
 from .request import RequestOutput, TokenLogprob
@@ -163,6 +164,9 @@ class DecodeHandoff:
 
     def adopt(self, engine: LLMEngine, request_id: str, plan: TransferPlan, buffer: torch.Tensor, first_token: int,
               first_logprob: TokenLogprob | None) -> list[RequestOutput]:
+        why = check_plan(plan, engine.kv.specs)   # (the HTTP side checks first; a Python caller may not)
+        if why is not None:
+            raise UserInputError(f"the transferred KV cannot serve this engine: {why}")
         if self._reserved.pop(request_id, None) is None:
             raise RuntimeError(f"request {request_id} has no reserved pages")
         req = engine.request(request_id)
