@@ -1,0 +1,135 @@
+"""Audio of a request: from what users pass (encoded bytes, base64 `input_audio`, data URLs, numpy samples, file
+paths in the Python API) to mono float32 samples at the model's rate, within the request's limits.
+
+    bytes  -> soundfile (libsndfile: WAV, FLAC, OGG Vorbis/Opus, MP3, ...) -> [frames, channels]
+           -> channels averaged -> soxr to `rate` (high quality) -> [N] float32
+    long   -> clips of at most `max_clip_seconds` (the tower takes 30 s at once), consecutive, in order
+
+Decoding and resampling are maintained libraries', never ours; what a file holds that they cannot read is a
+UserInputError naming the input, as is anything over the limits (the server turns these into 400s).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserInputError
+
+# `input_audio.format` values and the containers soundfile reads them as (None: let it detect)
+FORMATS = {"wav": "WAV", "flac": "FLAC", "ogg": "OGG", "mp3": "MP3"}
+
+
+@dataclass(frozen=True)
+class AudioLimits:
+    """Per request; the server's defaults protect it from oversized uploads."""
+
+    max_clips: int = 8
+    max_bytes: int = 25 * 2**20          # of one encoded clip (OpenAI's upload limit for transcriptions)
+    max_seconds: float = 300.0           # of one clip before splitting
+    max_clip_seconds: float = 30.0       # what the audio tower takes at once: longer audio is split
+
+
+def decode_audio_bytes(data: bytes, rate: int, limits: AudioLimits, fmt: str | None = None,
+                       what: str = "audio") -> np.ndarray:
+    """Encoded audio -> mono float32 samples at `rate`, or a UserInputError naming why not."""
+    import soundfile
+
+    if len(data) > limits.max_bytes:
+        raise UserInputError(f"{what} is {len(data)} bytes; the limit is {limits.max_bytes}")
+    if fmt is not None and fmt.lower() not in FORMATS:
+        raise UserInputError(f"{what}: format {fmt!r} is not one of {', '.join(FORMATS)}")
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as f:
+            seconds = f.frames / f.samplerate
+            if seconds > limits.max_seconds:
+                raise UserInputError(f"{what} is {seconds:.1f} s long; the limit is {limits.max_seconds:g} s")
+            samples, source_rate = f.read(dtype="float32", always_2d=True), f.samplerate
+    except UserInputError:
+        raise
+    except Exception as exc:   # libsndfile refuses broken or unknown data with several error kinds
+        raise UserInputError(f"{what} could not be decoded: {type(exc).__name__}: {exc}") from None
+    if samples.shape[0] == 0:
+        raise UserInputError(f"{what} holds no samples")
+    return to_mono_rate(samples, source_rate, rate, what)
+
+
+def to_mono_rate(samples: np.ndarray, source_rate: int, rate: int, what: str = "audio") -> np.ndarray:
+    """[N] or [N, channels] samples at `source_rate` -> [M] float32 at `rate` (channels averaged)."""
+    import soxr
+
+    x = np.asarray(samples, dtype=np.float32)
+    if x.ndim == 2:
+        x = x.mean(axis=1, dtype=np.float32)
+    if x.ndim != 1:
+        raise UserInputError(f"{what}: samples must be [N] or [N, channels], got shape {samples.shape}")
+    if not np.isfinite(x).all():
+        raise UserInputError(f"{what}: samples must be finite")
+    if source_rate != rate:
+        x = soxr.resample(x, source_rate, rate, quality="HQ").astype(np.float32, copy=False)
+    return x
+
+
+def decode_audio_data_url(url: str, rate: int, limits: AudioLimits, what: str = "audio") -> np.ndarray:
+    """A `data:audio/...;base64,...` URL -> samples. Anything else is refused: the server never fetches
+    URLs or opens files named in a request."""
+    if not isinstance(url, str) or not url.startswith("data:"):
+        shown = url[:40] + "..." if isinstance(url, str) and len(url) > 40 else url
+        raise UserInputError(f"{what}: only data: URLs (base64 WAV/FLAC/OGG/MP3) are accepted, got {shown!r}; "
+                             "the server does not fetch URLs")
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise UserInputError(f"{what}: a data URL must be base64-encoded (data:audio/wav;base64,...)")
+    return decode_audio_bytes(_b64(payload, limits, what), rate, limits, what=what)
+
+
+def decode_input_audio(part: dict, rate: int, limits: AudioLimits, what: str = "audio") -> np.ndarray:
+    """OpenAI's `input_audio` content ({"data": base64, "format": "wav" | "mp3" | ...}) -> samples."""
+    if not isinstance(part, dict) or not isinstance(part.get("data"), str):
+        raise UserInputError(f'{what}: input_audio needs "data" (base64 audio) and "format"')
+    fmt = part.get("format")
+    if fmt is not None and not isinstance(fmt, str):
+        raise UserInputError(f"{what}: input_audio format must be a string")
+    return decode_audio_bytes(_b64(part["data"], limits, what), rate, limits, fmt, what)
+
+
+def load_audio(audio: object, rate: int, limits: AudioLimits, what: str = "audio") -> np.ndarray:
+    """Python API inputs: float samples already at `rate` (numpy [N]), (samples, their rate), encoded bytes, a
+    data URL, or a file path -> samples at `rate`."""
+    if isinstance(audio, tuple) and len(audio) == 2 and isinstance(audio[1], int):
+        return to_mono_rate(np.asarray(audio[0]), audio[1], rate, what)
+    if isinstance(audio, np.ndarray):
+        if audio.dtype.kind != "f":
+            raise UserInputError(f"{what}: numpy samples must be floating point in [-1, 1], got {audio.dtype}")
+        return to_mono_rate(audio, rate, rate, what)
+    if isinstance(audio, (bytes, bytearray)):
+        return decode_audio_bytes(bytes(audio), rate, limits, what=what)
+    if isinstance(audio, str) and audio.startswith("data:"):
+        return decode_audio_data_url(audio, rate, limits, what)
+    if isinstance(audio, (str, Path)):
+        path = Path(audio).expanduser()
+        if not path.is_file():
+            raise UserInputError(f"{what}: no such file {str(path)!r}")
+        return decode_audio_bytes(path.read_bytes(), rate, limits, what=what)
+    raise UserInputError(f"{what}: expected samples, (samples, rate), bytes, a data URL or a path, "
+                         f"got {type(audio).__name__}")
+
+
+def split_clips(samples: np.ndarray, rate: int, limits: AudioLimits) -> list[np.ndarray]:
+    """Consecutive clips of at most `max_clip_seconds` (the last one shorter)."""
+    n = int(limits.max_clip_seconds * rate)
+    return [samples[i:i + n] for i in range(0, max(len(samples), 1), n)]
+
+
+def _b64(payload: str, limits: AudioLimits, what: str) -> bytes:
+    if len(payload) > limits.max_bytes * 4 // 3 + 4:
+        raise UserInputError(f"{what} is larger than {limits.max_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise UserInputError(f"{what}: invalid base64 data") from None
