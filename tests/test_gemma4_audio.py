@@ -1,0 +1,77 @@
+"""Gemma 4's audio tower (models/gemma4_audio.py) against transformers' `Gemma4AudioModel` and its audio embedder,
+on tiny random configurations and real speech features (tests/data/speech_16k.wav through our extractor)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from gemmaserve.models.audio_features import AudioFeatureExtractor
+from gemmaserve.models.gemma4_audio import AudioEmbedder, AudioTower, AudioTowerConfig
+
+SPEECH = Path(__file__).parent / "data" / "speech_16k.wav"
+
+
+def _hf_tower(seed: int, clipped: bool, **overrides):
+    from transformers import Gemma4AudioConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel
+
+    cfg = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, subsampling_conv_channels=[128, 4],
+               output_proj_dims=24, use_clipped_linears=clipped)
+    cfg.update(overrides)
+    config = Gemma4AudioConfig(**cfg)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Gemma4AudioModel(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():   # norms and scales matter: none left at their init
+            scale = 0.3 if "norm" in name or "scale" in name else 0.5 / max(p.shape[-1], 1) ** 0.5
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+        for name, b in model.named_buffers():   # clamps that bite (the checkpoint stores finite ranges)
+            if name.endswith(("_min", "_max")):
+                b.fill_(2.0 if name.endswith("_max") else -2.0)
+    return model
+
+
+@pytest.mark.parametrize("samples,clipped", [(25_000, True), (63_650, False), (40_000, True)])
+def test_tower_equals_transformers_on_speech_features(samples, clipped):
+    """Several attention chunks, padding frames at the end (63,650 samples: the last feature frame is padding),
+    clamped and unclamped linears: every real output frame within fp32 rounding, the same output mask."""
+    hf = _hf_tower(samples, clipped)
+    ours = AudioTower(AudioTowerConfig.from_hf(hf.config.to_dict())).eval()
+    ours.load_state_dict(hf.state_dict(), strict=True)   # the checkpoint's names, nothing left over
+    speech = soundfile.read(SPEECH, dtype="float32")[0]
+    features, mask = AudioFeatureExtractor()(np.resize(speech, samples))
+    f, m = torch.from_numpy(features), torch.from_numpy(mask)
+    with torch.no_grad():
+        want = hf(f[None], attention_mask=m[None])
+        got, valid = ours(f, m)
+    assert torch.equal(valid, want.attention_mask[0])
+    w = want.last_hidden_state[0]
+    assert got.shape == w.shape and got.shape[0] > 24   # more frames than one chunk's context
+    err = (got[valid] - w[valid]).abs().max().item()
+    assert err <= 1e-5 * max(1.0, w.abs().max().item()), err
+    if samples == 63_650:
+        assert not m.all()
+
+
+def test_embedder_and_config_checks():
+    from transformers import Gemma4AudioConfig, Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+
+    audio = Gemma4AudioConfig(hidden_size=32, output_proj_dims=24)
+    hf = Gemma4MultimodalEmbedder(audio, Gemma4TextConfig(hidden_size=40)).eval()
+    with torch.no_grad():
+        hf.embedding_projection.weight.normal_()
+    ours = AudioEmbedder(AudioTowerConfig.from_hf(audio.to_dict()), 40)
+    ours.load_state_dict(hf.state_dict())
+    tokens = torch.randn(7, 24, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens)).abs().max() <= 1e-6
+    with pytest.raises(ValueError, match="activation"):
+        AudioTowerConfig.from_hf({"hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="future frames"):
+        AudioTowerConfig.from_hf({"attention_context_right": 2})
