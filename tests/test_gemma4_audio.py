@@ -9,7 +9,7 @@ import soundfile
 import torch
 
 from gemmaserve.models.audio_features import AudioFeatureExtractor
-from gemmaserve.models.gemma4_audio import AudioEmbedder, AudioTower, AudioTowerConfig
+from gemmaserve.models.gemma4_audio import AudioEmbedder, AudioTower, AudioTowerConfig, checkpoint_name
 
 SPEECH = Path(__file__).parent / "data" / "speech_16k.wav"
 
@@ -42,7 +42,7 @@ def test_tower_equals_transformers_on_speech_features(samples, clipped):
     clamped and unclamped linears: every real output frame within fp32 rounding, the same output mask."""
     hf = _hf_tower(samples, clipped)
     ours = AudioTower(AudioTowerConfig.from_hf(hf.config.to_dict())).eval()
-    ours.load_state_dict(hf.state_dict(), strict=True)   # the checkpoint's names, nothing left over
+    ours.load_state_dict({checkpoint_name(k): v for k, v in hf.state_dict().items()}, strict=True)
     speech = soundfile.read(SPEECH, dtype="float32")[0]
     features, mask = AudioFeatureExtractor()(np.resize(speech, samples))
     f, m = torch.from_numpy(features), torch.from_numpy(mask)
@@ -75,3 +75,47 @@ def test_embedder_and_config_checks():
         AudioTowerConfig.from_hf({"hidden_act": "gelu"})
     with pytest.raises(ValueError, match="future frames"):
         AudioTowerConfig.from_hf({"attention_context_right": 2})
+
+
+def test_a_checkpoint_with_audio_and_no_vision_loads_and_serves_text(tmp_path):
+    """A Gemma4ForConditionalGeneration with an audio tower and no vision tower (E2B-like text): it loads through
+    our loader (the audio tower's weights into our modules, equal outputs), generates transformers' greedy
+    tokens, and an image request is a clear error."""
+    import transformers
+
+    from gemmaserve import LLM, SamplingParams
+    from gemmaserve.errors import UserInputError
+
+    from helpers import GEMMA4_BASE, GEMMA4_VARIANTS, _gemma4_random, write_tokenizer
+
+    audio = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, subsampling_conv_channels=[128, 4],
+                 output_proj_dims=24)
+    cfg = transformers.Gemma4Config(text_config={**GEMMA4_BASE, **GEMMA4_VARIANTS["e2b"]}, vision_config=None,
+                                    audio_config=audio)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(5)
+    hf = _gemma4_random(transformers.Gemma4ForConditionalGeneration(cfg).eval(), 5, 0.5)
+    path = tmp_path / "e2b-audio"
+    hf.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path, cfg.text_config.vocab_size)
+    llm = LLM(str(path), dtype="float32")
+    model = llm.engine.model
+    assert model.image_layout is None and model.mm_config.audio is not None
+    features, mask = AudioFeatureExtractor()(soundfile.read(SPEECH, dtype="float32")[0][:30_000])
+    f, m = torch.from_numpy(features), torch.from_numpy(mask)
+    with torch.no_grad():
+        want = hf.model.audio_tower(f[None], attention_mask=m[None]).last_hidden_state[0]
+        got, valid = model.audio_tower(f, m)
+        assert (got[valid] - want[valid]).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+        assert (model.embed_audio(got) - hf.model.embed_audio(want)).abs().max() <= 1e-4
+    ids = [2, 17, 99, 5, 230, 41]
+    with torch.no_grad():
+        hf_tokens = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    engine = llm.engine
+    rid = engine.add_request("", SamplingParams(max_tokens=6, ignore_eos=True), prompt_ids=ids)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.request_id == rid and o.finished), final)
+    assert final.outputs[0].token_ids == hf_tokens
+    with pytest.raises(UserInputError, match="does not take images"):
+        llm.engine.inputs.load_images([np.zeros((8, 8, 3), dtype=np.uint8)])

@@ -1,6 +1,7 @@
 """Gemma 4's audio tower (E2B/E4B, a Universal Speech Model conformer): log-mel frames to soft tokens
 (gemma-architecture.md §5.6). Module and parameter names are the checkpoint's (`model.audio_tower.*`,
-`model.embed_audio.*`), so loading is a name map.
+`model.embed_audio.*`) but for the attention's q/k/v projections (`q`, `k`, `v`: the text model's loader fuses
+whatever it finds named q_proj/k_proj/v_proj); `checkpoint_name` maps them.
 
     features [T, 128] -> 2 x (conv 3x3 stride 2, LayerNorm, ReLU) -> [T/4, 32 x 32] -> linear -> [T/4, 1024]
     12 x conformer layer:
@@ -96,9 +97,10 @@ class ClippedLinear(nn.Module):
         super().__init__()
         self.linear = nn.Linear(n_in, n_out, bias=False)
         self.clipped = cfg.use_clipped_linears
-        if self.clipped:
+        if self.clipped:   # the checkpoint's ranges (parameters: the loader fills every one it names)
             for name in ("input_min", "input_max", "output_min", "output_max"):
-                self.register_buffer(name, torch.tensor(math.inf if name.endswith("max") else -math.inf))
+                bound = torch.tensor(math.inf if name.endswith("max") else -math.inf)
+                setattr(self, name, nn.Parameter(bound, requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.clipped:
@@ -128,7 +130,7 @@ class LocalAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.q_proj, self.k_proj, self.v_proj = (ClippedLinear(cfg, h, h) for _ in range(3))
+        self.q, self.k, self.v = (ClippedLinear(cfg, h, h) for _ in range(3))
         self.post = ClippedLinear(cfg, h, h)
         self.relative_k_proj = nn.Linear(h, h, bias=False)
         self.per_dim_scale = nn.Parameter(torch.zeros(cfg.head_dim), requires_grad=False)
@@ -142,9 +144,9 @@ class LocalAttention(nn.Module):
         """x [T, H], valid [T] bool -> [T, H]: frame i attends to frames i - window + 1 .. i that are valid."""
         cfg, (t, _) = self.cfg, x.shape
         heads, d, w = cfg.num_attention_heads, cfg.head_dim, cfg.window
-        q = self.q_proj(x).float().view(t, heads, d)
-        k = self.k_proj(x).float().view(t, heads, d)
-        v = self.v_proj(x).float().view(t, heads, d)
+        q = self.q(x).float().view(t, heads, d)
+        k = self.k(x).float().view(t, heads, d)
+        v = self.v(x).float().view(t, heads, d)
         q = q * ((d ** -0.5) / math.log(2)) * F.softplus(self.per_dim_scale)
         k = k * (math.log(1 + math.e) / math.log(2))
         # the band: key j = i - dist for dist 0 .. w - 1 (keys before the clip read zeros, masked)
@@ -224,6 +226,13 @@ class Subsample(nn.Module):
             valid = valid[::2]
         _, c, t, b = x.shape
         return self.input_proj_linear(x[0].permute(1, 2, 0).reshape(t, b * c)), valid
+
+
+def checkpoint_name(name: str) -> str:
+    """A checkpoint's tensor name under `audio_tower.` -> ours."""
+    for part in ("q", "k", "v"):
+        name = name.replace(f".self_attn.{part}_proj.", f".self_attn.{part}.")
+    return name
 
 
 class AudioTower(nn.Module):

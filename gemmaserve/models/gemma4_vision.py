@@ -29,6 +29,8 @@ from ..errors import UserInputError
 from .base import ModelInputs, ModelPreferences
 from .fused_ops import NormKind, rms_norm
 from .gemma4 import Gemma4Config, Gemma4ForCausalLM
+from .gemma4_audio import AudioEmbedder, AudioTower, AudioTowerConfig
+from .gemma4_audio import checkpoint_name as audio_checkpoint_name
 from .image_processing import to_rgb
 from .layers import RMSNorm
 from .multimodal import ImageLayout, ProcessedImage
@@ -65,27 +67,33 @@ class Gemma4VisionTowerConfig:
 
 @dataclass(frozen=True)
 class Gemma4VisionConfig:
+    """A `Gemma4ForConditionalGeneration` checkpoint: the text model and whichever towers it has."""
+
     text: Gemma4Config
-    vision: Gemma4VisionTowerConfig
+    vision: Gemma4VisionTowerConfig | None
     image_token_id: int = 258880
     boi_token_id: int = 255999
     eoi_token_id: int = 258882
     pad_token_id: int = 0
     max_soft_tokens: int = 280       # the image processor's budget per image (preprocessor_config.json)
+    audio: AudioTowerConfig | None = None
 
     vocab_size = property(lambda self: self.text.vocab_size)
     max_position_embeddings = property(lambda self: self.text.max_position_embeddings)
-    multimodal = property(lambda self: True)
+    multimodal = property(lambda self: self.vision is not None or self.audio is not None)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "Gemma4VisionConfig":
-        if not cfg.get("vision_config"):
-            raise UserInputError("a Gemma 4 checkpoint without vision_config takes no images")
         text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
         soft = int(cfg.get("vision_soft_tokens_per_image") or 280)
         if soft not in SOFT_TOKEN_CHOICES:
             raise UserInputError(f"vision_soft_tokens_per_image must be one of {SOFT_TOKEN_CHOICES}, got {soft}")
-        return cls(text=Gemma4Config.from_hf(cfg), vision=Gemma4VisionTowerConfig.from_hf(cfg["vision_config"]),
+        vision = Gemma4VisionTowerConfig.from_hf(cfg["vision_config"]) if cfg.get("vision_config") else None
+        try:
+            audio = AudioTowerConfig.from_hf(cfg["audio_config"]) if cfg.get("audio_config") else None
+        except ValueError as exc:
+            raise UserInputError(f"audio_config: {exc}") from None
+        return cls(text=Gemma4Config.from_hf(cfg), vision=vision, audio=audio,
                    image_token_id=int(cfg.get("image_token_id", 258880)),
                    boi_token_id=int(cfg.get("boi_token_id", 255999)), eoi_token_id=int(cfg.get("eoi_token_id", 258882)),
                    pad_token_id=int(text.get("pad_token_id") or 0), max_soft_tokens=soft)
@@ -278,16 +286,22 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def __init__(self, cfg: Gemma4VisionConfig, dtype: torch.dtype = torch.float32):
         super().__init__(cfg.text, dtype)
         self.mm_config = cfg
-        self.vision_tower = Gemma4VisionTower(cfg.vision, dtype)
-        self.embed_vision = Gemma4VisionEmbedder(cfg.vision.hidden_size, cfg.text.hidden_size, cfg.vision.rms_norm_eps,
-                                                 dtype)
+        if cfg.vision is not None:   # a checkpoint may hold any subset of the towers
+            self.vision_tower = Gemma4VisionTower(cfg.vision, dtype)
+            self.embed_vision = Gemma4VisionEmbedder(cfg.vision.hidden_size, cfg.text.hidden_size,
+                                                     cfg.vision.rms_norm_eps, dtype)
+        if cfg.audio is not None:
+            self.audio_tower = AudioTower(cfg.audio).to(dtype)
+            self.embed_audio = AudioEmbedder(cfg.audio, cfg.text.hidden_size).to(dtype)
 
     def engine_preferences(self) -> ModelPreferences:
         return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=False, kv_transfer_runtime="nixl")
 
     @property
-    def image_layout(self) -> ImageLayout:
+    def image_layout(self) -> ImageLayout | None:
         cfg = self.mm_config
+        if cfg.vision is None:
+            return None
         proc = Gemma4ImageProcessor(cfg.vision.patch_size, cfg.vision.pooling_kernel_size, cfg.max_soft_tokens)
         return ImageLayout(placeholder="", before="", token="", after="", image_token_id=cfg.image_token_id,
                            max_tokens_per_image=cfg.max_soft_tokens, processor=proc, boi_token_id=cfg.boi_token_id,
@@ -319,6 +333,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                 for theirs, mine in _RENAMES:
                     rest = rest.replace(theirs, mine)
                 return ours + rest
-        if name.startswith(("model.audio_tower.", "model.embed_audio.")):
-            return None   # audio inputs are not supported
+        for prefix in ("audio_tower.", "embed_audio."):
+            if name.startswith(("model." + prefix, prefix)):
+                return audio_checkpoint_name(name.removeprefix("model."))
         return super().checkpoint_name(name)
