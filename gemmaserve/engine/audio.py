@@ -11,8 +11,6 @@ UserInputError naming the input, as is anything over the limits (the server turn
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserInputError
+from .images import base64_bytes, data_url_bytes
 
 # `input_audio.format` values and the containers soundfile reads them as (None: let it detect)
 FORMATS = {"wav": "WAV", "flac": "FLAC", "ogg": "OGG", "mp3": "MP3"}
@@ -76,16 +75,9 @@ def to_mono_rate(samples: np.ndarray, source_rate: int, rate: int, what: str = "
 
 
 def decode_audio_data_url(url: str, rate: int, limits: AudioLimits, what: str = "audio") -> np.ndarray:
-    """A `data:audio/...;base64,...` URL -> samples. Anything else is refused: the server never fetches
-    URLs or opens files named in a request."""
-    if not isinstance(url, str) or not url.startswith("data:"):
-        shown = url[:40] + "..." if isinstance(url, str) and len(url) > 40 else url
-        raise UserInputError(f"{what}: only data: URLs (base64 WAV/FLAC/OGG/MP3) are accepted, got {shown!r}; "
-                             "the server does not fetch URLs")
-    header, sep, payload = url.partition(",")
-    if not sep or not header.endswith(";base64"):
-        raise UserInputError(f"{what}: a data URL must be base64-encoded (data:audio/wav;base64,...)")
-    return decode_audio_bytes(_b64(payload, limits, what), rate, limits, what=what)
+    """A `data:audio/...;base64,...` URL -> samples (nothing else: see images.data_url_bytes)."""
+    return decode_audio_bytes(data_url_bytes(url, limits.max_bytes, what, "WAV/FLAC/OGG/MP3"), rate, limits,
+                              what=what)
 
 
 def decode_input_audio(part: dict, rate: int, limits: AudioLimits, what: str = "audio") -> np.ndarray:
@@ -95,7 +87,7 @@ def decode_input_audio(part: dict, rate: int, limits: AudioLimits, what: str = "
     fmt = part.get("format")
     if fmt is not None and not isinstance(fmt, str):
         raise UserInputError(f"{what}: input_audio format must be a string")
-    return decode_audio_bytes(_b64(part["data"], limits, what), rate, limits, fmt, what)
+    return decode_audio_bytes(base64_bytes(part["data"], limits.max_bytes, what), rate, limits, fmt, what)
 
 
 def load_audio(audio: object, rate: int, limits: AudioLimits, what: str = "audio") -> np.ndarray:
@@ -124,12 +116,3 @@ def split_clips(samples: np.ndarray, rate: int, limits: AudioLimits) -> list[np.
     """Consecutive clips of at most `max_clip_seconds` (the last one shorter)."""
     n = int(limits.max_clip_seconds * rate)
     return [samples[i:i + n] for i in range(0, max(len(samples), 1), n)]
-
-
-def _b64(payload: str, limits: AudioLimits, what: str) -> bytes:
-    if len(payload) > limits.max_bytes * 4 // 3 + 4:
-        raise UserInputError(f"{what} is larger than {limits.max_bytes} bytes")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise UserInputError(f"{what}: invalid base64 data") from None

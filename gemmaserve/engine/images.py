@@ -67,23 +67,32 @@ def decode_image_bytes(data: bytes, limits: ImageLimits, what: str = "image"):
     return image
 
 
-def decode_data_url(url: str, limits: ImageLimits, what: str = "image") -> object:
-    """A `data:image/...;base64,...` URL -> PIL image. Anything else is refused: the server never
-    fetches URLs or opens files named in a request."""
+def data_url_bytes(url: str, max_bytes: int, what: str, kind: str) -> bytes:
+    """The bytes of a base64 `data:` URL (`kind`: what it should hold, for the message). Anything else is
+    refused: the server never fetches URLs or opens files named in a request."""
     if not isinstance(url, str) or not url.startswith("data:"):
         shown = url[:40] + "..." if isinstance(url, str) and len(url) > 40 else url
-        raise UserInputError(f"{what}: only data: URLs (base64 PNG/JPEG/WebP) are accepted, got {shown!r}; "
+        raise UserInputError(f"{what}: only data: URLs (base64 {kind}) are accepted, got {shown!r}; "
                              "the server does not fetch URLs")
     header, sep, payload = url.partition(",")
     if not sep or not header.endswith(";base64"):
-        raise UserInputError(f"{what}: a data URL must be base64-encoded (data:image/png;base64,...)")
-    if len(payload) > limits.max_bytes * 4 // 3 + 4:
-        raise UserInputError(f"{what} is larger than {limits.max_bytes} bytes")
+        raise UserInputError(f"{what}: a data URL must be base64-encoded (data:...;base64,...)")
+    return base64_bytes(payload, max_bytes, what)
+
+
+def base64_bytes(payload: str, max_bytes: int, what: str) -> bytes:
+    """Decoded base64 of at most `max_bytes` bytes, or a UserInputError."""
+    if len(payload) > max_bytes * 4 // 3 + 4:
+        raise UserInputError(f"{what} is larger than {max_bytes} bytes")
     try:
-        data = base64.b64decode(payload, validate=True)
+        return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise UserInputError(f"{what}: invalid base64 data") from None
-    return decode_image_bytes(data, limits, what)
+
+
+def decode_data_url(url: str, limits: ImageLimits, what: str = "image") -> object:
+    """A `data:image/...;base64,...` URL -> PIL image."""
+    return decode_image_bytes(data_url_bytes(url, limits.max_bytes, what, "PNG/JPEG/WebP"), limits, what)
 
 
 def load_image(image: object, limits: ImageLimits, what: str = "image"):
