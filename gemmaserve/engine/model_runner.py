@@ -280,20 +280,28 @@ class ModelRunner:
                          ) -> tuple[list[SeqStep], dict[str, list[int]]] | None:
         """`seqs` with each one's drafts up to the first its grammar forbids (a forbidden draft and those after
         it are never worth a row), and the drafter's filled drafts likewise; None if nothing is cut."""
-        out, kept, cut = [], dict(filled), False
+        def drafts_of(s: SeqStep) -> list[int]:
+            return filled.get(s.req_id) or s.token_ids[len(s.token_ids) - s.num_drafts:]
+
+        allowed: dict[str, int] = {}
         for s in seqs:
-            if s.num_drafts:
-                real = s.token_ids[:len(s.token_ids) - s.num_drafts]
-                drafts = filled.get(s.req_id) or s.token_ids[len(real):]
-                state = self.sampling.get(s.req_id) if s.sample else None
-                n = s.num_drafts if state is None or state.grammar is None else state.grammar.allowed_prefix(drafts)
-                cut |= n < s.num_drafts
-                # the drafter's slots as the ids it filled in: the inputs are built again if anything is cut
-                s = dataclasses.replace(s, token_ids=real + drafts[:n], num_drafts=n)
+            state = self.sampling.get(s.req_id) if s.num_drafts and s.sample else None
+            if state is not None and state.grammar is not None:
+                n = state.grammar.allowed_prefix(drafts_of(s))
+                if n < s.num_drafts:
+                    allowed[s.req_id] = n
+        if not allowed:
+            return None
+        out, kept = [], dict(filled)
+        for s in seqs:
+            if s.num_drafts:   # the drafter's slots as the ids it filled in: the inputs are built again
+                drafts, n = drafts_of(s), allowed.get(s.req_id, s.num_drafts)
+                s = dataclasses.replace(s, token_ids=s.token_ids[:len(s.token_ids) - s.num_drafts] + drafts[:n],
+                                        num_drafts=n)
                 if s.req_id in kept:
                     kept[s.req_id] = drafts[:n]
             out.append(s)
-        return (out, kept) if cut else None
+        return out, kept
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, only: list[int] | None = None) -> "PendingStep":
@@ -303,8 +311,10 @@ class ModelRunner:
         seqs = plan.seqs if only is None else [plan.seqs[i] for i in only]
         proposing = self.drafter is not None and any(s.propose for s in seqs if s.sample)
         filled: dict[str, list[int]] = {}
-        planned = {s.req_id: s.num_drafts for s in seqs}
-        logits, hidden, seqs = self.run_model(seqs, proposing and self.drafter.wants_hidden, filled)
+        logits, hidden, ran = self.run_model(seqs, proposing and self.drafter.wants_hidden, filled)
+        cut = ran is not seqs   # a grammar cut drafts before the forward
+        planned = {s.req_id: s.num_drafts for s in seqs} if cut else None
+        seqs = ran
         ids = [s.req_id for s in seqs if s.sample]
         if not ids:
             return PendingStep([], None)
@@ -326,7 +336,8 @@ class ModelRunner:
         if proposing:
             pending.drafts = self.drafter.after_step(self, sampling, counts, hidden, tokens)
             pending.cut = self._allowed_drafts
-        pending.verified_drafts = {s.req_id: s.num_drafts for s in seqs if s.num_drafts != planned[s.req_id]}
+        if planned is not None:
+            pending.verified_drafts = {s.req_id: s.num_drafts for s in seqs if s.num_drafts != planned[s.req_id]}
         return pending
 
     def _allowed_drafts(self, req_id: str, drafts: list[int]) -> list[int]:
