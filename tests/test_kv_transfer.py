@@ -123,6 +123,11 @@ def engines(tmp_path_factory):
 
 def _run(engine, rid, params, ids):
     engine.add_request("", params, prompt_ids=ids, request_id=rid)
+    return _drain(engine)
+
+
+def _drain(engine):
+    """Step until nothing is left; the last finished output."""
     final = None
     while engine.has_unfinished_requests():
         final = next((o for o in engine.step() if o.finished), final)
@@ -162,9 +167,7 @@ def test_handoff_to_another_manager_and_page_size_gives_the_single_engine_tokens
     staging, handoff, desc, outputs = _hand_over(prefill, decode, prompt, params, "x", "y", "t1")
     assert desc["first_token"] == want[0] and prefill.kv.stats().pages_used == 0
     assert [o.outputs[0].delta_token_ids for o in outputs] == [[want[0]]]   # the first token, at once
-    final = None
-    while decode.has_unfinished_requests():
-        final = next((o for o in decode.step() if o.finished), final)
+    final = _drain(decode)
     assert final.outputs[0].token_ids == want
     assert staging.release("t1") and staging.num_staged == 0
     # A reservation the transfer never filled goes back to the pool; a full cache refuses at once.
@@ -194,9 +197,7 @@ def test_a_decode_engine_that_speculates_gives_the_single_engine_tokens(engines)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = _run(single, "s", params, prompt).outputs[0].token_ids
     staging = _hand_over(prefill, decode, prompt, params, "xs", "ys", "t2")[0]
-    final = None
-    while decode.has_unfinished_requests():
-        final = next((o for o in decode.step() if o.finished), final)
+    final = _drain(decode)
     assert final.outputs[0].token_ids == want
     assert decode.scheduler.spec_stats.accepted > 0, decode.scheduler.spec_stats   # drafts kept after the handoff
     assert staging.release("t2")
@@ -222,9 +223,7 @@ def test_a_draft_model_on_both_roles_travels_with_the_target(engines):
     params = SamplingParams(max_tokens=14, ignore_eos=True)
     want = _run(single, "d", params, prompt).outputs[0].token_ids
     staging = _hand_over(prefill_d, decode_d, prompt, params, "xd", "yd", "t3")[0]
-    final = None
-    while decode_d.has_unfinished_requests():
-        final = next((o for o in decode_d.step() if o.finished), final)
+    final = _drain(decode_d)
     st = decode_d.scheduler.spec_stats
     assert final.outputs[0].token_ids == want
     assert st.drafted > 0 and st.accepted == st.drafted, st
