@@ -28,7 +28,6 @@ FORMATS = {"wav": "WAV", "flac": "FLAC", "ogg": "OGG", "mp3": "MP3"}
 class AudioLimits:
     """Per request; the server's defaults protect it from oversized uploads."""
 
-    max_clips: int = 8
     max_bytes: int = 25 * 2**20          # of one encoded clip (OpenAI's upload limit for transcriptions)
     max_seconds: float = 300.0           # of one clip before splitting
     max_clip_seconds: float = 30.0       # what the audio tower takes at once: longer audio is split
