@@ -54,6 +54,10 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image file for multimodal models (repeatable); every prompt gets all of them, "
                           "at its <start_of_image> placeholders or before its text")
+    gen.add_argument("--audio", action="append", default=[], metavar="PATH",
+                     help="an audio file (WAV, FLAC, OGG, MP3; any rate or channels) for models with an audio "
+                          "encoder (repeatable); every prompt gets all of them, at its <|audio|> placeholders or "
+                          "before its text")
     add_options(gen, EngineConfig, "engine")
     add_options(gen, SamplingParams, "sampling")
     gen.set_defaults(handler=_generate)
@@ -102,9 +106,10 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"gemmaserve: compiled CPU decode steps are being built in the background for later runs ({who}, "
               f"a few minutes the first time; log: {build.log_path}); --cpu-compile off skips it", file=sys.stderr)
     images = [list(args.image) for _ in args.prompts] if args.image else None
+    audio = [list(args.audio) for _ in args.prompts] if args.audio else None
     if len(args.prompts) == 1 and params.n == 1 and not args.json:
         # One prompt: stream the continuation to the terminal as it is generated.
-        deltas = llm.stream(args.prompts, params, images=images)
+        deltas = llm.stream(args.prompts, params, images=images, audio=audio)
         first = next(deltas, None)   # the request is checked before anything is printed
         print(args.prompts[0], end="", flush=True)
         logprobs = []
@@ -115,7 +120,7 @@ def _generate(args: argparse.Namespace) -> int:
         if params.logprobs is not None:
             _print_logprobs(llm.tokenizer, logprobs, params.logprobs)
     else:
-        outputs = llm.generate(args.prompts, params, images=images)  # a progress bar on a terminal
+        outputs = llm.generate(args.prompts, params, images=images, audio=audio)  # a progress bar on a terminal
         for i, out in enumerate(outputs):
             if args.json:
                 print(json.dumps(out.to_dict(), ensure_ascii=False), flush=True)

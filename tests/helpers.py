@@ -256,17 +256,103 @@ def save_vision_checkpoint(hf_model, path: Path, specials: tuple[str, str, str] 
     config's ids."""
     hf_model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path, BOI)
-    tok = json.loads((path / "tokenizer.json").read_text())
-    for i, text in zip((BOI, EOI, IMG), specials):
-        tok["added_tokens"].append(dict(id=i, content=text, single_word=False, lstrip=False, rstrip=False,
-                                        normalized=False, special=True))
-        tok["model"]["vocab"][text] = i
-    (path / "tokenizer.json").write_text(json.dumps(tok))
+    add_special_tokens(path, dict(zip((BOI, EOI, IMG), specials)))
     return path
 
 
 def save_gemma4_vision_checkpoint(hf, path: Path) -> Path:
     return save_vision_checkpoint(hf, path, GEMMA4_IMAGE_SPECIALS)
+
+
+# Tiny E2B-like Gemma 4 with both towers: audio specials below the image ones, a 2-layer conformer
+BOA, EOA, AUD = 294, 295, 296
+GEMMA4_AUDIO_SPECIALS = ("<|audio>", "<audio|>", "<|audio|>")
+GEMMA4_AUDIO_TOWER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          subsampling_conv_channels=[128, 4], output_proj_dims=24)   # transformers sizes its projection from c0 // 4: c0 = the 128 mel bins
+
+
+def tiny_hf_gemma4_audio(seed: int, vision: bool = True):
+    """A transformers E2B-like Gemma4ForConditionalGeneration with an audio tower (and, with `vision`, an image
+    tower), every weight random, clip bounds that bite."""
+    import transformers
+
+    cfg = transformers.Gemma4Config(
+        text_config={**GEMMA4_BASE, **GEMMA4_VARIANTS["e2b"]},
+        vision_config={**GEMMA4_VISION_TOWER, "use_clipped_linears": True} if vision else None,
+        audio_config={**GEMMA4_AUDIO_TOWER, "use_clipped_linears": True},
+        image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI, audio_token_id=AUD, boa_token_id=BOA,
+        eoa_token_index=EOA)
+    cfg.vision_soft_tokens_per_image = GEMMA4_SOFT_TOKENS
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = _gemma4_random(transformers.Gemma4ForConditionalGeneration(cfg).eval(), seed, 0.5)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith(("_min", "_max")):
+                b.fill_(2.0 if name.endswith("_max") else -2.0)
+    return model
+
+
+CHANNEL_BEGIN, CHANNEL_END = 292, 293   # Gemma 4's thought channel markers, "<|channel>" and "<channel|>"
+
+
+def add_special_tokens(path: Path, tokens: dict[int, str]) -> None:
+    """Special tokens at the given ids of a tokenizer.json written by write_tokenizer."""
+    tok = json.loads((path / "tokenizer.json").read_text())
+    for i, text in tokens.items():
+        tok["added_tokens"].append(dict(id=i, content=text, single_word=False, lstrip=False, rstrip=False,
+                                        normalized=False, special=True))
+        tok["model"]["vocab"][text] = i
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+
+
+def save_gemma4_audio_checkpoint(hf, path: Path) -> Path:
+    """save_pretrained, a tokenizer knowing the image and audio specials, and the audio feature extractor's
+    config as transformers' processor saves it."""
+    from transformers import Gemma4AudioFeatureExtractor
+
+    save_vision_checkpoint(hf, path, GEMMA4_IMAGE_SPECIALS)
+    add_special_tokens(path, {**dict(zip((BOA, EOA, AUD), GEMMA4_AUDIO_SPECIALS)),
+                              CHANNEL_BEGIN: "<|channel>", CHANNEL_END: "<channel|>"})
+    Gemma4AudioFeatureExtractor().save_pretrained(path)   # preprocessor_config.json
+    return path
+
+
+def chunked_prompt_logits(model, ids: list[int], items, chunk: int) -> torch.Tensor:
+    """Our logits at every prompt position, the prompt run in chunks of at most `chunk` tokens (never splitting
+    an item) through our model, KV manager and attention backend, each item's soft tokens from its encoder."""
+    from types import SimpleNamespace
+
+    from gemmaserve.attention.base import AttentionMetadata
+    from gemmaserve.attention.torch_backend import TorchAttentionBackend
+    from gemmaserve.engine.scheduler import Scheduler
+    from gemmaserve.models.base import ModelInputs
+
+    feats = [model.encode_media(it.modality, [it.data], [it.extra], torch.device("cpu"))[0] for it in items]
+    specs = model.kv_layer_specs(torch.float32)
+    kv = make_manager("v2", specs, 4, 1024, enable_prefix_caching=False)
+    backend = TorchAttentionBackend()
+    cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
+    req = SimpleNamespace(max_chunk_tokens=None, media=items)
+    done, outs = 0, []
+    while done < len(ids):
+        n = Scheduler._chunk(req, done, len(ids) - done, chunk)
+        end = done + n
+        assert n > 0 and kv.allocate("0", ids, done, end, prefill=n > 1)
+        t = torch.tensor(ids[done:end])
+        embeds = model.embed(t)
+        for it, f in zip(items, feats):
+            lo, hi = max(it.start, done), min(it.end, end)
+            if lo < hi:
+                embeds[lo - done:hi - done] = f[lo - it.start:hi - it.start]
+        spans = [[(it.start, it.end) for it in items if it.bidirectional and it.start < end and it.end > done]]
+        md = AttentionMetadata([n], [end], kv.group_tables(["0"]), kv.layer_slot, image_spans=spans)
+        with torch.inference_mode():
+            hidden = model(ModelInputs(t, torch.arange(done, end), backend.begin_batch(md, cache), inputs_embeds=embeds))
+            outs.append(model.compute_logits(hidden))
+        kv.commit("0", ids, end)
+        done = end
+    return torch.cat(outs)
 
 
 def assert_image_prompt_matches(ids: list[int], items, ref, types_key: str) -> None:
@@ -280,7 +366,7 @@ def assert_image_prompt_matches(ids: list[int], items, ref, types_key: str) -> N
     for it in items:
         types[it.start:it.end] = 1
     assert types.tolist() == ref[types_key][0].tolist()
-    np.testing.assert_allclose(np.stack([it.pixels for it in items]), ref["pixel_values"], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.stack([it.data for it in items]), ref["pixel_values"], atol=1e-6, rtol=0)
 
 
 def hf_vision_processor(path: Path, family: str):
@@ -293,6 +379,8 @@ def hf_vision_processor(path: Path, family: str):
     extra = dict(zip(("boi_token", "eoi_token", "image_token"), specials))
     if family == "gemma4":   # Gemma4Processor checks these exist even for images alone
         extra.update(boa_token="<|audio>", eoa_token="<audio|>")
+    if family == "gemma4_audio":
+        extra.update(zip(("boa_token", "eoa_token", "audio_token"), GEMMA4_AUDIO_SPECIALS))
     tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token="<bos>", eos_token="<eos>",
                                   pad_token="<pad>", extra_special_tokens=extra)
     if family == "gemma3":
@@ -319,6 +407,8 @@ def hf_vision_processor(path: Path, family: str):
             self.boa_token, self.eoa_token = tokenizer.boa_token, tokenizer.eoa_token
             ProcessorMixin.__init__(self, image_processor=image_processor, tokenizer=tokenizer)
 
+    if family == "gemma4_audio":
+        return _gemma4_audio_processor(tok)
     tower = GEMMA4_VISION_TOWER
     images = Gemma4ImageProcessorPil(patch_size=tower["patch_size"], max_soft_tokens=GEMMA4_SOFT_TOKENS,
                                      pooling_kernel_size=tower["pooling_kernel_size"])
@@ -516,3 +606,48 @@ def watch_grammar_drafts(engine, so: dict) -> dict:
 
     engine.runner.run_model = checked
     return counts
+
+
+def _gemma4_audio_processor(tok):
+    """transformers' Gemma4Processor with its image processor and audio feature extractor (no video processor: it
+    needs torchvision): the reference for prompt expansion, pixels and audio features."""
+    from transformers import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+    from transformers.processing_utils import ProcessorMixin
+
+    class Gemma4AudioProcessor(Gemma4Processor):
+        def __init__(self, image_processor, feature_extractor, tokenizer):
+            self.image_seq_length = GEMMA4_SOFT_TOKENS
+            self.audio_seq_length, self.audio_ms_per_token = 750, 40
+            self.image_token_id, self.audio_token_id = tokenizer.image_token_id, tokenizer.audio_token_id
+            self.boi_token, self.eoi_token, self.image_token = tokenizer.boi_token, tokenizer.eoi_token, tokenizer.image_token
+            self.boa_token, self.eoa_token, self.audio_token = tokenizer.boa_token, tokenizer.eoa_token, tokenizer.audio_token
+            ProcessorMixin.__init__(self, image_processor=image_processor, feature_extractor=feature_extractor,
+                                    tokenizer=tokenizer)
+
+    tower = GEMMA4_VISION_TOWER
+    images = Gemma4ImageProcessorPil(patch_size=tower["patch_size"], max_soft_tokens=GEMMA4_SOFT_TOKENS,
+                                     pooling_kernel_size=tower["pooling_kernel_size"])
+    return Gemma4AudioProcessor(images, Gemma4AudioFeatureExtractor(), tok)
+
+
+def scripted_logits(model, tokens: list[int]) -> list[int]:
+    """Make `model` (run eagerly, one request at a time) emit `tokens` first, whatever its weights say: each
+    logits call k < len(tokens) puts all its weight on tokens[k] (a grammar mask still applies after). Returns
+    the call counter (clear it to replay); `del model.compute_logits` undoes it."""
+    original = model.compute_logits
+    calls: list[int] = []
+
+    def forced(hidden):
+        logits = original(hidden)
+        k = len(calls)
+        calls.append(k)
+        if k < len(tokens):
+            logits = torch.full_like(logits, -1e4)
+            logits[:, tokens[k]] = 0.0
+        return logits
+
+    model.compute_logits = forced
+    return calls
+

@@ -93,7 +93,15 @@ def test_containers_rates_and_channels_decode_to_the_same_speech(speech):
                     decode_audio_data_url("data:audio/wav;base64," + b64, RATE, limits),
                     load_audio(str(SPEECH), RATE, limits), load_audio((speech, RATE), RATE, limits)):
         assert np.array_equal(samples, speech)
-    assert [len(c) for c in split_clips(np.zeros(70 * RATE, dtype=np.float32), RATE, limits)] == [480_000] * 2 + [160_000]
+    assert [len(c) for c in split_clips(np.zeros(70 * RATE, dtype=np.float32), 480_000)] == [480_000] * 2 + [160_000]
+    # cuts in pauses: a 50 ms silence 1 s before each 30 s boundary takes the cut, nothing is lost
+    loud = np.random.default_rng(0).normal(0, 0.1, 70 * RATE).astype(np.float32)
+    for gap in (29 * RATE, 58 * RATE):
+        loud[gap:gap + 800] = 0.0
+    clips = split_clips(loud, 480_000, 2 * RATE)
+    assert np.array_equal(np.concatenate(clips), loud) and all(len(c) <= 480_000 for c in clips)
+    cuts = np.cumsum([len(c) for c in clips])[:-1]
+    assert all(gap < cut < gap + 800 for cut, gap in zip(cuts, (29 * RATE, 58 * RATE), strict=True)), cuts
 
 
 def test_bad_audio_is_a_clear_error(speech, tmp_path):

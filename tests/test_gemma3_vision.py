@@ -92,16 +92,16 @@ def _hf_logits(hf, ids, pixels):
 
 def _our_logits(model, ids, pixels, chunk, backend=None):
     """Prefill `ids` in chunks of `chunk` tokens, cut by the scheduler's rule (never inside an image)."""
-    from gemmaserve.engine.images import ImageItem, image_spans
+    from gemmaserve.engine.media import MediaItem, token_spans
 
     layout = model.image_layout
-    items = [ImageItem(s, n, "", p.numpy()) for (s, n), p in zip(image_spans(ids, layout), pixels)]
+    items = [MediaItem(s, n, "", p.numpy()) for (s, n), p in zip(token_spans(ids, layout.token_id), pixels)]
     feats = model.encode_images(pixels) if len(pixels) else None
     specs = model.kv_layer_specs(torch.float32)
     kv = make_manager("v2", specs, 4, 256, enable_prefix_caching=False)
     backend = backend or TorchAttentionBackend()
     cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
-    req = SimpleNamespace(max_chunk_tokens=None, images=items)
+    req = SimpleNamespace(max_chunk_tokens=None, media=items)
     done, outs = 0, []
     while done < len(ids):
         n = Scheduler._chunk(req, done, len(ids) - done, chunk)
@@ -247,7 +247,7 @@ def test_encoder_runs_once_per_image(setup):
     calls = []
     model = small.engine.model
     original = model.encode_images
-    model.encode_images = lambda px, pos: (calls.append(px.shape[0]), original(px, pos))[1]
+    model.encode_images = lambda px, pos=None: (calls.append(px.shape[0]), original(px, pos))[1]
     try:
         _run(small, cases=[("x <start_of_image> y <start_of_image> z <start_of_image> w", 3)])
     finally:
@@ -369,7 +369,7 @@ def test_llm_chat_takes_images_as_parts(setup):
     rendered = "<start_of_turn>user\nlook<start_of_image>what<end_of_turn>\n<start_of_turn>model\n"   # Gemma's turns
     assert llm.generate(rendered, params, images=[image])[0].outputs[0].token_ids == by_object.outputs[0].token_ids
     layout = llm.engine.inputs.image_layout
-    assert by_object.prompt_token_ids.count(layout.image_token_id) == layout.max_tokens_per_image
+    assert by_object.prompt_token_ids.count(layout.token_id) == layout.max_tokens
     text = llm.chat([{"role": "user", "content": "hello"}], params)
     assert len(text.outputs[0].token_ids) == 6
     with pytest.raises(UserInputError, match="role"):

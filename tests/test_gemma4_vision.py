@@ -2,21 +2,15 @@
 31B-like (bidirectional image attention on sliding layers, standardised features, K = V) and E2B-like
 (per-layer embeddings, KV sharing, clipped encoder linears, causal images)."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 
 from gemmaserve import LLM, SamplingParams
-from gemmaserve.attention.base import AttentionMetadata
-from gemmaserve.attention.torch_backend import TorchAttentionBackend
 from gemmaserve.config.engine import EngineConfig
-from gemmaserve.engine.scheduler import Scheduler
-from gemmaserve.models.base import ModelInputs
 
-from helpers import (IMG, GEMMA4_VISION_VARIANTS as VARIANTS, assert_image_prompt_matches, hf_vision_processor,
-                     make_manager, save_gemma4_vision_checkpoint as _save, tiny_gemma4_assistant,
+from helpers import (IMG, GEMMA4_VISION_VARIANTS as VARIANTS, assert_image_prompt_matches, chunked_prompt_logits,
+                     hf_vision_processor, save_gemma4_vision_checkpoint as _save, tiny_gemma4_assistant,
                      tiny_hf_gemma4_vision)
 
 TOL = 1e-4
@@ -56,14 +50,14 @@ def test_preprocessing_equals_hf_processor():
                                                                                                   return_tensors="np")
         got = [Gemma4ImageProcessor(4, 3, soft)(im) for im in images]
         assert [g.num_tokens for g in got] == list(ref["num_soft_tokens_per_image"])
-        np.testing.assert_array_equal(np.stack([g.positions for g in got]), ref["image_position_ids"])
-        np.testing.assert_allclose(np.stack([g.pixels for g in got]), ref["pixel_values"], atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(np.stack([g.extra for g in got]), ref["image_position_ids"])
+        np.testing.assert_allclose(np.stack([g.data for g in got]), ref["pixel_values"], atol=1e-6, rtol=0)
 
 
 def _inputs(llm, prompt, images):
     ids, items = llm.engine.inputs.prepare_images(prompt, images)
-    pixels = torch.from_numpy(np.stack([it.pixels for it in items]))
-    positions = torch.from_numpy(np.stack([it.positions for it in items]))
+    pixels = torch.from_numpy(np.stack([it.data for it in items]))
+    positions = torch.from_numpy(np.stack([it.extra for it in items]))
     return ids, items, pixels, positions
 
 
@@ -80,35 +74,6 @@ def _hf_logits(hf, ids, pixels, positions):
                   mm_token_type_ids=(ids_t == IMG).long()).logits[0]
 
 
-def _our_logits(model, ids, items, chunk):
-    feats = model.encode_images(torch.from_numpy(np.stack([it.pixels for it in items])),
-                                torch.from_numpy(np.stack([it.positions for it in items])))
-    specs = model.kv_layer_specs(torch.float32)
-    kv = make_manager("v2", specs, 4, 1024, enable_prefix_caching=False)
-    backend = TorchAttentionBackend()
-    cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
-    req = SimpleNamespace(max_chunk_tokens=None, images=items)
-    done, outs = 0, []
-    while done < len(ids):
-        n = Scheduler._chunk(req, done, len(ids) - done, chunk)
-        end = done + n
-        assert n > 0 and kv.allocate("0", ids, done, end, prefill=n > 1)
-        t = torch.tensor(ids[done:end])
-        embeds = model.embed(t)
-        for im, f in zip(items, feats):
-            lo, hi = max(im.start, done), min(im.end, end)
-            if lo < hi:
-                embeds[lo - done:hi - done] = f[lo - im.start:hi - im.start]
-        spans = [[(im.start, im.end) for im in items if im.start < end and im.end > done]]
-        md = AttentionMetadata([n], [end], kv.group_tables(["0"]), kv.layer_slot, image_spans=spans)
-        with torch.inference_mode():
-            hidden = model(ModelInputs(t, torch.arange(done, end), backend.begin_batch(md, cache), inputs_embeds=embeds))
-            outs.append(model.compute_logits(hidden))
-        kv.commit("0", ids, end)
-        done = end
-    return torch.cat(outs)
-
-
 PROMPTS = [("<|image|> describe it", 1), ("two <|image|> and <|image|> end", 2), ("look at <|image|>", 1)]
 
 
@@ -123,7 +88,7 @@ def test_prompt_ids_equal_transformers_processor(setup, processor, prompt, n):
     ids, items = llm.engine.inputs.prepare_images(prompt, images)
     ref = processor(text=prompt, images=images, return_tensors="np")
     assert_image_prompt_matches(ids, items, ref, "mm_token_type_ids")
-    np.testing.assert_array_equal(np.stack([it.positions for it in items]), ref["image_position_ids"])
+    np.testing.assert_array_equal(np.stack([it.extra for it in items]), ref["image_position_ids"])
 
 
 @pytest.mark.parametrize("chunk", [70, 100, 256])
@@ -137,7 +102,7 @@ def test_logits_match_transformers(setup, processor, chunk):
         hf_ids, pixels, positions = _hf_inputs(processor, prompt, _images(n, k))
         assert ids == hf_ids
         ref = _hf_logits(hf, ids, pixels, positions)
-        got = _our_logits(llm.engine.model, ids, items, chunk)
+        got = chunked_prompt_logits(llm.engine.model, ids, items, chunk)
         # The tiny random E2B stack amplifies fp32 rounding: transformers' own fp32 logits are up to
         # ~1.5e-4 off its fp64 ones here. Where that is so, we must be as close as it is.
         exact = _hf_logits(hf64, ids, pixels.double(), positions).float()

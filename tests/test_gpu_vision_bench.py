@@ -48,6 +48,6 @@ def test_real_shapes_map_onto_our_models(name):
     cfg = gpu_vision.hf_config(shape)
     meta = torch.device("meta")
     ours = gpu_vision.ours_from_hf(gpu_vision.hf_model(cfg, torch.bfloat16, meta), cfg, torch.bfloat16, meta)
-    assert ours.image_layout.max_tokens_per_image == shape.tokens_per_image
+    assert ours.image_layout.max_tokens == shape.tokens_per_image
     assert (ours.mm_config.boi_token_id, ours.mm_config.eoi_token_id, ours.mm_config.image_token_id) == shape.specials
     assert ours.vocab_size == shape.text["vocab_size"]

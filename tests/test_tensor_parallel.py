@@ -14,7 +14,8 @@ import torch
 
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.cli import main
-from gemmaserve.engine.images import ImageItem
+from gemmaserve.engine.media import MediaItem
+from gemmaserve.models.multimodal import Modality
 from gemmaserve.engine.step import NewRequest, SeqStep, SlotUpdate, StepPlan, TableDelta
 from gemmaserve.engine.structured_output import GrammarKind, StructuredOutput
 from gemmaserve.errors import UserInputError
@@ -92,23 +93,26 @@ def _every_field_set() -> SamplingParams:
 
 def test_a_plan_reaches_a_worker_whole():
     """What the executor sends (pickled to_dict) rebuilds every field: sequences and deltas, slot
-    updates, releases, every SamplingParams field, and images with their pixels and positions."""
-    image = ImageItem(3, 4, "ab" * 16, np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4),
+    updates, releases, every SamplingParams field, and images and clips with their arrays."""
+    image = MediaItem(3, 4, "ab" * 16, np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4),
                       np.arange(8, dtype=np.int64).reshape(4, 2))
+    clip = MediaItem(9, 2, "cd" * 16, np.ones((5, 3), dtype=np.float32), np.array([True] * 4 + [False]),
+                     Modality.AUDIO, bidirectional=False)
     plan = StepPlan(
         step=5,
         seqs=[SeqStep("a", 0, [5, 6, 7], True, [TableDelta(0, [1, 2]), TableDelta(2, [])], True),
               SeqStep("b", 9, [-1], False)],
-        new_requests=[NewRequest("a", _every_field_set(), 123, [5, 6, 7], [image], [9, 8])],
+        new_requests=[NewRequest("a", _every_field_set(), 123, [5, 6, 7], [image, clip], [9, 8])],
         slot_updates=[SlotUpdate(1, [4, 5], [[1, 2], [3, 4]])],
         released=["c"], finished=["d"])
     back = StepPlan.from_dict(pickle.loads(pickle.dumps(plan.to_dict())))
     assert back.new_requests[0].params == plan.new_requests[0].params
-    got, want = back.new_requests[0].images[0], image
-    assert (got.start, got.length, got.key) == (want.start, want.length, want.key)
-    assert np.array_equal(got.pixels, want.pixels) and got.pixels.dtype == want.pixels.dtype
-    assert np.array_equal(got.positions, want.positions)
-    back.new_requests[0].images, plan.new_requests[0].images = [], []   # arrays have no ==
+    for got, want in zip(back.new_requests[0].media, [image, clip], strict=True):
+        assert (got.start, got.length, got.key, got.modality, got.bidirectional) == \
+            (want.start, want.length, want.key, want.modality, want.bidirectional)
+        assert np.array_equal(got.data, want.data) and got.data.dtype == want.data.dtype
+        assert np.array_equal(got.extra, want.extra) and got.extra.dtype == want.extra.dtype
+    back.new_requests[0].media, plan.new_requests[0].media = [], []   # arrays have no ==
     assert back == plan
 
 

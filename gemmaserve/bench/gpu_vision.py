@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from PIL.Image import Image
     from transformers import PretrainedConfig
 
-    from ..engine.images import ImageItem
+    from ..engine.media import MediaItem
     from ..engine.llm import LLM
 
 GiB = 1 << 30
@@ -278,15 +278,15 @@ def _words(rng: random.Random, n: int, top: int) -> str:
     return " ".join(f"w{rng.randrange(3, top)}" for _ in range(n))
 
 
-def hf_inputs(family: str, ids: list[int], items: list[ImageItem], image_token_id: int) -> dict[str, torch.Tensor]:
+def hf_inputs(family: str, ids: list[int], items: list[MediaItem], image_token_id: int) -> dict[str, torch.Tensor]:
     """What HF's model takes for our prepared prompt (on the host; same ids, same pixels)."""
     ids_t = torch.tensor([ids])
     out = {"input_ids": ids_t, "attention_mask": torch.ones_like(ids_t),
-           "pixel_values": torch.from_numpy(np.stack([it.pixels for it in items]))}
+           "pixel_values": torch.from_numpy(np.stack([it.data for it in items]))}
     if family == "gemma3":
         out["token_type_ids"] = (ids_t == image_token_id).long()
     else:
-        out["image_position_ids"] = torch.from_numpy(np.stack([it.positions for it in items]))
+        out["image_position_ids"] = torch.from_numpy(np.stack([it.extra for it in items]))
         out["mm_token_type_ids"] = (ids_t == image_token_id).long()
     return out
 
@@ -356,12 +356,12 @@ def _no_tf32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def _prompt_logits(llm: LLM, ids: list[int], items: list[ImageItem]) -> torch.Tensor:
+def _prompt_logits(llm: LLM, ids: list[int], items: list[MediaItem]) -> torch.Tensor:
     """Our logits at the last prompt position (the whole prompt in one step)."""
     from ..engine.sampling_params import SamplingParams
 
     eng = llm.engine
-    rid = eng.add_request("", SamplingParams(max_tokens=1), prompt_ids=ids, images=items)
+    rid = eng.add_request("", SamplingParams(max_tokens=1), prompt_ids=ids, media=items)
     plan = eng.scheduler.schedule()
     eng.runner.apply(plan)
     logits = eng.runner.forward(plan.seqs)
@@ -454,10 +454,10 @@ def _ttft_shape(rows: list[dict], name: str, device: torch.device, dtype: torch.
         prompt = "<bos> " + _words(rng, 32, shape.specials[0]) + "".join(
             f" {layout.placeholder} {_words(rng, 4, shape.specials[0])}" for _ in range(n)) + " w5"
         ids, items = eng.inputs.prepare_images(prompt, images)
-        host = hf_inputs(shape.family, ids, items, layout.image_token_id)
+        host = hf_inputs(shape.family, ids, items, layout.token_id)
 
         def ours() -> None:
-            eng.add_request("", params, prompt_ids=ids, images=items)
+            eng.add_request("", params, prompt_ids=ids, media=items)
             while eng.has_unfinished_requests():
                 eng.step()
 

@@ -1,8 +1,8 @@
-"""Encoder outputs (soft tokens) of images, so each image is encoded once (seed 001: not once per
+"""Encoder outputs (soft tokens) of images and audio clips, so each is encoded once (seed 001: not once per
 prefill chunk that covers it).
 
-    per request: image index -> soft tokens, held until the request finishes (every chunk reuses them)
-    shared:      content key -> soft tokens, LRU within `capacity_bytes` (repeated images skip the encoder)
+    per request: item index -> soft tokens, held until the request finishes (every chunk reuses them)
+    shared:      content key -> soft tokens, LRU within `capacity_bytes` (repeated items skip the encoder)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class EncoderCache:
         self._shared: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._shared_bytes = 0
         self._held: dict[str, dict[int, torch.Tensor]] = {}
-        self.encoded = 0            # images run through the encoder (tests and metrics read it)
+        self.encoded = 0            # items run through an encoder (tests and metrics read it)
         self.shared_hits = 0
 
     def get(self, req_id: str, index: int, key: str) -> torch.Tensor | None:

@@ -185,13 +185,13 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                            enable_scratch=cache_options.swa_scratch_reuse, sliding_share=config.kv_pool_split,
                            lookback=0 if drafter is None else drafter.lookback)
     use_graphs = device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs
-    image_layout = getattr(model, "image_layout", None)
-    if image_layout is not None:
-        image_layout = image_layout.with_texts(tokenizer.special_text)
-    if image_layout is not None and config.max_num_batched_tokens < image_layout.max_tokens_per_image:
-        raise UserInputError(f"max_num_batched_tokens {config.max_num_batched_tokens} is below the "
-                             f"{image_layout.max_tokens_per_image} tokens an image can take (an image is "
-                             "never split across prefill chunks)")
+    layouts = {m: layout.with_texts(tokenizer.special_text) for m, layout in model.media_layouts().items()} \
+        if hasattr(model, "media_layouts") else {}
+    for layout in layouts.values():   # a request with a larger item is refused (input_processor)
+        if config.max_num_batched_tokens < layout.max_tokens:
+            log.warning("max_num_batched_tokens %d is below the %d tokens one %s input can take: larger ones will be "
+                        "refused (an item is never split across prefill chunks)", config.max_num_batched_tokens,
+                        layout.max_tokens, layout.modality.value)
     # A text-only model has seen media tokens only as tokens, never with their embeddings: left
     # free it may emit them (the 270M base model answers a haiku prompt with <start_of_image> x 24).
     suppress = config.suppress_media_tokens
@@ -224,5 +224,5 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         scheduler=Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                             create_proposer(spec), spec.disable_by_batch_size if spec else 1),
         inputs=InputProcessor(config.model, tokenizer, model.vocab_size, max_model_len, config.max_num_batched_tokens,
-                              kv, grammars, image_layout),
+                              kv, grammars, layouts),
         outputs=OutputProcessor(tokenizer), async_scheduling=async_scheduling, info=info)

@@ -1,5 +1,6 @@
-"""What a request may ask for, checked before it reaches the scheduler: prompt text to token ids, images
-to pixels in place, and whether the request can ever run (length, KV budget, vocabulary, grammar).
+"""What a request may ask for, checked before it reaches the scheduler: prompt text to token ids, images and
+audio to what their encoder reads, in place, and whether the request can ever run (length, KV budget,
+vocabulary, grammar).
 
 Every user-facing entry point (CLI, `LLM`, HTTP) goes through here, so each says the same thing about
 the same bad input (a `UserInputError`), and a request that passes cannot fail for its shape later.
@@ -8,17 +9,27 @@ the same bad input (a `UserInputError`), and a request that passes cannot fail f
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import UserInputError
 from ..kv.base import KVCacheManager
-from ..models.multimodal import ProcessedImage
+from ..models.multimodal import EncoderInput, MediaLayout, Modality
 from ..units import format_bytes
-from .images import ImageItem, ImageLimits, expand_prompt, load_image, place_images
+from .audio import AudioLimits, load_audio, split_clips
+from .images import ImageLimits, load_image
+from .media import MediaItem, expand_prompt, place_media
 from .sampling_params import SamplingParams
 from .structured_output import Grammars
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedMedia:
+    """A request's images and audio as their encoders read them, before they have a place in the prompt."""
+
+    inputs: dict[Modality, list[EncoderInput]]
+    clips_per_audio: list[int]   # each audio input's clips (one per 30 s)
 
 
 @dataclass
@@ -30,7 +41,16 @@ class InputProcessor:
     max_num_batched_tokens: int
     kv: KVCacheManager
     grammars: Grammars
-    image_layout: object | None = None   # models/multimodal.py's ImageLayout, None for text-only models
+    layouts: dict[Modality, MediaLayout] = field(default_factory=dict)   # what the model reads besides text
+
+    @property
+    def image_layout(self) -> MediaLayout | None:
+        return self.layouts.get(Modality.IMAGE)
+
+    def _layout(self, modality: Modality) -> MediaLayout:
+        if modality not in self.layouts:
+            raise UserInputError(f"model {self.model_name!r} does not take {modality.inputs}")
+        return self.layouts[modality]
 
     def tokenize(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -39,27 +59,75 @@ class InputProcessor:
             raise UserInputError("empty prompt")
         return self.tokenizer.encode(prompt)
 
-    def load_images(self, images: list, limits: ImageLimits | None = None) -> list[ProcessedImage]:
+    def load_images(self, images: list, limits: ImageLimits | None = None) -> list[EncoderInput]:
         """Pixels of each image (PIL images, uint8 numpy arrays, file paths, encoded bytes or data
         URLs), within `limits` (count, pixels, bytes)."""
-        layout = self.image_layout
-        if layout is None:
-            raise UserInputError(f"model {self.model_name!r} does not take images")
+        layout = self._layout(Modality.IMAGE)
         limits = limits or ImageLimits()
         if len(images) > limits.max_images:
             raise UserInputError(f"{len(images)} images; at most {limits.max_images} per request")
         return [layout.processor(load_image(im, limits, f"image {i}")) for i, im in enumerate(images)]
 
+    def load_audio(self, audio: list, limits: AudioLimits | None = None) -> list[list[EncoderInput]]:
+        """Features of each audio input (samples, (samples, rate), encoded bytes, data URLs or file paths), split
+        into the clips the encoder takes at once (30 s; each cut in the quietest moment of the 2 s before), within
+        `limits` (count, bytes, duration)."""
+        layout = self._layout(Modality.AUDIO)
+        limits = limits or AudioLimits()
+        if len(audio) > limits.max_clips:
+            raise UserInputError(f"{len(audio)} audio inputs; at most {limits.max_clips} per request")
+        rate = layout.processor.config.sampling_rate
+        out = []
+        for i, a in enumerate(audio):
+            samples = load_audio(a, rate, limits, f"audio {i}")
+            # cuts fall at least 28 s into a clip: only an input this short can give a clip of no token
+            clips = [layout.processor(c) for c in split_clips(samples, layout.processor.config.max_samples, 2 * rate)]
+            if not clips[-1].num_tokens:
+                raise UserInputError(f"audio {i} is {1000 * len(samples) / rate:.1f} ms long: too short for one "
+                                     f"audio token ({layout.processor.min_seconds * 1000:.0f} ms at least)")
+            out.append(clips)
+        return out
+
+    def load_media(self, images: list | None = None, audio: list | None = None,
+                   image_limits: ImageLimits | None = None, audio_limits: AudioLimits | None = None) -> "LoadedMedia":
+        """What the encoders read of a request's images and audio (decoded, checked against the limits)."""
+        inputs: dict[Modality, list[EncoderInput]] = {}
+        clips: list[int] = []
+        if images:
+            inputs[Modality.IMAGE] = self.load_images(list(images), image_limits)
+        if audio:
+            parts = self.load_audio(list(audio), audio_limits)
+            inputs[Modality.AUDIO] = [clip for p in parts for clip in p]
+            clips = [len(p) for p in parts]
+        return LoadedMedia(inputs, clips)
+
+    def expand(self, text: str, media: "LoadedMedia") -> str:
+        """`text` with every placeholder written out as its item's tokens (see media.expand_prompt); audio longer
+        than one clip takes consecutive clips at its placeholder."""
+        if media.clips_per_audio:
+            text = _repeat_placeholders(text, self.layouts[Modality.AUDIO].placeholder, media.clips_per_audio)
+        return expand_prompt(text, media.inputs, self.layouts)
+
+    def place(self, token_ids: list[int], media: "LoadedMedia") -> list[MediaItem]:
+        return place_media(token_ids, media.inputs, self.layouts)
+
+    def prepare(self, prompt: str, images: list | None = None, audio: list | None = None,
+                image_limits: ImageLimits | None = None, audio_limits: AudioLimits | None = None
+                ) -> tuple[list[int], list[MediaItem]]:
+        """Prompt ids with each image's and clip's tokens in place, and the items (what the encoder reads, content
+        keys). The prompt marks where each goes with the model's placeholder of its kind (none: they go first)."""
+        media = self.load_media(images, audio, image_limits, audio_limits)
+        if not media.inputs:
+            return self.tokenize(prompt), []
+        ids = self.tokenize(self.expand(prompt, media))
+        return ids, self.place(ids, media)
+
     def prepare_images(self, prompt: str, images: list, limits: ImageLimits | None = None
-                       ) -> tuple[list[int], list[ImageItem]]:
-        """Prompt ids with each image's tokens in place, and the images (pixels, content keys). The
-        prompt marks where each image goes with the model's placeholder (none: the images go first)."""
-        pixels = self.load_images(images, limits)
-        ids = self.tokenize(expand_prompt(prompt, pixels, self.image_layout))
-        return ids, place_images(ids, pixels, self.image_layout)
+                       ) -> tuple[list[int], list[MediaItem]]:
+        return self.prepare(prompt, images=images, image_limits=limits)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams,
-                      images: list[ImageItem] | None = None, wait_for_grammar: bool = True) -> int | None:
+                      media: list[MediaItem] | None = None, wait_for_grammar: bool = True) -> int | None:
         """Raise UserInputError if the request can never run (too long, larger than the KV budget,
         or naming tokens the model does not have). Returns the most prompt tokens it may prefill in
         one step when it fits only in chunks smaller than `max_num_batched_tokens`, else None.
@@ -79,18 +147,25 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise UserInputError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab})")
-        image_id = self.image_layout.image_token_id if images else None
-        if prompt_ids and (min(prompt_ids) < 0 or max((t for t in prompt_ids if t != image_id), default=0) >= vocab):
+        given = {it.modality for it in media or ()}
+        soft = {self.layouts[m].token_id for m in given}
+        if prompt_ids and (min(prompt_ids) < 0 or max((t for t in prompt_ids if t not in soft), default=0) >= vocab):
             raise UserInputError(f"prompt token ids must be in [0, {vocab})")
-        if self.image_layout is not None and not images and self.image_layout.image_token_id in prompt_ids:
-            raise UserInputError("the prompt holds image tokens but no images")
+        for modality, layout in self.layouts.items():
+            if modality not in given and layout.token_id in prompt_ids:
+                raise UserInputError(f"the prompt holds {modality.value} tokens but no {modality.inputs}")
+        largest = max(media or (), key=lambda it: it.length, default=None)
+        if largest is not None and largest.length > self.max_num_batched_tokens:
+            raise UserInputError(f"an {largest.modality.value} input takes {largest.length} tokens, more than "
+                                 f"max_num_batched_tokens ({self.max_num_batched_tokens}): it is never split across "
+                                 "prefill chunks")
         peak = min(n + params.max_tokens, self.max_model_len)
         chunk = self.max_num_batched_tokens
         fitting = self.kv.max_chunk(peak, chunk)
         if fitting == chunk:
             return None
-        if images and fitting < max(im.length for im in images):
-            fitting = 0   # an image is never split across chunks: it must fit one
+        if media and fitting < max(it.length for it in media):
+            fitting = 0   # an image or clip is never split across chunks: it must fit one
         if fitting:
             log.info("a request of %d tokens fits the KV cache only in prefill chunks of %d tokens", peak, fitting)
             return fitting
@@ -99,3 +174,15 @@ class InputProcessor:
         raise UserInputError(f"request needs {format_bytes(need * self.kv.page_bytes)} of KV cache for {peak} tokens, "
                              f"but the KV cache has {format_bytes(self.kv.num_pages * self.kv.page_bytes)}{why}; "
                              "raise --kv-cache-memory or lower max_tokens")
+
+
+def _repeat_placeholders(prompt: str, placeholder: str, counts: list[int]) -> str:
+    """The i-th `placeholder` of `prompt` written counts[i] times (an input split into that many clips); a prompt
+    without placeholders is left as it is (its items go first)."""
+    if placeholder not in prompt or all(n == 1 for n in counts):
+        return prompt
+    pieces = prompt.split(placeholder)
+    if len(pieces) - 1 != len(counts):
+        return prompt   # expand_prompt names the mismatch
+    return pieces[0] + "".join(placeholder * n + piece for n, piece in zip(counts, pieces[1:]))
+

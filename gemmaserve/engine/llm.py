@@ -6,6 +6,7 @@
     print(out[0].outputs[0].text)
 
     llm.generate("<start_of_image> What is in this picture?", images=["cat.png"])   # multimodal models
+    llm.generate("<|audio|> Transcribe this.", audio=["speech.wav"])                # Gemma 4 E2B/E4B
 
     for delta in llm.stream(["Once upon a time"]):          # text as it is generated
         print(delta.outputs[0].delta_text, end="", flush=True)
@@ -24,6 +25,7 @@ from ..config.engine import EngineConfig
 from ..errors import UserInputError
 from ..models.embedded import DEFAULT_MODEL
 from ..models.loader import LoadedModel
+from ..models.multimodal import Modality
 from .llm_engine import LLMEngine
 from .request import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -55,15 +57,14 @@ class LLM:
     # -- submission ------------------------------------------------------------------------------
     def _submit(self, prompts: str | Sequence[str],
                 params: SamplingParams | Sequence[SamplingParams] | None,
-                images: Sequence | None = None) -> list[tuple[str, int]]:
-        """Check every prompt, then queue them all. One bad prompt rejects the call before anything
-        runs. Returns (request id, n) per prompt. `images`: for a single prompt, its images (or one
-        image); for a list of prompts, a list of image lists (None for a text-only prompt)."""
-        if isinstance(prompts, str):
+                images: Sequence | None = None, audio: Sequence | None = None) -> list[tuple[str, int]]:
+        """Validate everything first (a bad prompt raises before any is queued), then queue the
+        runs. Returns (request id, n) per prompt. `images` / `audio`: for a single prompt, its images / audio
+        inputs (or one); for a list of prompts, a list of lists (None for a prompt without)."""
+        single = isinstance(prompts, str)
+        if single:
             prompts = [prompts]
-            if images is not None and (isinstance(images, (str, bytes)) or not isinstance(images, Sequence)):
-                images = [images]
-            images = None if images is None else [images]
+        images, audio = _per_prompt(images, single), _per_prompt(audio, single)
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise UserInputError("no prompts given")
         if params is None:
@@ -74,23 +75,20 @@ class LLM:
         for p in per_prompt:
             if not isinstance(p, SamplingParams):
                 raise UserInputError(f"expected SamplingParams, got {type(p).__name__}")
-        if images is not None and (not isinstance(images, Sequence) or len(images) != len(prompts)):
-            raise UserInputError(f"images must hold one list of images per prompt ({len(prompts)})")
+        for name, given in (("images", images), ("audio", audio)):
+            if given is not None and (not isinstance(given, Sequence) or len(given) != len(prompts)):
+                raise UserInputError(f"{name} must hold one list per prompt ({len(prompts)})")
         engine = self.engine
         encoded = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
             try:
-                mine = None if images is None else images[i]
-                if mine:
-                    ids, items = engine.inputs.prepare_images(prompt, list(mine))
-                else:
-                    ids, items = engine.inputs.tokenize(prompt), []
+                ids, items = engine.inputs.prepare(prompt, images[i] if images else None, audio[i] if audio else None)
                 engine.inputs.check_request(ids, p, items)
             except UserInputError as exc:
                 raise UserInputError(f"prompt {i}: {exc}") from None
             encoded.append((ids, items))
         self._calls += 1
-        return [(engine.add_request(prompt, p, ids, request_id=f"llm{self._calls}-{i}", images=items), p.n)
+        return [(engine.add_request(prompt, p, ids, request_id=f"llm{self._calls}-{i}", media=items), p.n)
                 for i, (prompt, p, (ids, items)) in enumerate(zip(prompts, per_prompt, encoded))]
 
     def _abort(self, submitted: list[tuple[str, int]]) -> None:
@@ -100,11 +98,13 @@ class LLM:
     # -- blocking ----------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, images: Sequence | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, images: Sequence | None = None,
+                 audio: Sequence | None = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order, each with its n completions.
         A progress bar shows on a terminal for more than one prompt (`use_tqdm` forces it).
-        `images` (multimodal models): see `_submit`."""
-        return self._collect(self._submit(prompts, params, images), use_tqdm)
+        `images`, `audio` (multimodal models): see `_submit`; an audio input is float samples at the model's
+        rate, (samples, rate), encoded bytes (WAV, FLAC, OGG, MP3), a data URL or a file path."""
+        return self._collect(self._submit(prompts, params, images, audio), use_tqdm)
 
     def _collect(self, submitted: list[tuple[str, int]], use_tqdm: bool | None) -> list[RequestOutput]:
         """Step until every submitted request finished; their final outputs, in order."""
@@ -132,38 +132,43 @@ class LLM:
         return [dataclasses.replace(firsts[i], outputs=[done[i][k] for k in range(n)], finished=True)
                 for i, (_, n) in enumerate(submitted)]
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+    def chat(self, messages: list[dict], params: SamplingParams | None = None,
+             chat_template_kwargs: dict | None = None) -> RequestOutput:
         """Complete one conversation in OpenAI's message format, rendered with the checkpoint's chat
-        template (Gemma's turn format when it has none). Images (multimodal models) are content parts,
-        in place: {"type": "image_url", "image_url": {"url": data URL or file path}} or
-        {"type": "image", "image": PIL image, uint8 array or path}."""
+        template (Gemma's turn format when it has none). Images and audio (multimodal models) are content
+        parts, in place: {"type": "image_url", "image_url": {"url": data URL or file path}},
+        {"type": "image", "image": PIL image, uint8 array or path}, {"type": "input_audio", "input_audio":
+        {"data": base64, "format": "wav"}}, {"type": "audio_url", "audio_url": {"url": ...}} or
+        {"type": "audio", "audio": samples, (samples, rate), bytes or path}. `chat_template_kwargs` go to the
+        template (e.g. {"enable_thinking": True} for Gemma 4); the output is the raw text, thinking included."""
         from ..models.chat_template import ChatFormatter, parse_chat
-        from .images import expand_prompt, place_images
 
         engine = self.engine
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise UserInputError(f"expected SamplingParams, got {type(params).__name__}")
-        layout = engine.inputs.image_layout
-        parsed, images = parse_chat(messages, layout.placeholder if layout is not None else None, image_objects=True)
-        pixels = engine.inputs.load_images(images) if images else []
-        expand = (lambda text: expand_prompt(text, pixels, layout)) if images else None
-        ids = ChatFormatter(engine.tokenizer).encode(parsed, expand)
-        items = place_images(ids, pixels, layout) if images else []
-        engine.inputs.check_request(ids, params, items)
+        inputs = engine.inputs
+        parsed, media = parse_chat(messages, {m: lay.placeholder for m, lay in inputs.layouts.items()},
+                                   python_objects=True)
+        loaded = inputs.load_media([x for m, x in media if m is Modality.IMAGE],
+                                   [x for m, x in media if m is Modality.AUDIO])
+        ids = ChatFormatter(engine.tokenizer).encode(parsed, (lambda text: inputs.expand(text, loaded)) if media else None,
+                                                     template_kwargs=chat_template_kwargs)
+        items = inputs.place(ids, loaded) if media else []
+        inputs.check_request(ids, params, items)
         self._calls += 1
         rid = engine.add_request(engine.tokenizer.decode(ids, skip_special_tokens=False), params, ids,
-                                 request_id=f"llm{self._calls}-chat", images=items)
+                                 request_id=f"llm{self._calls}-chat", media=items)
         return self._collect([(rid, params.n)], use_tqdm=False)[0]
 
     # -- streaming -------------------------------------------------------------------------------
     def stream(self, prompts: str | Sequence[str],
                params: SamplingParams | Sequence[SamplingParams] | None = None,
-               images: Sequence | None = None) -> Iterator[RequestOutput]:
+               images: Sequence | None = None, audio: Sequence | None = None) -> Iterator[RequestOutput]:
         """Yield an output each time a completion has new text or finishes: `outputs[0]` is that
         completion (its `delta_text` is what is new) and `prompt_index` says which prompt it is for.
         Closing the iterator early aborts what is still running."""
-        submitted = self._submit(prompts, params, images)
+        submitted = self._submit(prompts, params, images, audio)
         index = {rid: i for i, (rid, _) in enumerate(submitted)}
         try:
             while self.engine.has_unfinished_requests():
@@ -189,6 +194,15 @@ class LLM:
                         yield out
         finally:
             self._abort(submitted)
+
+
+def _per_prompt(given: Sequence | None, single: bool) -> list | None:
+    """A single prompt's inputs (one input, or a list of them) as a one-prompt list of lists."""
+    if given is None or not single:
+        return given
+    if isinstance(given, (str, bytes, dict, tuple)) or not isinstance(given, Sequence):
+        return [[given]]
+    return [list(given)]
 
 
 def _progress(total: int):

@@ -24,7 +24,7 @@ from ..errors import UserInputError
 from ..models.loader import LoadedModel
 from .compiled_steps import CompiledDecodeSteps
 from .factory import EngineInfo, assemble
-from .images import ImageItem
+from .media import MediaItem
 from .model_runner import PendingStep
 from .request import FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
@@ -94,14 +94,14 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str, params: SamplingParams, prompt_ids: list[int] | None = None,
-                    request_id: str | None = None, images: list[ImageItem] | None = None) -> str:
-        """Queue a request (`params.n` completions). Returns its id; outputs carry it. `images`:
-        from `prepare_images`, which also gives the `prompt_ids` they sit in."""
+                    request_id: str | None = None, media: list[MediaItem] | None = None) -> str:
+        """Queue a request (`params.n` completions). Returns its id; outputs carry it. `media`
+        (images, audio clips): from `inputs.prepare`, which also gives the `prompt_ids` they sit in."""
         ids = self.inputs.tokenize(prompt) if prompt_ids is None else list(prompt_ids)
-        images = list(images or [])
-        if images and prompt_ids is None:
-            raise UserInputError("images need the prompt ids prepare_images() returns")
-        max_chunk = self.inputs.check_request(ids, params, images, wait_for_grammar=False)
+        media = list(media or [])
+        if media and prompt_ids is None:
+            raise UserInputError("images and audio need the prompt ids inputs.prepare() returns")
+        max_chunk = self.inputs.check_request(ids, params, media, wait_for_grammar=False)
         group_id = request_id if request_id is not None else str(next(self._ids))
         if not isinstance(group_id, str) or not group_id:
             raise UserInputError("request_id must be a non-empty string")
@@ -120,7 +120,7 @@ class LLMEngine:
             req = Request(
                 request_id=group_id if params.n == 1 else f"{group_id}#{i}", group_id=group_id, index=i,
                 prompt=prompt, prompt_token_ids=ids, params=params, eos_token_ids=self.tokenizer.stop_token_ids,
-                max_total_tokens=max_total, seed=seed, max_chunk_tokens=max_chunk, images=images,
+                max_total_tokens=max_total, seed=seed, max_chunk_tokens=max_chunk, media=media,
                 # Siblings wait for the first one's prompt, then share its pages via the prefix cache.
                 wait_for=group[0] if i and self.cache_options.enable_prefix_caching else None,
                 grammar=grammar)

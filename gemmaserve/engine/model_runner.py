@@ -13,9 +13,9 @@ logits only).
 The runner sees only plans: it keeps its own block tables (updated by the plan's deltas) and a
 sampling state per request (from its `NewRequest` until it is `finished`), never a live Request.
 
-Images: a request's images arrive with its `NewRequest`. A step whose chunk covers image tokens
-embeds the tokens itself and overwrites those rows with the image's soft tokens, encoded the first
-time a chunk covers the image and kept (EncoderCache) for every later chunk.
+Images and audio: a request's items arrive with its `NewRequest`. A step whose chunk covers an item's
+tokens embeds the tokens itself and overwrites those rows with the item's soft tokens, encoded the first
+time a chunk covers the item and kept (EncoderCache) for every later chunk.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -39,7 +38,7 @@ from .block_tables import BlockTables
 from ..device import to_device
 from .drafters import Drafter
 from .encoder_cache import EncoderCache
-from .images import ImageItem
+from .media import MediaItem
 from .sampler import Sampled, SamplingState, sample
 from .spec_decode import verify
 from .structured_output import Grammars
@@ -82,7 +81,7 @@ class ModelRunner:
         self.sampling: dict[str, SamplingState] = {}
         self._last_sampled: dict[str, tuple[torch.Tensor, int]] = {}   # request -> (ids of its last step, row)
         self._applied_step = -1
-        self.images: dict[str, list[ImageItem]] = {}
+        self.media: dict[str, list[MediaItem]] = {}
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.graphs = None
         if cuda_graphs:
@@ -132,13 +131,13 @@ class ModelRunner:
         for req_id in plan.finished:
             self.sampling.pop(req_id, None)
             self._last_sampled.pop(req_id, None)
-            self.images.pop(req_id, None)
+            self.media.pop(req_id, None)
             self.encoder_cache.release(req_id)
         for new in plan.new_requests:
             self.sampling[new.req_id] = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.device,
                                                              self.grammars, new.output_token_ids)
-            if new.images:
-                self.images[new.req_id] = new.images
+            if new.media:
+                self.media[new.req_id] = new.media
         self.tables.update_slots(plan.slot_updates)
         for s in plan.seqs:
             self.tables.apply(s.req_id, s.deltas, s.new_table)
@@ -161,8 +160,8 @@ class ModelRunner:
             groups=self.tables.tables([s.req_id for s in seqs]),
             layer_slot=self.layer_slot,
         )
-        if self.images:
-            spans = [[(im.start, im.end) for im in self._covered(s)] for s in seqs]
+        if self.media:
+            spans = [[(it.start, it.end) for it in self._covered(s) if it.bidirectional] for s in seqs]
             md.image_spans = spans if any(spans) else None
         input_ids = to_device(ids, torch.long, self.device)
         if from_device:   # sampled ids never went to the host: gather them on the device
@@ -176,33 +175,33 @@ class ModelRunner:
                 input_ids[to_device(rows, torch.long, self.device)] = tokens[to_device(idx, torch.long, self.device)]
         return input_ids, to_device(positions, torch.long, self.device), md
 
-    def _covered(self, s: SeqStep) -> list[ImageItem]:
-        """The images of `s`'s request that its chunk covers (in part)."""
+    def _covered(self, s: SeqStep) -> list[MediaItem]:
+        """The images and clips of `s`'s request that its chunk covers (in part)."""
         end = s.start + s.num_new_tokens
-        return [im for im in self.images.get(s.req_id, ()) if im.start < end and im.end > s.start]
+        return [it for it in self.media.get(s.req_id, ()) if it.start < end and it.end > s.start]
 
-    def _image_embeds(self, seqs: list[SeqStep], input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Token embeddings with the image rows replaced by soft tokens, or None if no chunk covers
-        an image. Images not seen before are encoded together, once."""
-        covered = [(b, i, im) for b, s in enumerate(seqs) for i, im in enumerate(self.images.get(s.req_id, ()))
+    def _media_embeds(self, seqs: list[SeqStep], input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Token embeddings with the rows of images and clips replaced by soft tokens, or None if no chunk
+        covers one. Items not seen before are encoded once, those of a modality in one encoder call."""
+        covered = [(b, i, im) for b, s in enumerate(seqs) for i, im in enumerate(self.media.get(s.req_id, ()))
                    if im.start < s.start + s.num_new_tokens and im.end > s.start]
         if not covered:
             return None
         cache = self.encoder_cache
         found = {(b, i): cache.get(seqs[b].req_id, i, im.key) for b, i, im in covered}
         todo = {im.key: im for b, i, im in covered if found[(b, i)] is None}
-        if todo:   # one encoder call for every new image of the step (a repeated image once)
-            pixels = torch.from_numpy(np.stack([im.pixels for im in todo.values()])).to(self.device)
-            positions = None
-            if any(im.positions is not None for im in todo.values()):
-                positions = torch.from_numpy(np.stack([im.positions for im in todo.values()])).to(self.device)
-            fresh = dict(zip(todo, self.model.encode_images(pixels, positions)))
-            cache.encoded += len(todo)
-            for (b, i), tokens in found.items():
-                if tokens is None:
-                    key = self.images[seqs[b].req_id][i].key
-                    found[(b, i)] = fresh[key]
-                    cache.put(seqs[b].req_id, i, key, fresh[key])
+        fresh: dict[str, torch.Tensor] = {}
+        for modality in dict.fromkeys(im.modality for im in todo.values()):   # a repeated item once
+            items = {k: im for k, im in todo.items() if im.modality is modality}
+            out = self.model.encode_media(modality, [im.data for im in items.values()],
+                                          [im.extra for im in items.values()], self.device)
+            fresh.update(zip(items, out))
+        cache.encoded += len(todo)
+        for (b, i), tokens in found.items():
+            if tokens is None:
+                key = self.media[seqs[b].req_id][i].key
+                found[(b, i)] = fresh[key]
+                cache.put(seqs[b].req_id, i, key, fresh[key])
         embeds = self.model.embed(input_ids)
         rows, parts, first = [], [], 0
         for b, s in enumerate(seqs):
@@ -241,7 +240,7 @@ class ModelRunner:
             if s.sample:
                 rows.extend(range(end - 1 - s.num_drafts, end))
                 sampled.extend([b] * (s.num_drafts + 1))
-        embeds = self._image_embeds(seqs, input_ids) if self.images else None
+        embeds = self._media_embeds(seqs, input_ids) if self.media else None
         # Decode batches, and verification steps as one decode row per token, run through CUDA graphs or
         # compiled CPU steps where the engine has them; everything else eagerly.
         as_decode = md if md.is_decode_only and embeds is None else None

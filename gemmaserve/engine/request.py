@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from .images import ImageItem, hash_token_ids
+from .media import MediaItem, hash_token_ids
 from .sampling_params import SamplingParams
 
 
@@ -39,7 +39,7 @@ class TokenLogprob:
 
 @dataclass(eq=False)   # identity: requests are compared in scheduler lists, never by value
 class Request:
-    """Who writes what: `LLMEngine.add_request` the fields up to `images` (then never again); the KV
+    """Who writes what: `LLMEngine.add_request` the fields up to `media` (then never again); the KV
     manager `block_hashes`; the scheduler everything about progress and tokens (output ids, computed and
     pending counts, status, admission and table bookkeeping, the cached and draft counters) and the ends
     that need no text (stop token, end of sequence, length, a failed step). The engine alone ends a
@@ -59,7 +59,7 @@ class Request:
     grammar: Future[Any] | None = None     # structured output: admit only once its grammar is compiled
     max_chunk_tokens: int | None = None    # prefill at most this many tokens a step (it fits only so)
     block_hashes: list[bytes] = field(default_factory=list)   # prefix-cache chain, grown by the KV manager
-    images: list[ImageItem] = field(default_factory=list)     # in prompt order
+    media: list[MediaItem] = field(default_factory=list)      # images and clips, in prompt order
     output_token_ids: list[int] = field(default_factory=list)   # committed (a stop string may end the output earlier)
     num_computed_tokens: int = 0           # tokens whose K/V sit in the cache or are being computed
     num_pending_samples: int = 0           # sampled by a step in flight, not appended yet
@@ -80,15 +80,15 @@ class Request:
     sent_tables: list[tuple[int, int]] | None = None   # per group: (first, end) block the runner holds
     sampling_sent: bool = False            # the runner holds its sampling state
     _all: list[int] = field(init=False)     # prompt + output, grown in place (no copy per step)
-    _keyed: list[int] | None = field(init=False)   # what the prefix cache hashes, with images (else _all)
+    _keyed: list[int] | None = field(init=False)   # what the prefix cache hashes, with media (else _all)
 
     def __post_init__(self) -> None:
         self._all = list(self.prompt_token_ids)
-        self._keyed = hash_token_ids(self._all, self.images) if self.images else None
+        self._keyed = hash_token_ids(self._all, self.media) if self.media else None
 
     @property
     def cache_token_ids(self) -> list[int]:
-        """The ids the prefix cache keys blocks by: `all_token_ids`, with each image's tokens standing
+        """The ids the prefix cache keys blocks by: `all_token_ids`, with each image's or clip's tokens standing
         for its content (a live list: do not modify)."""
         return self._all if self._keyed is None else self._keyed
 

@@ -163,11 +163,11 @@ class Scheduler:
         # Decodes go first but may not take the whole budget while prompts wait: a quarter stays
         # for prefill, so many decodes cannot starve a prompt (and round robin keeps every decode moving).
         reserve = max(1, self.max_num_batched_tokens // 4) if (prefills or self.waiting) else 0
-        # A prefill whose next chunk starts with an image needs the whole image in one step: decodes
+        # A prefill whose next chunk starts with an image or clip needs all of it in one step: decodes
         # leave room for it (all of the budget if need be, for that step).
-        image = max((im.length for r in prefills for im in r.images if im.start == r.num_computed_tokens), default=0)
-        reserve = min(self.max_num_batched_tokens, max(reserve, image))
-        decode_budget = max(0 if image else 1, self.max_num_batched_tokens - reserve)
+        item = max((it.length for r in prefills for it in r.media if it.start == r.num_computed_tokens), default=0)
+        reserve = min(self.max_num_batched_tokens, max(reserve, item))
+        decode_budget = max(0 if item else 1, self.max_num_batched_tokens - reserve)
         used = 0
         for i, req in enumerate(decodes + prefills):
             if req.status is not RequestStatus.RUNNING:   # preempted earlier in this loop
@@ -177,7 +177,7 @@ class Scheduler:
             if used >= self.max_num_batched_tokens:
                 break
             n = self._chunk(req, req.num_computed_tokens, req.num_pending_tokens, self.max_num_batched_tokens - used)
-            if n == 0:   # an image that does not fit what is left of the budget: next step
+            if n == 0:   # an image or clip that does not fit what is left of the budget: next step
                 continue
             drafts = []
             if i < len(decodes) and drafting:
@@ -223,7 +223,7 @@ class Scheduler:
             req = s.request
             if not req.sampling_sent:
                 plan.new_requests.append(NewRequest(req.request_id, req.params, req.seed, req.prompt_token_ids,
-                                                    req.images, list(req.output_token_ids)))
+                                                    req.media, list(req.output_token_ids)))
                 req.sampling_sent = True
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             deltas, new_table = self._table_deltas(req)
@@ -361,7 +361,7 @@ class Scheduler:
             hit = self.kv.lookup(req.request_id, tokens, req.block_hashes)
             n = self._chunk(req, hit, req.num_tokens - hit, budget)
             if n == 0:
-                return  # its next image does not fit this step's budget: it waits (first come, first served)
+                return  # its next image or clip does not fit this step's budget: it waits (first come, first served)
             if not self.kv.allocate(req.request_id, tokens, hit, hit + n, prefill=True, chain=req.block_hashes):
                 return  # first come, first served: nobody overtakes a request that does not fit
             owed += self._prefill_growth(req, hit + n)
@@ -399,12 +399,12 @@ class Scheduler:
     def _chunk(req: Request, start: int, pending: int, budget: int) -> int:
         """Tokens to run for `req` from `start` this step: within the budget, within its own chunk
         limit (a request that fits the KV cache only when prefilled in smaller chunks), and never
-        ending inside an image (its tokens see each other: the chunk stops before the image, or
+        ending inside an image or clip (an image's tokens see each other: the chunk stops before the image, or
         is 0 when the image starts it and does not fit)."""
         n = min(pending, budget)
         if req.max_chunk_tokens is not None:
             n = min(n, req.max_chunk_tokens)
-        for im in req.images:
+        for im in req.media:
             if im.start < start + n < im.end:
                 n = max(0, im.start - start)
         return n

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .images import ImageItem
+from .media import MediaItem
 from .request import TokenLogprob
 from .sampling_params import SamplingParams
 
@@ -46,7 +46,7 @@ class NewRequest:
     params: SamplingParams
     seed: int
     prompt_token_ids: list[int]      # repetition penalty reads them
-    images: list[ImageItem] = field(default_factory=list)   # the runner encodes each once, when a chunk first covers it
+    media: list[MediaItem] = field(default_factory=list)   # the runner encodes each once, when a chunk first covers it
     # Tokens sampled before this runner met the request (another engine's, under disaggregated serving):
     # its grammar and penalty counts start after them.
     output_token_ids: list[int] = field(default_factory=list)
@@ -105,7 +105,7 @@ class StepPlan:
         seqs = [SeqStep(**{**s, "deltas": None if s["deltas"] is None else [TableDelta(**t) for t in s["deltas"]]})
                 for s in d["seqs"]]
         news = [NewRequest(**{**n, "params": SamplingParams(**n["params"]),
-                              "images": [ImageItem(**i) for i in n.get("images", [])]}) for n in d["new_requests"]]
+                              "media": [MediaItem(**i) for i in n.get("media", [])]}) for n in d["new_requests"]]
         return cls(d["step"], seqs, news, [SlotUpdate(**u) for u in d["slot_updates"]], list(d["released"]),
                    list(d["finished"]))
 

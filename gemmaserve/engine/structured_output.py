@@ -24,6 +24,11 @@ whitespace to what pretty-printing needs, numbers to I-JSON's (RFC 7493) unless 
 Grammars end in a stop token: once complete, only the tokenizer's end-of-sequence tokens are
 allowed, so a constrained request finishes with reason "stop" (or "length" at max_tokens, where the
 output is cut short as OpenAI's is).
+
+Reasoning models (`StructuredOutput.reasoning`: the thought channel's begin and end token ids, Gemma 4's
+`<|channel>` and `<channel|>`): the grammar starts where the reasoning ends. The first token may open the
+channel as well as start the grammar's text; inside the channel anything goes; its end token hands over to the
+grammar. A schema never stops a model from thinking first.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class StructuredOutput:
 
     kind: GrammarKind
     spec: str = ""
+    reasoning: tuple[int, int] | None = None   # (begin, end) token ids of a thought channel the grammar follows
 
     def __post_init__(self) -> None:
         try:
@@ -90,6 +96,11 @@ class StructuredOutput:
             raise UserInputError(f"structured output spec is {len(self.spec)} characters; at most {MAX_SPEC_CHARS}")
         if self.kind is not GrammarKind.JSON and not self.spec.strip():
             raise UserInputError(f"structured output {self.kind.value} needs a non-empty spec")
+        if self.reasoning is not None:
+            pair = tuple(self.reasoning)
+            if len(pair) != 2 or not all(isinstance(t, int) and t >= 0 for t in pair) or pair[0] == pair[1]:
+                raise UserInputError(f"structured output reasoning must be two token ids, got {self.reasoning!r}")
+            object.__setattr__(self, "reasoning", pair)
 
     @classmethod
     def json_schema(cls, schema: dict | str) -> "StructuredOutput":
@@ -100,8 +111,8 @@ class StructuredOutput:
         """From a StructuredOutput, a {"kind", "spec"} dict (a plan sent as JSON), or None."""
         if value is None or isinstance(value, StructuredOutput):
             return value
-        if isinstance(value, dict) and set(value) <= {"kind", "spec"} and "kind" in value:
-            return cls(value["kind"], value.get("spec", ""))
+        if isinstance(value, dict) and set(value) <= {"kind", "spec", "reasoning"} and "kind" in value:
+            return cls(value["kind"], value.get("spec", ""), value.get("reasoning"))
         raise UserInputError("structured output must be a StructuredOutput (kind and spec)")
 
 
@@ -323,7 +334,7 @@ class Grammars:
     # -- each step (the engine thread) ---------------------------------------------------------------
     def matcher(self, so: StructuredOutput) -> "GrammarState":
         """A matcher for a request whose grammar is compiled (the engine admits it only then)."""
-        return GrammarState(self._start(kernel=False).result().xgr.GrammarMatcher(self.compile(so)))
+        return GrammarState(self._start(kernel=False).result().xgr.GrammarMatcher(self.compile(so)), so.reasoning)
 
     def bitmask(self, rows: int) -> "torch.Tensor":
         return self._start(kernel=False).result().xgr.allocate_token_bitmask(rows, self.vocab_size)
@@ -334,13 +345,17 @@ class Grammars:
             s.catch_up()
         live = []
         for s, row in zip(states, rows):
-            if s.matcher.is_terminated():   # its request ends with this step's result: anything goes
+            # a request that ends with this step's result, or is thinking: anything goes
+            if s.phase is Phase.REASONING or s.matcher.is_terminated():
                 bitmask[row].fill_(-1)
             else:
                 live.append((s.matcher, row))
         if live:
             batch = self._start(kernel=False).result().batch
             batch.batch_fill_next_token_bitmask([m for m, _ in live], bitmask, [r for _, r in live])
+        for s, row in zip(states, rows):
+            if s.phase is Phase.FIRST:   # the first token may also open the thought channel
+                _allow(bitmask, row, s.reasoning[0])
 
     def apply(self, logits: "torch.Tensor", bitmask: "torch.Tensor", rows: list[int]) -> None:
         """For each r in rows: tokens bitmask[r] disallows get logits[r] = -inf, on the logits' device.
@@ -379,17 +394,48 @@ def _canonical(so: StructuredOutput) -> str:
         raise UserInputError(f"the JSON schema is not valid JSON: {exc}") from None
 
 
-class GrammarState:
-    """One request's matcher and the token it sampled last step (accepted lazily, see the module)."""
+class Phase(enum.Enum):
+    FIRST = "first"            # nothing sampled yet: the thought channel may open
+    REASONING = "reasoning"    # inside the thought channel: unconstrained
+    CONSTRAINED = "constrained"
 
-    def __init__(self, matcher: Any):
+
+def _allow(bitmask: "torch.Tensor", row: int, token: int) -> None:
+    """Set `token`'s bit in a row of xgrammar's int32 bitmask."""
+    word, bit = divmod(token, 32)
+    value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+class GrammarState:
+    """One request's matcher and the token it sampled last step (accepted lazily, see the module), and where it
+    stands with respect to a thought channel (`reasoning`: its begin and end ids; None: constrained from the
+    first token)."""
+
+    def __init__(self, matcher: Any, reasoning: tuple[int, int] | None = None):
         self.matcher = matcher
+        self.reasoning = reasoning
+        self.phase = Phase.FIRST if reasoning is not None else Phase.CONSTRAINED
         self._pending: tuple["Sampled", int] | None = None
+
+    def _gate(self, token: int) -> bool:
+        """Move through the thought channel; True if `token` belongs to it (the grammar does not see it)."""
+        if self.phase is Phase.FIRST:
+            self.phase = Phase.REASONING if token == self.reasoning[0] else Phase.CONSTRAINED
+            return self.phase is Phase.REASONING
+        if self.phase is Phase.REASONING:
+            if token == self.reasoning[1]:
+                self.phase = Phase.CONSTRAINED
+            return True
+        return False
+
+    def _take(self, token: int) -> bool:
+        return self._gate(token) or self.matcher.is_terminated() or self.matcher.accept_token(token)
 
     def accept(self, token: int) -> None:
         """A token sampled elsewhere (before this matcher existed)."""
         self.catch_up()
-        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+        if not self._take(token):
             raise UserInputError(f"token {token} does not fit the request's grammar")
 
     def sampled(self, step: "Sampled", row: int) -> None:
@@ -399,13 +445,18 @@ class GrammarState:
         """How many of `tokens` the grammar takes next, in a row (drafts it forbids are never worth
         verifying); the matcher is left as it was."""
         self.catch_up()
-        n = 0
+        phase, n, fed = self.phase, 0, 0
         for t in tokens:
+            if self._gate(t):
+                n += 1
+                continue
             if self.matcher.is_terminated() or not self.matcher.accept_token(t):
                 break
             n += 1
-        if n:
-            self.matcher.rollback(n)
+            fed += 1
+        if fed:
+            self.matcher.rollback(fed)
+        self.phase = phase
         return n
 
     def catch_up(self) -> None:
@@ -414,6 +465,6 @@ class GrammarState:
         step, row = self._pending
         self._pending = None
         token = step.host_token(row)
-        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+        if not self._take(token):
             # The mask allowed only accepted tokens: a rejected one means the mask was not applied.
             raise RuntimeError(f"token {token} violates the request's grammar")

@@ -107,6 +107,12 @@ class AudioFeatureExtractor:
         padded = -(-num_samples // c.pad_to_multiple_of) * c.pad_to_multiple_of + c.frame_length // 2
         return max(0, (padded - c.frame_length - 1) // c.hop + 1)
 
+    def valid_frames(self, num_samples: int) -> np.ndarray:
+        """[frames] bool: the frames of a clip of `num_samples` that end on one of its samples."""
+        c = self.config
+        last = np.arange(self.num_frames(num_samples)) * c.hop + c.frame_length - c.frame_length // 2
+        return last < num_samples
+
     def __call__(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`samples` [N] (mono, `sampling_rate`, N <= max_samples) -> (features [T, feature_size] float32,
         mask [T] bool: the frames that end on a sample of the clip)."""
@@ -123,6 +129,8 @@ class AudioFeatureExtractor:
         padded = np.zeros(left + total, dtype=np.float32)
         padded[left:left + n] = x
         t = self.num_frames(n)
+        if t == 0:   # shorter than one frame
+            return np.zeros((0, c.feature_size), dtype=np.float32), np.zeros(0, dtype=bool)
         # frame i reads samples [i * hop, i * hop + frame_length] of the padded clip (one more than the frame
         # holds: the sample before each one feeds the pre-emphasis); a strided view, no copy
         raw = np.lib.stride_tricks.sliding_window_view(padded, c.frame_length + 1)[::c.hop][:t]
@@ -141,8 +149,7 @@ class AudioFeatureExtractor:
             features = features - self.mean
         if self.std is not None:
             features = features / self.std
-        last = np.arange(t) * c.hop + c.frame_length - left   # each frame's last sample, in clip coordinates
-        mask = last < n
+        mask = self.valid_frames(n)
         features = features.astype(np.float32)
         features[~mask] = 0.0
         return features, mask

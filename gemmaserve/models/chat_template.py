@@ -17,9 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UserInputError
+from .multimodal import Modality
 from .tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 @dataclass(frozen=True)
@@ -38,15 +40,24 @@ class ChatMessage:
         return d
 
 
-def parse_chat(raw: object, image_placeholder: str | None,
-               image_objects: bool = False) -> tuple[list[ChatMessage], list[object]]:
-    """OpenAI `messages` -> (ChatMessage list, images in order). Content is a string or a list of
-    text and `image_url` parts (their URL strings are returned); each image part becomes
-    `image_placeholder` in the text (None: the model takes no images, and an image part is an error).
-    `image_objects` (the Python API) also takes {"type": "image", "image": <PIL image, array, path>}."""
+# content part type -> (modality, the field holding it, whether the field is {"url": ...}); "image"/"audio" parts
+# (Python objects: PIL images, arrays, samples, paths) only through the Python API
+_MEDIA_PARTS = {"image_url": (Modality.IMAGE, "image_url", True), "audio_url": (Modality.AUDIO, "audio_url", True),
+                "input_audio": (Modality.AUDIO, "input_audio", False)}
+_OBJECT_PARTS = {"image": (Modality.IMAGE, "image", False), "audio": (Modality.AUDIO, "audio", False)}
+
+
+def parse_chat(raw: object, placeholders: dict[Modality, str], python_objects: bool = False
+               ) -> tuple[list[ChatMessage], list[tuple[Modality, object]]]:
+    """OpenAI `messages` -> (ChatMessage list, the images and audio in order, each with its modality). Content is a
+    string or a list of parts: text, `image_url` and `audio_url` (their URL strings are returned), `input_audio`
+    (its {"data", "format"} object is returned); each media part becomes its modality's placeholder in the text
+    (`placeholders`: what the model takes; a part of another kind is an error). `python_objects` (the Python API)
+    also takes {"type": "image", "image": ...} and {"type": "audio", "audio": ...} with objects."""
     if not isinstance(raw, list) or not raw:
         raise UserInputError("messages must be a non-empty list of {role, content} objects")
-    out, urls = [], []
+    kinds = {**_MEDIA_PARTS, **(_OBJECT_PARTS if python_objects else {})}
+    out, media = [], []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise UserInputError(f"messages[{i}] must be an object with role and content")
@@ -57,22 +68,26 @@ def parse_chat(raw: object, image_placeholder: str | None,
             parts = []
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "image_url" or (image_objects and kind == "image"):
-                    if image_placeholder is None:
-                        raise UserInputError(f"messages[{i}].content[{j}]: this model does not take images")
-                    if kind == "image":
-                        image = part.get("image")
-                    else:
-                        image = part.get("image_url")
-                        image = image.get("url") if isinstance(image, dict) else image
-                        if not isinstance(image, str):
-                            raise UserInputError(f"messages[{i}].content[{j}].image_url.url must be a string")
-                    urls.append(image)
-                    parts.append(image_placeholder)
+                where = f"messages[{i}].content[{j}]"
+                if kind in kinds:
+                    modality, key, is_url = kinds[kind]
+                    if modality not in placeholders:
+                        raise UserInputError(f"{where}: this model does not take {modality.inputs}")
+                    value = part.get(key)
+                    if is_url:
+                        value = value.get("url") if isinstance(value, dict) else value
+                        if not isinstance(value, str):
+                            raise UserInputError(f"{where}.{key}.url must be a string")
+                    elif kind == "input_audio" and not isinstance(value, dict):
+                        raise UserInputError(f'{where}.input_audio must be {{"data": base64 audio, "format": ...}}')
+                    media.append((modality, value))
+                    parts.append(placeholders[modality])
                     continue
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise UserInputError(f"messages[{i}].content[{j}]: only text and image_url parts are supported "
-                                         "({\"type\": \"text\", \"text\": ...})")
+                if kind == "video_url":
+                    raise UserInputError(f"{where}: video inputs are not supported yet")
+                if not isinstance(part, dict) or kind != "text" or not isinstance(part.get("text"), str):
+                    raise UserInputError(f"{where}: only text, image_url, input_audio and audio_url parts are "
+                                         "supported ({\"type\": \"text\", \"text\": ...})")
                 parts.append(part["text"])
             content = "".join(parts)
         calls = _tool_calls(m.get("tool_calls"), i) if role == "assistant" else ()
@@ -84,7 +99,7 @@ def parse_chat(raw: object, image_placeholder: str | None,
         if name is not None and not isinstance(name, str):
             raise UserInputError(f"messages[{i}].name must be a string")
         out.append(ChatMessage(role, content, calls, name))
-    return out, urls
+    return out, media
 
 
 def _tool_calls(raw: object, i: int) -> tuple[dict, ...]:
@@ -130,8 +145,17 @@ class ChatFormatter:
         """The checkpoint's template declares tools itself (else the caller describes them)."""
         return self._template is not None and "tools" in (self.tokenizer.chat_template or "")
 
-    def render(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> str:
-        """`tools`: OpenAI function tools, passed to a template that renders them (`renders_tools`)."""
+    def render(self, messages: list[ChatMessage], tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> str:
+        """`tools`: OpenAI function tools, passed to a template that renders them (`renders_tools`).
+        `template_kwargs`: more variables for the checkpoint's template (e.g. enable_thinking); Gemma's turn
+        format (no template) has none to set."""
+        template_kwargs = dict(template_kwargs or {})
+        if not all(isinstance(k, str) for k in template_kwargs):
+            raise UserInputError("chat_template_kwargs must be an object with string keys")
+        taken = sorted(set(template_kwargs) & RESERVED_TEMPLATE_VARIABLES)
+        if taken:
+            raise UserInputError(f"chat_template_kwargs may not set {', '.join(taken)} (the server sets them)")
         if self._template is None:
             return gemma_turns(messages)
         from jinja2 import TemplateError
@@ -139,16 +163,16 @@ class ChatFormatter:
         tok = self.tokenizer
         extra = {"tools": tools} if tools else {}
         try:
-            return self._template.render(messages=[m.template_dict() for m in messages],
+            return self._template.render(**template_kwargs, messages=[m.template_dict() for m in messages],
                                          add_generation_prompt=True, bos_token=tok.special_text(tok.bos_token_id),
                                          eos_token=tok.special_text(tok.eos_token_id), **extra)
         except TemplateError as exc:
             raise UserInputError(f"chat template: {exc}") from None
 
     def encode(self, messages: list[ChatMessage], expand: Callable[[str], str] | None = None,
-               tools: list[dict] | None = None) -> list[int]:
+               tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of the rendered conversation; `expand` rewrites the text first (image placeholders)."""
-        text = self.render(messages, tools)
+        text = self.render(messages, tools, template_kwargs)
         if expand is not None:
             text = expand(text)
         bos = self.tokenizer.special_text(self.tokenizer.bos_token_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,7 +24,7 @@ from .fused_ops import rms_norm
 from .gemma3 import Gemma3Config, Gemma3ForCausalLM
 from .image_processing import ImageProcessor
 from .layers import RMSNorm
-from .multimodal import ImageLayout
+from .multimodal import MediaLayout, Modality
 from .siglip import SiglipConfig, SiglipVisionTower
 
 BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
@@ -114,11 +115,19 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     # -- images ----------------------------------------------------------------------------------
     @property
-    def image_layout(self) -> ImageLayout:
+    def image_layout(self) -> MediaLayout:
         n = self.mm_config.mm_tokens_per_image
-        return ImageLayout(placeholder=BOI, before=f"\n\n{BOI}", token=IMAGE, after=f"{EOI}\n\n",
-                           image_token_id=self.mm_config.image_token_id, max_tokens_per_image=n,
+        return MediaLayout(Modality.IMAGE, placeholder=BOI, before=f"\n\n{BOI}", token=IMAGE, after=f"{EOI}\n\n",
+                           token_id=self.mm_config.image_token_id, max_tokens=n,
                            processor=ImageProcessor(self.mm_config.vision.image_size, n))
+
+    def media_layouts(self) -> dict[Modality, MediaLayout]:
+        return {Modality.IMAGE: self.image_layout}
+
+    def encode_media(self, modality: Modality, data: list[np.ndarray], extra: list, device: torch.device
+                     ) -> list[torch.Tensor]:
+        """Soft tokens [n_i, H] of each item (what EncoderInput holds; images only), encoded together."""
+        return list(self.encode_images(torch.from_numpy(np.stack(data)).to(device)))
 
     def encode_images(self, pixels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """[N, 3, S, S] -> soft tokens [N, tokens_per_image, H] in the model's dtype."""

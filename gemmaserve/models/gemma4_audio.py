@@ -26,9 +26,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .audio_features import AudioFeatureConfig, AudioFeatureExtractor
+from .multimodal import EncoderInput
 
 
 @dataclass(frozen=True)
@@ -263,3 +267,34 @@ class AudioEmbedder(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding_projection(rms_norm(tokens, None, self.eps))
+
+
+class AudioProcessor:
+    """One clip's samples (mono, the extractor's rate, at most `max_samples`) -> its features and frame mask, and
+    its token count: the frames left valid by the two stride-2 subsampling convolutions, as the tower's mask (and
+    transformers' processor) count them."""
+
+    def __init__(self, config: AudioFeatureConfig):
+        self.config = config
+        self.extractor = AudioFeatureExtractor(config)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_tokens(self.config.max_samples)
+
+    @property
+    def min_seconds(self) -> float:
+        """The shortest clip that gives one token."""
+        lo, hi = 1, self.config.max_samples
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.num_tokens(mid) else (mid + 1, hi)
+        return lo / self.config.sampling_rate
+
+    def num_tokens(self, num_samples: int) -> int:
+        return int(self.extractor.valid_frames(num_samples)[::2][::2].sum())
+
+    def __call__(self, samples: np.ndarray) -> EncoderInput:
+        features, mask = self.extractor(samples)
+        return EncoderInput(features, int(mask[::2][::2].sum()), mask)
+

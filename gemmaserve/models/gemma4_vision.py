@@ -1,5 +1,6 @@
-"""Gemma4ForConditionalGeneration with images: the Gemma 4 text model plus its ViT image encoder
-(E2B/E4B and 26B/31B; the encoder-free 12B gemma4_unified is not covered).
+"""Gemma4ForConditionalGeneration: the Gemma 4 text model plus whichever of its encoders the checkpoint has,
+the ViT image encoder (E2B/E4B and 26B/31B) and the conformer audio encoder (E2B/E4B, gemma4_audio.py); the
+encoder-free 12B gemma4_unified is not covered.
 
     patches [N, P, 3 p^2] in [0, 1], positions [N, P, 2] (x, y; -1 = padding)
     -> Linear(2 (x - 0.5)) + pos_x[x] + pos_y[y]
@@ -10,8 +11,9 @@
     -> * sqrt(Hv) in fp32 (26B/31B: (h - std_bias) * std_scale) -> dtype
     -> embed_vision: weightless RMSNorm, Linear(Hv -> H)      soft tokens, not scaled by sqrt(H)
 
-Text side: `<boi>` + N x `<|image|>` + `<eoi>`; placeholder ids read the pad row (and pad PLE
-row); with use_bidirectional_attention="vision" an image's tokens see each other on sliding layers.
+Text side: `<boi>` + N x `<|image|>` + `<eoi>`, `<boa>` + N x `<|audio|>` + `<eoa>`; placeholder ids read the
+pad row (and pad PLE row); with use_bidirectional_attention="vision" an image's tokens see each other on sliding
+layers (audio tokens stay causal).
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from ..errors import UserInputError
 from .base import ModelInputs, ModelPreferences
 from .fused_ops import NormKind, rms_norm
 from .gemma4 import Gemma4Config, Gemma4ForCausalLM
-from .gemma4_audio import AudioTowerConfig
+from .audio_features import AudioFeatureConfig
+from .gemma4_audio import AudioEmbedder, AudioProcessor, AudioTower, AudioTowerConfig
+from .gemma4_audio import checkpoint_name as audio_checkpoint_name
 from .image_processing import to_rgb
 from .layers import RMSNorm
-from .multimodal import ImageLayout, ProcessedImage
+from .multimodal import EncoderInput, MediaLayout, Modality
 
 SOFT_TOKEN_CHOICES = (70, 140, 280, 560, 1120)
 
@@ -76,6 +80,10 @@ class Gemma4VisionConfig:
     pad_token_id: int = 0
     max_soft_tokens: int = 280       # the image processor's budget per image (preprocessor_config.json)
     audio: AudioTowerConfig | None = None
+    audio_token_id: int = 258881
+    boa_token_id: int = 256000
+    eoa_token_id: int = 258883
+    audio_features: AudioFeatureConfig = AudioFeatureConfig()   # the checkpoint's feature extractor settings
 
     vocab_size = property(lambda self: self.text.vocab_size)
     max_position_embeddings = property(lambda self: self.text.max_position_embeddings)
@@ -92,10 +100,21 @@ class Gemma4VisionConfig:
             audio = AudioTowerConfig.from_hf(cfg["audio_config"]) if cfg.get("audio_config") else None
         except ValueError as exc:
             raise UserInputError(f"audio_config: {exc}") from None
+        try:
+            features = AudioFeatureConfig.from_hf((cfg.get("_processor") or {}).get("feature_extractor") or {})
+        except (ValueError, TypeError) as exc:
+            raise UserInputError(f"the checkpoint's audio feature extractor config: {exc}") from None
+
+        def token(*names: str, default: int) -> int:
+            return int(next((cfg[n] for n in names if cfg.get(n) is not None), default))
+
         return cls(text=Gemma4Config.from_hf(cfg), vision=vision, audio=audio,
-                   image_token_id=int(cfg.get("image_token_id", 258880)),
-                   boi_token_id=int(cfg.get("boi_token_id", 255999)), eoi_token_id=int(cfg.get("eoi_token_id", 258882)),
-                   pad_token_id=int(text.get("pad_token_id") or 0), max_soft_tokens=soft)
+                   image_token_id=token("image_token_id", default=258880),
+                   boi_token_id=token("boi_token_id", default=255999), eoi_token_id=token("eoi_token_id", default=258882),
+                   pad_token_id=int(text.get("pad_token_id") or 0), max_soft_tokens=soft,
+                   audio_token_id=token("audio_token_id", default=258881),
+                   boa_token_id=token("boa_token_id", "boa_token_index", default=256000),
+                   eoa_token_id=token("eoa_token_id", "eoa_token_index", default=258883), audio_features=features)
 
 
 @dataclass(frozen=True)
@@ -126,7 +145,7 @@ class Gemma4ImageProcessor:
             th, tw = min(int(math.floor(height / width)) * side, longest), side
         return th, tw
 
-    def __call__(self, image) -> ProcessedImage:
+    def __call__(self, image) -> EncoderInput:
         from PIL import Image
 
         rgb = to_rgb(image)
@@ -142,7 +161,7 @@ class Gemma4ImageProcessor:
         pad = self.max_patches - ph * pw
         patches = np.pad(patches, ((0, pad), (0, 0)))
         positions = np.pad(positions, ((0, pad), (0, 0)), constant_values=-1).astype(np.int64)
-        return ProcessedImage(patches, ph * pw // self.pooling_kernel_size ** 2, positions)
+        return EncoderInput(patches, ph * pw // self.pooling_kernel_size ** 2, positions)
 
 
 class ClippedLinear(nn.Module):
@@ -289,35 +308,69 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
             self.vision_tower = Gemma4VisionTower(cfg.vision, dtype)
             self.embed_vision = Gemma4VisionEmbedder(cfg.vision.hidden_size, cfg.text.hidden_size,
                                                      cfg.vision.rms_norm_eps, dtype)
-        # The audio tower (gemma4_audio.py) is not built yet: nothing places audio in a prompt, and its weights
-        # (~300M parameters on E2B/E4B) would sit unused; its config is still read and checked.
+        if cfg.audio is not None:
+            self.audio_tower = AudioTower(cfg.audio).to(dtype)
+            self.embed_audio = AudioEmbedder(cfg.audio, cfg.text.hidden_size).to(dtype)
 
     def engine_preferences(self) -> ModelPreferences:
         return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=False, kv_transfer_runtime="nixl")
 
     @property
-    def image_layout(self) -> ImageLayout | None:
+    def image_layout(self) -> MediaLayout | None:
         cfg = self.mm_config
         if cfg.vision is None:
             return None
         proc = Gemma4ImageProcessor(cfg.vision.patch_size, cfg.vision.pooling_kernel_size, cfg.max_soft_tokens)
-        return ImageLayout(placeholder="", before="", token="", after="", image_token_id=cfg.image_token_id,
-                           max_tokens_per_image=cfg.max_soft_tokens, processor=proc, boi_token_id=cfg.boi_token_id,
-                           eoi_token_id=cfg.eoi_token_id)
+        return MediaLayout(Modality.IMAGE, placeholder="", before="", token="", after="", token_id=cfg.image_token_id,
+                           max_tokens=cfg.max_soft_tokens, processor=proc, begin_token_id=cfg.boi_token_id,
+                           end_token_id=cfg.eoi_token_id)
+
+    @property
+    def audio_layout(self) -> MediaLayout | None:
+        cfg = self.mm_config
+        if cfg.audio is None:
+            return None
+        proc = AudioProcessor(cfg.audio_features)
+        return MediaLayout(Modality.AUDIO, placeholder="", before="", token="", after="", token_id=cfg.audio_token_id,
+                           max_tokens=proc.max_tokens, processor=proc, bidirectional=False,
+                           begin_token_id=cfg.boa_token_id, end_token_id=cfg.eoa_token_id)
+
+    def media_layouts(self) -> dict[Modality, MediaLayout]:
+        layouts = {Modality.IMAGE: self.image_layout, Modality.AUDIO: self.audio_layout}
+        return {m: layout for m, layout in layouts.items() if layout is not None}
 
     def encode_images(self, pixels: torch.Tensor, positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Patches [N, P, 3 p^2] and positions [N, P, 2] -> soft tokens of each image [n_i, H]."""
         return [self.embed_vision(h) for h in self.vision_tower(pixels, positions)]
 
+    def encode_audio(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One clip's log-mel features [T, bins] and frame mask [T] -> its soft tokens [n, H] (valid frames only)."""
+        tokens, valid = self.audio_tower(features.to(self.embed_audio.embedding_projection.weight.dtype), mask)
+        return self.embed_audio(tokens[valid])
+
+    def encode_media(self, modality: Modality, data: list[np.ndarray], extra: list, device: torch.device
+                     ) -> list[torch.Tensor]:
+        """Soft tokens [n_i, H] of each item (what EncoderInput holds): images together, clips one by one (the
+        tower takes one clip; each is up to 30 s)."""
+        if modality is Modality.IMAGE:
+            return self.encode_images(torch.from_numpy(np.stack(data)).to(device),
+                                      torch.from_numpy(np.stack(extra)).to(device))
+        return [self.encode_audio(torch.from_numpy(d).to(device), torch.from_numpy(m).to(device))
+                for d, m in zip(data, extra)]
+
+    def _text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Soft-token ids read the pad row (of the embedding and per-layer tables), as transformers has it."""
+        cfg = self.mm_config
+        soft = (input_ids == cfg.image_token_id) | (input_ids == cfg.audio_token_id)
+        return input_ids.masked_fill(soft, cfg.pad_token_id)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.model.embed_tokens
-        ids = input_ids.masked_fill(input_ids == self.mm_config.image_token_id, self.mm_config.pad_token_id)
-        return table(ids) * torch.tensor(self.config.hidden_size ** 0.5).to(table.dtype)
+        return table(self._text_ids(input_ids)) * torch.tensor(self.config.hidden_size ** 0.5).to(table.dtype)
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        if self.config.hidden_size_per_layer_input:   # image rows read the pad row of the per-layer table
-            ids = inputs.input_ids
-            inputs.input_ids = ids.masked_fill(ids == self.mm_config.image_token_id, self.mm_config.pad_token_id)
+        if self.config.hidden_size_per_layer_input:
+            inputs.input_ids = self._text_ids(inputs.input_ids)
         return super().forward(inputs)
 
     def checkpoint_name(self, name: str) -> str | None:
@@ -331,6 +384,9 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                 for theirs, mine in _RENAMES:
                     rest = rest.replace(theirs, mine)
                 return ours + rest
-        if name.removeprefix("model.").startswith(("audio_tower.", "embed_audio.")):
-            return None   # not loaded until audio inputs are served (see __init__)
+        bare = name.removeprefix("model.")
+        if bare.startswith("audio_tower."):
+            return "audio_tower." + audio_checkpoint_name(bare[len("audio_tower."):])
+        if bare.startswith("embed_audio."):
+            return bare
         return super().checkpoint_name(name)

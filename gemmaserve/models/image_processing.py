@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .multimodal import ProcessedImage
+from .multimodal import EncoderInput
 
 
 def to_rgb(image):
@@ -34,8 +34,8 @@ class ImageProcessor:
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
 
-    def __call__(self, image) -> ProcessedImage:
-        return ProcessedImage(self.pixels(image), self.num_tokens)
+    def __call__(self, image) -> EncoderInput:
+        return EncoderInput(self.pixels(image), self.num_tokens)
 
     def pixels(self, image) -> np.ndarray:
         """A PIL image -> [3, size, size] float32."""

@@ -194,7 +194,30 @@ def _hf_config(path: Path) -> tuple[type[CausalLM], object]:
     except json.JSONDecodeError as exc:
         raise UserInputError(f"{path / 'config.json'} is not valid JSON: {exc}") from exc
     model_class = model_class_for_hf(cfg.get("architectures"), cfg.get("model_type"))
+    processor = _processor_config(path)
+    if processor:   # how the checkpoint prepares audio (and images): its models read it as "_processor"
+        cfg["_processor"] = processor
     return model_class, model_class.config_class.from_hf(cfg)
+
+
+def _processor_config(path: Path) -> dict:
+    """The checkpoint's processor settings, by part ("feature_extractor", "image_processor"): from
+    processor_config.json (one entry per part) or preprocessor_config.json (a single part, by its type)."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise UserInputError(f"{file} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise UserInputError(f"{file} must hold a JSON object")
+        if any(isinstance(raw.get(k), dict) for k in ("feature_extractor", "image_processor")):
+            return {k: raw[k] for k in ("feature_extractor", "image_processor") if isinstance(raw.get(k), dict)}
+        kind = "feature_extractor" if "FeatureExtractor" in str(raw.get("feature_extractor_type", "")) else "image_processor"
+        return {kind: raw}
+    return {}
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device,

@@ -19,6 +19,11 @@ class ServerConfig:
     max_images_per_request: int = option(8, parse=positive_int, help="most images in one chat request")
     max_image_pixels: int = option(40_000_000, parse=positive_int, help="most pixels (width x height) of one image")
     max_image_bytes: int = option(8 << 20, parse=size, help="largest encoded image (after base64 decoding)")
+    max_audio_per_request: int = option(4, parse=positive_int, help="most audio inputs in one chat request")
+    max_audio_seconds: float = option(
+        600.0, parse=number, help="longest audio input in seconds (split into the encoder's 30 s clips)")
+    max_audio_bytes: int = option(25 << 20, parse=size,
+                                  help="largest encoded audio input (a transcription upload may be this large)")
     max_queue_len: int | None = option(
         None, parse=positive_int,
         help="most completions waiting beyond --max-num-seqs running ones: at most their sum are in the server, "
@@ -44,8 +49,16 @@ class ServerConfig:
             raise UserInputError(f"max_queue_len must be at least 1, got {self.max_queue_len!r}")
         if self.request_timeout is not None and not _positive(self.request_timeout):
             raise UserInputError(f"request_timeout must be a positive number of seconds, got {self.request_timeout!r}")
+        if not _positive(self.max_audio_seconds):
+            raise UserInputError(f"max_audio_seconds must be a positive number, got {self.max_audio_seconds!r}")
         if not _positive(self.shutdown_timeout, zero_ok=True):
             raise UserInputError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
+
+    @property
+    def audio_limits(self):
+        from ..engine.audio import AudioLimits
+
+        return AudioLimits(self.max_audio_per_request, self.max_audio_bytes, self.max_audio_seconds)
 
     @property
     def image_limits(self):

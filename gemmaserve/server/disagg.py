@@ -164,7 +164,7 @@ class DisaggServer(OpenAIServer):
     # -- how a request starts -----------------------------------------------------------------------
     async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[tuple[str, list[int]]],
                      params: SamplingParams, deadline: float | None, admission: Admission,
-                     images: list[list] | None = None) -> Generation:
+                     media: list[list] | None = None) -> Generation:
         tp = req.kv_transfer_params
         if tp is None:
             raise ApiError(400, f"this is a {self.role} engine: send requests through `gemmaserve router` "
@@ -177,27 +177,27 @@ class DisaggServer(OpenAIServer):
             raise ApiError(400, "disaggregated serving takes one prompt and n=1 per request", param="prompt")
         gid = f"{rid}-0"   # AsyncEngine's engine id for prompt 0
         if self.role == "prefill":
-            return self._prefill(rid, gid, tid, prompts, params, deadline, admission, images)
+            return self._prefill(rid, gid, tid, prompts, params, deadline, admission, media)
         url = tp.get("prefill_url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ApiError(400, "kv_transfer_params.prefill_url must be an http(s) URL", param="kv_transfer_params")
-        return await self._decode(rid, gid, tid, url.rstrip("/"), prompts, params, deadline, admission, images)
+        return await self._decode(rid, gid, tid, url.rstrip("/"), prompts, params, deadline, admission, media)
 
-    def _prefill(self, rid, gid, tid, prompts, params, deadline, admission, images) -> Generation:
+    def _prefill(self, rid, gid, tid, prompts, params, deadline, admission, media) -> Generation:
         try:
             self.prefill.expect(gid, tid)
         except ValueError as exc:
             raise ApiError(409, str(exc), param="kv_transfer_params", code="transfer_id_in_use") from None
         try:
             outputs = self.async_engine.generate(rid, prompts, dataclasses.replace(params, max_tokens=1), deadline,
-                                                 images=images, admission=admission)
+                                                 media=media, admission=admission)
         except BaseException:
             self.prefill.forget(gid)
             raise
         outputs.on_end(lambda: self.prefill.forget(gid))
         return outputs
 
-    async def _decode(self, rid, gid, tid, url, prompts, params, deadline, admission, images) -> Generation:
+    async def _decode(self, rid, gid, tid, url, prompts, params, deadline, admission, media) -> Generation:
         started = time.perf_counter()
         desc = await asyncio.to_thread(self._call, url, "GET", f"/disagg/transfers/{tid}")
         ids = prompts[0][1]
@@ -242,7 +242,7 @@ class DisaggServer(OpenAIServer):
 
         try:
             outputs = self.async_engine.generate(
-                rid, prompts, params, deadline, images=images, admission=admission,
+                rid, prompts, params, deadline, media=media, admission=admission,
                 adopt=lambda eng, g: self.decode.adopt(eng, g, plan, buffer, desc["first_token"], first_lp))
         except BaseException:
             cancel()

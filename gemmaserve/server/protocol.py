@@ -7,7 +7,7 @@ Unknown fields are ignored, as OpenAI-compatible servers do; known fields that w
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -107,9 +107,30 @@ class ChatRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None   # e.g. {"enable_thinking": true} (Gemma 4)
+    include_reasoning: bool = True   # reasoning models: reasoning apart as reasoning_content (false: in content)
 
 
-def parse(cls: type[_Strict], body: Any) -> Any:
+class TranscriptionRequest(BaseModel):
+    """The form fields of /v1/audio/transcriptions and /v1/audio/translations (multipart: every value arrives as
+    text, so values are converted, not strict). `file` is read apart (the upload)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    language: str | None = None
+    prompt: str | None = None
+    response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] = "json"
+    temperature: float = _doc(0.0, minimum=0, maximum=2)
+    stream: bool = False
+    timestamp_granularities: list[Literal["segment"]] = Field(default_factory=lambda: ["segment"],
+                                                              alias="timestamp_granularities[]")
+    seed: int | None = None
+    max_tokens: int | None = _doc(minimum=1)   # per 30 s clip (vLLM's extension); default: 448
+    request_timeout: float | None = _doc(exclusiveMinimum=0)
+    kv_transfer_params: None = None   # (no disaggregated transcriptions)
+
+
+def parse(cls: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:

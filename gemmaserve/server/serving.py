@@ -1,0 +1,253 @@
+"""What every OpenAI endpoint shares: reading and checking a request (body size, model name, grammar, KV fit,
+deadline), admission, starting a generation, collecting or streaming its outputs, and usage.
+
+`Serving` is the base of each endpoint's class (serving_completion.py, serving_chat.py, serving_audio.py);
+`OpenAIServer` (app.py) joins them and owns the attributes declared here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ..engine.llm_engine import LLMEngine
+from ..engine.request import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from ..errors import UserInputError
+from ..models.chat_template import ChatFormatter
+from ..models.tokenizer import Tokenizer
+from .async_engine import Admission, AsyncEngine, DeadlineExceeded, EngineDeadError, Generation, QueueFull
+from .config import ServerConfig
+from .metrics import ServerMetrics
+from .protocol import ApiError, ChatRequest, CompletionRequest, now, usage
+from .reasoning import ReasoningFormat
+
+PARSE_OFF_LOOP_BYTES = 64 << 10   # bodies above this are parsed on a worker thread
+RETRY_AFTER_S = 1                 # what 429 and 503 tell clients to wait
+
+
+@dataclass
+class Prompt:
+    text: str
+    ids: list[int]
+
+
+class Serving:
+    config: ServerConfig
+    metrics: ServerMetrics
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    tokenizer: Tokenizer
+    chat: ChatFormatter
+    reasoning: ReasoningFormat | None   # the model's thought channel, if its tokenizer has one
+    model_name: str
+    accepted_names: set[str]
+
+    async def _engine_call(self, fn):
+        try:
+            return await self.async_engine.call(fn)
+        except EngineDeadError as exc:
+            raise ApiError(503, str(exc), code="engine_stopped") from None
+
+    async def _json(self, request: Request) -> object:
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+        chunks, total = [], 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        if total > PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(parse_json, body)
+        return parse_json(body)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.accepted_names:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def _check_grammar(self, params: SamplingParams, param: str) -> None:
+        """Wait for the request's grammar, compiled on the grammars' worker threads (cached), so that
+        a bad spec is a 400 before the request reaches the engine."""
+        if params.structured_output is None:
+            return
+        try:
+            grammar = await asyncio.to_thread(self.engine.grammars.submit, params.structured_output)
+            await asyncio.wrap_future(grammar)
+        except UserInputError as exc:
+            raise ApiError(400, str(exc), param=param) from None
+
+    def _check_fits(self, prompts: list[Prompt], params: SamplingParams, param: str, media=None) -> None:
+        limit = self.engine.max_model_len
+        for p in prompts:
+            if len(p.ids) + params.max_tokens > limit:
+                raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
+                                    f"{len(p.ids) + params.max_tokens} ({len(p.ids)} in the {param}, "
+                                    f"{params.max_tokens} to generate)", param=param, code="context_length_exceeded")
+            try:   # pure: KV geometry and vocabulary (the grammar was compiled by _check_grammar)
+                self.engine.inputs.check_request(p.ids, params, media, wait_for_grammar=False)
+            except UserInputError as exc:
+                raise ApiError(400, str(exc), param=param) from None
+
+    def _deadline(self, arrival: float, req: CompletionRequest | ChatRequest) -> float | None:
+        """The earlier of the server's --request-timeout and the request's own `request_timeout`."""
+        limits = [t for t in (self.config.request_timeout, req.request_timeout) if t is not None]
+        return arrival + min(limits) if limits else None
+
+    @contextlib.contextmanager
+    def _admit(self, completions: int):
+        """Admit the request's completions for the block, which posts them through `_start` (429 if
+        the server holds --max-num-seqs + --max-queue-len already; an empty queue takes any request, so
+        one large request is never refused for its size alone). Withdrawn if the block fails first."""
+        try:
+            admission = self.async_engine.admit(completions)
+        except QueueFull as exc:
+            raise ApiError(429, f"the server is overloaded: {exc}; retry after {RETRY_AFTER_S}s", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        try:
+            yield admission
+        finally:
+            self.async_engine.withdraw(admission)
+
+    async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[tuple[str, list[int]]],
+                     params: SamplingParams, deadline: float | None, admission: Admission,
+                     media: list[list] | None = None) -> Generation:
+        """Start generating (post to the engine under `admission`): the async iterator of (prompt
+        index, output). A disaggregated role (server/disagg.py) starts from another engine's KV instead."""
+        if req.kv_transfer_params is not None:
+            raise ApiError(400, "kv_transfer_params needs a server started with --role prefill or decode",
+                           param="kv_transfer_params")
+        return self.async_engine.generate(rid, prompts, params, deadline, media=media, admission=admission)
+
+    async def _stream(self, rid: str, kind: str, req: CompletionRequest | ChatRequest, prompts: list[Prompt],
+                      outputs, choices, opening: list[dict] = ()) -> AsyncIterator[str]:
+        """Server-sent events: `opening` choices, then `choices(prompt index, completion output)` for
+        every output, an error event if generation fails, the usage chunk if asked, and [DONE]."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = now()
+        finals: dict[tuple[int, int], RequestOutput] = {}
+
+        def chunk(choice: list[dict], **extra) -> str:
+            body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": choice,
+                    **extra}
+            if include_usage and "usage" not in body:
+                body["usage"] = None
+            return event(body)
+
+        for choice in opening:
+            yield chunk([choice])
+        async with contextlib.aclosing(outputs):
+            try:
+                async for pi, out in outputs:
+                    c = out.outputs[0]
+                    raise_if_failed(c)
+                    if c.finished:
+                        finals[(pi, c.index)] = out
+                    for choice in choices(pi, c):
+                        yield chunk([choice])
+            except (ApiError, EngineDeadError, UserInputError, DeadlineExceeded) as exc:
+                err = as_api_error(exc)
+                self.metrics.http_errors.labels(str(err.status)).inc()   # counted like any other error
+                yield event(err.body())
+                return
+        if include_usage:
+            yield chunk([], usage=self._usage(prompts, finals))
+        yield "data: [DONE]\n\n"
+
+    async def _collect(self, request: Request, outputs) -> dict[tuple[int, int], RequestOutput]:
+        """Every completion's final output, keyed (prompt index, completion index). Aborts the
+        request if the client goes away while it runs."""
+        finals: dict[tuple[int, int], RequestOutput] = {}
+
+        async def consume() -> None:
+            async with contextlib.aclosing(outputs):
+                async for pi, out in outputs:
+                    raise_if_failed(out.outputs[0])
+                    if out.outputs[0].finished:
+                        finals[(pi, out.outputs[0].index)] = out
+
+        task = asyncio.create_task(consume())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    raise ApiError(499, "client closed the request", code="client_closed")
+            try:
+                task.result()
+            except (EngineDeadError, UserInputError, DeadlineExceeded) as exc:
+                raise as_api_error(exc) from None
+        finally:
+            if not task.done():
+                task.cancel()
+        return finals
+
+    def _usage(self, prompts: list[Prompt], finals: dict[tuple[int, int], RequestOutput]) -> dict:
+        completion = sum(len(o.outputs[0].token_ids) for o in finals.values())
+        cached = sum({pi: o.num_cached_tokens for (pi, _), o in finals.items()}.values())
+        out = usage(sum(len(p.ids) for p in prompts), completion, cached)
+        if self.reasoning is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(
+                self.reasoning.reasoning_tokens(list(o.outputs[0].token_ids)) for o in finals.values())}
+        return out
+
+
+def raise_if_failed(c) -> None:
+    if c.finish_reason == "error":
+        raise ApiError(500, f"internal error while generating: {c.error}", code="internal_error")
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, UserInputError):   # the engine's own admission check (the handler's checks come first)
+        return ApiError(400, str(exc))
+    if isinstance(exc, DeadlineExceeded):
+        return ApiError(408, str(exc), param="request_timeout", code="request_timeout")
+    return ApiError(503, str(exc), code="engine_stopped")
+
+
+def parse_json(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"invalid JSON body: {exc}", code="invalid_json") from None
+
+
+def event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that always close their generator and the generation it reads, so a client
+    that disconnects aborts its request at once (not when the generator is garbage-collected), even one
+    that left before the first event (an unstarted generator's aclose runs none of its code)."""
+
+    def __init__(self, events: AsyncIterator[str], outputs: Generation, **kw):
+        super().__init__(events, **kw)
+        self.outputs = outputs
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+            await self.outputs.aclose()
+
+
+def sse(events: AsyncIterator[str], outputs: Generation) -> StreamingResponse:
+    return EventStream(events, outputs, media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+

@@ -1,0 +1,197 @@
+"""POST /v1/chat/completions: messages (text, images, audio) through the chat template, tools and response
+formats, answered as JSON or server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.images import decode_data_url, require_data_url
+from ..engine.input_processor import LoadedMedia
+from ..engine.sampling_params import SamplingParams
+from ..engine.structured_output import INSTALL_HINT, TOOL_RESPONSE
+from ..errors import UserInputError
+from ..models.chat_template import ChatMessage, parse_chat
+from ..models.multimodal import Modality
+from .protocol import ApiError, ChatRequest, chat_logprobs, now, parse, reject_unsupported, sampling_params
+from .reasoning import ReasoningFormat, ReasoningStream
+from .serving import Prompt, Serving, sse
+from .tools import ToolCalling, ToolFormat, parse_tools
+
+
+class ChatServing(Serving):
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req: ChatRequest = parse(ChatRequest, await self._json(request))
+        self._check_model(req.model)
+        reject_unsupported(req)
+        calling = self._tool_calling(req)
+        prompt, items = await asyncio.to_thread(self._chat_prompt, req.messages, calling, req.chat_template_kwargs)
+        ids = prompt.ids
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise ApiError(400, f"this model's maximum context length is {limit} tokens; the messages take "
+                                f"{len(ids)}", param="messages", code="context_length_exceeded")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling_params(req, max_tokens if max_tokens is not None else limit - len(ids))
+        if calling is not None:
+            try:
+                grammar = calling.structured_output()
+            except ImportError:
+                raise ApiError(400, INSTALL_HINT, param="tools") from None
+            native = calling.format is ToolFormat.NATIVE   # its markers are special tokens: keep them to parse
+            params = params.replace(structured_output=grammar, skip_special_tokens=params.skip_special_tokens and not native,
+                                    stop=params.stop + ([TOOL_RESPONSE] if native else []))
+        show_special = not params.skip_special_tokens
+        if self.reasoning is not None and params.structured_output is not None:   # the grammar starts where the
+            so = dataclasses.replace(params.structured_output,                    # reasoning ends
+                                     reasoning=(self.reasoning.begin_id, self.reasoning.end_id))
+            params = params.replace(structured_output=so)
+        reasoning = self.reasoning if req.include_reasoning else None
+        if reasoning is not None:   # its markers are special tokens: kept to split, removed from answers after
+            params = params.replace(skip_special_tokens=False)
+        await self._check_grammar(params, "tools" if calling is not None else "response_format")
+        self._check_fits([prompt], params, "messages", items)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        with self._admit(params.n) as admission:
+            outputs = await self._start(req, rid, [(prompt.text, prompt.ids)], params, self._deadline(arrival, req),
+                                        admission, media=[items])
+        answer = _Answers(reasoning, show_special)
+        if req.stream:
+            return sse(self._stream_chat(rid, req, prompt, params, outputs, calling, answer), outputs)
+        finals = await self._collect(request, outputs)
+        choices = []
+        for (_, k), out in sorted(finals.items()):
+            c = out.outputs[0]
+            thought, text = answer.split(c.text, clean=calling is None)   # tool calls are parsed with their markers
+            message, finish = _assistant_message(text, c.finish_reason, calling)
+            message["content"] = answer.clean(message["content"]) if message["content"] else message["content"]
+            if reasoning is not None:
+                message["reasoning_content"] = thought
+            choices.append({"index": k, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
+                            "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if c.logprobs is not None else None})
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+                             "choices": choices, "usage": self._usage([prompt], finals)})
+
+    def _stream_chat(self, rid: str, req: ChatRequest, prompt: Prompt, params: SamplingParams,
+                     outputs, calling: ToolCalling | None, answer: "_Answers") -> AsyncIterator[str]:
+        """Reasoning streams as `reasoning_content` deltas, the answer as `content`. With tools offered, a
+        choice's answer is held until it finishes: whether it is a call is known only then (its content and
+        calls come in one delta)."""
+        streams: dict[int, ReasoningStream] = {}
+
+        def choices(_: int, c) -> list[dict]:
+            out = []
+            lp = chat_logprobs(self.tokenizer, c.delta_logprobs) if c.delta_logprobs else None
+            finish = c.finish_reason
+            thought, text = c.delta_text, c.delta_text
+            if answer.reasoning is not None:
+                stream = streams.setdefault(c.index, ReasoningStream(answer.reasoning))
+                thought, text = stream.feed(c.delta_text)
+                if c.finished:
+                    more_t, more_a = stream.finish()
+                    thought, text = thought + more_t, text + more_a
+                if thought:
+                    out.append({"index": c.index, "delta": {"reasoning_content": thought}, "logprobs": None,
+                                "finish_reason": None})
+                text = answer.clean(text)
+            if calling is None and (text or lp):
+                out.append({"index": c.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})
+            elif calling is not None and c.finished:
+                message, finish = _assistant_message(answer.split(c.text, clean=False)[1], c.finish_reason, calling)
+                delta = {"content": answer.clean(message["content"]) if message["content"] else message["content"]}
+                if "tool_calls" in message:
+                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
+                out.append({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None})
+            if c.finished:   # OpenAI closes each choice with an empty delta
+                out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                            "stop_reason": c.stop_reason})
+            return out
+
+        opening = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for k in range(params.n)]
+        return self._stream(rid, "chat.completion.chunk", req, [prompt], outputs, choices, opening)
+
+    def _chat_prompt(self, raw_messages: list, calling: ToolCalling | None = None,
+                     template_kwargs: dict | None = None) -> tuple[Prompt, list]:
+        """Messages -> the prompt through the chat template (tools offered as `calling` says, `template_kwargs`
+        passed to it), and its images and audio in place. Decodes them and tokenises: called on a worker
+        thread."""
+        inputs = self.engine.inputs
+        try:
+            messages, media = parse_chat(raw_messages, {m: lay.placeholder for m, lay in inputs.layouts.items()})
+            tools = None
+            if calling is not None and calling.format is ToolFormat.NATIVE:
+                tools = [t.openai() for t in calling.offered]
+            elif calling is not None:
+                messages = [ChatMessage("system", calling.preamble())] + messages
+            loaded = self._chat_media(media) if media else None
+            ids = self.chat.encode(messages, (lambda text: inputs.expand(text, loaded)) if media else None, tools,
+                                   template_kwargs)
+            items = inputs.place(ids, loaded) if media else []
+        except UserInputError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        return Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids), items
+
+    def _chat_media(self, media: list[tuple[Modality, object]]) -> LoadedMedia:
+        """What the encoders read of each image and audio part: data: URLs and `input_audio` objects only (the
+        server opens no file and fetches no URL), within the server's limits."""
+        images = [x for m, x in media if m is Modality.IMAGE]
+        audio = [x for m, x in media if m is Modality.AUDIO]
+        image_limits, audio_limits = self.config.image_limits, self.config.audio_limits
+        if len(images) > image_limits.max_images:
+            raise UserInputError(f"{len(images)} images; at most {image_limits.max_images} per request")
+        if len(audio) > audio_limits.max_clips:
+            raise UserInputError(f"{len(audio)} audio inputs; at most {audio_limits.max_clips} per request")
+        for i, url in enumerate(images):   # refuse before decoding anything
+            require_data_url(url, f"image {i}", "PNG/JPEG/WebP")
+        for i, a in enumerate(audio):
+            if not isinstance(a, dict):   # an input_audio object holds its bytes
+                require_data_url(a, f"audio {i}", "WAV/FLAC/OGG/MP3")
+        return self.engine.inputs.load_media([decode_data_url(u, image_limits, f"image {i}") for i, u in enumerate(images)],
+                                             audio, image_limits, audio_limits)
+
+    def _tool_calling(self, req: ChatRequest) -> ToolCalling | None:
+        calling = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer,
+                              self.chat.renders_tools)
+        if calling is not None and req.response_format is not None and req.response_format.get("type") not in (
+                None, "text"):
+            raise ApiError(400, "response_format cannot be combined with tools", param="response_format")
+        return calling
+
+
+@dataclass(frozen=True)
+class _Answers:
+    """How a request's output text becomes its answer: the reasoning split off (reasoning models), and what is
+    left of special tokens removed unless the request asked for them."""
+
+    reasoning: ReasoningFormat | None
+    show_special: bool
+
+    def split(self, text: str, clean: bool = True) -> tuple[str | None, str]:
+        if self.reasoning is None:
+            return None, text
+        thought, answer = self.reasoning.split(text)
+        return thought, self.clean(answer) if clean else answer
+
+    def clean(self, answer: str) -> str:
+        return answer if self.show_special or self.reasoning is None else self.reasoning.clean(answer)
+
+
+def _assistant_message(text: str, finish_reason: str | None, calling: ToolCalling | None) -> tuple[dict, str | None]:
+    """A finished completion's answer -> (the assistant message, finish_reason): tool calls parsed out of the
+    text when tools were offered ("tool_calls" then)."""
+    if calling is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = calling.parse(text)
+    message: dict = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message, "tool_calls" if calls and finish_reason == "stop" else finish_reason
