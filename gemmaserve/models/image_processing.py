@@ -44,6 +44,11 @@ class ImageProcessor:
         rgb = to_rgb(image)
         if rgb.size != (self.size, self.size):
             rgb = rgb.resize((self.size, self.size), Image.Resampling.BILINEAR)
-        x = (np.asarray(rgb).astype(np.float64) * (1 / 255)).astype(np.float32)
-        x = (x - np.asarray(self.mean, dtype=np.float32)) / np.asarray(self.std, dtype=np.float32)
-        return np.ascontiguousarray(x.transpose(2, 0, 1))
+        # channels first while still bytes; x / 255 in float32 is bit for bit transformers' float64 x * (1 / 255)
+        # rounded to float32 (the preprocessing tests compare exactly)
+        x = np.divide(np.asarray(rgb).transpose(2, 0, 1), np.float32(255), dtype=np.float32)
+        mean = np.asarray(self.mean, dtype=np.float32)[:, None, None]
+        std = np.asarray(self.std, dtype=np.float32)[:, None, None]
+        x -= mean
+        x /= std
+        return x
