@@ -39,6 +39,7 @@ BENCHMARKS = {
     "startup": ("cold and warm starts: serve to /health 200 and to compiled steps; generate vs llama.cpp", False),
     "spec": ("speculative decoding (prompt lookup) on input-grounded tasks vs ours and llama.cpp's lookup", True),
     "spec-drafters": ("draft_model and MTP drafting steps against plain ones on tiny random checkpoints", False),
+    "preprocess": ("host time to prepare an image or 30 s of audio, against transformers' processors", False),
 }
 
 
@@ -54,6 +55,9 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image file for multimodal models (repeatable); every prompt gets all of them, "
                           "at its <start_of_image> placeholders or before its text")
+    gen.add_argument("--video", action="append", default=[], metavar="PATH",
+                     help="a video file (MP4, WebM, MKV, ...) for Gemma 4 models with a vision encoder (repeatable); "
+                          "every prompt gets all of them, at its <|video|> placeholders or before its text")
     gen.add_argument("--audio", action="append", default=[], metavar="PATH",
                      help="an audio file (WAV, FLAC, OGG, MP3; any rate or channels) for models with an audio "
                           "encoder (repeatable); every prompt gets all of them, at its <|audio|> placeholders or "
@@ -107,9 +111,10 @@ def _generate(args: argparse.Namespace) -> int:
               f"a few minutes the first time; log: {build.log_path}); --cpu-compile off skips it", file=sys.stderr)
     images = [list(args.image) for _ in args.prompts] if args.image else None
     audio = [list(args.audio) for _ in args.prompts] if args.audio else None
+    videos = [list(args.video) for _ in args.prompts] if args.video else None
     if len(args.prompts) == 1 and params.n == 1 and not args.json:
         # One prompt: stream the continuation to the terminal as it is generated.
-        deltas = llm.stream(args.prompts, params, images=images, audio=audio)
+        deltas = llm.stream(args.prompts, params, images=images, audio=audio, videos=videos)
         first = next(deltas, None)   # the request is checked before anything is printed
         print(args.prompts[0], end="", flush=True)
         logprobs = []
@@ -120,7 +125,7 @@ def _generate(args: argparse.Namespace) -> int:
         if params.logprobs is not None:
             _print_logprobs(llm.tokenizer, logprobs, params.logprobs)
     else:
-        outputs = llm.generate(args.prompts, params, images=images, audio=audio)  # a progress bar on a terminal
+        outputs = llm.generate(args.prompts, params, images=images, audio=audio, videos=videos)  # a progress bar on a terminal
         for i, out in enumerate(outputs):
             if args.json:
                 print(json.dumps(out.to_dict(), ensure_ascii=False), flush=True)

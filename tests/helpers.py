@@ -178,6 +178,7 @@ def save_checkpoint(hf_model, path: Path) -> Path:
 # Tiny Gemma3ForConditionalGeneration: image specials at the top of a 300-token vocabulary, 28 px
 # images of 7 px patches (a 4x4 grid) pooled to 4 tokens.
 BOI, EOI, IMG = 297, 298, 299
+VID = 291   # Gemma 4's "<|video|>" (a frame: <|image> + N x <|video|> + <image|>)
 VISION_TOKENS_PER_IMAGE = 4
 VISION_TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, sliding_window=6, query_pre_attn_scalar=20,
@@ -221,7 +222,7 @@ def tiny_hf_gemma4_vision(seed: int, variant: str):
     text, vision = GEMMA4_VISION_VARIANTS[variant]
     cfg = transformers.Gemma4Config(text_config={**GEMMA4_BASE, **GEMMA4_VARIANTS[variant], **text},
                                     vision_config={**GEMMA4_VISION_TOWER, **vision}, audio_config=None,
-                                    image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI)
+                                    image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI, video_token_id=VID)
     cfg.vision_soft_tokens_per_image = GEMMA4_SOFT_TOKENS
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -261,7 +262,9 @@ def save_vision_checkpoint(hf_model, path: Path, specials: tuple[str, str, str] 
 
 
 def save_gemma4_vision_checkpoint(hf, path: Path) -> Path:
-    return save_vision_checkpoint(hf, path, GEMMA4_IMAGE_SPECIALS)
+    save_vision_checkpoint(hf, path, GEMMA4_IMAGE_SPECIALS)
+    add_special_tokens(path, {VID: "<|video|>"})
+    return path
 
 
 # Tiny E2B-like Gemma 4 with both towers: audio specials below the image ones, a 2-layer conformer
@@ -281,7 +284,7 @@ def tiny_hf_gemma4_audio(seed: int, vision: bool = True):
         vision_config={**GEMMA4_VISION_TOWER, "use_clipped_linears": True} if vision else None,
         audio_config={**GEMMA4_AUDIO_TOWER, "use_clipped_linears": True},
         image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI, audio_token_id=AUD, boa_token_id=BOA,
-        eoa_token_index=EOA)
+        eoa_token_index=EOA, video_token_id=VID)
     cfg.vision_soft_tokens_per_image = GEMMA4_SOFT_TOKENS
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -312,7 +315,7 @@ def save_gemma4_audio_checkpoint(hf, path: Path) -> Path:
     from transformers import Gemma4AudioFeatureExtractor
 
     save_vision_checkpoint(hf, path, GEMMA4_IMAGE_SPECIALS)
-    add_special_tokens(path, {**dict(zip((BOA, EOA, AUD), GEMMA4_AUDIO_SPECIALS)),
+    add_special_tokens(path, {**dict(zip((BOA, EOA, AUD), GEMMA4_AUDIO_SPECIALS)), VID: "<|video|>",
                               CHANNEL_BEGIN: "<|channel>", CHANNEL_END: "<channel|>"})
     Gemma4AudioFeatureExtractor().save_pretrained(path)   # preprocessor_config.json
     return path
@@ -330,7 +333,7 @@ def chunked_prompt_logits(model, ids: list[int], items, chunk: int) -> torch.Ten
 
     feats = [model.encode_media(it.modality, [it.data], [it.extra], torch.device("cpu"))[0] for it in items]
     specs = model.kv_layer_specs(torch.float32)
-    kv = make_manager("v2", specs, 4, 1024, enable_prefix_caching=False)
+    kv = make_manager("v2", specs, 4, 4096, enable_prefix_caching=False)   # a whole prompt's pages in every layer
     backend = TorchAttentionBackend()
     cache = backend.allocate_kv_cache(specs, kv.layout, torch.device("cpu"))
     req = SimpleNamespace(max_chunk_tokens=None, media=items)

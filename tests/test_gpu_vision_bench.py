@@ -29,6 +29,12 @@ def test_tiny_cpu_run_writes_every_section(tmp_path, monkeypatch):
         tokens = [r["image_tokens"] for r in ttft if r["shape"] == s]
         assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
+    media = res["media"]   # the Gemma 4 shape has an audio tower: clips and a video, ours against HF
+    assert [r["input"] for r in media] == [f"{n} x 2 s audio" for n in work.clip_counts] + ["4-frame video"]
+    for r in media:
+        assert r["ours_ms"] > 0 and r["ours_e2e_ms"] > 0 and r["hf_ms"] > 0 and r["prompt_tokens"] > r["media_tokens"] > 0
+    assert media[1]["media_tokens"] == 2 * media[0]["media_tokens"] == 2 * 50   # 25 tokens a second
+
     rows = {(r["shape"], r["encoder_cache"]): r for r in res["throughput"]}
     assert set(rows) == {(s, mode) for s in shapes for mode in ("on", "off")}
     for s in shapes:

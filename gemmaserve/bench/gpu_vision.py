@@ -12,6 +12,10 @@ image) and one Gemma 4 (gemma4-e4b: ViT, up to 280 tokens per image), bf16. Sect
               "ours_e2e"), against HF `generate(max_new_tokens=1)` on the same weights, ids and pixels (host
               to device copy of the pixels included in both); median of `--runs` (5) after 2 warm-ups, and
               HF / ours
+  media       Gemma 4 shapes with an audio tower: time to first token of one request with 1 and 4 audio clips
+              of 30 s (750 tokens each) and one with a 16-frame video (70 tokens a frame), ours ("ours": prepared
+              ids and features; "ours_e2e": `LLM.generate` from samples / an encoded MP4, preprocessing and
+              decoding included) against HF `generate(max_new_tokens=1)` on the same weights, ids and features
   throughput  a mixed workload (32 requests: half with one image drawn from a pool of 4, so images repeat;
               half text only; ~128 text tokens each, 64 new tokens), encoder cache on (the default size) and
               off (`encoder_cache_memory=0`): tok/s, wall time, and encoder calls (the model's
@@ -82,14 +86,21 @@ class VisionShape:
     specials: tuple[int, int, int]           # begin-of-image, end-of-image, image soft-token ids
     tokens_per_image: int                    # Gemma 3: mm_tokens_per_image; Gemma 4: the soft-token budget
     image_sizes: tuple[tuple[int, int], ...]   # (width, height) of the random images, cycled
+    audio: Mapping[str, Any] | None = None   # Gemma 4 audio_config (E2B/E4B), None: no audio tower
 
     def __post_init__(self) -> None:   # read-only views: the shapes are module constants
         object.__setattr__(self, "text", MappingProxyType(dict(self.text)))
         object.__setattr__(self, "vision", MappingProxyType(dict(self.vision)))
+        if self.audio is not None:
+            object.__setattr__(self, "audio", MappingProxyType(dict(self.audio)))
 
 
 SPECIAL_TEXTS = MappingProxyType({"gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
                                   "gemma4": ("<|image>", "<image|>", "<|image|>")})
+# Gemma 4's audio and video specials at their real ids (boa, eoa, audio token, video token)
+GEMMA4_AV_SPECIALS = MappingProxyType({256000: "<|audio>", 258883: "<audio|>", 258881: "<|audio|>", 258884: "<|video|>"})
+TINY_AV_SPECIALS = MappingProxyType({292: "<|audio>", 293: "<audio|>", 294: "<|audio|>", 295: "<|video|>"})
+REAL_AUDIO = MappingProxyType({})   # transformers' Gemma4AudioConfig defaults are E2B/E4B's conformer
 REAL_IMAGES = ((896, 896), (640, 480))
 GEMMA4_VIT = MappingProxyType(dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16,
                                    num_attention_heads=12, num_key_value_heads=12, head_dim=64, patch_size=16,
@@ -107,7 +118,7 @@ SHAPES = MappingProxyType({
                                   num_attention_heads=16, image_size=896, patch_size=14, vision_use_head=False),
                              (255999, 256000, 262144), 256, REAL_IMAGES),
     "gemma4-e4b": VisionShape("gemma4", _gemma4_text("gemma4-e4b"), GEMMA4_VIT, (255999, 258882, 258880), 280,
-                              REAL_IMAGES),
+                              REAL_IMAGES, REAL_AUDIO),
     "gemma4-e2b": VisionShape("gemma4", _gemma4_text("gemma4-e2b"), GEMMA4_VIT, (255999, 258882, 258880), 280,
                               REAL_IMAGES),
     # CPU-sized stand-ins with the same structure (SigLIP + pooling; ViT with clipped linears, PLE, KV sharing).
@@ -128,7 +139,9 @@ SHAPES = MappingProxyType({
                                dict(GEMMA4_VIT, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                     num_attention_heads=2, num_key_value_heads=2, head_dim=16, patch_size=4,
                                     position_embedding_size=128),
-                               (297, 298, 299), 70, ((48, 48), (40, 30))),
+                               (297, 298, 299), 70, ((48, 48), (40, 30)),
+                               dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    subsampling_conv_channels=[128, 4], output_proj_dims=24)),
 })
 REAL_SHAPES = ("gemma3-4b", "gemma4-e4b")
 TINY_SHAPES = ("gemma3-tiny", "gemma4-tiny")
@@ -145,13 +158,17 @@ class Workload:
     prompt_tokens: int = 128
     new_tokens: int = 64
     pool: int = 4                   # distinct images the throughput requests draw from
+    clip_counts: tuple[int, ...] = (1, 4)   # media: 30 s audio clips per request
+    clip_seconds: float = 30.0
+    video_frames: int = 16
     kv_cache_memory: int = 8 * GiB
     ttft_batched_tokens: int = 8192     # the whole 8-image prompt in one step, as HF prefills it
     batched_tokens: int = 2048          # throughput: the engine's default, so prefill spans steps
 
 
 TINY_WORKLOAD = Workload(image_counts=(1, 4, 8), runs=1, warmups=1, requests=8, prompt_tokens=24, new_tokens=4,
-                         pool=2, kv_cache_memory=64 * MiB, ttft_batched_tokens=1024, batched_tokens=128)
+                         pool=2, kv_cache_memory=64 * MiB, ttft_batched_tokens=1024, batched_tokens=128,
+                         clip_counts=(1, 2), clip_seconds=2.0, video_frames=4)
 
 
 # -- models ---------------------------------------------------------------------------------------------
@@ -166,10 +183,17 @@ def hf_config(shape: VisionShape, attn_implementation: str = "sdpa") -> Pretrain
                                         mm_tokens_per_image=shape.tokens_per_image, **common)
         cfg.architectures = ["Gemma3ForConditionalGeneration"]
     else:
-        cfg = transformers.Gemma4Config(text_config=text, vision_config=dict(shape.vision), audio_config=None, **common)
+        tiny = shape.text["vocab_size"] < 1000
+        boa, eoa, audio, video = TINY_AV_SPECIALS if tiny else GEMMA4_AV_SPECIALS
+        cfg = transformers.Gemma4Config(text_config=text, vision_config=dict(shape.vision),
+                                        audio_config=None if shape.audio is None else dict(shape.audio),
+                                        boa_token_id=boa, eoa_token_index=eoa, audio_token_id=audio,
+                                        video_token_id=video, **common)
         cfg.vision_soft_tokens_per_image = shape.tokens_per_image
         cfg.architectures = ["Gemma4ForConditionalGeneration"]
     cfg._attn_implementation = attn_implementation
+    if getattr(cfg, "audio_config", None) is not None:   # transformers' conformer has only its eager attention
+        cfg.audio_config._attn_implementation = "eager"
     return cfg
 
 
@@ -250,7 +274,10 @@ def build_models(name: str, dtype: torch.dtype, device: torch.device, keep_hf: b
     hf = hf_model(cfg, dtype, device)
     _randomize(hf, shape.family, seed)
     model = ours_from_hf(hf, cfg, dtype, device)
-    tokenizer = vision_tokenizer(shape.text["vocab_size"], dict(zip(shape.specials, SPECIAL_TEXTS[shape.family])))
+    specials = dict(zip(shape.specials, SPECIAL_TEXTS[shape.family]))
+    if shape.family == "gemma4":
+        specials.update(TINY_AV_SPECIALS if shape.text["vocab_size"] < 1000 else GEMMA4_AV_SPECIALS)
+    tokenizer = vision_tokenizer(shape.text["vocab_size"], specials)
     loaded = LoadedModel(model, tokenizer, ModelSource(name, SourceKind.HF_DIR, None), time.perf_counter() - start)
     return (hf if keep_hf else None), loaded
 
@@ -436,16 +463,34 @@ def section_ttft(res: dict, shapes: list[str], device: torch.device, dtype: torc
         _free(device)
 
 
+def _ttft_engine(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, work: Workload) -> LLM:
+    """No encoder cache, no prefix cache: each run encodes and prefills everything, as HF does."""
+    return _engine(loaded, device, dtype, kv_cache_memory=work.kv_cache_memory, max_num_seqs=4,
+                   max_num_batched_tokens=work.ttft_batched_tokens, encoder_cache_memory=0,
+                   enable_prefix_caching=False)
+
+
+def _ttft_times(ours: Callable[[], None], ours_e2e: Callable[[], None], reference: Callable[[], None],
+                work: Workload, device: torch.device) -> dict:
+    """Median ms of each after its warm-ups (kernels for this prefill length, allocator, clocks), and HF / ours."""
+    times = {}
+    for label, fn in (("ours", ours), ("ours_e2e", ours_e2e), ("hf", reference)):
+        for _ in range(work.warmups):
+            fn()
+        times[label] = [_timed(fn, device) for _ in range(work.runs)]
+    row = {"ours_ms": _ms(times["ours"]), "ours_e2e_ms": _ms(times["ours_e2e"]), "hf_ms": _ms(times["hf"])}
+    row["hf_over_ours"] = round(row["hf_ms"] / row["ours_ms"], 2)
+    row["runs_ms"] = {k: [round(t * 1e3, 2) for t in v] for k, v in times.items()}
+    return row
+
+
 def _ttft_shape(rows: list[dict], name: str, device: torch.device, dtype: torch.dtype, work: Workload) -> None:
     from ..engine.sampling_params import SamplingParams
 
     shape = SHAPES[name]
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     hf, loaded = build_models(name, dtype, device)
-    # No encoder cache, no prefix cache: each run encodes and prefills everything, as HF does.
-    llm = _engine(loaded, device, dtype, kv_cache_memory=work.kv_cache_memory, max_num_seqs=4,
-                  max_num_batched_tokens=work.ttft_batched_tokens, encoder_cache_memory=0,
-                  enable_prefix_caching=False)
+    llm = _ttft_engine(loaded, device, dtype, work)
     eng = llm.engine
     layout = eng.inputs.image_layout
     rng = random.Random(7)
@@ -468,17 +513,109 @@ def _ttft_shape(rows: list[dict], name: str, device: torch.device, dtype: torch.
             with torch.inference_mode():
                 hf.generate(**_to(host, device, dtype), max_new_tokens=1, do_sample=False, pad_token_id=0)
 
-        times = {}
-        for label, fn in (("ours", ours), ("ours_e2e", ours_e2e), ("hf", reference)):
-            for _ in range(work.warmups):   # kernels for this prefill length, allocator, clocks
-                fn()
-            times[label] = [_timed(fn, device) for _ in range(work.runs)]
         row = {"shape": name, "images": n, "prompt_tokens": len(ids), "image_tokens": sum(it.length for it in items),
-               "ours_ms": _ms(times["ours"]), "ours_e2e_ms": _ms(times["ours_e2e"]), "hf_ms": _ms(times["hf"])}
-        row["hf_over_ours"] = round(row["hf_ms"] / row["ours_ms"], 2)
-        row["runs_ms"] = {k: [round(t * 1e3, 2) for t in v] for k, v in times.items()}
+               **_ttft_times(ours, ours_e2e, reference, work, device)}
         rows.append(row)
         print("ttft", row, flush=True)
+
+
+# -- audio and video ------------------------------------------------------------------------------------
+def section_media(res: dict, shapes: list[str], device: torch.device, dtype: torch.dtype, work: Workload) -> None:
+    rows = res["media"] = []
+    for name in [s for s in shapes if SHAPES[s].audio is not None]:
+        _media_shape(rows, name, device, dtype, work)
+        _free(device)
+
+
+def encoded_video(frames: int, size: tuple[int, int], seed: int) -> bytes:
+    """An MP4 (MPEG-4 part 2) of `frames` random frames at 2 fps, as a user would upload it."""
+    import io
+
+    import av
+
+    rng = np.random.default_rng(seed)
+    w, h = size
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=2)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for _ in range(frames):
+            pic = np.repeat(np.repeat(rng.integers(0, 256, (h // 16, w // 16, 3), dtype=np.uint8), 16, 0), 16, 1)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pic, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def hf_media_inputs(ids: list[int], items: list[MediaItem], specials: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """What HF's Gemma 4 takes for our prepared prompt with audio clips or video frames (same ids and features)."""
+    ids_t = torch.tensor([ids])
+    out = {"input_ids": ids_t, "attention_mask": torch.ones_like(ids_t)}
+    types = torch.zeros_like(ids_t)
+    clips = [it for it in items if it.modality.value == "audio"]
+    frames = [it for it in items if it.modality.value == "video"]
+    if clips:
+        t = max(len(it.extra) for it in clips)
+        feats = np.zeros((len(clips), t, clips[0].data.shape[1]), dtype=np.float32)
+        mask = np.zeros((len(clips), t), dtype=bool)
+        for i, it in enumerate(clips):
+            feats[i, :len(it.extra)], mask[i, :len(it.extra)] = it.data, it.extra
+        out["input_features"], out["input_features_mask"] = torch.from_numpy(feats), torch.from_numpy(mask)
+        types[ids_t == specials["audio"]] = 3
+    if frames:
+        out["pixel_values_videos"] = torch.from_numpy(np.stack([it.data for it in frames]))
+        out["video_position_ids"] = torch.from_numpy(np.stack([it.extra for it in frames]))
+        out["num_frames_per_video"] = torch.tensor([len(frames)])
+        types[ids_t == specials["video"]] = 2
+    out["mm_token_type_ids"] = types
+    return out
+
+
+def _media_shape(rows: list[dict], name: str, device: torch.device, dtype: torch.dtype, work: Workload) -> None:
+    from ..engine.sampling_params import SamplingParams
+    from ..models.multimodal import Modality
+
+    shape = SHAPES[name]
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    hf, loaded = build_models(name, dtype, device)
+    llm = _ttft_engine(loaded, device, dtype, work)
+    eng = llm.engine
+    layouts = eng.inputs.layouts
+    specials = {"audio": layouts[Modality.AUDIO].token_id, "video": layouts[Modality.VIDEO].token_id}
+    rng = random.Random(11)
+    rate = layouts[Modality.AUDIO].processor.config.sampling_rate
+    cases = []
+    for n in work.clip_counts:
+        clips = [(0.1 * np.random.default_rng(n * 10 + i).standard_normal(int(work.clip_seconds * rate)))
+                 .astype(np.float32) for i in range(n)]
+        cases.append((f"{n} x {work.clip_seconds:g} s audio", dict(audio=clips), layouts[Modality.AUDIO].placeholder, n))
+    video = encoded_video(work.video_frames, shape.image_sizes[0], seed=3)
+    cases.append((f"{work.video_frames}-frame video", dict(videos=[video]), layouts[Modality.VIDEO].placeholder, 1))
+    for label, inputs, placeholder, count in cases:
+        prompt = "<bos> " + _words(rng, 32, shape.specials[0]) + "".join(
+            f" {placeholder} {_words(rng, 4, shape.specials[0])}" for _ in range(count)) + " w5"
+        ids, items = eng.inputs.prepare(prompt, **inputs)
+        host = hf_media_inputs(ids, items, specials)
+        float_keys = ("input_features", "pixel_values_videos")
+
+        def ours() -> None:
+            eng.add_request("", params, prompt_ids=ids, media=items)
+            while eng.has_unfinished_requests():
+                eng.step()
+
+        def ours_e2e() -> None:
+            llm.generate(prompt, params, use_tqdm=False, **inputs)
+
+        def reference() -> None:
+            moved = {k: v.to(device, dtype=dtype if k in float_keys else None) for k, v in host.items()}
+            with torch.inference_mode():
+                hf.generate(**moved, max_new_tokens=1, do_sample=False, pad_token_id=0)
+
+        row = {"shape": name, "input": label, "prompt_tokens": len(ids), "media_tokens": sum(it.length for it in items),
+               **_ttft_times(ours, ours_e2e, reference, work, device)}
+        rows.append(row)
+        print("media", row, flush=True)
 
 
 # -- throughput -------------------------------------------------------------------------------------------
@@ -547,7 +684,7 @@ def _throughput_row(loaded: LoadedModel, name: str, mode: str, cache_bytes: int,
 
 
 # -- main -----------------------------------------------------------------------------------------------
-SECTIONS = ("check", "ttft", "throughput")
+SECTIONS = ("check", "ttft", "media", "throughput")
 
 
 def main(argv: list[str]) -> int:
@@ -580,6 +717,7 @@ def main(argv: list[str]) -> int:
     run_sections(res, args.sections, {
         "check": lambda: section_check(res, device),
         "ttft": lambda: section_ttft(res, shapes, device, dtype, work),
+        "media": lambda: section_media(res, shapes, device, dtype, work),
         "throughput": lambda: section_throughput(res, shapes, device, dtype, work),
     }, out)
     print(json.dumps(res, indent=1))
@@ -600,6 +738,9 @@ def summary(res: dict) -> str:
     for r in res.get("ttft", []):
         lines.append(f"ttft    {r['shape']:<12} {r['images']} img {r['prompt_tokens']:5d} tok  "
                      f"ours {r['ours_ms']:8.2f} ms"
+                     f"  (e2e {r['ours_e2e_ms']:8.2f})  HF {r['hf_ms']:8.2f} ms  HF/ours {r['hf_over_ours']}x")
+    for r in res.get("media", []):
+        lines.append(f"media   {r['shape']:<12} {r['input']:<18} {r['prompt_tokens']:5d} tok  ours {r['ours_ms']:8.2f} ms"
                      f"  (e2e {r['ours_e2e_ms']:8.2f})  HF {r['hf_ms']:8.2f} ms  HF/ours {r['hf_over_ours']}x")
     for r in res.get("throughput", []):
         lines.append(f"thruput {r['shape']:<12} cache {r['encoder_cache']:<3}  {r['out_tok_s']:9.1f} tok/s  "

@@ -1,5 +1,5 @@
 """What preparing one image or one 30 s clip for its encoder costs the host, ours against transformers' processors
-in the same run, outputs checked equal (`taskset -c 0 python -m gemmaserve.bench.preprocess`: one core).
+in the same run, outputs checked equal (`taskset -c 0 gemmaserve bench preprocess`: one core).
 
     Gemma 4 image  (decoded PIL image -> patches + positions, 280 and 1120 soft tokens)  vs Gemma4ImageProcessorPil
     Gemma 3 image  (decoded PIL image -> 896 x 896 normalised pixels)                     vs Gemma3ImageProcessorPil
@@ -105,10 +105,17 @@ def audio(repeat: int) -> list[dict]:
              "mask_equal": bool(np.array_equal(got.extra, want["input_features_mask"][0][:t]))}]
 
 
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--repeat", type=int, default=15, help="timed runs of each case (the median is reported)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="preprocess")
-    ap.add_argument("--repeat", type=int, default=15)
-    args = ap.parse_args(argv)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     rows = gemma4_images(args.repeat) + gemma3_images(args.repeat) + audio(args.repeat)
     for r in rows:
         r["ours_ms"], r["transformers_ms"] = round(r["ours_ms"], 2), round(r["transformers_ms"], 2)

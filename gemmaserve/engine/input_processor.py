@@ -17,19 +17,17 @@ from ..models.multimodal import EncoderInput, MediaLayout, Modality
 from ..units import format_bytes
 from .audio import AudioLimits, load_audio, split_clips
 from .images import ImageLimits, load_image
-from .media import MediaItem, expand_prompt, place_media
+from .media import MediaInput, MediaItem, expand_prompt, place_media
+from .video import VideoLimits, load_video
 from .sampling_params import SamplingParams
 from .structured_output import Grammars
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LoadedMedia:
-    """A request's images and audio as their encoders read them, before they have a place in the prompt."""
-
-    inputs: dict[Modality, list[EncoderInput]]
-    clips_per_audio: list[int]   # each audio input's clips (one per 30 s)
+# A request's images, audio and video as their encoders read them, by modality, before they have a place in the
+# prompt
+LoadedMedia = dict[Modality, list[MediaInput]]
 
 
 @dataclass
@@ -68,7 +66,7 @@ class InputProcessor:
             raise UserInputError(f"{len(images)} images; at most {limits.max_images} per request")
         return [layout.processor(load_image(im, limits, f"image {i}")) for i, im in enumerate(images)]
 
-    def load_audio(self, audio: list, limits: AudioLimits | None = None) -> list[list[EncoderInput]]:
+    def load_audio(self, audio: list, limits: AudioLimits | None = None) -> list[MediaInput]:
         """Features of each audio input (samples, (samples, rate), encoded bytes, data URLs or file paths), split
         into the clips the encoder takes at once (30 s; each cut in the quietest moment of the 2 s before), within
         `limits` (count, bytes, duration)."""
@@ -85,39 +83,54 @@ class InputProcessor:
             if not clips[-1].num_tokens:
                 raise UserInputError(f"audio {i} is {1000 * len(samples) / rate:.1f} ms long: too short for one "
                                      f"audio token ({layout.processor.min_seconds * 1000:.0f} ms at least)")
-            out.append(clips)
+            out.append(MediaInput(clips))
         return out
 
-    def load_media(self, images: list | None = None, audio: list | None = None,
-                   image_limits: ImageLimits | None = None, audio_limits: AudioLimits | None = None) -> "LoadedMedia":
-        """What the encoders read of a request's images and audio (decoded, checked against the limits)."""
-        inputs: dict[Modality, list[EncoderInput]] = {}
-        clips: list[int] = []
+    def load_videos(self, videos: list, limits: VideoLimits | None = None) -> list[MediaInput]:
+        """Frames of each video (encoded bytes, data URLs, file paths, or (frames, fps)), sampled uniformly (at most
+        `limits.max_frames`), each frame prepared as an image and labelled with its time stamp."""
+        layout = self._layout(Modality.VIDEO)
+        limits = limits or VideoLimits()
+        if len(videos) > limits.max_videos:
+            raise UserInputError(f"{len(videos)} videos; at most {limits.max_videos} per request")
+        out = []
+        for i, v in enumerate(videos):
+            video = load_video(v, limits, f"video {i}")
+            try:
+                frames = [layout.processor(frame) for frame in video.frames]
+            except UserInputError as exc:
+                raise UserInputError(f"video {i}: {exc}") from None
+            out.append(MediaInput(frames, video.stamps()))
+        return out
+
+    def load_media(self, images: list | None = None, audio: list | None = None, videos: list | None = None,
+                   image_limits: ImageLimits | None = None, audio_limits: AudioLimits | None = None,
+                   video_limits: VideoLimits | None = None) -> LoadedMedia:
+        """What the encoders read of a request's images, audio and videos (decoded, checked against the limits)."""
+        media: LoadedMedia = {}
         if images:
-            inputs[Modality.IMAGE] = self.load_images(list(images), image_limits)
+            media[Modality.IMAGE] = [MediaInput([x]) for x in self.load_images(list(images), image_limits)]
         if audio:
-            parts = self.load_audio(list(audio), audio_limits)
-            inputs[Modality.AUDIO] = [clip for p in parts for clip in p]
-            clips = [len(p) for p in parts]
-        return LoadedMedia(inputs, clips)
+            media[Modality.AUDIO] = self.load_audio(list(audio), audio_limits)
+        if videos:
+            media[Modality.VIDEO] = self.load_videos(list(videos), video_limits)
+        return media
 
-    def expand(self, text: str, media: "LoadedMedia") -> str:
-        """`text` with every placeholder written out as its item's tokens (see media.expand_prompt); audio longer
-        than one clip takes consecutive clips at its placeholder."""
-        if media.clips_per_audio:
-            text = _repeat_placeholders(text, self.layouts[Modality.AUDIO].placeholder, media.clips_per_audio)
-        return expand_prompt(text, media.inputs, self.layouts)
+    def expand(self, text: str, media: LoadedMedia) -> str:
+        """`text` with every placeholder written out as its input's tokens (see media.expand_prompt)."""
+        return expand_prompt(text, media, self.layouts)
 
-    def place(self, token_ids: list[int], media: "LoadedMedia") -> list[MediaItem]:
-        return place_media(token_ids, media.inputs, self.layouts)
+    def place(self, token_ids: list[int], media: LoadedMedia) -> list[MediaItem]:
+        return place_media(token_ids, media, self.layouts)
 
-    def prepare(self, prompt: str, images: list | None = None, audio: list | None = None,
-                image_limits: ImageLimits | None = None, audio_limits: AudioLimits | None = None
-                ) -> tuple[list[int], list[MediaItem]]:
-        """Prompt ids with each image's and clip's tokens in place, and the items (what the encoder reads, content
-        keys). The prompt marks where each goes with the model's placeholder of its kind (none: they go first)."""
-        media = self.load_media(images, audio, image_limits, audio_limits)
-        if not media.inputs:
+    def prepare(self, prompt: str, images: list | None = None, audio: list | None = None, videos: list | None = None,
+                image_limits: ImageLimits | None = None, audio_limits: AudioLimits | None = None,
+                video_limits: VideoLimits | None = None) -> tuple[list[int], list[MediaItem]]:
+        """Prompt ids with the tokens of each image, clip and video frame in place, and the items (what the encoder
+        reads, content keys). The prompt marks where each input goes with the model's placeholder of its kind
+        (none: they go first)."""
+        media = self.load_media(images, audio, videos, image_limits, audio_limits, video_limits)
+        if not media:
             return self.tokenize(prompt), []
         ids = self.tokenize(self.expand(prompt, media))
         return ids, self.place(ids, media)
@@ -174,15 +187,4 @@ class InputProcessor:
         raise UserInputError(f"request needs {format_bytes(need * self.kv.page_bytes)} of KV cache for {peak} tokens, "
                              f"but the KV cache has {format_bytes(self.kv.num_pages * self.kv.page_bytes)}{why}; "
                              "raise --kv-cache-memory or lower max_tokens")
-
-
-def _repeat_placeholders(prompt: str, placeholder: str, counts: list[int]) -> str:
-    """The i-th `placeholder` of `prompt` written counts[i] times (an input split into that many clips); a prompt
-    without placeholders is left as it is (its items go first)."""
-    if placeholder not in prompt or all(n == 1 for n in counts):
-        return prompt
-    pieces = prompt.split(placeholder)
-    if len(pieces) - 1 != len(counts):
-        return prompt   # expand_prompt names the mismatch
-    return pieces[0] + "".join(placeholder * n + piece for n, piece in zip(counts, pieces[1:]))
 

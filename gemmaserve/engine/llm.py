@@ -7,6 +7,7 @@
 
     llm.generate("<start_of_image> What is in this picture?", images=["cat.png"])   # multimodal models
     llm.generate("<|audio|> Transcribe this.", audio=["speech.wav"])                # Gemma 4 E2B/E4B
+    llm.generate("<|video|> What happens?", videos=["clip.mp4"])                    # Gemma 4
 
     for delta in llm.stream(["Once upon a time"]):          # text as it is generated
         print(delta.outputs[0].delta_text, end="", flush=True)
@@ -57,14 +58,15 @@ class LLM:
     # -- submission ------------------------------------------------------------------------------
     def _submit(self, prompts: str | Sequence[str],
                 params: SamplingParams | Sequence[SamplingParams] | None,
-                images: Sequence | None = None, audio: Sequence | None = None) -> list[tuple[str, int]]:
+                images: Sequence | None = None, audio: Sequence | None = None,
+                videos: Sequence | None = None) -> list[tuple[str, int]]:
         """Validate everything first (a bad prompt raises before any is queued), then queue the
-        runs. Returns (request id, n) per prompt. `images` / `audio`: for a single prompt, its images / audio
-        inputs (or one); for a list of prompts, a list of lists (None for a prompt without)."""
+        runs. Returns (request id, n) per prompt. `images` / `audio` / `videos`: for a single prompt, its inputs
+        of that kind (or one); for a list of prompts, a list of lists (None for a prompt without)."""
         single = isinstance(prompts, str)
         if single:
             prompts = [prompts]
-        images, audio = _per_prompt(images, single), _per_prompt(audio, single)
+        images, audio, videos = _per_prompt(images, single), _per_prompt(audio, single), _per_prompt(videos, single)
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise UserInputError("no prompts given")
         if params is None:
@@ -75,14 +77,15 @@ class LLM:
         for p in per_prompt:
             if not isinstance(p, SamplingParams):
                 raise UserInputError(f"expected SamplingParams, got {type(p).__name__}")
-        for name, given in (("images", images), ("audio", audio)):
+        for name, given in (("images", images), ("audio", audio), ("videos", videos)):
             if given is not None and (not isinstance(given, Sequence) or len(given) != len(prompts)):
                 raise UserInputError(f"{name} must hold one list per prompt ({len(prompts)})")
         engine = self.engine
         encoded = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
             try:
-                ids, items = engine.inputs.prepare(prompt, images[i] if images else None, audio[i] if audio else None)
+                ids, items = engine.inputs.prepare(prompt, images[i] if images else None, audio[i] if audio else None,
+                                                   videos[i] if videos else None)
                 engine.inputs.check_request(ids, p, items)
             except UserInputError as exc:
                 raise UserInputError(f"prompt {i}: {exc}") from None
@@ -99,12 +102,13 @@ class LLM:
     def generate(self, prompts: str | Sequence[str],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, images: Sequence | None = None,
-                 audio: Sequence | None = None) -> list[RequestOutput]:
+                 audio: Sequence | None = None, videos: Sequence | None = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order, each with its n completions.
         A progress bar shows on a terminal for more than one prompt (`use_tqdm` forces it).
         `images`, `audio` (multimodal models): see `_submit`; an audio input is float samples at the model's
-        rate, (samples, rate), encoded bytes (WAV, FLAC, OGG, MP3), a data URL or a file path."""
-        return self._collect(self._submit(prompts, params, images, audio), use_tqdm)
+        rate, (samples, rate), encoded bytes (WAV, FLAC, OGG, MP3), a data URL or a file path; a video is encoded
+        bytes (MP4, WebM, MKV, ...), a data URL, a file path or (uint8 frames [T, H, W, 3], fps)."""
+        return self._collect(self._submit(prompts, params, images, audio, videos), use_tqdm)
 
     def _collect(self, submitted: list[tuple[str, int]], use_tqdm: bool | None) -> list[RequestOutput]:
         """Step until every submitted request finished; their final outputs, in order."""
@@ -139,7 +143,8 @@ class LLM:
         parts, in place: {"type": "image_url", "image_url": {"url": data URL or file path}},
         {"type": "image", "image": PIL image, uint8 array or path}, {"type": "input_audio", "input_audio":
         {"data": base64, "format": "wav"}}, {"type": "audio_url", "audio_url": {"url": ...}} or
-        {"type": "audio", "audio": samples, (samples, rate), bytes or path}. `chat_template_kwargs` go to the
+        {"type": "audio", "audio": samples, (samples, rate), bytes or path}; videos as {"type": "video_url",
+        "video_url": {"url": ...}} or {"type": "video", "video": path, bytes or (frames, fps)}. `chat_template_kwargs` go to the
         template (e.g. {"enable_thinking": True} for Gemma 4); the output is the raw text, thinking included."""
         from ..models.chat_template import ChatFormatter, parse_chat
 
@@ -150,8 +155,8 @@ class LLM:
         inputs = engine.inputs
         parsed, media = parse_chat(messages, {m: lay.placeholder for m, lay in inputs.layouts.items()},
                                    python_objects=True)
-        loaded = inputs.load_media([x for m, x in media if m is Modality.IMAGE],
-                                   [x for m, x in media if m is Modality.AUDIO])
+        loaded = inputs.load_media(*([x for m, x in media if m is kind] for kind in
+                                     (Modality.IMAGE, Modality.AUDIO, Modality.VIDEO)))
         ids = ChatFormatter(engine.tokenizer).encode(parsed, (lambda text: inputs.expand(text, loaded)) if media else None,
                                                      template_kwargs=chat_template_kwargs)
         items = inputs.place(ids, loaded) if media else []
@@ -164,11 +169,12 @@ class LLM:
     # -- streaming -------------------------------------------------------------------------------
     def stream(self, prompts: str | Sequence[str],
                params: SamplingParams | Sequence[SamplingParams] | None = None,
-               images: Sequence | None = None, audio: Sequence | None = None) -> Iterator[RequestOutput]:
+               images: Sequence | None = None, audio: Sequence | None = None,
+               videos: Sequence | None = None) -> Iterator[RequestOutput]:
         """Yield an output each time a completion has new text or finishes: `outputs[0]` is that
         completion (its `delta_text` is what is new) and `prompt_index` says which prompt it is for.
         Closing the iterator early aborts what is still running."""
-        submitted = self._submit(prompts, params, images, audio)
+        submitted = self._submit(prompts, params, images, audio, videos)
         index = {rid: i for i, (rid, _) in enumerate(submitted)}
         try:
             while self.engine.has_unfinished_requests():

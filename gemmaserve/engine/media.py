@@ -1,8 +1,12 @@
-"""Images and audio clips of a request, once prepared: where each sits in the prompt and what keys its content.
+"""Images, audio and video of a request, once prepared: where each item sits in the prompt and what keys its
+content.
 
     prompt "Describe <|image|> and <|audio|>" + {image: [img], audio: [clip]}
-      -> text with each placeholder expanded (a modality without placeholders: its items go first)
+      -> text with each placeholder expanded (a modality without placeholders: its inputs go first)
       -> token ids; the i-th run of a modality's soft-token id is its i-th item  ->  MediaItem(start, length, ...)
+
+An input is one or more items at one placeholder (MediaInput): an image is one, audio one per 30 s clip (written
+one after the other), a video one per sampled frame (each after its time stamp, "mm:ss", separated by spaces).
 
 The key hashes what the encoder reads, so the same picture or clip sent twice (any encoding) shares its encoder
 output and its KV blocks, and two items behind the same placeholder ids never do.
@@ -39,19 +43,31 @@ class MediaItem:
         return self.start + self.length
 
 
-def expand_prompt(prompt: str, inputs: dict[Modality, list[EncoderInput]],
-                  layouts: dict[Modality, MediaLayout]) -> str:
-    """The prompt with every placeholder expanded to its item's tokens, items of a modality in order; a
-    modality whose placeholder the prompt lacks has its items put first."""
-    inputs = {m: items for m, items in inputs.items() if items}
-    for modality, items in inputs.items():
+@dataclass(frozen=True)
+class MediaInput:
+    """One input of a request at its placeholder: its items in order, each after its label if it has labels."""
+
+    items: list[EncoderInput]
+    labels: list[str] | None = None   # a video's frame time stamps
+
+    def expansion(self, layout: MediaLayout) -> str:
+        if self.labels is None:
+            return "".join(layout.expansion(it.num_tokens) for it in self.items)
+        return " ".join(f"{label} {layout.expansion(it.num_tokens)}" for label, it in zip(self.labels, self.items))
+
+
+def expand_prompt(prompt: str, inputs: dict[Modality, list[MediaInput]], layouts: dict[Modality, MediaLayout]) -> str:
+    """The prompt with every placeholder expanded to its input's tokens, inputs of a modality in order; a modality
+    whose placeholder the prompt lacks has its inputs put first."""
+    inputs = {m: given for m, given in inputs.items() if given}
+    for modality, given in inputs.items():
         layout = layouts[modality]
         found = prompt.count(layout.placeholder)
         if found == 0:
-            prompt = layout.placeholder * len(items) + prompt
-        elif found != len(items):
+            prompt = layout.placeholder * len(given) + prompt
+        elif found != len(given):
             raise UserInputError(f"the prompt has {found} {modality.value} placeholders ({layout.placeholder}) for "
-                                 f"{len(items)} {modality.value} inputs")
+                                 f"{len(given)} {modality.inputs}")
     out, pos, taken = [], 0, {m: 0 for m in inputs}
     marks = {layouts[m].placeholder: m for m in inputs}
     while marks:
@@ -59,7 +75,7 @@ def expand_prompt(prompt: str, inputs: dict[Modality, list[EncoderInput]],
         if at < 0:
             break
         modality = marks[mark]
-        out += [prompt[pos:at], layouts[modality].expansion(inputs[modality][taken[modality]].num_tokens)]
+        out += [prompt[pos:at], inputs[modality][taken[modality]].expansion(layouts[modality])]
         taken[modality] += 1
         pos = at + len(mark)
     out.append(prompt[pos:])
@@ -81,13 +97,14 @@ def token_spans(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:
     return spans
 
 
-def place_media(token_ids: list[int], inputs: dict[Modality, list[EncoderInput]],
+def place_media(token_ids: list[int], inputs: dict[Modality, list[MediaInput]],
                 layouts: dict[Modality, MediaLayout]) -> list[MediaItem]:
     """MediaItems for the prompt's soft-token spans (one span per item, in order within each modality), sorted by
     position."""
     out = []
-    for modality, items in inputs.items():
+    for modality, given in inputs.items():
         layout = layouts[modality]
+        items = [it for g in given for it in g.items]
         spans = token_spans(token_ids, layout.token_id)
         if [n for _, n in spans] != [it.num_tokens for it in items]:
             raise UserInputError(f"the prompt holds {modality.value} spans of lengths {[n for _, n in spans]} for "

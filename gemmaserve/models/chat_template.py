@@ -43,17 +43,19 @@ class ChatMessage:
 # content part type -> (modality, the field holding it, whether the field is {"url": ...}); "image"/"audio" parts
 # (Python objects: PIL images, arrays, samples, paths) only through the Python API
 _MEDIA_PARTS = {"image_url": (Modality.IMAGE, "image_url", True), "audio_url": (Modality.AUDIO, "audio_url", True),
-                "input_audio": (Modality.AUDIO, "input_audio", False)}
-_OBJECT_PARTS = {"image": (Modality.IMAGE, "image", False), "audio": (Modality.AUDIO, "audio", False)}
+                "input_audio": (Modality.AUDIO, "input_audio", False), "video_url": (Modality.VIDEO, "video_url", True)}
+_OBJECT_PARTS = {"image": (Modality.IMAGE, "image", False), "audio": (Modality.AUDIO, "audio", False),
+                 "video": (Modality.VIDEO, "video", False)}
 
 
 def parse_chat(raw: object, placeholders: dict[Modality, str], python_objects: bool = False
                ) -> tuple[list[ChatMessage], list[tuple[Modality, object]]]:
-    """OpenAI `messages` -> (ChatMessage list, the images and audio in order, each with its modality). Content is a
-    string or a list of parts: text, `image_url` and `audio_url` (their URL strings are returned), `input_audio`
+    """OpenAI `messages` -> (ChatMessage list, the images, audio and videos in order, each with its modality). Content
+    is a string or a list of parts: text, `image_url`, `audio_url`, `video_url` (their URL strings are returned),
+    `input_audio`
     (its {"data", "format"} object is returned); each media part becomes its modality's placeholder in the text
     (`placeholders`: what the model takes; a part of another kind is an error). `python_objects` (the Python API)
-    also takes {"type": "image", "image": ...} and {"type": "audio", "audio": ...} with objects."""
+    also takes {"type": "image" | "audio" | "video", <that type>: ...} with objects."""
     if not isinstance(raw, list) or not raw:
         raise UserInputError("messages must be a non-empty list of {role, content} objects")
     kinds = {**_MEDIA_PARTS, **(_OBJECT_PARTS if python_objects else {})}
@@ -83,11 +85,9 @@ def parse_chat(raw: object, placeholders: dict[Modality, str], python_objects: b
                     media.append((modality, value))
                     parts.append(placeholders[modality])
                     continue
-                if kind == "video_url":
-                    raise UserInputError(f"{where}: video inputs are not supported yet")
                 if not isinstance(part, dict) or kind != "text" or not isinstance(part.get("text"), str):
-                    raise UserInputError(f"{where}: only text, image_url, input_audio and audio_url parts are "
-                                         "supported ({\"type\": \"text\", \"text\": ...})")
+                    raise UserInputError(f"{where}: only text, image_url, input_audio, audio_url and video_url parts "
+                                         "are supported ({\"type\": \"text\", \"text\": ...})")
                 parts.append(part["text"])
             content = "".join(parts)
         calls = _tool_calls(m.get("tool_calls"), i) if role == "assistant" else ()

@@ -84,6 +84,8 @@ class Gemma4VisionConfig:
     boa_token_id: int = 256000
     eoa_token_id: int = 258883
     audio_features: AudioFeatureConfig = AudioFeatureConfig()   # the checkpoint's feature extractor settings
+    video_token_id: int = 258884
+    video_soft_tokens: int = 70      # per frame (the video processor's max_soft_tokens)
 
     vocab_size = property(lambda self: self.text.vocab_size)
     max_position_embeddings = property(lambda self: self.text.max_position_embeddings)
@@ -108,13 +110,20 @@ class Gemma4VisionConfig:
         def token(*names: str, default: int) -> int:
             return int(next((cfg[n] for n in names if cfg.get(n) is not None), default))
 
+        video = (cfg.get("_processor") or {}).get("video_processor") or {}
+        per_frame = int(video.get("max_soft_tokens") or 70)
+        if per_frame not in SOFT_TOKEN_CHOICES:
+            raise UserInputError(f"the video processor's max_soft_tokens must be one of {SOFT_TOKEN_CHOICES}, "
+                                 f"got {per_frame}")
+
         return cls(text=Gemma4Config.from_hf(cfg), vision=vision, audio=audio,
                    image_token_id=token("image_token_id", default=258880),
                    boi_token_id=token("boi_token_id", default=255999), eoi_token_id=token("eoi_token_id", default=258882),
                    pad_token_id=int(text.get("pad_token_id") or 0), max_soft_tokens=soft,
                    audio_token_id=token("audio_token_id", default=258881),
                    boa_token_id=token("boa_token_id", "boa_token_index", default=256000),
-                   eoa_token_id=token("eoa_token_id", "eoa_token_index", default=258883), audio_features=features)
+                   eoa_token_id=token("eoa_token_id", "eoa_token_index", default=258883), audio_features=features,
+                   video_token_id=token("video_token_id", default=258884), video_soft_tokens=per_frame)
 
 
 @dataclass(frozen=True)
@@ -152,17 +161,42 @@ class Gemma4ImageProcessor:
         th, tw = self.target_size(rgb.height, rgb.width)
         if (rgb.height, rgb.width) != (th, tw):
             rgb = rgb.resize((tw, th), Image.Resampling.BICUBIC)
+        return self.patches(np.asarray(rgb))
+
+    def patches(self, rgb: np.ndarray) -> EncoderInput:
+        """[H, W, 3] uint8 at its target size -> patches, token count and positions."""
         p = self.patch_size
+        th, tw = rgb.shape[:2]
         ph, pw = th // p, tw // p
         # patches reordered while still bytes, then x / 255 in float32 straight into the padded buffer: bit for
         # bit transformers' float64 x * (1 / 255) rounded to float32 (the preprocessing tests compare exactly)
-        pixels = np.asarray(rgb).reshape(ph, p, pw, p, 3).transpose(0, 2, 1, 3, 4).reshape(ph * pw, p * p * 3)
+        pixels = rgb.reshape(ph, p, pw, p, 3).transpose(0, 2, 1, 3, 4).reshape(ph * pw, p * p * 3)
         patches = np.zeros((self.max_patches, p * p * 3), dtype=np.float32)
         np.divide(pixels, np.float32(255), out=patches[:ph * pw], dtype=np.float32)
         positions = np.full((self.max_patches, 2), -1, dtype=np.int64)
         positions[:ph * pw, 0] = np.tile(np.arange(pw), ph)
         positions[:ph * pw, 1] = np.repeat(np.arange(ph), pw)
         return EncoderInput(patches, ph * pw // self.pooling_kernel_size ** 2, positions)
+
+
+@dataclass(frozen=True)
+class Gemma4VideoFrameProcessor(Gemma4ImageProcessor):
+    """A video frame as transformers' Gemma4VideoProcessor prepares it: the image processor's sizes and patches,
+    but resized as torchvision resizes a uint8 tensor (antialiased bicubic on the bytes, which torch computes
+    itself), and a smaller token budget per frame (70 by default)."""
+
+    max_soft_tokens: int = 70
+
+    def __call__(self, frame) -> EncoderInput:
+        rgb = np.asarray(frame)
+        if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+            raise UserInputError(f"a video frame must be uint8 [H, W, 3], got {rgb.dtype} {rgb.shape}")
+        th, tw = self.target_size(*rgb.shape[:2])
+        if rgb.shape[:2] != (th, tw):
+            x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]
+            x = F.interpolate(x, size=[th, tw], mode="bicubic", antialias=True, align_corners=False)
+            rgb = x[0].permute(1, 2, 0).numpy()
+        return self.patches(np.ascontiguousarray(rgb))
 
 
 class ClippedLinear(nn.Module):
@@ -336,8 +370,20 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                            max_tokens=proc.max_tokens, processor=proc, bidirectional=False,
                            begin_token_id=cfg.boa_token_id, end_token_id=cfg.eoa_token_id)
 
+    @property
+    def video_layout(self) -> MediaLayout | None:
+        """A video's frames: each like an image (`<boi>` + N x `<|video|>` + `<eoi>`), after its time stamp."""
+        cfg = self.mm_config
+        if cfg.vision is None:
+            return None
+        proc = Gemma4VideoFrameProcessor(cfg.vision.patch_size, cfg.vision.pooling_kernel_size, cfg.video_soft_tokens)
+        return MediaLayout(Modality.VIDEO, placeholder="", before="", token="", after="", token_id=cfg.video_token_id,
+                           max_tokens=cfg.video_soft_tokens, processor=proc, begin_token_id=cfg.boi_token_id,
+                           end_token_id=cfg.eoi_token_id)
+
     def media_layouts(self) -> dict[Modality, MediaLayout]:
-        layouts = {Modality.IMAGE: self.image_layout, Modality.AUDIO: self.audio_layout}
+        layouts = {Modality.IMAGE: self.image_layout, Modality.AUDIO: self.audio_layout,
+                   Modality.VIDEO: self.video_layout}
         return {m: layout for m, layout in layouts.items() if layout is not None}
 
     def encode_images(self, pixels: torch.Tensor, positions: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -353,7 +399,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                      ) -> list[torch.Tensor]:
         """Soft tokens [n_i, H] of each item (what EncoderInput holds): images together, clips one by one (the
         tower takes one clip; each is up to 30 s)."""
-        if modality is Modality.IMAGE:
+        if modality in (Modality.IMAGE, Modality.VIDEO):   # a video frame is encoded as an image
             return self.encode_images(torch.from_numpy(np.stack(data)).to(device),
                                       torch.from_numpy(np.stack(extra)).to(device))
         return [self.encode_audio(torch.from_numpy(d).to(device), torch.from_numpy(m).to(device))
@@ -362,7 +408,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def _text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Soft-token ids read the pad row (of the embedding and per-layer tables), as transformers has it."""
         cfg = self.mm_config
-        soft = (input_ids == cfg.image_token_id) | (input_ids == cfg.audio_token_id)
+        soft = (input_ids == cfg.image_token_id) | (input_ids == cfg.audio_token_id) | (input_ids == cfg.video_token_id)
         return input_ids.masked_fill(soft, cfg.pad_token_id)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -200,10 +200,16 @@ def _hf_config(path: Path) -> tuple[type[CausalLM], object]:
     return model_class, model_class.config_class.from_hf(cfg)
 
 
+PROCESSOR_PARTS = ("feature_extractor", "image_processor", "video_processor")
+
+
 def _processor_config(path: Path) -> dict:
-    """The checkpoint's processor settings, by part ("feature_extractor", "image_processor"): from
-    processor_config.json (one entry per part) or preprocessor_config.json (a single part, by its type)."""
-    for name in ("processor_config.json", "preprocessor_config.json"):
+    """The checkpoint's processor settings, by part ("feature_extractor", "image_processor", "video_processor"):
+    processor_config.json (one entry per part), then the files transformers saves each part in alone
+    (preprocessor_config.json: the feature extractor or the image processor, by its type;
+    video_preprocessor_config.json); a part found twice is taken from the first."""
+    parts: dict = {}
+    for name in ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
         file = path / name
         if not file.is_file():
             continue
@@ -213,11 +219,16 @@ def _processor_config(path: Path) -> dict:
             raise UserInputError(f"{file} is not valid JSON: {exc}") from exc
         if not isinstance(raw, dict):
             raise UserInputError(f"{file} must hold a JSON object")
-        if any(isinstance(raw.get(k), dict) for k in ("feature_extractor", "image_processor")):
-            return {k: raw[k] for k in ("feature_extractor", "image_processor") if isinstance(raw.get(k), dict)}
-        kind = "feature_extractor" if "FeatureExtractor" in str(raw.get("feature_extractor_type", "")) else "image_processor"
-        return {kind: raw}
-    return {}
+        if name == "processor_config.json":
+            found = {k: v for k, v in raw.items() if k in PROCESSOR_PARTS and isinstance(v, dict)}
+        elif name == "video_preprocessor_config.json":
+            found = {"video_processor": raw}
+        else:
+            kind = "feature_extractor" if "FeatureExtractor" in str(raw.get("feature_extractor_type", "")) else \
+                "image_processor"
+            found = {kind: raw}
+        parts = {**found, **parts}
+    return parts
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device,

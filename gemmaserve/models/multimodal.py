@@ -19,18 +19,19 @@ import numpy as np
 class Modality(str, enum.Enum):
     IMAGE = "image"
     AUDIO = "audio"
+    VIDEO = "video"
 
     @property
     def inputs(self) -> str:
-        """How messages name a request's inputs of this kind ("images", "audio")."""
-        return "images" if self is Modality.IMAGE else self.value
+        """How messages name a request's inputs of this kind ("images", "audio", "videos")."""
+        return "audio" if self is Modality.AUDIO else self.value + "s"
 
 
 @dataclass(frozen=True)
 class EncoderInput:
     """What the encoder reads of one item, and how many soft tokens it becomes."""
 
-    data: np.ndarray                   # image: [3, S, S] (Gemma 3) or [max_patches, 3 p^2] patches (Gemma 4);
+    data: np.ndarray                   # image, video frame: [3, S, S] (Gemma 3) or [max_patches, 3 p^2] patches (Gemma 4);
                                        # audio: [frames, mel bins] log-mel features
     num_tokens: int
     extra: np.ndarray | None = None    # Gemma 4 image: [max_patches, 2] (x, y) of each patch, -1 for padding;

@@ -24,6 +24,10 @@ class ServerConfig:
         600.0, parse=number, help="longest audio input in seconds (split into the encoder's 30 s clips)")
     max_audio_bytes: int = option(25 << 20, parse=size,
                                   help="largest encoded audio input (a transcription upload may be this large)")
+    max_videos_per_request: int = option(2, parse=positive_int, help="most videos in one chat request")
+    max_video_frames: int = option(32, parse=positive_int,
+                                   help="frames sampled from one video (uniformly; each takes an image's tokens)")
+    max_video_bytes: int = option(32 << 20, parse=size, help="largest encoded video (after base64 decoding)")
     max_queue_len: int | None = option(
         None, parse=positive_int,
         help="most completions waiting beyond --max-num-seqs running ones: at most their sum are in the server, "
@@ -59,6 +63,12 @@ class ServerConfig:
         from ..engine.audio import AudioLimits
 
         return AudioLimits(self.max_audio_per_request, self.max_audio_bytes, self.max_audio_seconds)
+
+    @property
+    def video_limits(self):
+        from ..engine.video import VideoLimits
+
+        return VideoLimits(self.max_videos_per_request, self.max_video_bytes, self.max_video_frames)
 
     @property
     def image_limits(self):

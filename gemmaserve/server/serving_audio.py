@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..engine.audio import decode_audio_bytes, split_clips
 from ..engine.input_processor import LoadedMedia
+from ..engine.media import MediaInput
 from ..engine.request import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from ..errors import UserInputError
@@ -168,7 +169,7 @@ class AudioServing(Serving):
                 if not encoded.num_tokens:
                     raise UserInputError(f"file is {1000 * len(part) / rate:.1f} ms long: too short for one audio "
                                          "token")
-                loaded = LoadedMedia({Modality.AUDIO: [encoded]}, [1])
+                loaded: LoadedMedia = {Modality.AUDIO: [MediaInput([encoded])]}
                 ids = self.chat.encode([message], lambda text: inputs.expand(text, loaded))
                 out.append(_Clip(start / rate, (start + len(part)) / rate,
                                  Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids),

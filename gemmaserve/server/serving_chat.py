@@ -141,22 +141,26 @@ class ChatServing(Serving):
         return Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids), items
 
     def _chat_media(self, media: list[tuple[Modality, object]]) -> LoadedMedia:
-        """What the encoders read of each image and audio part: data: URLs and `input_audio` objects only (the
-        server opens no file and fetches no URL), within the server's limits."""
+        """What the encoders read of each image, audio and video part: data: URLs and `input_audio` objects only
+        (the server opens no file and fetches no URL), within the server's limits."""
         images = [x for m, x in media if m is Modality.IMAGE]
         audio = [x for m, x in media if m is Modality.AUDIO]
-        image_limits, audio_limits = self.config.image_limits, self.config.audio_limits
-        if len(images) > image_limits.max_images:
-            raise UserInputError(f"{len(images)} images; at most {image_limits.max_images} per request")
-        if len(audio) > audio_limits.max_clips:
-            raise UserInputError(f"{len(audio)} audio inputs; at most {audio_limits.max_clips} per request")
+        videos = [x for m, x in media if m is Modality.VIDEO]
+        config = self.config
+        image_limits, audio_limits, video_limits = config.image_limits, config.audio_limits, config.video_limits
+        for given, most, what in ((images, image_limits.max_images, "images"), (audio, audio_limits.max_clips, "audio inputs"),
+                                  (videos, video_limits.max_videos, "videos")):
+            if len(given) > most:
+                raise UserInputError(f"{len(given)} {what}; at most {most} per request")
         for i, url in enumerate(images):   # refuse before decoding anything
             require_data_url(url, f"image {i}", "PNG/JPEG/WebP")
         for i, a in enumerate(audio):
             if not isinstance(a, dict):   # an input_audio object holds its bytes
                 require_data_url(a, f"audio {i}", "WAV/FLAC/OGG/MP3")
+        for i, url in enumerate(videos):
+            require_data_url(url, f"video {i}", "MP4/WebM/MKV")
         return self.engine.inputs.load_media([decode_data_url(u, image_limits, f"image {i}") for i, u in enumerate(images)],
-                                             audio, image_limits, audio_limits)
+                                             audio, videos, image_limits, audio_limits, video_limits)
 
     def _tool_calling(self, req: ChatRequest) -> ToolCalling | None:
         calling = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer,

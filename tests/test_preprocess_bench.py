@@ -1,0 +1,17 @@
+"""`gemmaserve bench preprocess`: every case runs and reports outputs equal to transformers' processors (images
+bit for bit at photographs' sizes, audio within 1e-6)."""
+
+import json
+
+
+def test_preprocess_bench_runs_and_outputs_equal_transformers(tmp_path, monkeypatch):
+    from gemmaserve.cli import main
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert main(["bench", "preprocess", "--repeat", "1"]) == 0
+    rows = json.loads((tmp_path / "preprocess.json").read_text())["rows"]
+    assert len(rows) == 8 + 4 + 1
+    for r in rows:
+        assert r["ours_ms"] > 0 and r["transformers_ms"] > 0 and r["ratio"] > 0
+        assert r["max_abs_diff"] <= (1e-6 if r["what"].startswith("audio") else 0.0), r
+        assert r.get("positions_equal", True) and r.get("mask_equal", True), r
