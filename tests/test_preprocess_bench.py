@@ -15,3 +15,13 @@ def test_preprocess_bench_runs_and_outputs_equal_transformers(tmp_path, monkeypa
         assert r["ours_ms"] > 0 and r["transformers_ms"] > 0 and r["ratio"] > 0
         assert r["max_abs_diff"] <= (1e-6 if r["what"].startswith("audio") else 0.0), r
         assert r.get("positions_equal", True) and r.get("mask_equal", True), r
+
+
+def test_bytes_over_255_in_float32_equal_transformers_float64_rescale():
+    """What the processors rely on to be bit-equal: x / 255 in float32 is float64 x * (1 / 255) rounded, for every
+    byte value."""
+    import numpy as np
+
+    x = np.arange(256, dtype=np.uint8)
+    assert np.array_equal(np.divide(x, np.float32(255), dtype=np.float32),
+                          (x.astype(np.float64) * (1 / 255)).astype(np.float32))
