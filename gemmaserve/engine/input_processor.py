@@ -1,5 +1,5 @@
-"""What a request may ask for, checked before it reaches the scheduler: prompt text to token ids, images and
-audio to what their encoder reads, in place, and whether the request can ever run (length, KV budget,
+"""What a request may ask for, checked before it reaches the scheduler: prompt text to token ids, images, audio
+and videos to what their encoder reads, in place, and whether the request can ever run (length, KV budget,
 vocabulary, grammar).
 
 Every user-facing entry point (CLI, `LLM`, HTTP) goes through here, so each says the same thing about
@@ -18,9 +18,9 @@ from ..units import format_bytes
 from .audio import AudioLimits, load_audio, split_clips
 from .images import ImageLimits, load_image
 from .media import MediaInput, MediaItem, expand_prompt, place_media
-from .video import VideoLimits, load_video
 from .sampling_params import SamplingParams
 from .structured_output import Grammars
+from .video import VideoLimits, load_video
 
 log = logging.getLogger(__name__)
 
