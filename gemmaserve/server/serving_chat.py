@@ -91,7 +91,7 @@ class ChatServing(Serving):
             out = []
             lp = chat_logprobs(self.tokenizer, c.delta_logprobs) if c.delta_logprobs else None
             finish = c.finish_reason
-            thought, text = c.delta_text, c.delta_text
+            text = c.delta_text
             if answer.reasoning is not None:
                 stream = streams.setdefault(c.index, ReasoningStream(answer.reasoning))
                 thought, text = stream.feed(c.delta_text)
