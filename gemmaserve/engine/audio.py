@@ -51,7 +51,8 @@ def decode_audio_bytes(data: bytes, rate: int, limits: AudioLimits, fmt: str | N
     except UserInputError:
         raise
     except Exception as exc:   # libsndfile refuses broken or unknown data with several error kinds
-        raise UserInputError(f"{what} could not be decoded: {type(exc).__name__}: {exc}") from None
+        why = getattr(exc, "error_string", None) or str(exc)   # libsndfile's own reason, not the stream's repr
+        raise UserInputError(f"{what} could not be decoded as WAV, FLAC, OGG or MP3: {why}") from None
     if samples.shape[0] == 0:
         raise UserInputError(f"{what} holds no samples")
     return to_mono_rate(samples, source_rate, rate, what)

@@ -81,7 +81,8 @@ def decode_video_bytes(data: bytes, limits: VideoLimits, what: str = "video") ->
     except UserInputError:
         raise
     except Exception as exc:   # FFmpeg refuses broken or unknown data with several error kinds
-        raise UserInputError(f"{what} could not be decoded: {type(exc).__name__}: {exc}") from None
+        why = getattr(exc, "strerror", None) or str(exc)   # FFmpeg's own reason, without its errno and file name
+        raise UserInputError(f"{what} could not be decoded: {why}") from None
     if not frames:
         raise UserInputError(f"{what} holds no frames")
     if len(frames) < len(wanted):   # the stream had fewer frames than its header said: sample what it had
