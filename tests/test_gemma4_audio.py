@@ -386,3 +386,33 @@ def test_cli_audio_flag(served, speech, tmp_path, capsys):
     assert got["token_ids"] == want.outputs[0].token_ids
     assert main(argv[:-2] + [str(tmp_path / "missing.wav"), "x"]) != 0
     assert "no such file" in capsys.readouterr().err
+
+
+def test_drafts_leave_audio_and_video_requests_unchanged(served, speech, tmp_path):
+    """An MTP drafter (it reads the text tower's KV and embeddings) and prompt lookup over prompts with audio clips
+    and a video: the same greedy tokens as without drafts, drafts made and the KV pool whole."""
+    from gemmaserve import LLM, SamplingParams
+    from gemmaserve.config.engine import EngineConfig
+
+    from helpers import tiny_gemma4_assistant
+
+    _, _, path, llm = served
+    frames = np.random.default_rng(4).integers(0, 256, (5, 30, 40, 3), dtype=np.uint8)
+    prompts = ["hear <|audio|> and <|audio|> again", "watch <|video|> now", "only text here"]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def run(engine_llm):
+        outs = engine_llm.generate(prompts, params, audio=[[speech[:16_000], speech[8_000:30_000]], None, None],
+                                   videos=[None, [(frames, 4)], None], use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    want = run(llm)
+    tiny_gemma4_assistant(99, "e2b").save_pretrained(tmp_path / "drafter")
+    for spec in ({"method": "mtp", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 3},
+                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        other = LLM.from_config(EngineConfig(model=str(path), dtype="float32", page_size=4, kv_cache_memory=16 << 20,
+                                             max_num_batched_tokens=800, cpu_compile="off",
+                                             speculative_config={**spec, "disable_by_batch_size": 64}), llm)
+        assert run(other) == want, spec["method"]
+        assert other.engine.scheduler.spec_stats.drafted > 0, spec["method"]
+        other.engine.kv.check_integrity()
