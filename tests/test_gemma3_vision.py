@@ -258,6 +258,28 @@ def test_encoder_runs_once_per_image(setup):
     assert sum(calls) == 3, calls      # the same images in a new request: the content-keyed cache serves them
 
 
+def test_batch_invariant_engines_encode_each_image_alone(setup):
+    """--batch-invariant with batch-invariant kernels (CUDA): an image's soft tokens must not depend on what else a
+    step encodes, so each is encoded alone (otherwise a step's new images go together), with the same tokens. The
+    CPU's kernels are row-independent already, so here the backend's flag is set by hand."""
+    _, path, llm = setup
+    engines = {mode: LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
+                                                  enable_prefix_caching=False), llm) for mode in (False, True)}
+    engines[True].engine.runner.backend.batch_invariant = True
+    tokens, sizes = {}, {}
+    for mode, engine in engines.items():
+        calls = sizes[mode] = []
+        model = engine.engine.model
+        original = model.encode_images
+        model.encode_images = lambda px, pos=None, calls=calls, original=original: (calls.append(px.shape[0]),
+                                                                                    original(px, pos))[1]
+        try:
+            tokens[mode] = _run(engine, cases=[("x <start_of_image> y <start_of_image> z", 2)])
+        finally:
+            del model.encode_images
+    assert sizes == {False: [2], True: [1, 1]} and tokens[False] == tokens[True]
+
+
 def test_prefix_cache_keys_include_the_image(setup):
     _, path, llm = setup
     fresh = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20), llm)

@@ -191,8 +191,12 @@ class ModelRunner:
         found = {(b, i): cache.get(seqs[b].req_id, i, im.key) for b, i, im in covered}
         todo = {im.key: im for b, i, im in covered if found[(b, i)] is None}
         fresh: dict[str, torch.Tensor] = {}
-        for modality in dict.fromkeys(im.modality for im in todo.values()):   # a repeated item once
-            items = {k: im for k, im in todo.items() if im.modality is modality}
+        # Items of a modality are encoded together (a repeated one once); batch-invariant engines encode each
+        # alone, so an item's soft tokens never depend on what else a step encodes.
+        groups = [{k: im} for k, im in todo.items()] if self.backend.batch_invariant else \
+            [{k: im for k, im in todo.items() if im.modality is m} for m in dict.fromkeys(im.modality for im in todo.values())]
+        for items in groups:
+            modality = next(iter(items.values())).modality
             out = self.model.encode_media(modality, [im.data for im in items.values()],
                                           [im.extra for im in items.values()], self.device)
             fresh.update(zip(items, out))
