@@ -192,11 +192,17 @@ class Gemma4VideoFrameProcessor(Gemma4ImageProcessor):
         if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
             raise UserInputError(f"a video frame must be uint8 [H, W, 3], got {rgb.dtype} {rgb.shape}")
         th, tw = self.target_size(*rgb.shape[:2])
-        if rgb.shape[:2] != (th, tw):
-            x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]
-            x = F.interpolate(x, size=[th, tw], mode="bicubic", antialias=True, align_corners=False)
-            rgb = x[0].permute(1, 2, 0).numpy()
-        return self.patches(np.ascontiguousarray(rgb))
+        return self.patches(resize_like_torchvision(rgb, th, tw))
+
+
+def resize_like_torchvision(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
+    """[H, W, 3] uint8 resized as torchvision's resize(antialias=True, bicubic) resizes a uint8 tensor on the CPU:
+    torch's own antialiased bicubic on the bytes (contiguous; unchanged at its size)."""
+    if rgb.shape[:2] == (height, width):
+        return np.ascontiguousarray(rgb)
+    x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]
+    x = F.interpolate(x, size=[height, width], mode="bicubic", antialias=True, align_corners=False)
+    return np.ascontiguousarray(x[0].permute(1, 2, 0).numpy())
 
 
 class ClippedLinear(nn.Module):

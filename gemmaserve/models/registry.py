@@ -10,17 +10,17 @@ from ..errors import UserInputError
 from .gemma3 import Gemma3ForCausalLM
 from .gemma3_vision import Gemma3ForConditionalGeneration
 from .gemma4 import Gemma4ForCausalLM
+from .gemma4_unified import Gemma4UnifiedForConditionalGeneration
 from .gemma4_vision import Gemma4ForConditionalGeneration
 
-# Hugging Face `architectures` entries of config.json. The encoder-free gemma4_unified multimodal class
-# serves its text tower only (audio is not supported by any).
+# Hugging Face `architectures` entries of config.json.
 HF_ARCHITECTURES = MappingProxyType({
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "Gemma4UnifiedForCausalLM": Gemma4ForCausalLM,
-    "Gemma4UnifiedForConditionalGeneration": Gemma4ForCausalLM,
+    "Gemma4UnifiedForConditionalGeneration": Gemma4UnifiedForConditionalGeneration,
 })
 
 # `model_type` of configs that name no architecture.
