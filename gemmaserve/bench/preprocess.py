@@ -36,18 +36,18 @@ def _median_ms(fn, repeat: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def _images(seed: int):
+def _images(seed: int, sizes: tuple[tuple[int, int], ...] = SIZES):
     from PIL import Image
 
     rng = np.random.default_rng(seed)
     out = []
-    for w, h in SIZES:   # smooth content (a photograph compresses and resizes like this, unlike noise)
+    for w, h in sizes:   # smooth content (a photograph compresses and resizes like this, unlike noise)
         base = rng.integers(0, 256, (h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
         out.append(Image.fromarray(base).resize((w, h), Image.Resampling.BILINEAR))
     return out
 
 
-def gemma4_images(repeat: int) -> list[dict]:
+def gemma4_images(repeat: int, sizes: tuple[tuple[int, int], ...] = SIZES) -> list[dict]:
     from PIL import Image
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
@@ -57,7 +57,7 @@ def gemma4_images(repeat: int) -> list[dict]:
     for soft in (280, 1120):
         ours, ref = Gemma4ImageProcessor(16, 3, soft), Gemma4ImageProcessorPil(patch_size=16, max_soft_tokens=soft,
                                                                                pooling_kernel_size=3)
-        for image in _images(soft):
+        for image in _images(soft, sizes):
             got, want = ours(image), ref([image], return_tensors="np")
             err = float(np.abs(got.data - want["pixel_values"][0]).max())
             same_pos = bool(np.array_equal(got.extra, want["image_position_ids"][0]))
@@ -70,7 +70,7 @@ def gemma4_images(repeat: int) -> list[dict]:
     return rows
 
 
-def gemma3_images(repeat: int) -> list[dict]:
+def gemma3_images(repeat: int, sizes: tuple[tuple[int, int], ...] = SIZES) -> list[dict]:
     from PIL import Image
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -79,7 +79,7 @@ def gemma3_images(repeat: int) -> list[dict]:
     ours = ImageProcessor(896, 256)
     ref = Gemma3ImageProcessorPil(size={"height": 896, "width": 896}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     rows = []
-    for image in _images(3):
+    for image in _images(3, sizes):
         err = float(np.abs(ours(image).data - ref([image], return_tensors="np")["pixel_values"][0]).max())
         rows.append({"what": f"gemma3 image {image.width}x{image.height} -> 896x896",
                      "ours_ms": _median_ms(lambda: ours(image), repeat),
@@ -113,6 +113,8 @@ def audio(repeat: int) -> list[dict]:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeat", type=int, default=15, help="timed runs of each case (the median is reported)")
+    ap.add_argument("--sizes", type=int, default=len(SIZES), choices=range(1, len(SIZES) + 1),
+                    help=f"image sizes to run, smallest first (of {len(SIZES)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = gemma4_images(args.repeat) + gemma3_images(args.repeat) + audio(args.repeat)
+    sizes = SIZES[:args.sizes]
+    rows = gemma4_images(args.repeat, sizes) + gemma3_images(args.repeat, sizes) + audio(args.repeat)
     for r in rows:
         for key in ("ours_ms", "transformers_ms", "resize_ms"):
             if key in r:
