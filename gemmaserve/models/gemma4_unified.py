@@ -32,7 +32,7 @@ from .gemma4 import Gemma4Config, Gemma4ForCausalLM
 from .gemma4_vision import (SOFT_TOKEN_CHOICES, Gemma4ForConditionalGeneration, Gemma4ImageProcessor,
                             resize_like_torchvision)
 from .image_processing import to_rgb
-from .multimodal import EncoderInput, MediaLayout, Modality
+from .multimodal import EncoderInput, Modality
 
 
 @dataclass(frozen=True)
@@ -225,39 +225,16 @@ class Gemma4UnifiedForConditionalGeneration(Gemma4ForConditionalGeneration):
             self.embed_audio = MultimodalEmbedder(cfg.audio.audio_embed_dim, cfg.text.hidden_size,
                                                   cfg.audio.rms_norm_eps).to(dtype)
 
-    def _patches(self, budget: int):
+    def image_processor(self, budget: int):
         v = self.mm_config.vision
         if self.config.bidirectional_vision:
             return _refuse_images
         return UnifiedPatchProcessor(v.patch_size, v.pooling_kernel_size, budget)
 
-    @property
-    def image_layout(self) -> MediaLayout | None:
-        cfg = self.mm_config
-        if cfg.vision is None:
-            return None
-        return MediaLayout(Modality.IMAGE, placeholder="", before="", token="", after="", token_id=cfg.image_token_id,
-                           max_tokens=cfg.max_soft_tokens, processor=self._patches(cfg.max_soft_tokens),
-                           begin_token_id=cfg.boi_token_id, end_token_id=cfg.eoi_token_id)
+    video_processor = image_processor   # frames are patched as images, at the video budget
 
-    @property
-    def video_layout(self) -> MediaLayout | None:
-        cfg = self.mm_config
-        if cfg.vision is None:
-            return None
-        return MediaLayout(Modality.VIDEO, placeholder="", before="", token="", after="", token_id=cfg.video_token_id,
-                           max_tokens=cfg.video_soft_tokens, processor=self._patches(cfg.video_soft_tokens),
-                           begin_token_id=cfg.boi_token_id, end_token_id=cfg.eoi_token_id)
-
-    @property
-    def audio_layout(self) -> MediaLayout | None:
-        cfg = self.mm_config
-        if cfg.audio is None:
-            return None
-        proc = RawAudioProcessor(cfg.audio)
-        return MediaLayout(Modality.AUDIO, placeholder="", before="", token="", after="", token_id=cfg.audio_token_id,
-                           max_tokens=proc.max_tokens, processor=proc, bidirectional=False,
-                           begin_token_id=cfg.boa_token_id, end_token_id=cfg.eoa_token_id)
+    def audio_processor(self):
+        return RawAudioProcessor(self.mm_config.audio)
 
     def encode_media(self, modality: Modality, data: list[np.ndarray], extra: list, device: torch.device
                      ) -> list[torch.Tensor]:

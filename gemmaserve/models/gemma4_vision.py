@@ -356,41 +356,45 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def engine_preferences(self) -> ModelPreferences:
         return ModelPreferences(kv_cache_manager="v2", swa_scratch_reuse=False, kv_transfer_runtime="nixl")
 
-    @property
-    def image_layout(self) -> MediaLayout | None:
-        cfg = self.mm_config
-        if cfg.vision is None:
-            return None
-        proc = Gemma4ImageProcessor(cfg.vision.patch_size, cfg.vision.pooling_kernel_size, cfg.max_soft_tokens)
-        return MediaLayout(Modality.IMAGE, placeholder="", before="", token="", after="", token_id=cfg.image_token_id,
-                           max_tokens=cfg.max_soft_tokens, processor=proc, begin_token_id=cfg.boi_token_id,
-                           end_token_id=cfg.eoi_token_id)
+    # -- what each modality reads (the 12B unified model swaps the processors) --------------------------------
+    def image_processor(self, budget: int):
+        v = self.mm_config.vision
+        return Gemma4ImageProcessor(v.patch_size, v.pooling_kernel_size, budget)
 
-    @property
-    def audio_layout(self) -> MediaLayout | None:
-        cfg = self.mm_config
-        if cfg.audio is None:
-            return None
-        proc = AudioProcessor(cfg.audio_features)
-        return MediaLayout(Modality.AUDIO, placeholder="", before="", token="", after="", token_id=cfg.audio_token_id,
-                           max_tokens=proc.max_tokens, processor=proc, bidirectional=False,
-                           begin_token_id=cfg.boa_token_id, end_token_id=cfg.eoa_token_id)
+    def video_processor(self, budget: int):
+        v = self.mm_config.vision
+        return Gemma4VideoFrameProcessor(v.patch_size, v.pooling_kernel_size, budget)
 
-    @property
-    def video_layout(self) -> MediaLayout | None:
-        """A video's frames: each like an image (`<boi>` + N x `<|video|>` + `<eoi>`), after its time stamp."""
-        cfg = self.mm_config
-        if cfg.vision is None:
-            return None
-        proc = Gemma4VideoFrameProcessor(cfg.vision.patch_size, cfg.vision.pooling_kernel_size, cfg.video_soft_tokens)
-        return MediaLayout(Modality.VIDEO, placeholder="", before="", token="", after="", token_id=cfg.video_token_id,
-                           max_tokens=cfg.video_soft_tokens, processor=proc, begin_token_id=cfg.boi_token_id,
-                           end_token_id=cfg.eoi_token_id)
+    def audio_processor(self):
+        return AudioProcessor(self.mm_config.audio_features)
 
     def media_layouts(self) -> dict[Modality, MediaLayout]:
-        layouts = {Modality.IMAGE: self.image_layout, Modality.AUDIO: self.audio_layout,
-                   Modality.VIDEO: self.video_layout}
-        return {m: layout for m, layout in layouts.items() if layout is not None}
+        """Images and video frames (`<boi>` + N soft tokens + `<eoi>`, a frame after its stamp) where the checkpoint
+        has a vision part, audio (`<boa>` + N + `<eoa>`, causal) where it has an audio part."""
+        cfg = self.mm_config
+
+        def layout(modality: Modality, token_id: int, processor, max_tokens: int, begin: int, end: int,
+                   bidirectional: bool = True) -> MediaLayout:
+            return MediaLayout(modality, placeholder="", before="", token="", after="", token_id=token_id,
+                               max_tokens=max_tokens, processor=processor, bidirectional=bidirectional,
+                               begin_token_id=begin, end_token_id=end)
+
+        out = {}
+        if cfg.vision is not None:
+            out[Modality.IMAGE] = layout(Modality.IMAGE, cfg.image_token_id, self.image_processor(cfg.max_soft_tokens),
+                                         cfg.max_soft_tokens, cfg.boi_token_id, cfg.eoi_token_id)
+            out[Modality.VIDEO] = layout(Modality.VIDEO, cfg.video_token_id,
+                                         self.video_processor(cfg.video_soft_tokens), cfg.video_soft_tokens,
+                                         cfg.boi_token_id, cfg.eoi_token_id)
+        if cfg.audio is not None:
+            proc = self.audio_processor()
+            out[Modality.AUDIO] = layout(Modality.AUDIO, cfg.audio_token_id, proc, proc.max_tokens, cfg.boa_token_id,
+                                         cfg.eoa_token_id, bidirectional=False)
+        return out
+
+    @property
+    def image_layout(self) -> MediaLayout | None:
+        return self.media_layouts().get(Modality.IMAGE)
 
     def encode_images(self, pixels: torch.Tensor, positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Patches [N, P, 3 p^2] and positions [N, P, 2] -> soft tokens of each image [n_i, H]."""
