@@ -210,6 +210,9 @@ def _tokens(processor, clip) -> int:
 
 
 def test_long_audio_is_split_into_clips_and_bad_audio_is_a_clear_error(served, speech):
+    import dataclasses
+
+    from gemmaserve import SamplingParams
     from gemmaserve.engine.audio import AudioLimits
     from gemmaserve.errors import UserInputError
 
@@ -223,7 +226,9 @@ def test_long_audio_is_split_into_clips_and_bad_audio_is_a_clear_error(served, s
     assert items[0].key != items[1].key and items[1].end + 2 == items[2].start   # consecutive, in place
     _, tail = inputs.prepare("x", audio=[np.resize(speech, 30 * 16_000 + 40)])   # 2.5 ms past 30 s: cut in a pause
     assert len(tail) == 2 and tail[1].length >= 25
+    small = dataclasses.replace(inputs, max_num_batched_tokens=100)   # a clip is never split across chunks
     cases = [
+        (lambda: small.check_request(ids, SamplingParams(max_tokens=1), items), r"an input \(audio\) takes 750 tokens"),
         (lambda: inputs.prepare("x", audio=[b"RIFF not audio" * 20]), "could not be decoded"),
         (lambda: inputs.prepare("x", audio=[speech], audio_limits=AudioLimits(max_seconds=1.0)), "s long; the limit"),
         (lambda: inputs.prepare("x", audio=[speech] * 3, audio_limits=AudioLimits(max_clips=2)), "at most 2 per request"),
@@ -313,6 +318,10 @@ def test_server_chat_audio_and_transcriptions_through_the_openai_client(served, 
                                                          stream=True, extra_body=extra))
         assert events[-1].type == "transcript.text.done" and events[-1].text == text.text
         assert "".join(e.delta for e in events[:-1]) == text.text
+        # past its deadline mid-stream: an error event, not a broken connection
+        with pytest.raises(openai.APIError, match="deadline|timed out|time"):
+            list(client.audio.transcriptions.create(model=str(path), file=("a.wav", wav), stream=True,
+                                                    extra_body={**extra, "request_timeout": 1e-6}))
 
         # 75 s: three clips, each a segment and a cue, in time order
         long = np.resize(speech, 75 * 16_000)

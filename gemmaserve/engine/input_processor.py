@@ -169,7 +169,7 @@ class InputProcessor:
                 raise UserInputError(f"the prompt holds {modality.value} tokens but no {modality.inputs}")
         largest = max(media or (), key=lambda it: it.length, default=None)
         if largest is not None and largest.length > self.max_num_batched_tokens:
-            raise UserInputError(f"an {largest.modality.value} input takes {largest.length} tokens, more than "
+            raise UserInputError(f"an input ({largest.modality.value}) takes {largest.length} tokens, more than "
                                  f"max_num_batched_tokens ({self.max_num_batched_tokens}): it is never split across "
                                  "prefill chunks")
         peak = min(n + params.max_tokens, self.max_model_len)

@@ -33,6 +33,7 @@ from ..engine.sampling_params import SamplingParams
 from ..errors import UserInputError
 from ..models.chat_template import ChatMessage
 from ..models.multimodal import Modality
+from .async_engine import DeadlineExceeded, EngineDeadError
 from .protocol import ApiError, TranscriptionRequest, parse
 from .serving import Prompt, Serving, as_api_error, raise_if_failed, sse
 
@@ -201,8 +202,10 @@ class AudioServing(Serving):
                         if text:
                             yield event({"type": "transcript.text.delta", "delta": lead + text})
                         sent += 1
-            except (ApiError, UserInputError) as exc:
-                yield event(as_api_error(exc).body())
+            except (ApiError, EngineDeadError, UserInputError, DeadlineExceeded) as exc:   # as Serving._stream
+                err = as_api_error(exc)
+                self.metrics.http_errors.labels(str(err.status)).inc()
+                yield event(err.body())
                 return
         yield event({"type": "transcript.text.done", "text": " ".join(t for t in texts if t),
                      "usage": self._speech_usage(clips, finals)})
