@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 
-def test_generate_json_one_object_per_prompt(llm_270m):
+def test_generate_json_one_object_per_prompt(llm_270m_q):
     res = subprocess.run([sys.executable, "-m", "gemmaserve", "generate", "--json", "--max-tokens", "6",
                           "The capital of France is", "1, 2, 3,"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
@@ -18,7 +18,7 @@ def test_generate_json_one_object_per_prompt(llm_270m):
     # Same tokens as the Python API.
     from gemmaserve import SamplingParams
 
-    api = llm_270m.generate(["The capital of France is"], SamplingParams(max_tokens=6))[0]
+    api = llm_270m_q.generate(["The capital of France is"], SamplingParams(max_tokens=6))[0]
     assert rows[0]["token_ids"] == api.outputs[0].token_ids and rows[0]["text"] == api.outputs[0].text
 
 

@@ -126,13 +126,13 @@ def test_draft_models_that_cannot_draft_for_the_target_are_refused(models, tmp_p
 
 
 @pytest.mark.slow
-def test_270m_drafts_for_itself(llm_270m):
+def test_270m_drafts_for_itself(llm_270m_q):
     """The embedded 270M as the draft model of the 270M (the real tokenizer and vocabulary checks, the
     real KV geometry twice in one pool): every draft accepted, the same tokens."""
     params = SamplingParams(max_tokens=24)
     prompts = ["The capital of France is", "List three colours: red,"]
-    want = [o.outputs[0].token_ids for o in llm_270m.generate(prompts, params)]
-    llm = LLM.from_config(llm_270m.engine.config.replace(speculative_config=_draft("gemma3-270m", 4)), llm_270m)
+    want = [o.outputs[0].token_ids for o in llm_270m_q.generate(prompts, params)]
+    llm = LLM.from_config(llm_270m_q.engine.config.replace(speculative_config=_draft("gemma3-270m", 4)), llm_270m_q)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     st = llm.engine.scheduler.spec_stats
     assert st.drafted > 0 and st.accepted == st.drafted, st

@@ -146,7 +146,25 @@ def test_help_offers_only_the_dtypes_that_work(command):
     (["bench", "decode", "--batch-sizes", "a,b"], "--batch-sizes must be"),
     (["bench", "decode", "--model", "no-such-model"], "neither a known alias"),
 ])
-def test_cli_errors_are_one_line_with_status_2(args, needle):
+def test_cli_errors_are_one_line_with_status_2(args, needle, capsys):
+    """In-process (`cli.main`, as the console script calls it): each case would otherwise pay a Python
+    and torch start; the next test runs two of them as real processes."""
+    from gemmaserve import cli
+
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exc:   # argparse's own errors exit from inside parse_args
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert needle in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, needle", [(["generate"], "required: PROMPT"),
+                                          (["generate", "x", "--dtype", "float16"], "float16 overflows")])
+def test_cli_errors_exit_the_process_with_status_2(args, needle):
     res = _cli(*args)
     assert res.returncode == 2, res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]

@@ -24,13 +24,13 @@ MAX_BODY = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def server(llm_270m):
+def server(llm_270m_q):
     from gemmaserve.config.engine import EngineConfig
     from gemmaserve.engine.llm_engine import LLMEngine
     from gemmaserve.server.app import ServerConfig
     from gemmaserve.server.background import BackgroundServer
 
-    engine = LLMEngine(EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=32), llm_270m.engine.loaded)
+    engine = LLMEngine(EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=32), llm_270m_q.engine.loaded)
     with BackgroundServer(engine, ServerConfig(api_key=API_KEY, max_request_bytes=MAX_BODY)) as srv:
         yield srv
 
@@ -79,18 +79,18 @@ def test_models_health_and_open_probes(server, client):
     assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
 
 
-def test_completion_is_the_engines_greedy_output(server, client, llm_270m):
+def test_completion_is_the_engines_greedy_output(server, client, llm_270m_q):
     prompt = "The river runs past the old mill and"
-    ref = _greedy(llm_270m, prompt, 12)
+    ref = _greedy(llm_270m_q, prompt, 12)
     r = client.completions.create(model="gemma3-270m", prompt=prompt, max_tokens=12, temperature=0)
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
-    assert r.usage.prompt_tokens == len(llm_270m.tokenizer.encode(prompt))
+    assert r.usage.prompt_tokens == len(llm_270m_q.tokenizer.encode(prompt))
     assert r.usage.completion_tokens == len(ref.token_ids) and r.usage.total_tokens == r.usage.prompt_tokens + 12
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
 
 
 def test_streamed_text_equals_non_streamed_text(client):
-    args = dict(model="gemma3-270m", prompt="Once upon a time, in a village by the sea,", max_tokens=24, temperature=0)
+    args = dict(model="gemma3-270m", prompt="Once upon a time, in a village by the sea,", max_tokens=12, temperature=0)
     whole = client.completions.create(**args)
     chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
@@ -98,8 +98,8 @@ def test_streamed_text_equals_non_streamed_text(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
 
     msgs = [{"role": "user", "content": "Name three colours."}]
-    whole = client.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=20, temperature=0)
-    chunks = list(client.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=20, temperature=0,
+    whole = client.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=10, temperature=0,
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
@@ -129,18 +129,18 @@ def test_streamed_choices_of_several_prompts_and_completions(client):
     assert streamed == whole and finished == {0, 1}
 
 
-def test_chat_uses_the_gemma_turn_format(client, llm_270m):
+def test_chat_uses_the_gemma_turn_format(client, llm_270m_q):
     """The embedded 270M ships no chat template: the Gemma turn format is used (system text opens
     the first user turn)."""
     msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the sea?"}]
     rendered = "<start_of_turn>user\nAnswer briefly.\n\nWhat is the sea?<end_of_turn>\n<start_of_turn>model\n"
-    ref = _greedy(llm_270m, rendered, 16)
+    ref = _greedy(llm_270m_q, rendered, 16)
     r = client.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=16, temperature=0)
     assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
-    assert r.usage.prompt_tokens == len(llm_270m.tokenizer.encode(rendered))
+    assert r.usage.prompt_tokens == len(llm_270m_q.tokenizer.encode(rendered))
 
 
-def test_checkpoint_chat_template_is_used_without_a_second_bos(llm_270m):
+def test_checkpoint_chat_template_is_used_without_a_second_bos(llm_270m_q):
     import dataclasses
 
     from gemmaserve.models.chat_template import ChatFormatter, ChatMessage, gemma_turns
@@ -148,15 +148,15 @@ def test_checkpoint_chat_template_is_used_without_a_second_bos(llm_270m):
     template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else "
                 "m.role }}\n{{ m.content | trim }}<end_of_turn>\n{% endfor %}"
                 "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
-    tok = dataclasses.replace(llm_270m.tokenizer, chat_template=template)
+    tok = dataclasses.replace(llm_270m_q.tokenizer, chat_template=template)
     msgs = [ChatMessage("user", "Hi there"), ChatMessage("assistant", "Hello."), ChatMessage("user", "Bye")]
     fmt = ChatFormatter(tok)
     assert fmt.source == "checkpoint template"
     ids = fmt.encode(msgs)
-    assert ids == llm_270m.tokenizer.encode(gemma_turns(msgs)) and ids.count(tok.bos_token_id) == 1
+    assert ids == llm_270m_q.tokenizer.encode(gemma_turns(msgs)) and ids.count(tok.bos_token_id) == 1
 
 
-def test_n_seed_stop_and_logprobs(client, llm_270m):
+def test_n_seed_stop_and_logprobs(client, llm_270m_q):
     args = dict(model="gemma3-270m", prompt="My favourite food is", max_tokens=8, temperature=0.9, n=3, seed=11)
     a = client.completions.create(**args)
     b = client.completions.create(**args)
@@ -166,11 +166,11 @@ def test_n_seed_stop_and_logprobs(client, llm_270m):
 
     two = client.completions.create(model="gemma3-270m", prompt=["Red", "Blue"], max_tokens=4, temperature=0, n=2)
     assert [c.index for c in two.choices] == [0, 1, 2, 3]
-    assert two.choices[0].text == two.choices[1].text == _greedy(llm_270m, "Red", 4).text
-    assert two.choices[2].text == _greedy(llm_270m, "Blue", 4).text
+    assert two.choices[0].text == two.choices[1].text == _greedy(llm_270m_q, "Red", 4).text
+    assert two.choices[2].text == _greedy(llm_270m_q, "Blue", 4).text
 
     prompt = "The capital of France is"
-    ref = _greedy(llm_270m, prompt, 16).text
+    ref = _greedy(llm_270m_q, prompt, 16).text
     word = ref.split()[2]
     r = client.completions.create(model="gemma3-270m", prompt=prompt, max_tokens=16, temperature=0, stop=[word])
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == ref[:ref.index(word)]
@@ -189,10 +189,10 @@ def test_n_seed_stop_and_logprobs(client, llm_270m):
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-4)
 
 
-def test_32_concurrent_requests(server, llm_270m):
+def test_32_concurrent_requests(server, llm_270m_q):
     prompts = [f"Story {i}: the {w} was" for i, w in enumerate(
         ("farmer miller baker smith sailor tailor weaver hunter " * 4).split())]
-    refs = [o.outputs[0].text for o in llm_270m.generate(prompts, SamplingParams(max_tokens=8))]
+    refs = [o.outputs[0].text for o in llm_270m_q.generate(prompts, SamplingParams(max_tokens=8))]
 
     async def run() -> list[str]:
         aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
@@ -333,7 +333,7 @@ def test_client_library_sees_typed_errors(server, client):
         bad.models.list()
 
 
-def test_an_internal_failure_fails_only_its_request(server, client, llm_270m):
+def test_an_internal_failure_fails_only_its_request(server, client, llm_270m_q):
     engine = server.server.engine
     launch = engine.runner.launch
 
@@ -344,7 +344,7 @@ def test_an_internal_failure_fails_only_its_request(server, client, llm_270m):
         return launch(plan, only)
 
     prompts = ["A quiet morning in", "POISON pill", "The harbour at night", "POISON stream"]
-    refs = {p: _greedy(llm_270m, p, 6).text for p in prompts[::2]}
+    refs = {p: _greedy(llm_270m_q, p, 6).text for p in prompts[::2]}
     engine.runner.launch = flaky
     try:
         async def run():

@@ -284,13 +284,13 @@ def test_drafting_requests_verify_together_under_asynchronous_scheduling(tiny):
     assert together[first:] == sorted(together[first:], reverse=True), drafts
 
 
-def test_270m_copies_its_input_faster_with_the_same_tokens(llm_270m):
+def test_270m_copies_its_input_faster_with_the_same_tokens(llm_270m_q):
     prompt = ("Copy the list exactly.\nList: apples, oranges, pears, plums, grapes, cherries, lemons, limes, "
               "figs, dates.\nCopy: apples, oranges, pears, plums,")
     params = SamplingParams(max_tokens=24)
-    spec = LLM.from_config(llm_270m.engine.config.replace(speculative_config=dict(NGRAM)), llm_270m)
+    spec = LLM.from_config(llm_270m_q.engine.config.replace(speculative_config=dict(NGRAM)), llm_270m_q)
     got = spec.generate([prompt], params)[0].outputs[0]
-    assert got.token_ids == llm_270m.generate([prompt], params)[0].outputs[0].token_ids
+    assert got.token_ids == llm_270m_q.generate([prompt], params)[0].outputs[0].token_ids
     st = spec.engine.scheduler.spec_stats
     assert st.mean_accepted_length > 2, st   # the list is copied: most drafts are right
 

@@ -24,27 +24,31 @@ def _collect(stream):
     return texts, ids, finish
 
 
-@pytest.mark.parametrize("stop", [[], ["."], ["\n2", "blue"]])
-def test_stream_equals_generate(llm_270m, stop):
-    params = SamplingParams(max_tokens=24, stop=stop)
-    ref = llm_270m.generate(PROMPTS, params)
-    texts, ids, finish = _collect(llm_270m.stream(PROMPTS, params))
+def test_stream_equals_generate(llm_270m_q):
+    """Streamed deltas assemble to generate's text, ids and finish reason, with and without stop strings
+    (the three stop lists in one batch: each prompt's tokens do not depend on its batch)."""
+    stops = [[], ["."], ["\n2", "blue"]]
+    prompts = [p for _ in stops for p in PROMPTS]
+    params = [SamplingParams(max_tokens=20, stop=stop) for stop in stops for _ in PROMPTS]
+    ref = llm_270m_q.generate(prompts, params)
+    texts, ids, finish = _collect(llm_270m_q.stream(prompts, params))
     for i, out in enumerate(ref):
-        c = out.outputs[0]
+        c, stop = out.outputs[0], params[i].stop
         assert texts[(i, 0)] == c.text and ids[(i, 0)] == c.token_ids and finish[(i, 0)] == c.finish_reason
         for s in stop:
             assert s not in c.text
         if not stop:
-            assert c.text == llm_270m.tokenizer.decode(c.token_ids)
+            assert c.text == llm_270m_q.tokenizer.decode(c.token_ids)
+    assert {o.outputs[0].finish_reason for o in ref} == {"stop", "length"}
 
 
-def test_async_stream_equals_generate(llm_270m):
+def test_async_stream_equals_generate(llm_270m_q):
     params = SamplingParams(max_tokens=16, temperature=0.7, seed=11)
-    ref = llm_270m.generate(PROMPTS[:2], params)
+    ref = llm_270m_q.generate(PROMPTS[:2], params)
 
     async def run():
         got = {}
-        async for out in llm_270m.astream(PROMPTS[:2], params):
+        async for out in llm_270m_q.astream(PROMPTS[:2], params):
             got[out.prompt_index] = got.get(out.prompt_index, "") + out.outputs[0].delta_text
         return got
 
@@ -52,9 +56,9 @@ def test_async_stream_equals_generate(llm_270m):
     assert [got[i] for i in range(2)] == [o.outputs[0].text for o in ref]
 
 
-def test_closing_a_stream_aborts_and_frees(llm_270m):
-    eng = llm_270m.engine
-    it = llm_270m.stream(["Tell me a long story about dragons."], SamplingParams(max_tokens=200))
+def test_closing_a_stream_aborts_and_frees(llm_270m_q):
+    eng = llm_270m_q.engine
+    it = llm_270m_q.stream(["Tell me a long story about dragons."], SamplingParams(max_tokens=200))
     next(it)
     assert eng.has_unfinished_requests()
     it.close()
@@ -63,13 +67,13 @@ def test_closing_a_stream_aborts_and_frees(llm_270m):
     assert eng.kv.stats().pages_used == 0
 
 
-def test_stop_strings_and_stop_token_ids(llm_270m):
-    free = llm_270m.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=12))[0].outputs[0]
+def test_stop_strings_and_stop_token_ids(llm_270m_q):
+    free = llm_270m_q.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=12))[0].outputs[0]
     assert free.finish_reason == "length" and " 6," in free.text
-    cut = llm_270m.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=12, stop=[" 6"]))[0].outputs[0]
+    cut = llm_270m_q.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=12, stop=[" 6"]))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == " 6" and cut.text == free.text[:free.text.index(" 6")]
     tok_id = free.token_ids[2]
-    by_id = llm_270m.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=12, stop_token_ids=[tok_id]))[0].outputs[0]
+    by_id = llm_270m_q.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=12, stop_token_ids=[tok_id]))[0].outputs[0]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == tok_id and by_id.token_ids == free.token_ids[:3]
 
 
@@ -117,26 +121,26 @@ def test_penalties_and_min_p_match_transformers_processors():
     assert torch.equal(probs[0] > 0, torch.isfinite(warped[0]))
 
 
-def test_penalised_greedy_avoids_repeats(llm_270m):
-    plain = llm_270m.generate(["1, 1, 1, 1, 1,"], SamplingParams(max_tokens=8))[0].outputs[0].token_ids
-    pen = llm_270m.generate(["1, 1, 1, 1, 1,"], SamplingParams(max_tokens=8, repetition_penalty=2.0,
+def test_penalised_greedy_avoids_repeats(llm_270m_q):
+    plain = llm_270m_q.generate(["1, 1, 1, 1, 1,"], SamplingParams(max_tokens=8))[0].outputs[0].token_ids
+    pen = llm_270m_q.generate(["1, 1, 1, 1, 1,"], SamplingParams(max_tokens=8, repetition_penalty=2.0,
                                                                frequency_penalty=1.0))[0].outputs[0].token_ids
     assert plain != pen and len(set(pen)) > len(set(plain))
 
 
-def test_n_completions_share_prompt_pages_and_are_reproducible(llm_270m):
+def test_n_completions_share_prompt_pages_and_are_reproducible(llm_270m_q):
     prompt = "In the beginning of the long and winding report, the committee explained at length " * 4
     params = SamplingParams(max_tokens=8, n=4, temperature=1.0, seed=5)
-    before = llm_270m.engine.kv.stats().prefix_hit_tokens
-    a = llm_270m.generate([prompt], params)[0]
-    hits = llm_270m.engine.kv.stats().prefix_hit_tokens - before
+    before = llm_270m_q.engine.kv.stats().prefix_hit_tokens
+    a = llm_270m_q.generate([prompt], params)[0]
+    hits = llm_270m_q.engine.kv.stats().prefix_hit_tokens - before
     prompt_len = len(a.prompt_token_ids)
     assert [c.index for c in a.outputs] == [0, 1, 2, 3]
     assert hits >= 3 * ((prompt_len - 1) // 16 * 16)   # siblings reused the first one's prompt pages
     assert len({tuple(c.token_ids) for c in a.outputs}) > 1
-    b = llm_270m.generate(["Unrelated", prompt], [SamplingParams(max_tokens=3), params])[1]
+    b = llm_270m_q.generate(["Unrelated", prompt], [SamplingParams(max_tokens=3), params])[1]
     assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
-    greedy = llm_270m.generate([prompt], SamplingParams(max_tokens=6, n=3))[0]
+    greedy = llm_270m_q.generate([prompt], SamplingParams(max_tokens=6, n=3))[0]
     assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
 
 
@@ -158,8 +162,8 @@ def test_single_stop_string_is_accepted():
     assert SamplingParams(stop="abc").stop == ["abc"] and SamplingParams(stop_token_ids=7).stop_token_ids == [7]
 
 
-def test_one_bad_request_does_not_affect_others(llm_270m):
-    eng = llm_270m.engine
+def test_one_bad_request_does_not_affect_others(llm_270m_q):
+    eng = llm_270m_q.engine
     good = eng.add_request("Hello there", SamplingParams(max_tokens=4))
     with pytest.raises(UserInputError, match="outside the vocabulary"):
         eng.add_request("Hi", SamplingParams(stop_token_ids=[10**7]))
@@ -171,9 +175,9 @@ def test_one_bad_request_does_not_affect_others(llm_270m):
     assert [o.request_id for o in outs] == [good] and len(outs[0].outputs[0].token_ids) == 4
 
 
-def test_progress_bar_does_not_change_results(llm_270m, capsys):
+def test_progress_bar_does_not_change_results(llm_270m_q, capsys):
     params = SamplingParams(max_tokens=3)
-    plain = llm_270m.generate(PROMPTS[:2], params, use_tqdm=False)
-    shown = llm_270m.generate(PROMPTS[:2], params, use_tqdm=True)
+    plain = llm_270m_q.generate(PROMPTS[:2], params, use_tqdm=False)
+    shown = llm_270m_q.generate(PROMPTS[:2], params, use_tqdm=True)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in shown]
     assert "prompts" in capsys.readouterr().err

@@ -283,11 +283,11 @@ def test_plan_round_trip_keeps_the_structured_output():
 
 
 @pytest.mark.slow
-def test_embedded_model_fills_a_schema(llm_270m):
+def test_embedded_model_fills_a_schema(llm_270m_q):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
               "required": ["city", "population"], "additionalProperties": False}
-    out = llm_270m.generate(["The largest city in France, as JSON:"],
+    out = llm_270m_q.generate(["The largest city in France, as JSON:"],
                             SamplingParams(max_tokens=40, structured_output=StructuredOutput.json_schema(schema)))
     c = out[0].outputs[0]
     assert c.finish_reason == "stop", c.text
