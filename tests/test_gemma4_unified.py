@@ -2,9 +2,9 @@
 on tiny random checkpoints saved with save_pretrained: preprocessing against transformers' own functions (its
 image processor module needs torchvision to import, so its merge, patch and size functions are run from their
 source; the resize is torch's antialiased bicubic, which torchvision calls), audio frames against its feature
-extractor, logits at every prompt position and greedy tokens against its model. Images are served where they are
-causal; the 12B's own setting (use_bidirectional_attention="vision": an image sees itself across the sliding
-window) is refused with a clear message while its text and audio are served."""
+extractor, logits at every prompt position and greedy tokens against its model. Images are causal unless
+use_bidirectional_attention="vision" (the 12B's setting): then an image sees itself on sliding layers within the
+window (the reference rule, gemma-architecture.md §5.5)."""
 
 import ast
 import math
@@ -111,7 +111,7 @@ def _hf_inputs(ids, items, features=None):
 
 
 def test_logits_and_greedy_tokens_equal_transformers(setup):
-    """Images (bidirectional on sliding layers) and audio clips in one prompt: the audio frames equal transformers'
+    """Causal images and audio clips in one prompt: the audio frames equal transformers'
     feature extractor's, the layout its processor's, and the logits at every position (in one chunk and in chunks
     that stop before items) and the greedy tokens its model's."""
     from transformers.models.gemma4_unified.feature_extraction_gemma4_unified import Gemma4UnifiedAudioFeatureExtractor
@@ -145,25 +145,56 @@ def test_logits_and_greedy_tokens_equal_transformers(setup):
     llm.engine.kv.check_integrity()
 
 
-def test_the_12b_vision_mask_is_refused_with_text_and_audio_served(tmp_path):
-    """use_bidirectional_attention="vision": images and video are a clear error (not wrong logits); audio prompts
-    still give transformers' logits."""
+def _reference_masks(hf, inputs) -> dict:
+    """transformers' masks for the reference rule (its `create_masks_for_generate`: full layers causal, sliding
+    layers window AND (causal OR same image)), which its forward takes as a dict."""
+    ids = inputs["input_ids"]
+    embeds = torch.zeros(*ids.shape, hf.config.get_text_config().hidden_size)
+    return hf.create_masks_for_generate(hf.config, embeds, inputs["attention_mask"], None,
+                                        torch.arange(ids.shape[1])[None], inputs["mm_token_type_ids"])
+
+
+def _reference_greedy(hf, inputs: dict, n: int) -> list[int]:
+    """n greedy tokens, each a whole forward under the reference masks (generated tokens are text)."""
+    inputs, out = dict(inputs), []
+    for _ in range(n):
+        with torch.no_grad():
+            tok = int(hf(**{**inputs, "attention_mask": _reference_masks(hf, inputs)}).logits[0, -1].argmax())
+        out.append(tok)
+        inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([[tok]])], 1)
+        inputs["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, 1))
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    return out
+
+
+def test_the_12b_vision_mask_is_the_reference_rule(tmp_path):
+    """use_bidirectional_attention="vision" (the 12B's setting) with images longer than the sliding window: an
+    image sees itself on sliding layers within the window, full layers stay causal. Logits at every position
+    (whole and chunked) and greedy tokens equal transformers' under that rule's masks; they differ from its
+    `forward`'s own (the image OR'ed into both masks, gemma-architecture.md §5.5), so the rule is what is tested."""
     from transformers.models.gemma4_unified.feature_extraction_gemma4_unified import Gemma4UnifiedAudioFeatureExtractor
 
-    from gemmaserve.errors import UserInputError
-
     hf, _, llm = _checkpoint(tmp_path, "vision")
-    with pytest.raises(UserInputError, match="not served yet: its images attend"):
-        llm.generate("look <|image|>", SamplingParams(max_tokens=1), images=[_image(1)])
-    with pytest.raises(UserInputError, match="not served yet"):
-        llm.generate("see <|video|>", SamplingParams(max_tokens=1), videos=[(np.stack([_image(2, (40, 40))] * 2), 2)])
+    images = [_image(5), _image(6, (90, 64))]
     clip = (0.1 * np.random.default_rng(3).standard_normal(4000)).astype(np.float32)
-    ids, items = llm.engine.inputs.prepare("hear <|audio|> it", audio=[clip])
+    prompt = "look <|image|> hear <|audio|> and <|image|> end"
+    ids, items = llm.engine.inputs.prepare(prompt, images=images, audio=[clip])
+    window = hf.config.get_text_config().sliding_window
+    assert all(it.length > window for it in items if it.modality.value == "image")
     ref = Gemma4UnifiedAudioFeatureExtractor()([clip], return_tensors="pt")
+    inputs = _hf_inputs(ids, items, (ref["input_features"], ref["input_features_mask"]))
     with torch.no_grad():
-        want = hf(**_hf_inputs(ids, items, (ref["input_features"], ref["input_features_mask"]))).logits[0]
-    got = chunked_prompt_logits(llm.engine.model, ids, items, len(ids))
-    assert (got - want).abs().max().item() < 2e-4 * max(1.0, want.abs().max().item())
+        want = hf(**{**inputs, "attention_mask": _reference_masks(hf, inputs)}).logits[0]
+        forward_rule = hf(**inputs).logits[0]
+    scale = max(1.0, want.abs().max().item())
+    assert (forward_rule - want).abs().max().item() > 1e-2 * scale
+    for chunk in (len(ids), max(it.length for it in items) + 3):
+        got = chunked_prompt_logits(llm.engine.model, ids, items, chunk)
+        assert (got - want).abs().max().item() < 2e-4 * scale, chunk
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    outs = llm.generate([prompt, "only text"], params, images=[images, None], audio=[[clip], None], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == _reference_greedy(hf, inputs, 5)
+    llm.engine.kv.check_integrity()
 
 
 def test_video_frames_and_bad_input(setup):

@@ -10,12 +10,11 @@ soft tokens; audio is raw 40 ms waveform frames through one projection.
     audio          zero-padded to a multiple of 640 samples -> [n, 640] frames -> weightless RMSNorm, Linear:
                    one soft token per frame (at most 750 a clip: 30 s)
 
-The prompt layout and the pad-row reading of soft-token ids are Gemma 4's (Gemma4ForConditionalGeneration); audio
-is causal. The mask rule for images differs from Gemma 4's: with use_bidirectional_attention="vision" (the 12B's
-setting) an image's tokens see each other on every layer, and on sliding layers whatever the window (transformers
-ORs the image block into both masks). Our attention backends bound a sliding layer's keys by the window, so such
-checkpoints take audio and text but refuse images and video with a message saying why; with causal images
-(use_bidirectional_attention unset) they take all three.
+The prompt layout, the pad-row reading of soft-token ids and the image mask are Gemma 4's
+(Gemma4ForConditionalGeneration); audio is causal. With use_bidirectional_attention="vision" (the 12B's setting)
+an image's tokens see each other on sliding layers within the window and full layers stay causal: the Google
+reference rule, which transformers' `create_masks_for_generate` applies (the 12B's `forward` in transformers
+5.24-5.25 still ORs the image block into both masks, which the reference does not: gemma-architecture.md §5.5).
 """
 
 from __future__ import annotations
@@ -169,12 +168,6 @@ class RawAudioProcessor:
         return EncoderInput(frames, n, np.ones(n, dtype=bool))
 
 
-def _refuse_images(image) -> EncoderInput:
-    raise UserInputError("images and video on this gemma4_unified checkpoint are not served yet: its images attend "
-                         "to themselves across the sliding window (use_bidirectional_attention='vision'), which the "
-                         "attention backends do not implement; text and audio are served")
-
-
 def _rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMSNorm in float32 (x * (mean(x^2) + eps)^-1/2), back in x's dtype."""
     y = x.float()
@@ -227,8 +220,6 @@ class Gemma4UnifiedForConditionalGeneration(Gemma4ForConditionalGeneration):
 
     def image_processor(self, budget: int):
         v = self.mm_config.vision
-        if self.config.bidirectional_vision:
-            return _refuse_images
         return UnifiedPatchProcessor(v.patch_size, v.pooling_kernel_size, budget)
 
     video_processor = image_processor   # frames are patched as images, at the video budget

@@ -19,6 +19,7 @@ layers (audio tokens stay causal).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,7 +201,9 @@ def resize_like_torchvision(rgb: np.ndarray, height: int, width: int) -> np.ndar
     torch's own antialiased bicubic on the bytes (contiguous; unchanged at its size)."""
     if rgb.shape[:2] == (height, width):
         return np.ascontiguousarray(rgb)
-    x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]
+    with warnings.catch_warnings():   # a PIL image's array is read-only; it is only read here, never copied
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]
     x = F.interpolate(x, size=[height, width], mode="bicubic", antialias=True, align_corners=False)
     return np.ascontiguousarray(x[0].permute(1, 2, 0).numpy())
 
