@@ -425,3 +425,41 @@ def test_drafts_leave_audio_and_video_requests_unchanged(served, speech, tmp_pat
         assert run(other) == want, spec["method"]
         assert other.engine.scheduler.spec_stats.drafted > 0, spec["method"]
         other.engine.kv.check_integrity()
+
+
+def test_tensor_parallel_ranks_and_preemption_keep_media_tokens(served, speech):
+    """Requests with audio clips, a video and an image, beside a text one: two tensor-parallel ranks (each runs
+    the replicated towers on its step's items), and a pool so small that they are preempted and resumed (their
+    items read back from the encoder cache or encoded again) give one roomy process's greedy tokens and counts;
+    once all finish the encoder cache holds nothing for them and the pool is whole."""
+    from gemmaserve import LLM, SamplingParams
+    from gemmaserve.config.engine import EngineConfig
+
+    _, _, path, llm = served
+    frames = np.random.default_rng(5).integers(0, 256, (3, 30, 40, 3), dtype=np.uint8)
+    prompts = ["hear <|audio|> and <|audio|> again", "watch <|video|> now", "look <|image|> here", "only text here"]
+    media = dict(audio=[[speech[:12_000], speech[8_000:20_000]], None, None, None],
+                 videos=[None, [(frames, 2)], None, None], images=[None, None, [_image(3)], None])
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+
+    def run(engine_llm):
+        outs = engine_llm.generate(prompts, params, use_tqdm=False, **media)
+        assert all(o.outputs[0].finish_reason == "length" for o in outs), [o.outputs[0].error for o in outs]
+        return [(o.prompt_token_ids, o.outputs[0].token_ids, o.num_cached_tokens) for o in outs]
+
+    want = run(llm)
+    two = LLM(str(path), dtype="float32", page_size=4, kv_cache_memory=16 << 20, max_num_batched_tokens=800,
+              tensor_parallel_size=2)
+    try:
+        assert run(two) == want
+    finally:
+        two.engine.shutdown()
+    kv = llm.engine.kv
+    longest = max(len(ids) for ids, _, _ in want) + params.max_tokens
+    # 80-token chunks (the frames' and the image's 70 fit; the clips are shorter): decodes growing together preempt
+    tight = LLM.from_config(EngineConfig(model=str(path), dtype="float32", page_size=4, max_num_batched_tokens=80,
+                                         kv_cache_memory=int(1.2 * kv.peak_pages(longest, 80)) * kv.page_bytes), llm)
+    assert run(tight) == want
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert not tight.engine.runner.encoder_cache._held and not tight.engine.runner.media
+    tight.engine.kv.check_integrity()
