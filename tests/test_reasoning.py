@@ -140,6 +140,13 @@ def test_chat_reasoning_through_the_openai_client(thinker):
             assert raw.choices[0].message.content.startswith("thought\ntwo and two")
             with pytest.raises(openai.BadRequestError, match="may not set messages"):
                 ask(extra_body={"chat_template_kwargs": {"messages": []}})
+            # reasoning_effort: "none" is off, any level on; an explicit enable_thinking wins; a bad level is a 400
+            for effort, kw, tokens in (("low", {}, on), ("high", {}, on), ("none", {}, off),
+                                       ("none", thinking, on)):
+                got = ask(reasoning_effort=effort, extra_body=kw)
+                assert got.usage.prompt_tokens == tokens.usage.prompt_tokens, (effort, kw)
+            with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+                ask(reasoning_effort="extreme")
     finally:
         del engine.model.compute_logits
 

@@ -129,6 +129,14 @@ def test_streamed_choices_of_several_prompts_and_completions(client):
     assert streamed == whole and finished == {0, 1}
 
 
+def test_reasoning_effort_on_a_model_that_does_not_think(client):
+    """Gemma 3 has no thought channel: "none" is what it does anyway, a level above it is a clear 400."""
+    args = dict(model="gemma3-270m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0)
+    assert client.chat.completions.create(**args, reasoning_effort="none").usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort: gemma3-270m does not think"):
+        client.chat.completions.create(**args, reasoning_effort="low")
+
+
 def test_chat_uses_the_gemma_turn_format(client, llm_270m_q):
     """The embedded 270M ships no chat template: the Gemma turn format is used (system text opens
     the first user turn)."""

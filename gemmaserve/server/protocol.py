@@ -109,6 +109,10 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None   # e.g. {"enable_thinking": true} (Gemma 4)
     include_reasoning: bool = True   # reasoning models: reasoning apart as reasoning_content (false: in content)
+    # OpenAI's knob; Gemma 4 thinks or does not: "none" turns thinking off, any other level on (an explicit
+    # chat_template_kwargs enable_thinking wins). A level above "none" on a model that cannot think is a 400, as
+    # OpenAI answers.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class TranscriptionRequest(BaseModel):

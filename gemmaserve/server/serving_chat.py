@@ -33,7 +33,7 @@ class ChatServing(Serving):
         self._check_model(req.model)
         reject_unsupported(req)
         calling = self._tool_calling(req)
-        prompt, items = await asyncio.to_thread(self._chat_prompt, req.messages, calling, req.chat_template_kwargs)
+        prompt, items = await asyncio.to_thread(self._chat_prompt, req.messages, calling, self._template_kwargs(req))
         ids = prompt.ids
         limit = self.engine.max_model_len
         if len(ids) >= limit:
@@ -169,6 +169,16 @@ class ChatServing(Serving):
                 None, "text"):
             raise ApiError(400, "response_format cannot be combined with tools", param="response_format")
         return calling
+
+    def _template_kwargs(self, req: ChatRequest) -> dict | None:
+        """chat_template_kwargs, with reasoning_effort read as Gemma 4's on/off enable_thinking."""
+        kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is None or (self.reasoning is None and req.reasoning_effort == "none"):
+            return kwargs
+        if self.reasoning is None:
+            raise ApiError(400, f"reasoning_effort: {self.model_name} does not think (its tokenizer has no thought "
+                                "channel)", param="reasoning_effort")
+        return {"enable_thinking": req.reasoning_effort != "none", **(kwargs or {})}
 
 
 @dataclass(frozen=True)
