@@ -14,7 +14,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from ..attention.base import BatchAttention
 from ..errors import UserInputError
 from ..kv.spec import LayerSpec
 from .layers import Attention, GeGLU
+
+if TYPE_CHECKING:
+    from .lora import LoRABatch
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class ModelInputs:
     inputs_embeds: torch.Tensor | None = None
     sample_rows: torch.Tensor | None = None    # [N] int64 rows of the T, one per sequence in sample_seqs
     sample_seqs: list[int] | None = None
+    lora: LoRABatch | None = None              # which rows add which adapter's deltas (models/lora.py)
 
 
 class ModelConfig(Protocol):

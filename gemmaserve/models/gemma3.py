@@ -12,7 +12,7 @@ The model knows nothing of pages: it hands q/k/v to the `BatchAttention` in its 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from ..kv.spec import AttentionKind, LayerSpec
 from .base import CausalLM, ModelInputs, ModelPreferences
 from .fused_ops import NormKind, add_rms_norm, rms_norm
 from .layers import Attention, AttentionParams, Embedding, GeGLU, RMSNorm, RopeParams, softcap
+
+if TYPE_CHECKING:
+    from .lora import LoRABatch
 
 _FULL = "full_attention"
 _SLIDING = "sliding_attention"
@@ -207,14 +210,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(h, eps, dtype)
 
     def forward(self, residual: torch.Tensor, h: torch.Tensor, cos_sin, attn,
-                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                next_norm: RMSNorm, lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, its input-normed copy h) -> the same for the next layer (`next_norm` is
         the next layer's input norm, or the final norm): each residual add is fused with the norm
         that follows it."""
         kind = self.input_layernorm.kind
-        residual, h = add_rms_norm(residual, self.self_attn(h, cos_sin, attn), self.post_attention_layernorm.weight,
-                                   self.pre_feedforward_layernorm.weight, kind)
-        return add_rms_norm(residual, self.mlp(h), self.post_feedforward_layernorm.weight, next_norm.weight, kind)
+        residual, h = add_rms_norm(residual, self.self_attn(h, cos_sin, attn, lora),
+                                   self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight, kind)
+        return add_rms_norm(residual, self.mlp(h, lora), self.post_feedforward_layernorm.weight, next_norm.weight,
+                            kind)
 
 
 class Gemma3TextModel(nn.Module):
@@ -268,7 +272,8 @@ class Gemma3ForCausalLM(CausalLM):
         h = rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.kind)
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = layer(x, h, rope_local if layer.is_sliding else rope_global, inputs.attention, next_norm)
+            x, h = layer(x, h, rope_local if layer.is_sliding else rope_global, inputs.attention, next_norm,
+                         inputs.lora)
         return h if inputs.sample_rows is None else h[inputs.sample_rows]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

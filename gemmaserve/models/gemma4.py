@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ from .base import CausalLM, ModelInputs, ModelPreferences
 from .fused_ops import NormKind, add_rms_norm, gelu_mul, rms_norm
 from .layers import Attention, AttentionParams, Embedding, GeGLU, Linear, RMSNorm, RopeKind, RopeParams, softcap
 from .moe import Experts, Router
+
+if TYPE_CHECKING:
+    from .lora import LoRABatch
 
 log = logging.getLogger(__name__)
 
@@ -355,12 +358,12 @@ class Gemma4DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = RMSNorm(h, eps, dtype, 0.0)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos_sin, attn, ple: torch.Tensor | None,
-                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                next_norm: RMSNorm, lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, its input-normed copy) -> the same for the next layer."""
         kind = self.kind
-        x, h = add_rms_norm(x, self.self_attn(h, cos_sin, attn), self.post_attention_layernorm.weight,
+        x, h = add_rms_norm(x, self.self_attn(h, cos_sin, attn, lora), self.post_attention_layernorm.weight,
                             self.pre_feedforward_layernorm.weight, kind)
-        m = self.mlp(h)
+        m = self.mlp(h, lora)
         if self.moe:
             weights, idx = self.router(x)
             e = self.experts(rms_norm(x, self.pre_feedforward_layernorm_2.weight, kind), weights, idx)
@@ -450,7 +453,7 @@ class Gemma4ForCausalLM(CausalLM):
         ple = self._per_layer_inputs(inputs.input_ids, x) if cfg.hidden_size_per_layer_input else None
         tables = self.ropes.tables(inputs.positions, x.dtype)
         of_layer = self.ropes.of_layer
-        layers, attn, rows = m.layers, inputs.attention, inputs.sample_rows
+        layers, attn, rows, lora = m.layers, inputs.attention, inputs.sample_rows, inputs.lora
         h = rms_norm(x, layers[0].input_layernorm.weight, layers[0].kind)
         for i, layer in enumerate(layers):
             if rows is not None and i == self._first_kv_shared:
@@ -460,9 +463,10 @@ class Gemma4ForCausalLM(CausalLM):
                 x, h = x[rows], h[rows]
                 ple = None if ple is None else ple[rows]
                 tables = [(c[rows], s[rows]) for c, s in tables]
+                lora = None if lora is None else lora.select(rows)
                 attn, rows = attn.last_tokens(inputs.sample_seqs), None
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.norm
-            x, h = layer(x, h, tables[of_layer[i]], attn, None if ple is None else ple[:, i], next_norm)
+            x, h = layer(x, h, tables[of_layer[i]], attn, None if ple is None else ple[:, i], next_norm, lora)
         return h if rows is None else h[rows]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

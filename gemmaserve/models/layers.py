@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from torch import nn
 from ..attention.base import BatchAttention
 from ..errors import UserInputError
 from .fused_ops import NormKind, gelu_mul, qkv_norm_rope
+
+if TYPE_CHECKING:
+    from .lora import LoRABatch
 
 
 class RMSNorm(nn.Module):
@@ -98,6 +102,12 @@ class Linear(nn.Module):
         return invariant_linear(x, self.weight) if self.batch_invariant else linear(x, self.weight)
 
 
+def project(module: nn.Module, x: torch.Tensor, lora: "LoRABatch | None") -> torch.Tensor:
+    """module(x), plus its LoRA deltas for the rows of a batch that has adapters (models/lora.py)."""
+    y = module(x)
+    return y if lora is None else lora.add(module, x, y)
+
+
 class Embedding(nn.Module):
     """A token embedding table; `as_head` is the tied output projection (logits = h E^T). Filled by
     the loader; `quant.QuantEmbedding` is the INT8 form with the same interface."""
@@ -129,8 +139,8 @@ class GeGLU(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, dtype)
         self.down_proj = Linear(intermediate, hidden, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_mul(self.gate_up_proj(x), self.intermediate))
+    def forward(self, x: torch.Tensor, lora: "LoRABatch | None" = None) -> torch.Tensor:
+        return project(self.down_proj, gelu_mul(project(self.gate_up_proj, x, lora), self.intermediate), lora)
 
 
 class RopeKind(enum.Enum):
@@ -291,15 +301,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(p.head_dim, p.norm.eps, dtype, p.norm.offset) if p.owns_kv else None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                attn: BatchAttention) -> torch.Tensor:
+                attn: BatchAttention, lora: "LoRABatch | None" = None) -> torch.Tensor:
         p = self.p
-        q, k, v = qkv_norm_rope(self.qkv_proj(x), p, self.q_norm.weight,
+        q, k, v = qkv_norm_rope(project(self.qkv_proj, x, lora), p, self.q_norm.weight,
                                 self.k_norm.weight if self.k_norm is not None else None, *cos_sin)
         if p.image_bidirectional:
             o = attn(p.layer, q, k, v, scale=p.scale, window=p.window, bidirectional=True)
         else:   # text layers call every backend the same way as before images existed
             o = attn(p.layer, q, k, v, scale=p.scale, window=p.window)
-        return self.o_proj(o.reshape(x.shape[0], p.q_size))
+        return project(self.o_proj, o.reshape(x.shape[0], p.q_size), lora)
 
 
 def set_batch_invariant(model: nn.Module, on: bool) -> int:

@@ -1,0 +1,119 @@
+"""LoRA deltas on a forward's projections: which rows use which adapter, and adding x A^T B^T to those rows.
+
+    y = W x                       the projection as loaded (bf16/fp32 or a quantised CPU kernel: untouched)
+    y[rows of slot s] += (x A_s^T) B_s^T      A_s [R, in], B_s [out, R] with the adapter's scaling folded in
+
+A fused projection (qkv_proj, gate_up_proj) holds one adapter's parts side by side: A_s stacks the parts' A
+matrices ([r_q + r_k + r_v, in]) and B_s is block-diagonal (part j's rows take only part j's columns), so one
+pair of products serves every part and the zero blocks add exact zeros.
+
+The runner owns the weights (`LoRAWeights`: per projection module and device slot) and builds a `LoRABatch`
+per forward from the step description; models pass it down to their projections (`ModelInputs.lora`) and
+narrow it where they narrow their rows. The grouped path here gathers each slot's rows and runs the two
+products through `layers.linear`, so a row's delta, like its base output, does not depend on the other rows
+(the CPU's batch rule); segment kernels for CUDA are the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .layers import Attention, GeGLU, linear
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One adaptable projection of the model: where it is, what it takes, and its parts' output rows."""
+
+    path: str                  # e.g. "model.layers.3.self_attn.qkv_proj"
+    layer: int
+    module: nn.Module
+    in_features: int
+    parts: tuple[int, ...]     # output rows of each fused part, in order (one part if not fused)
+
+
+def projections(model: nn.Module) -> dict[str, Projection]:
+    """Every projection of the text layers a LoRA adapter may target, by our module path. Fused parts follow
+    the layer's own shape (a K = V layer's qkv_proj has parts q and k; a KV-shared one only q)."""
+    out: dict[str, Projection] = {}
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if isinstance(attn, Attention):
+            p = attn.p
+            out[f"model.layers.{i}.self_attn.qkv_proj"] = Projection(
+                f"model.layers.{i}.self_attn.qkv_proj", i, attn.qkv_proj, p.hidden_size, p.qkv_sizes)
+            out[f"model.layers.{i}.self_attn.o_proj"] = Projection(
+                f"model.layers.{i}.self_attn.o_proj", i, attn.o_proj, p.q_size, (p.hidden_size,))
+        if isinstance(mlp, GeGLU) and isinstance(attn, Attention):
+            n, hidden = mlp.intermediate, attn.p.hidden_size
+            out[f"model.layers.{i}.mlp.gate_up_proj"] = Projection(
+                f"model.layers.{i}.mlp.gate_up_proj", i, mlp.gate_up_proj, hidden, (n, n))
+            out[f"model.layers.{i}.mlp.down_proj"] = Projection(
+                f"model.layers.{i}.mlp.down_proj", i, mlp.down_proj, n, (hidden,))
+    return out
+
+
+@dataclass
+class SlotWeights:
+    a: torch.Tensor            # [R, in]
+    b: torch.Tensor            # [out, R], scaled, block-diagonal over the parts
+
+
+@dataclass
+class LoRAWeights:
+    """The adapters in device slots, per projection module (the runner is their only writer)."""
+
+    num_slots: int
+    by_module: dict[nn.Module, dict[int, SlotWeights]] = field(default_factory=dict)
+
+    def clear(self, slot: int) -> None:
+        for slots in self.by_module.values():
+            slots.pop(slot, None)
+
+    def put(self, slot: int, module: nn.Module, weights: SlotWeights) -> None:
+        self.by_module.setdefault(module, {})[slot] = weights
+
+
+@dataclass
+class LoRABatch:
+    """Which rows of one forward use which slot (rows without an adapter are in no group)."""
+
+    weights: LoRAWeights
+    rows: dict[int, torch.Tensor]     # slot -> int64 row indices, ascending
+
+    @classmethod
+    def from_segments(cls, weights: LoRAWeights, segments: list[tuple[int, int, int]],
+                      device: torch.device) -> "LoRABatch | None":
+        """`segments`: (first row, end row, slot) of each sequence with an adapter; None when there are none."""
+        by_slot: dict[int, list[int]] = {}
+        for start, end, slot in segments:
+            by_slot.setdefault(slot, []).extend(range(start, end))
+        if not by_slot:
+            return None
+        return cls(weights, {s: torch.tensor(r, dtype=torch.long, device=device) for s, r in by_slot.items()})
+
+    def select(self, rows: torch.Tensor) -> "LoRABatch | None":
+        """The same adapters for the forward narrowed to `rows` (row i of the result is rows[i] here)."""
+        where = {int(r): i for i, r in enumerate(rows.tolist())}
+        picked = {}
+        for slot, idx in self.rows.items():
+            mine = [where[r] for r in idx.tolist() if r in where]
+            if mine:
+                picked[slot] = torch.tensor(mine, dtype=torch.long, device=idx.device)
+        return LoRABatch(self.weights, picked) if picked else None
+
+    def add(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (module's output for x) plus each row's adapter delta."""
+        slots = self.weights.by_module.get(module)
+        if not slots:
+            return y
+        for slot, idx in self.rows.items():
+            w = slots.get(slot)
+            if w is None:
+                continue
+            d = linear(linear(x.index_select(0, idx), w.a), w.b)
+            y = y.index_add(0, idx, d.to(y.dtype))
+        return y
