@@ -35,6 +35,32 @@ _CPU_KV_DEFAULT = 4 << 30
 _GPU_ACTIVATION_RESERVE = 1 << 30
 
 
+def _lora_modules(value) -> dict[str, str] | None:
+    """{name: path} from a dict or from NAME=PATH strings (the command line's form)."""
+    if value is None or value == {} or value == []:
+        return None
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        pairs = []
+        for v in value:
+            name, eq, path = v.partition("=")
+            if not eq or not name.strip() or not path.strip():
+                raise UserInputError(f"lora_modules: {v!r} is not NAME=PATH (on the command line, --lora-modules "
+                                     "takes every word after it: put prompts before it)")
+            pairs.append((name.strip(), path.strip()))
+    else:
+        raise UserInputError(f"lora_modules must map names to adapter directories, got {value!r}")
+    out: dict[str, str] = {}
+    for name, path in pairs:
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise UserInputError(f"lora_modules: {name!r} -> {path!r} is not a name and a directory")
+        if name in out:
+            raise UserInputError(f"lora_modules: the name {name!r} is given twice")
+        out[name] = path
+    return out
+
+
 @dataclass
 class EngineConfig:
     model: str = option(DEFAULT_MODEL, help="model alias, .gguf file or Hugging Face checkpoint directory")
@@ -105,6 +131,16 @@ class EngineConfig:
              '"num_speculative_tokens": 4}\' (prompt lookup: drafts what followed the last earlier occurrence of '
              'the latest prompt_lookup_max..prompt_lookup_min tokens; default 4..2), or \'{"method": "mtp", '
              '"model": DIR, "num_speculative_tokens": 4}\' (a Gemma 4 MTP drafter directory)')
+    lora_modules: dict[str, str] | None = option(
+        None, nargs=True, parse=str,
+        help="LoRA adapters to serve, NAME=PATH (PEFT directories: adapter_config.json and "
+             "adapter_model.safetensors); a request names one as its model (HTTP) or lora= (Python)")
+    max_loras: int = option(4, parse=positive_int, help="most LoRA adapters in one step (device slots)")
+    max_lora_rank: int = option(64, parse=positive_int, help="largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = option(None, parse=positive_int,
+                                       help="adapters kept read in host memory, least recently used dropped "
+                                            "(read again from disk when needed); default: max(--max-loras, the "
+                                            "number of --lora-modules)")
     # Set by `serve --role prefill|decode` (no engine flag): config/kv_transfer.py.
     kv_transfer: "KVTransferConfig | None" = None
     # Set by `serve` (no flag): a long-lived engine.
@@ -164,6 +200,15 @@ class EngineConfig:
                                  "KV handoff reads and writes one process's cache)")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.lora_modules = _lora_modules(self.lora_modules)
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserInputError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < 1):
+            raise UserInputError(f"max_cpu_loras must be a positive integer, got {self.max_cpu_loras!r}")
+        if self.lora_modules and tp > 1:
+            raise UserInputError("LoRA adapters with tensor_parallel_size > 1 are not supported yet")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
 

@@ -29,14 +29,16 @@ class OptionMeta:
     flag: str | None
     negatable: bool
     multiple: bool
+    nargs: bool
 
 
 def option(default: Any, *, help: str, parse: Callable[[str], Any] | None = None,
            choices: Sequence[str] | None = None, flag: str | None = None, negatable: bool = False,
-           multiple: bool = False) -> Any:
+           multiple: bool = False, nargs: bool = False) -> Any:
     """A dataclass field that is also a command-line option. bool fields (and `negatable` ones, whose
-    default None means "auto") get --x/--no-x; `multiple` ones collect repeated flags into a list."""
-    meta = OptionMeta(help, parse, choices, flag, negatable or isinstance(default, bool), multiple)
+    default None means "auto") get --x/--no-x; `multiple` ones collect repeated flags into a list, `nargs`
+    ones also several values after one flag (for options that never precede a positional argument)."""
+    meta = OptionMeta(help, parse, choices, flag, negatable or isinstance(default, bool), multiple or nargs, nargs)
     return dataclasses.field(default=default, metadata={_META: meta})
 
 
@@ -54,7 +56,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
             continue
         if meta.parse is not None:
             kwargs["type"] = meta.parse
-        if meta.multiple:
+        if meta.nargs:
+            kwargs["action"], kwargs["nargs"] = "extend", "+"
+        elif meta.multiple:
             kwargs["action"] = "append"
         if meta.choices is not None:
             kwargs["choices"] = list(meta.choices)

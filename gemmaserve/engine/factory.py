@@ -30,6 +30,7 @@ from .draft_model import DraftModelDrafter, offset_specs
 from .executor import create_executor
 from .input_processor import InputProcessor
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
+from .lora import LoRARegistry, LoRASlots
 from .mtp import MtpDrafter
 from .output_processor import OutputProcessor
 from .proposers import create_proposer
@@ -137,6 +138,7 @@ class EngineParts:
     suppressed_token_ids: list[int]
     runner: object                   # ModelRunner, or the tensor-parallel driver's
     scheduler: Scheduler
+    loras: LoRARegistry              # adapters by name (the runner holds their weights)
     inputs: InputProcessor
     outputs: OutputProcessor
     async_scheduling: bool
@@ -205,7 +207,10 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                                     max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
                                     suppress_token_ids=suppressed, grammars=grammars, drafter=drafter,
                                     speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                                    speculative_batch=spec.disable_by_batch_size if spec else 0)
+                                    speculative_batch=spec.disable_by_batch_size if spec else 0,
+                                    max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                    max_cpu_loras=config.max_cpu_loras or max(config.max_loras,
+                                                                              len(config.lora_modules or {})))
     async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
     info = EngineInfo(
         model=config.model, device=str(device), dtype=str(dtype).removeprefix("torch."),
@@ -222,7 +227,9 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         specs=specs, backend=backend, cache_options=cache_options, kv=kv, grammars=grammars,
         suppressed_token_ids=suppressed, runner=runner,
         scheduler=Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
-                            create_proposer(spec), spec.disable_by_batch_size if spec else 1),
+                            create_proposer(spec), spec.disable_by_batch_size if spec else 1,
+                            LoRASlots(config.max_loras)),
+        loras=LoRARegistry(model, config.max_lora_rank),
         inputs=InputProcessor(config.model, tokenizer, model.vocab_size, max_model_len, config.max_num_batched_tokens,
                               kv, grammars, layouts),
         outputs=OutputProcessor(tokenizer), async_scheduling=async_scheduling, info=info)

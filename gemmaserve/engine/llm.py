@@ -55,14 +55,22 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter directory `path` as `name` (`generate(..., lora=name)`)."""
+        self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
     # -- submission ------------------------------------------------------------------------------
     def _submit(self, prompts: str | Sequence[str],
                 params: SamplingParams | Sequence[SamplingParams] | None,
                 images: Sequence | None = None, audio: Sequence | None = None,
-                videos: Sequence | None = None) -> list[tuple[str, int]]:
+                videos: Sequence | None = None, lora: str | Sequence[str | None] | None = None) -> list[tuple[str, int]]:
         """Validate everything first (a bad prompt raises before any is queued), then queue the
         runs. Returns (request id, n) per prompt. `images` / `audio` / `videos`: for a single prompt, its inputs
-        of that kind (or one); for a list of prompts, a list of lists (None for a prompt without)."""
+        of that kind (or one); for a list of prompts, a list of lists (None for a prompt without). `lora`: a
+        loaded adapter's name for every prompt, or one name (or None) per prompt."""
         single = isinstance(prompts, str)
         if single:
             prompts = [prompts]
@@ -81,6 +89,11 @@ class LLM:
             if given is not None and (not isinstance(given, Sequence) or len(given) != len(prompts)):
                 raise UserInputError(f"{name} must hold one list per prompt ({len(prompts)})")
         engine = self.engine
+        adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(prompts):
+            raise UserInputError(f"lora must name one adapter (or None) per prompt ({len(prompts)}), got {len(adapters)}")
+        for name in {a for a in adapters if a is not None}:
+            engine.loras.get(name)   # an unknown name raises before anything is queued
         encoded = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
             try:
@@ -91,8 +104,8 @@ class LLM:
                 raise UserInputError(f"prompt {i}: {exc}") from None
             encoded.append((ids, items))
         self._calls += 1
-        return [(engine.add_request(prompt, p, ids, request_id=f"llm{self._calls}-{i}", media=items), p.n)
-                for i, (prompt, p, (ids, items)) in enumerate(zip(prompts, per_prompt, encoded))]
+        return [(engine.add_request(prompt, p, ids, request_id=f"llm{self._calls}-{i}", media=items, lora=a), p.n)
+                for i, (prompt, p, (ids, items), a) in enumerate(zip(prompts, per_prompt, encoded, adapters))]
 
     def _abort(self, submitted: list[tuple[str, int]]) -> None:
         for rid, _ in submitted:
@@ -102,13 +115,15 @@ class LLM:
     def generate(self, prompts: str | Sequence[str],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, images: Sequence | None = None,
-                 audio: Sequence | None = None, videos: Sequence | None = None) -> list[RequestOutput]:
+                 audio: Sequence | None = None, videos: Sequence | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order, each with its n completions.
         A progress bar shows on a terminal for more than one prompt (`use_tqdm` forces it).
         `images`, `audio` (multimodal models): see `_submit`; an audio input is float samples at the model's
         rate, (samples, rate), encoded bytes (WAV, FLAC, OGG, MP3), a data URL or a file path; a video is encoded
-        bytes (MP4, WebM, MKV, ...), a data URL, a file path or (uint8 frames [T, H, W, 3], fps)."""
-        return self._collect(self._submit(prompts, params, images, audio, videos), use_tqdm)
+        bytes (MP4, WebM, MKV, ...), a data URL, a file path or (uint8 frames [T, H, W, 3], fps). `lora`: the
+        name of an adapter loaded with `lora_modules` or `add_lora`, for every prompt or one (or None) per prompt."""
+        return self._collect(self._submit(prompts, params, images, audio, videos, lora), use_tqdm)
 
     def _collect(self, submitted: list[tuple[str, int]], use_tqdm: bool | None) -> list[RequestOutput]:
         """Step until every submitted request finished; their final outputs, in order."""
@@ -137,7 +152,7 @@ class LLM:
                 for i, (_, n) in enumerate(submitted)]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
-             chat_template_kwargs: dict | None = None) -> RequestOutput:
+             chat_template_kwargs: dict | None = None, lora: str | None = None) -> RequestOutput:
         """Complete one conversation in OpenAI's message format, rendered with the checkpoint's chat
         template (Gemma's turn format when it has none). Images and audio (multimodal models) are content
         parts, in place: {"type": "image_url", "image_url": {"url": data URL or file path}},
@@ -152,6 +167,8 @@ class LLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise UserInputError(f"expected SamplingParams, got {type(params).__name__}")
+        if lora is not None:
+            engine.loras.get(lora)
         inputs = engine.inputs
         parsed, media = parse_chat(messages, {m: lay.placeholder for m, lay in inputs.layouts.items()},
                                    python_objects=True)
@@ -163,18 +180,19 @@ class LLM:
         inputs.check_request(ids, params, items)
         self._calls += 1
         rid = engine.add_request(engine.tokenizer.decode(ids, skip_special_tokens=False), params, ids,
-                                 request_id=f"llm{self._calls}-chat", media=items)
+                                 request_id=f"llm{self._calls}-chat", media=items, lora=lora)
         return self._collect([(rid, params.n)], use_tqdm=False)[0]
 
     # -- streaming -------------------------------------------------------------------------------
     def stream(self, prompts: str | Sequence[str],
                params: SamplingParams | Sequence[SamplingParams] | None = None,
                images: Sequence | None = None, audio: Sequence | None = None,
-               videos: Sequence | None = None) -> Iterator[RequestOutput]:
+               videos: Sequence | None = None, lora: str | Sequence[str | None] | None = None
+               ) -> Iterator[RequestOutput]:
         """Yield an output each time a completion has new text or finishes: `outputs[0]` is that
         completion (its `delta_text` is what is new) and `prompt_index` says which prompt it is for.
         Closing the iterator early aborts what is still running."""
-        submitted = self._submit(prompts, params, images, audio, videos)
+        submitted = self._submit(prompts, params, images, audio, videos, lora)
         index = {rid: i for i, (rid, _) in enumerate(submitted)}
         try:
             while self.engine.has_unfinished_requests():

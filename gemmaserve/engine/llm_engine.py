@@ -49,6 +49,9 @@ class LLMEngine:
         self.backend, self.cache_options, self.kv = parts.backend, parts.cache_options, parts.kv
         self.grammars, self.suppressed_token_ids = parts.grammars, parts.suppressed_token_ids
         self.runner, self.scheduler = parts.runner, parts.scheduler
+        self.loras = parts.loras
+        for name, path in (config.lora_modules or {}).items():
+            self.loras.add(name, path)
         self.inputs, self.outputs = parts.inputs, parts.outputs
         self.async_scheduling = parts.async_scheduling
         self._info = parts.info
@@ -94,9 +97,12 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str, params: SamplingParams, prompt_ids: list[int] | None = None,
-                    request_id: str | None = None, media: list[MediaItem] | None = None) -> str:
+                    request_id: str | None = None, media: list[MediaItem] | None = None,
+                    lora: str | None = None) -> str:
         """Queue a request (`params.n` completions). Returns its id; outputs carry it. `media`
-        (images, audio clips): from `inputs.prepare`, which also gives the `prompt_ids` they sit in."""
+        (images, audio clips): from `inputs.prepare`, which also gives the `prompt_ids` they sit in.
+        `lora`: the name of a loaded LoRA adapter to run it with (None: the base model)."""
+        adapter = None if lora is None else self.loras.get(lora)
         ids = self.inputs.tokenize(prompt) if prompt_ids is None else list(prompt_ids)
         media = list(media or [])
         if media and prompt_ids is None:
@@ -123,7 +129,7 @@ class LLMEngine:
                 max_total_tokens=max_total, seed=seed, max_chunk_tokens=max_chunk, media=media,
                 # Siblings wait for the first one's prompt, then share its pages via the prefix cache.
                 wait_for=group[0] if i and self.cache_options.enable_prefix_caching else None,
-                grammar=grammar)
+                grammar=grammar, lora=adapter)
             group.append(req)
         self._groups[group_id] = group
         for req in group:
@@ -131,6 +137,22 @@ class LLMEngine:
             self.outputs.add(req)
             self.scheduler.add(req)
         return group_id
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (read and checked now: a UserInputError says what is wrong)."""
+        if self.config.tensor_parallel_size > 1:
+            raise UserInputError("LoRA adapters with tensor_parallel_size > 1 are not supported yet")
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; refused while unfinished requests use it."""
+        ref = self.loras.get(name)
+        users = sum(1 for r in self._requests.values() if r.lora is not None and r.lora.key == ref.key)
+        if users:
+            raise UserInputError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
+        self.loras.remove(name)
+        self.scheduler.lora_slots.forget(ref)
 
     def request(self, request_id: str) -> Request:
         """An unfinished engine request by its engine id (a group of n > 1 has ids "<id>#<index>")."""

@@ -38,6 +38,7 @@ from .block_tables import BlockTables
 from ..device import to_device
 from .drafters import Drafter
 from .encoder_cache import EncoderCache
+from .lora import RunnerLoRA
 from .media import MediaItem
 from .sampler import Sampled, SamplingState, sample
 from .spec_decode import verify
@@ -59,13 +60,15 @@ class ModelRunner:
                  cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0,
                  encoder_cache_bytes: int = 256 * 2**20, suppress_token_ids: list[int] | None = None,
                  grammars: Grammars | None = None, cpu_compile: str = "off", drafter: "Drafter | None" = None,
-                 speculative_tokens: int = 0, speculative_batch: int = 0):
+                 speculative_tokens: int = 0, speculative_batch: int = 0, max_loras: int = 0,
+                 max_lora_rank: int = 64, max_cpu_loras: int = 1):
         """`suppress_token_ids`: never sampled (their logits become -inf before the sampler).
         `grammars`: matchers for requests with structured output. `cpu_compile`: decode steps through
         torch.compile (compiled_decode.py), compiled here: "required" raises if that fails, "try" warns
         and stays eager, "off" never compiles. `drafter`: drafts for speculative steps (drafters.py);
         `speculative_tokens`: drafts a step may verify for each of up to `speculative_batch` sequences (CUDA
-        graphs replay such steps as decode rows: that many more rows, and keys per sliding table)."""
+        graphs replay such steps as decode rows: that many more rows, and keys per sliding table).
+        `max_loras`: device slots for LoRA adapters, filled as plans say (`max_cpu_loras` kept read on the host)."""
         self.model = model
         self.drafter = drafter
         self.backend = backend
@@ -83,6 +86,7 @@ class ModelRunner:
         self._applied_step = -1
         self.media: dict[str, list[MediaItem]] = {}
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
+        self.lora = RunnerLoRA(model, device, max_loras, max_lora_rank, max_cpu_loras) if max_loras else None
         self.graphs = None
         if cuda_graphs:
             from .cuda_graphs import DecodeGraphs
@@ -126,6 +130,8 @@ class ModelRunner:
         if plan.step == self._applied_step:
             return
         self._applied_step = plan.step
+        for load in plan.lora_loads:
+            self.lora.load(load)
         for req_id in plan.released + plan.finished:
             self.tables.release(req_id)
         for req_id in plan.finished:
@@ -245,10 +251,12 @@ class ModelRunner:
                 rows.extend(range(end - 1 - s.num_drafts, end))
                 sampled.extend([b] * (s.num_drafts + 1))
         embeds = self._media_embeds(seqs, input_ids) if self.media else None
+        lora = self.lora.batch(seqs) if self.lora is not None else None
         # Decode batches, and verification steps as one decode row per token, run through CUDA graphs or
-        # compiled CPU steps where the engine has them; everything else eagerly.
-        as_decode = md if md.is_decode_only and embeds is None else None
-        if as_decode is None and embeds is None and (self.graphs is not None or self.compiled is not None):
+        # compiled CPU steps where the engine has them (steps with LoRA rows: not yet); everything else eagerly.
+        eager = embeds is not None or lora is not None
+        as_decode = md if md.is_decode_only and not eager else None
+        if as_decode is None and not eager and (self.graphs is not None or self.compiled is not None):
             as_decode = verification_as_decode(seqs, md)
         if self.graphs is not None and as_decode is not None and as_decode.num_seqs <= self.graphs.max_size:
             logits, hidden = self.graphs.run(input_ids, positions, as_decode)   # a row per input row
@@ -264,7 +272,7 @@ class ModelRunner:
             if out is not None:
                 return Forward(out[0], out[1] if want_hidden else None, seqs)
         attn = self.backend.begin_batch(md, self.kv_cache)
-        inputs = ModelInputs(input_ids, positions, attn, inputs_embeds=embeds)
+        inputs = ModelInputs(input_ids, positions, attn, inputs_embeds=embeds, lora=lora)
         # Prefill chunks: only the last row of completing sequences is sampled. A model may then skip
         # the other rows where no KV is written (ModelInputs), which assumes one row per sequence: with
         # drafts (several rows of a sequence) the rows are picked after the forward instead.

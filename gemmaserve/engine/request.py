@@ -11,10 +11,14 @@ from __future__ import annotations
 import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..kv.block_hash import HashChain, chain_root
 from .media import MediaItem, hash_token_ids
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .lora import LoRARef
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +64,7 @@ class Request:
     max_chunk_tokens: int | None = None    # prefill at most this many tokens a step (it fits only so)
     block_hashes: list[bytes] = field(default_factory=list)   # prefix-cache chain, grown by the KV manager
     media: list[MediaItem] = field(default_factory=list)      # images and clips, in prompt order
+    lora: LoRARef | None = None            # its LoRA adapter (None: the base model)
     output_token_ids: list[int] = field(default_factory=list)   # committed (a stop string may end the output earlier)
     num_computed_tokens: int = 0           # tokens whose K/V sit in the cache or are being computed
     num_pending_samples: int = 0           # sampled by a step in flight, not appended yet
@@ -83,6 +88,8 @@ class Request:
     _keyed: list[int] | None = field(init=False)   # what the prefix cache hashes, with media (else _all)
 
     def __post_init__(self) -> None:
+        if self.lora is not None and not self.block_hashes:   # KV under an adapter is keyed apart
+            self.block_hashes = HashChain(chain_root(self.lora.salt))
         self._all = list(self.prompt_token_ids)
         self._keyed = hash_token_ids(self._all, self.media) if self.media else None
 

@@ -39,11 +39,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..kv.base import KVCacheManager
 from .proposers import Proposer
 from .request import FinishReason, Request, RequestStatus
 from .step import DEVICE_TOKEN, NewRequest, SeqStep, SlotUpdate, StepPlan, StepResult, TableDelta
+
+if TYPE_CHECKING:
+    from .lora import LoRASlots
 
 MISSES_BEFORE_PAUSE = 4
 FIRST_PAUSE, LONGEST_PAUSE = 8, 256   # steps
@@ -102,9 +106,11 @@ class SpecStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 proposer: Proposer | None = None, spec_max_batch: int = 1 << 30):
-        """`spec_max_batch`: steps with more running decodes draft nothing (speculation stops paying)."""
+                 proposer: Proposer | None = None, spec_max_batch: int = 1 << 30, lora_slots: LoRASlots | None = None):
+        """`spec_max_batch`: steps with more running decodes draft nothing (speculation stops paying).
+        `lora_slots`: the device slots of LoRA adapters (engine/lora.py); None without adapters."""
         self.kv = kv
+        self.lora_slots = lora_slots
         self.proposer = proposer
         self.spec_max_batch = spec_max_batch
         self.spec_stats = SpecStats()
@@ -202,6 +208,10 @@ class Scheduler:
             s.request.last_served = self._step
         return self._describe(out)
 
+    def _active_adapters(self) -> set[str]:
+        """The LoRA adapters (keys) of the running requests."""
+        return {r.lora.key for r in self.running if r.lora is not None}
+
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Guesses at `req`'s next tokens: within `room` (budget), the request's own limits (a token
         past max_tokens or max_model_len is never emitted) and its opt-out."""
@@ -219,8 +229,14 @@ class Scheduler:
     def _describe(self, out: _Decision) -> StepPlan:
         plan = StepPlan(self._step, released=self._released, finished=self._finished)
         self._released, self._finished = [], []
+        adapters = self._active_adapters() if self.lora_slots is not None else set()
         for s in out.seqs:
             req = s.request
+            lora_slot = -1
+            if req.lora is not None:
+                lora_slot, load = self.lora_slots.slot_for(req.lora, adapters)
+                if load is not None:
+                    plan.lora_loads.append(load)
             if not req.sampling_sent:
                 plan.new_requests.append(NewRequest(req.request_id, req.params, req.seed, req.prompt_token_ids,
                                                     req.media, list(req.output_token_ids)))
@@ -233,7 +249,7 @@ class Scheduler:
                 self._proposing and s.completes and self._drafts_for(req, self._step + 1)) else 0
             plan.seqs.append(SeqStep(req.request_id, start,
                                      known + [DEVICE_TOKEN] * (real - start - len(known)) + s.drafts,
-                                     s.completes, deltas, new_table, len(s.drafts), propose))
+                                     s.completes, deltas, new_table, len(s.drafts), propose, lora_slot))
             req.drafts = []   # used (or outdated: this step's token gets new ones)
             if s.completes:
                 req.num_pending_samples += 1
@@ -342,9 +358,12 @@ class Scheduler:
         # One step's worth of transient pages on top (a chunk's sliding blocks before its commit
         # drops them): the token budget bounds what all of a step's chunks hold together.
         transient = max((self._step_transient(r) for r in prefilling), default=0)
+        adapters = self._active_adapters()
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
+            if self.lora_slots is not None and not self.lora_slots.fits(req.lora, adapters):
+                continue  # --max-loras adapters run already: it waits for one of them to drain
             sibling = req.wait_for
             if sibling is not None and not sibling.is_finished and not sibling.prompt_computed:
                 continue  # its first sibling has not cached the shared prompt yet
@@ -371,6 +390,8 @@ class Scheduler:
                 req.num_cached_tokens = hit
                 self.kv.record_prefix_query(len(tokens) - 1, hit)
             req.status = RequestStatus.RUNNING
+            if req.lora is not None:
+                adapters.add(req.lora.key)
             req.admitted_order = self._admissions
             self._admissions += 1
             self.running.append(req)

@@ -66,10 +66,21 @@ class SeqStep:
     num_drafts: int = 0
     # Drafts the runner's drafter should make after this step for the token it emits last (MTP).
     propose: int = 0
+    lora_slot: int = -1          # the device slot of its LoRA adapter (-1: the base model)
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass
+class LoRALoad:
+    """Put this adapter (registered with these weights) into this device slot before the step runs."""
+
+    slot: int
+    name: str
+    path: str
+    digest: str
 
 
 @dataclass
@@ -87,6 +98,7 @@ class StepPlan:
     slot_updates: list[SlotUpdate] = field(default_factory=list)
     released: list[str] = field(default_factory=list)   # preempted since the last plan: tables gone
     finished: list[str] = field(default_factory=list)   # finished or aborted: tables and sampling state gone
+    lora_loads: list[LoRALoad] = field(default_factory=list)   # adapters to copy into slots first
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +119,7 @@ class StepPlan:
         news = [NewRequest(**{**n, "params": SamplingParams(**n["params"]),
                               "media": [MediaItem(**i) for i in n.get("media", [])]}) for n in d["new_requests"]]
         return cls(d["step"], seqs, news, [SlotUpdate(**u) for u in d["slot_updates"]], list(d["released"]),
-                   list(d["finished"]))
+                   list(d["finished"]), [LoRALoad(**x) for x in d.get("lora_loads", [])])
 
 
 @dataclass

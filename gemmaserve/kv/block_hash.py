@@ -21,6 +21,18 @@ def chain_root(salt: str | bytes = b"") -> bytes:
     return _digest(b"gemmaserve-prefix\x00" + (salt.encode() if isinstance(salt, str) else salt))
 
 
+class HashChain(list):
+    """A request's chain that starts from its own root (a salted one: another adapter's KV is another chain)."""
+
+    def __init__(self, root: bytes):
+        super().__init__()
+        self.root = root
+
+
+def root_of(chain: list[bytes], default: bytes) -> bytes:
+    return chain.root if isinstance(chain, HashChain) else default
+
+
 def extend_chain(chain: list[bytes], token_ids: list[int], granularity: int, root: bytes,
                  limit: int | None = None) -> None:
     """Append h_k for every full step of `granularity` tokens (of the first `limit`, default all) not

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .base import GroupStats, KVCacheManager, KVLayout, KVStats
-from .block_hash import chain_root, extend_chain
+from .block_hash import chain_root, extend_chain, root_of
 from .groups import KVGroup, derive_groups
 from .page_pool import PagePool
 from .policy import NEVER, GroupPolicy, policy_for
@@ -180,7 +180,7 @@ class KVCacheManagerV2(KVCacheManager):
             return 0
         limit = len(token_ids) - 1           # the last prompt token is always recomputed
         chain = [] if chain is None else chain
-        extend_chain(chain, token_ids, self._granularity, self._root, limit)
+        extend_chain(chain, token_ids, self._granularity, root_of(chain, self._root), limit)
         hit = limit - limit % self._hit_step
         changed = True
         while changed and hit > 0:   # a group that lowers the hit point may leave another without its blocks
@@ -218,7 +218,7 @@ class KVCacheManagerV2(KVCacheManager):
         new_seq = seq is None
         chain = [] if chain is None else chain   # a new sequence keeps it (and grows it) from here on
         if new_seq and start:
-            extend_chain(chain, token_ids, self._granularity, self._root, start)
+            extend_chain(chain, token_ids, self._granularity, root_of(chain, self._root), start)
         elif not new_seq and start != seq.num_computed:
             raise ValueError(f"sequence {seq_id}: allocate from {start}, but {seq.num_computed} tokens are computed")
         scratch_ok = self.enable_scratch and prefill and end - start > 1
@@ -333,7 +333,7 @@ class KVCacheManagerV2(KVCacheManager):
 
     def _commit(self, seq: _Seq, token_ids: list[int], num_computed: int) -> None:
         if self.enable_prefix_caching:
-            extend_chain(seq.chain, token_ids, self._granularity, self._root, num_computed)
+            extend_chain(seq.chain, token_ids, self._granularity, root_of(seq.chain, self._root), num_computed)
             for g in self._groups:
                 table = seq.tables[g.index]
                 full = num_computed // g.tokens_per_page

@@ -1,0 +1,181 @@
+"""LoRA adapters in the engine: names, host memory, device slots.
+
+    LoRARegistry  (engine)     name -> LoRARef: registered once (the adapter read and checked against the model,
+                               its digest kept, its weights not)
+    AdapterStore  (runner)     adapters read into host memory, least recently used dropped past --max-cpu-loras
+                               (read again from their directory when next needed)
+    RunnerLoRA    (runner)     the device slots' weights, filled by the plans' loads; a step's LoRABatch
+    LoRASlots     (scheduler)  which adapter each of --max-loras device slots holds; a request is admitted only
+                               while the running requests use at most --max-loras adapters, so a slot is
+                               reassigned only when no running request uses it. The plan names each load
+                               (`LoRALoad`) and each sequence's slot (`SeqStep.lora_slot`); the runner copies
+                               the weights into the slot (it alone writes them, as it alone writes the KV).
+
+A request's prefix-cache chain starts from a root salted with its adapter's name and weights' digest
+(`LoRARef.salt`): KV computed under one adapter is never read under another, nor under a changed one
+registered again under the same name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UserInputError
+from ..models.lora import LoRABatch, LoRAWeights, SlotWeights, projections
+from ..models.lora_adapter import LoRAAdapter, load_adapter
+from .step import LoRALoad, SeqStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoRARef:
+    """What a request names: an adapter as registered (plain data: it travels in the step description)."""
+
+    name: str
+    path: str
+    digest: str
+    rank: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.digest}"
+
+    @property
+    def salt(self) -> bytes:
+        return f"lora\x00{self.key}".encode()
+
+
+class AdapterStore:
+    """Adapters read into host memory, at most `capacity` of them (least recently used dropped)."""
+
+    def __init__(self, model: nn.Module, max_rank: int, capacity: int):
+        self.model, self.max_rank, self.capacity = model, max_rank, max(1, capacity)
+        self._held: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.loads = 0   # reads from disk (tests and metrics)
+
+    def get(self, name: str, path: str, digest: str | None = None) -> LoRAAdapter:
+        key = f"{name}@{path}"
+        adapter = self._held.get(key)
+        if adapter is not None and (digest is None or adapter.digest == digest):
+            self._held.move_to_end(key)
+            return adapter
+        adapter = load_adapter(name, path, self.model, self.max_rank)
+        self.loads += 1
+        if digest is not None and adapter.digest != digest:
+            raise UserInputError(f"LoRA adapter {name!r}: {path} changed on disk since it was registered")
+        self._held[key] = adapter
+        while len(self._held) > self.capacity:
+            self._held.popitem(last=False)
+        return adapter
+
+    def drop(self, name: str, path: str) -> None:
+        self._held.pop(f"{name}@{path}", None)
+
+
+class RunnerLoRA:
+    """Runner side: the adapters in the device slots, and which rows of a step use which slot."""
+
+    def __init__(self, model: nn.Module, device: torch.device, max_loras: int, max_rank: int, max_cpu_loras: int):
+        self.device = device
+        self.dtype = model.model.embed_tokens.dtype   # the activations' dtype (fp32 over quantised CPU weights)
+        self.store = AdapterStore(model, max_rank, max_cpu_loras)
+        self.weights = LoRAWeights(max_loras)
+        self._modules = {path: p.module for path, p in projections(model).items()}
+
+    def load(self, load: LoRALoad) -> None:
+        adapter = self.store.get(load.name, load.path, load.digest)
+        self.weights.clear(load.slot)
+        for path, w in adapter.weights.items():
+            self.weights.put(load.slot, self._modules[path],
+                             SlotWeights(w.a.to(self.device, self.dtype), w.b.to(self.device, self.dtype)))
+
+    def batch(self, seqs: list[SeqStep]) -> LoRABatch | None:
+        segments, row = [], 0
+        for s in seqs:
+            if s.lora_slot >= 0:
+                segments.append((row, row + s.num_new_tokens, s.lora_slot))
+            row += s.num_new_tokens
+        return LoRABatch.from_segments(self.weights, segments, self.device) if segments else None
+
+
+class LoRARegistry:
+    """The adapters this engine serves, by name: each read and checked once, when it is added."""
+
+    def __init__(self, model: nn.Module, max_rank: int):
+        self.model, self.max_rank = model, max_rank
+        self._refs: dict[str, LoRARef] = {}
+
+    def add(self, name: str, path: str | Path) -> LoRARef:
+        if not isinstance(name, str) or not name or "=" in name or name != name.strip():
+            raise UserInputError(f"LoRA adapter name must be a non-empty string without '=' or outer spaces, "
+                                 f"got {name!r}")
+        if name in self._refs:
+            raise UserInputError(f"LoRA adapter {name!r} is already loaded (unload it first)")
+        path = str(Path(path).resolve())
+        adapter = load_adapter(name, path, self.model, self.max_rank)
+        ref = LoRARef(name, path, adapter.digest, adapter.rank)
+        self._refs[name] = ref
+        log.info("LoRA adapter %r: rank %d, %d projections, %.1f MiB (%s)", name, adapter.rank,
+                 len(adapter.weights), adapter.nbytes / 2**20, path)
+        return ref
+
+    def remove(self, name: str) -> LoRARef:
+        ref = self._refs.pop(name, None)
+        if ref is None:
+            raise UserInputError(f"LoRA adapter {name!r} is not loaded")
+        return ref
+
+    def get(self, name: str) -> LoRARef:
+        ref = self._refs.get(name)
+        if ref is None:
+            known = ", ".join(sorted(self._refs)) or "none"
+            raise UserInputError(f"no LoRA adapter named {name!r} (loaded: {known})")
+        return ref
+
+    def names(self) -> list[str]:
+        return sorted(self._refs)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._refs
+
+
+class LoRASlots:
+    """Scheduler side: which adapter (by key) each device slot holds."""
+
+    def __init__(self, max_loras: int):
+        self.max_loras = max_loras
+        self._held: list[str | None] = [None] * max_loras
+        self._last_used = [0] * max_loras
+        self._clock = 0
+
+    def fits(self, ref: LoRARef | None, active: set[str]) -> bool:
+        """A request with `ref` may join running requests that use the adapters `active`."""
+        return ref is None or ref.key in active or len(active) < self.max_loras
+
+    def slot_for(self, ref: LoRARef, active: set[str]) -> tuple[int, LoRALoad | None]:
+        """`ref`'s slot, and the load that puts it there if it is not held yet (into a free slot or one whose
+        adapter no running request uses, least recently used first)."""
+        self._clock += 1
+        if ref.key in self._held:
+            slot = self._held.index(ref.key)
+            self._last_used[slot] = self._clock
+            return slot, None
+        free = [s for s, k in enumerate(self._held) if k is None or k not in active]
+        if not free:
+            raise RuntimeError("no LoRA slot is free: admission let more adapters run than --max-loras")
+        slot = min(free, key=lambda s: (self._held[s] is not None, self._last_used[s]))
+        self._held[slot] = ref.key
+        self._last_used[slot] = self._clock
+        return slot, LoRALoad(slot, ref.name, ref.path, ref.digest)
+
+    def forget(self, ref: LoRARef) -> None:
+        """An unloaded adapter's slot is free (no running request uses it: the engine checks)."""
+        if ref.key in self._held:
+            self._held[self._held.index(ref.key)] = None
