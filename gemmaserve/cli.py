@@ -40,6 +40,7 @@ BENCHMARKS = {
     "spec": ("speculative decoding (prompt lookup) on input-grounded tasks vs ours and llama.cpp's lookup", True),
     "spec-drafters": ("draft_model and MTP drafting steps against plain ones on tiny random checkpoints", False),
     "preprocess": ("host time to prepare an image or 30 s of audio, against transformers' processors", False),
+    "lora": ("a batch's tokens/s with 1-16 LoRA adapters of rank 8 and 64, against the base alone", True),
 }
 
 
@@ -62,6 +63,8 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
                      help="an audio file (WAV, FLAC, OGG, MP3; any rate or channels) for models with an audio "
                           "encoder (repeatable); every prompt gets all of them, at its <|audio|> placeholders or "
                           "before its text")
+    gen.add_argument("--lora", default=None, metavar="NAME",
+                     help="run every prompt with this LoRA adapter (one of --lora-modules)")
     add_options(gen, EngineConfig, "engine")
     add_options(gen, SamplingParams, "sampling")
     gen.set_defaults(handler=_generate)
@@ -114,7 +117,7 @@ def _generate(args: argparse.Namespace) -> int:
     videos = [list(args.video) for _ in args.prompts] if args.video else None
     if len(args.prompts) == 1 and params.n == 1 and not args.json:
         # One prompt: stream the continuation to the terminal as it is generated.
-        deltas = llm.stream(args.prompts, params, images=images, audio=audio, videos=videos)
+        deltas = llm.stream(args.prompts, params, images=images, audio=audio, videos=videos, lora=args.lora)
         first = next(deltas, None)   # the request is checked before anything is printed
         print(args.prompts[0], end="", flush=True)
         logprobs = []
@@ -125,7 +128,7 @@ def _generate(args: argparse.Namespace) -> int:
         if params.logprobs is not None:
             _print_logprobs(llm.tokenizer, logprobs, params.logprobs)
     else:
-        outputs = llm.generate(args.prompts, params, images=images, audio=audio, videos=videos)  # a progress bar on a terminal
+        outputs = llm.generate(args.prompts, params, images=images, audio=audio, videos=videos, lora=args.lora)  # a progress bar on a terminal
         for i, out in enumerate(outputs):
             if args.json:
                 print(json.dumps(out.to_dict(), ensure_ascii=False), flush=True)

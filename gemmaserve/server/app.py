@@ -47,12 +47,15 @@ from ..models.chat_template import ChatFormatter
 from .async_engine import AsyncEngine
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .protocol import ApiError, ChatRequest, CompletionRequest, TranscriptionRequest, now
+from .protocol import (
+    ApiError, ChatRequest, CompletionRequest, LoadLoRARequest, TranscriptionRequest, UnloadLoRARequest, now,
+)
 from .reasoning import ReasoningFormat
 from .serving import RETRY_AFTER_S
 from .serving_audio import AudioServing
 from .serving_chat import ChatServing
 from .serving_completion import CompletionServing
+from .serving_lora import LoRAServing
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class ServerState(enum.Enum):
     FAILED = "failed"     # the engine did not load, or its thread died
 
 
-class OpenAIServer(CompletionServing, ChatServing, AudioServing):
+class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
     """The routes of each endpoint come from its serving class; this one owns the engine, the app, its
     lifecycle, authentication, and the routes every server has (models, health, metrics)."""
 
@@ -163,6 +166,10 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing):
             v1.add_api_route(path, handler, methods=["POST"], openapi_extra=_form_body(TranscriptionRequest),
                              responses=_ERRORS)
         v1.add_api_route("/models", self.models, methods=["GET"], responses=_ERRORS)
+        v1.add_api_route("/load_lora_adapter", self.load_lora_adapter, methods=["POST"],
+                         openapi_extra=_body(LoadLoRARequest), responses=_LORA_ERRORS)
+        v1.add_api_route("/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"],
+                         openapi_extra=_body(UnloadLoRARequest), responses=_LORA_ERRORS)
         app.include_router(v1)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_text, methods=["GET"])
@@ -205,7 +212,8 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing):
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "gemmaserve", "root": self.engine.config.model,
-                                            "max_model_len": self.engine.max_model_len}]}
+                                            "max_model_len": self.engine.max_model_len},
+                                           *self.lora_models(self.created)]}
 
     def _current_state(self) -> ServerState:
         if self.state is ServerState.READY and not self.async_engine.alive:
@@ -275,6 +283,8 @@ _ERRORS = {status: {"description": text, "content": {"application/json": {"schem
     for status, text in ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
                          (408, "past the request's deadline"), (413, "body too large"), (429, "queue full"),
                          (499, "client closed the request"), (503, "loading, draining or stopped"))}
+_LORA_ERRORS = {**_ERRORS, **{status: {**_ERRORS[400], "description": text} for status, text in (
+    (403, "run-time loading is off, or the path is outside --lora-root"), (409, "the adapter is in use"))}}
 
 
 def _body(model: type) -> dict:
@@ -298,7 +308,7 @@ def _openapi(app: FastAPI) -> dict:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components["Error"] = _ERROR_SCHEMA
-        for model in (CompletionRequest, ChatRequest):
+        for model in (CompletionRequest, ChatRequest, LoadLoRARequest, UnloadLoRARequest):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js

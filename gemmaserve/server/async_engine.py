@@ -162,7 +162,7 @@ class AsyncEngine:
     def generate(self, request_id: str, prompts: list[tuple[str, list[int]]], params: SamplingParams,
                  deadline: float | None = None, media: list[list] | None = None,
                  adopt: Callable[[LLMEngine, str], list[RequestOutput]] | None = None,
-                 admission: Admission | None = None) -> "Generation":
+                 admission: Admission | None = None, lora: str | None = None) -> "Generation":
         """Post every prompt with `params` (and its images and audio, from LLMEngine.inputs.prepare) to the
         engine now, under `admission` (from `admit`; without one they are admitted here, QueueFull if
         they do not fit), and return the Generation that yields (prompt index, output of one
@@ -181,7 +181,7 @@ class AsyncEngine:
             admission.settled = True
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        self._commands.put(lambda: self._add(sink, ids, prompts, params, media, adopt))
+        self._commands.put(lambda: self._add(sink, ids, prompts, params, media, adopt, lora))
         self.active += 1
         return Generation(self, sink, ids, completions, deadline)
 
@@ -272,12 +272,12 @@ class AsyncEngine:
 
     def _add(self, sink: _Sink, ids: list[str], prompts: list[tuple[str, list[int]]],
              params: SamplingParams, media: list[list] | None = None,
-             adopt: Callable[[LLMEngine, str], list[RequestOutput]] | None = None) -> None:
+             adopt: Callable[[LLMEngine, str], list[RequestOutput]] | None = None, lora: str | None = None) -> None:
         added = []
         try:
             for i, (gid, (text, tokens)) in enumerate(zip(ids, prompts)):
                 self.engine.add_request(text, params, prompt_ids=tokens, request_id=gid,
-                                        media=media[i] if media else None)
+                                        media=media[i] if media else None, lora=lora)
                 added.append(gid)
                 sink.prompt_index[gid] = i
                 sink.unfinished[gid] = params.n

@@ -28,6 +28,9 @@ class ServerConfig:
     max_video_frames: int = option(32, parse=positive_int,
                                    help="frames sampled from one video (uniformly; each takes an image's tokens)")
     max_video_bytes: int = option(32 << 20, parse=size, help="largest encoded video (after base64 decoding)")
+    lora_root: str | None = option(
+        None, help="directory under which POST /v1/load_lora_adapter may load LoRA adapters (a path outside it, a "
+                   "link out of it or a URL is refused); unset: adapters come from --lora-modules only")
     max_queue_len: int | None = option(
         None, parse=positive_int,
         help="most completions waiting beyond --max-num-seqs running ones: at most their sum are in the server, "
@@ -55,6 +58,8 @@ class ServerConfig:
             raise UserInputError(f"request_timeout must be a positive number of seconds, got {self.request_timeout!r}")
         if not _positive(self.max_audio_seconds):
             raise UserInputError(f"max_audio_seconds must be a positive number, got {self.max_audio_seconds!r}")
+        if self.lora_root is not None and not (isinstance(self.lora_root, str) and self.lora_root.strip()):
+            raise UserInputError("lora_root must be a directory")
         if not _positive(self.shutdown_timeout, zero_ok=True):
             raise UserInputError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
 

@@ -164,7 +164,9 @@ class DisaggServer(OpenAIServer):
     # -- how a request starts -----------------------------------------------------------------------
     async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[tuple[str, list[int]]],
                      params: SamplingParams, deadline: float | None, admission: Admission,
-                     media: list[list] | None = None) -> Generation:
+                     media: list[list] | None = None, lora: str | None = None) -> Generation:
+        if lora is not None:
+            raise ApiError(400, "LoRA adapters are not served by a prefill or decode role yet", param="model")
         tp = req.kv_transfer_params
         if tp is None:
             raise ApiError(400, f"this is a {self.role} engine: send requests through `gemmaserve router` "

@@ -115,6 +115,17 @@ class ChatRequest(_Common):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
+class LoadLoRARequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)   # a directory under --lora-root
+
+
+class UnloadLoRARequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 class TranscriptionRequest(BaseModel):
     """The form fields of /v1/audio/transcriptions and /v1/audio/translations (multipart: every value arrives as
     text, so values are converted, not strict). `file` is read apart (the upload)."""

@@ -71,10 +71,20 @@ class Serving:
             return await asyncio.to_thread(parse_json, body)
         return parse_json(body)
 
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.accepted_names:
-            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def _check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter `name` names (None: the base model), or a 404 if it names nothing served."""
+        if name is None or name in self.accepted_names:
+            return None
+        if name in self.engine.loras:
+            return name
+        adapters = self.engine.loras.names()
+        served = repr(self.model_name) + (f" and the LoRA adapters {', '.join(adapters)}" if adapters else "")
+        raise ApiError(404, f"model {name!r} does not exist; this server serves {served}", param="model",
+                       code="model_not_found")
+
+    def _answering(self, req) -> str:
+        """The model a response names: the adapter the request asked for, else the served model."""
+        return req.model if req.model is not None and req.model in self.engine.loras else self.model_name
 
     async def _check_grammar(self, params: SamplingParams, param: str) -> None:
         """Wait for the request's grammar, compiled on the grammars' worker threads (cached), so that
@@ -121,13 +131,13 @@ class Serving:
 
     async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[tuple[str, list[int]]],
                      params: SamplingParams, deadline: float | None, admission: Admission,
-                     media: list[list] | None = None) -> Generation:
+                     media: list[list] | None = None, lora: str | None = None) -> Generation:
         """Start generating (post to the engine under `admission`): the async iterator of (prompt
         index, output). A disaggregated role (server/disagg.py) starts from another engine's KV instead."""
         if req.kv_transfer_params is not None:
             raise ApiError(400, "kv_transfer_params needs a server started with --role prefill or decode",
                            param="kv_transfer_params")
-        return self.async_engine.generate(rid, prompts, params, deadline, media=media, admission=admission)
+        return self.async_engine.generate(rid, prompts, params, deadline, media=media, admission=admission, lora=lora)
 
     async def _stream(self, rid: str, kind: str, req: CompletionRequest | ChatRequest, prompts: list[Prompt],
                       outputs, choices, opening: list[dict] = ()) -> AsyncIterator[str]:
@@ -138,7 +148,7 @@ class Serving:
         finals: dict[tuple[int, int], RequestOutput] = {}
 
         def chunk(choice: list[dict], **extra) -> str:
-            body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": choice,
+            body = {"id": rid, "object": kind, "created": created, "model": self._answering(req), "choices": choice,
                     **extra}
             if include_usage and "usage" not in body:
                 body["usage"] = None

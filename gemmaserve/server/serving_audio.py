@@ -73,7 +73,7 @@ class AudioServing(Serving):
     async def _speech_to_text(self, request: Request, translate: bool) -> Response:
         arrival = time.monotonic()
         req, data = await self._form(request)
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         layout = self.engine.inputs.layouts.get(Modality.AUDIO)
         if layout is None:
             raise ApiError(400, f"model {self.model_name!r} does not take audio", param="file")
@@ -102,7 +102,8 @@ class AudioServing(Serving):
         rid = f"trsc-{uuid.uuid4().hex}"
         with self._admit(len(clips)) as admission:
             outputs = await self._start(req, rid, [(c.prompt.text, c.prompt.ids) for c in clips], params,
-                                        self._deadline(arrival, req), admission, media=[c.items for c in clips])
+                                        self._deadline(arrival, req), admission, media=[c.items for c in clips],
+                                        lora=lora)
         if req.stream:
             return sse(self._stream_text(clips, outputs), outputs)
         finals = await self._collect(request, outputs)

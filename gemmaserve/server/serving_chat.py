@@ -30,7 +30,7 @@ class ChatServing(Serving):
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: ChatRequest = parse(ChatRequest, await self._json(request))
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         reject_unsupported(req)
         calling = self._tool_calling(req)
         prompt, items = await asyncio.to_thread(self._chat_prompt, req.messages, calling, self._template_kwargs(req))
@@ -62,7 +62,7 @@ class ChatServing(Serving):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         with self._admit(params.n) as admission:
             outputs = await self._start(req, rid, [(prompt.text, prompt.ids)], params, self._deadline(arrival, req),
-                                        admission, media=[items])
+                                        admission, media=[items], lora=lora)
         answer = _Answers(reasoning, show_special)
         if req.stream:
             return sse(self._stream_chat(rid, req, prompt, params, outputs, calling, answer), outputs)
@@ -77,7 +77,7 @@ class ChatServing(Serving):
                 message["reasoning_content"] = thought
             choices.append({"index": k, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
                             "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if c.logprobs is not None else None})
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self._answering(req),
                              "choices": choices, "usage": self._usage([prompt], finals)})
 
     def _stream_chat(self, rid: str, req: ChatRequest, prompt: Prompt, params: SamplingParams,

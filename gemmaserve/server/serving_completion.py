@@ -24,7 +24,7 @@ class CompletionServing(Serving):
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: CompletionRequest = parse(CompletionRequest, await self._json(request))
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         reject_unsupported(req)
         prompts = await asyncio.to_thread(self._completion_prompts, req.prompt)
         params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETIONS_MAX_TOKENS)
@@ -33,7 +33,7 @@ class CompletionServing(Serving):
         rid = f"cmpl-{uuid.uuid4().hex}"
         with self._admit(len(prompts) * params.n) as admission:
             outputs = await self._start(req, rid, [(p.text, p.ids) for p in prompts], params,
-                                        self._deadline(arrival, req), admission)
+                                        self._deadline(arrival, req), admission, lora=lora)
         if req.stream:
             return sse(self._stream_completion(rid, req, prompts, params, outputs), outputs)
         finals = await self._collect(request, outputs)
@@ -45,7 +45,7 @@ class CompletionServing(Serving):
                             "stop_reason": c.stop_reason,
                             "logprobs": completion_logprobs(self.tokenizer, c.logprobs, len(prefix))
                             if c.logprobs is not None else None})
-        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
+        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": self._answering(req),
                              "choices": choices, "usage": self._usage(prompts, finals)})
 
     def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams,
