@@ -468,11 +468,14 @@ def make_manager(kind: str, specs, page_size: int, num_pages: int, **kw):
 
 def paged_logits(model, seqs: list[list[int]], chunk: int | None = None,
                  page_size: int = 4, first_chunk: int | None = None, manager: str = "v2",
-                 scratch: bool = False, specs=None, backend=None) -> list[torch.Tensor]:
+                 scratch: bool = False, specs=None, backend=None, lora=None) -> list[torch.Tensor]:
     """Run the sequences together through our paged engine pieces, `chunk` new tokens per sequence
     per step (None = everything at once; `first_chunk` overrides the first step), and return the
     logits at every position of each sequence. `specs` (default: the model's, fp32) set the KV
-    storage; `backend` defaults to the torch one."""
+    storage; `backend` defaults to the torch one. `lora`: (LoRAWeights, the slot of each sequence, -1 for
+    none)."""
+    from gemmaserve.models.lora import LoRABatch
+
     specs = specs or model.kv_layer_specs(torch.float32)
     total = sum(len(s) for s in seqs) * len(specs) + 64
     kv = make_manager(manager, specs, page_size, total, enable_prefix_caching=False, enable_scratch=scratch)
@@ -494,8 +497,13 @@ def paged_logits(model, seqs: list[list[int]], chunk: int | None = None,
         pos = torch.tensor([p for _, st, e in batch for p in range(st, e)], dtype=torch.long)
         md = AttentionMetadata([e - st for _, st, e in batch], [e for _, _, e in batch],
                                kv.group_tables([str(b) for b, _, _ in batch]), kv.layer_slot)
+        adapters = None
+        if lora is not None:
+            starts = [sum(e - st for _, st, e in batch[:i]) for i in range(len(batch))]
+            adapters = LoRABatch.from_segments(lora[0], [(r, r + e - st, lora[1][b]) for r, (b, st, e) in
+                                                         zip(starts, batch) if lora[1][b] >= 0], torch.device("cpu"))
         with torch.inference_mode():
-            hidden = model(ModelInputs(ids, pos, backend.begin_batch(md, cache)))
+            hidden = model(ModelInputs(ids, pos, backend.begin_batch(md, cache), lora=adapters))
             logits = model.compute_logits(hidden)
         row = 0
         for b, st, e in batch:

@@ -1,0 +1,286 @@
+"""LoRA adapters in PEFT's format against transformers + PEFT on tiny random checkpoints saved with
+save_pretrained: Gemma 3, and Gemma 4 31B-like (K = V), E2B-like (KV-shared layers own no k/v) and
+26B-A4B-like (MoE beside a dense MLP). Logits at every prompt position equal PEFT's (fp32, 1e-4), an adapter
+changes them as much as PEFT's does (so "loads and changes nothing" fails), a mixed batch of adapters and the
+base gives each request its tokens alone, the prefix cache never serves KV across adapters, and at most
+--max-loras adapters run in a step. Bad adapters are clear errors that leave the engine serving."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from gemmaserve import LLM, SamplingParams, UserInputError
+from gemmaserve.engine.step import LoRALoad
+
+from helpers import fresh_seed, paged_logits, save_checkpoint, tiny_gemma4_hf, tiny_hf_model
+
+peft = pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = ["abc def ghi", "xyz uvw qq rr", "hello", "the cat sat on the mat"]
+
+
+def _adapter(hf, path, seed: int, **config):
+    """PEFT's model over a copy of `hf` with a random adapter (B not zero), saved to `path`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": TARGETS, "init_lora_weights": False, **config})
+    model = get_peft_model(copy.deepcopy(hf), cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _hf(variant: str, seed: int):
+    return tiny_hf_model(seed) if variant == "gemma3" else tiny_gemma4_hf(seed, variant)
+
+
+def _slot_logits(llm: LLM, name: str | None, ids: list[int], chunk: int = 8) -> torch.Tensor:
+    """Our logits at every position of `ids` with adapter `name` in slot 0 (None: the base)."""
+    lora = None
+    if name is not None:
+        ref = llm.engine.loras.get(name)
+        llm.engine.runner.lora.load(LoRALoad(0, ref.name, ref.path, ref.digest))
+        lora = (llm.engine.runner.lora.weights, [0])
+    return paged_logits(llm.engine.model, [ids], chunk=chunk, lora=lora)[0]
+
+
+@pytest.mark.parametrize("variant, config", [
+    ("gemma3", {}),
+    ("gemma3", {"use_rslora": True, "r": 8, "rank_pattern": {"o_proj": 2}, "alpha_pattern": {"down_proj": 3}}),
+    ("31b", {}), ("e2b", {}), ("26b_a4b", {"target_modules": ["q_proj", "v_proj", "down_proj"]})])
+def test_logits_equal_peft(tmp_path, variant, config):
+    """Every prompt position, chunked, in fp32: within 1e-4 of PEFT's; the adapter moves the logits by what
+    it moves PEFT's (~1, against a 1e-4 tolerance)."""
+    seed = fresh_seed()
+    hf = _hf(variant, seed)
+    save_checkpoint(hf, tmp_path / "base")
+    model = _adapter(hf, tmp_path / "adapter", seed + 1, **config)
+    llm = LLM(str(tmp_path / "base"), dtype="float32", page_size=4, cpu_compile="off",
+              lora_modules={"a": str(tmp_path / "adapter")})
+    ids = [2] + torch.randint(3, hf.config.vocab_size, (29,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0]
+        base = hf(torch.tensor([ids])).logits[0]
+    got = _slot_logits(llm, "a", ids)
+    scale = max(1.0, want.abs().max().item())
+    assert (got - want).abs().max().item() < 1e-4 * scale
+    assert (want - base).abs().max().item() > 0.1   # the adapter matters, so the comparison above does
+    assert (_slot_logits(llm, None, ids) - base).abs().max().item() < 1e-4 * scale
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny Gemma 4 E2B-like base with two adapters of other ranks, PEFT's models over them, and an engine
+    serving both (V2 with prefix caching)."""
+    root = tmp_path_factory.mktemp("lora")
+    hf = _hf("e2b", 41)
+    save_checkpoint(hf, root / "base")
+    peft_models = {"a": _adapter(hf, root / "a", 42), "b": _adapter(hf, root / "b", 43, r=8, lora_alpha=4)}
+    llm = LLM(str(root / "base"), dtype="float32", page_size=4, cpu_compile="off", max_num_batched_tokens=16,
+              lora_modules={name: str(root / name) for name in peft_models})
+    return root, hf, peft_models, llm
+
+
+def _greedy_peft(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=[])
+    return out[0, len(ids):].tolist()
+
+
+def test_mixed_batches_give_each_request_its_tokens_alone(served):
+    """Requests for two adapters and the base in one batch, in chunks: the tokens each gets alone, and PEFT's."""
+    root, hf, peft_models, llm = served
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    names = ["a", None, "b", "a"]
+    alone = [llm.generate([p], params, lora=n)[0].outputs[0].token_ids for p, n in zip(PROMPTS, names)]
+    mixed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, lora=names)]
+    assert mixed == alone
+    for p, n, tokens in zip(PROMPTS, names, alone):
+        ids = llm.tokenizer.encode(p)
+        assert tokens == _greedy_peft(peft_models[n] if n else hf, ids, 8), (p, n)
+    assert len({tuple(t) for t in alone}) == len(alone)   # the adapters change the output
+    llm.engine.kv.check_integrity()
+
+
+def test_prefix_cache_keys_include_the_adapter(served):
+    """A prompt run under one adapter leaves KV that only the same adapter reuses."""
+    _, _, _, llm = served
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = "a long shared prefix of several pages " * 2
+    first = llm.generate([prompt], params, lora="a")[0]
+    again = llm.generate([prompt], params, lora="a")[0]
+    other = llm.generate([prompt], params, lora="b")[0]
+    base = llm.generate([prompt], params)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    assert llm.generate([prompt], params, lora="b")[0].num_cached_tokens > 0
+
+
+def test_at_most_max_loras_adapters_run_in_a_step(served):
+    """--max-loras 1: requests for two adapters and the base run, one adapter at a time (its slot reloaded as
+    they alternate), with the tokens each gets alone."""
+    root, _, _, llm = served
+    one = LLM.from_config(llm.engine.config.replace(max_loras=1), llm)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    names = ["a", "b", None, "b", "a"]
+    prompts = PROMPTS + ["one more"]
+    want = [llm.generate([p], params, lora=n)[0].outputs[0].token_ids for p, n in zip(prompts, names)]
+    sched, seen = one.engine.scheduler, []
+    schedule = sched.schedule
+
+    def watch():
+        plan = schedule()
+        seen.append({s.lora_slot for s in plan.seqs if s.lora_slot >= 0})
+        return plan
+
+    sched.schedule = watch
+    assert [o.outputs[0].token_ids for o in one.generate(prompts, params, lora=names)] == want
+    assert all(len(slots) <= 1 for slots in seen) and one.engine.runner.lora.store.loads >= 2
+
+
+def test_adapters_added_and_removed_at_run_time(served):
+    _, _, _, llm = served
+    root = served[0]
+    llm.add_lora("c", str(root / "a"))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    assert llm.generate(["hello"], params, lora="c")[0].outputs[0].token_ids == \
+        llm.generate(["hello"], params, lora="a")[0].outputs[0].token_ids
+    with pytest.raises(UserInputError, match="already loaded"):
+        llm.add_lora("c", str(root / "b"))
+    llm.remove_lora("c")
+    with pytest.raises(UserInputError, match="no LoRA adapter named 'c' \\(loaded: a, b\\)"):
+        llm.generate(["hello"], params, lora="c")
+
+
+def _broken(root, name: str, edit) -> str:
+    """A copy of adapter a with `edit(directory)` applied."""
+    import shutil
+
+    d = root / name
+    if d.exists():
+        shutil.rmtree(d)
+    shutil.copytree(root / "a", d)
+    edit(d)
+    return str(d)
+
+
+def _config_edit(**changes):
+    def edit(d):
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        cfg.update(changes)
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(served, tmp_path):
+    root, hf, _, llm = served
+    from safetensors.torch import load_file, save_file
+
+    def truncate(d):
+        f = d / "adapter_model.safetensors"
+        f.write_bytes(f.read_bytes()[:100])
+
+    def rename(d, old, new):
+        f = d / "adapter_model.safetensors"
+        save_file({k.replace(old, new): v for k, v in load_file(f).items()}, f)
+
+    other = tiny_hf_model(5, hidden_size=48, head_dim=12)
+    save_checkpoint(other, tmp_path / "other_base")
+    _adapter(other, tmp_path / "other", 6)
+    cases = [
+        (str(tmp_path / "missing"), "is not a directory"),
+        (_broken(root, "corrupt", truncate), "could not be read as safetensors"),
+        (_broken(root, "dora", _config_edit(use_dora=True)), "DoRA"),
+        (_broken(root, "saved", _config_edit(modules_to_save=["lm_head"])), "modules_to_save"),
+        (_broken(root, "rank", _config_edit(r=2)), "has rank 4, its config says 2"),
+        (_broken(root, "embed", lambda d: rename(d, "self_attn.q_proj", "embed_tokens")), "not a LoRA weight"),
+        (_broken(root, "tower", lambda d: rename(d, "model.layers.0.", "model.vision_tower.layers.0.")),
+         "adapts the vision_tower"),
+        (str(tmp_path / "other"), "belongs to another base model"),
+    ]
+    for path, needle in cases:
+        with pytest.raises(UserInputError, match=needle):
+            llm.add_lora("bad", path)
+    big = LLM.from_config(llm.engine.config.replace(max_lora_rank=4, lora_modules=None), llm)
+    with pytest.raises(UserInputError, match="rank 8 .* above --max-lora-rank 4"):
+        big.add_lora("b", str(root / "b"))
+    assert llm.engine.loras.names() == ["a", "b"]
+    assert llm.generate(["hello"], SamplingParams(max_tokens=2), lora="b")[0].outputs[0].finish_reason == "length"
+    with pytest.raises(UserInputError, match="lora must name one adapter"):
+        llm.generate(["x", "y"], SamplingParams(max_tokens=1), lora=["a"])
+    with pytest.raises(UserInputError, match="not NAME=PATH"):
+        LLM.from_config(llm.engine.config.replace(lora_modules=["nopath"]), llm)
+
+
+def test_server_serves_adapters_by_model_name_and_loads_them_under_lora_root(served):
+    """Through the official openai client: /v1/models lists the adapters with their parent; `model` picks one
+    (the response names it) and gives LLM.generate's tokens; an unknown name is a 404 model_not_found; adapters
+    load and unload at run time behind the API key, only from under --lora-root."""
+    openai = pytest.importorskip("openai")
+    import urllib.error
+    import urllib.request
+
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm_engine import LLMEngine
+    from gemmaserve.server.background import BackgroundServer
+    from gemmaserve.server.config import ServerConfig
+
+    root, _, _, llm = served
+    engine = LLMEngine(EngineConfig(model=str(root / "base"), dtype="float32", page_size=4, cpu_compile="off",
+                                    lora_modules={"a": str(root / "a")}), llm.engine.loaded)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = {n: llm.generate(["hello there"], params, lora=n)[0].outputs[0].text for n in ("a", "b", None)}
+    with BackgroundServer(engine, ServerConfig(api_key="k", lora_root=str(root))) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="k", max_retries=0, timeout=60)
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {str(root / "base"), "a"} and models["a"].parent == str(root / "base")
+
+        def ask(model):
+            r = client.completions.create(model=model, prompt="hello there", max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            return r.model, r.choices[0].text
+
+        assert ask("a") == ("a", want["a"]) and ask(str(root / "base"))[1] == want[None]
+        with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+            ask("b")
+
+        def post(path, body, key="k") -> int:
+            req = urllib.request.Request(f"{srv.base_url}/v1/{path}", json.dumps(body).encode(),
+                                         {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        assert post("load_lora_adapter", {"lora_name": "b", "lora_path": "b"}, key="wrong") == 401
+        assert post("load_lora_adapter", {"lora_name": "b", "lora_path": "b"}) == 200
+        assert ask("b") == ("b", want["b"])
+        chat = client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert chat.model == "b"
+        for path, status in (("/etc", 403), ("../..", 403), ("http://example.com/x", 400), ("corrupt", 400),
+                             ("no-such-dir", 400)):
+            assert post("load_lora_adapter", {"lora_name": "x", "lora_path": path}) == status, path
+        assert post("unload_lora_adapter", {"lora_name": "b"}) == 200
+        assert post("unload_lora_adapter", {"lora_name": "b"}) == 404
+        assert set(m.id for m in client.models.list().data) == {str(root / "base"), "a"}
+        assert ask("a") == ("a", want["a"])
+
+
+def test_cli_generate_with_an_adapter(served, capsys):
+    """`generate --lora-modules a=DIR --lora a`: the adapter's tokens; an unknown name is a one-line error."""
+    from gemmaserve import cli
+
+    root, _, _, llm = served
+    want = llm.generate(["hello there"], SamplingParams(max_tokens=4, ignore_eos=True), lora="a")[0]
+    common = ["generate", "hello there", "--model", str(root / "base"), "--dtype", "float32", "--cpu-compile", "off",
+              "--max-tokens", "4", "--ignore-eos", "--json", "--lora-modules", f"a={root / 'a'}", f"b={root / 'b'}"]
+    assert cli.main(common + ["--lora", "a"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want.outputs[0].token_ids
+    assert cli.main(common + ["--lora", "zz"]) == 2
+    assert "no LoRA adapter named 'zz' (loaded: a, b)" in capsys.readouterr().err
