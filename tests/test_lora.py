@@ -177,6 +177,36 @@ def _config_edit(**changes):
     return edit
 
 
+def test_k_and_v_of_kv_shared_layers_are_skipped(served, caplog):
+    """An adapter with k_proj/v_proj weights on a KV-shared layer (which projects no K/V) loads, says it skipped
+    them, and gives the tokens of the same adapter without them."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    root, _, _, llm = served
+    shared = [i for i, src in enumerate(llm.engine.model.config.kv_sources) if src is not None]
+
+    def add_kv(d):
+        f = d / "adapter_model.safetensors"
+        tensors = load_file(f)
+        for key in [k for k in tensors if f".layers.{shared[0]}.self_attn.q_proj." in k]:
+            for proj in ("k_proj", "v_proj"):
+                t = tensors[key]
+                tensors[key.replace("q_proj", proj)] = torch.randn(t.shape[0], 4) if "lora_B" in key else t.clone()
+        save_file(tensors, f)
+
+    caplog.set_level(logging.INFO)
+    llm.add_lora("kv", _broken(root, "kv", add_kv))
+    try:
+        assert "skipped 2 projections" in caplog.text
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        assert llm.generate(["hello"], params, lora="kv")[0].outputs[0].token_ids == \
+            llm.generate(["hello"], params, lora="a")[0].outputs[0].token_ids
+    finally:
+        llm.remove_lora("kv")
+
+
 def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(served, tmp_path):
     root, hf, _, llm = served
     from safetensors.torch import load_file, save_file
