@@ -314,3 +314,57 @@ def test_cli_generate_with_an_adapter(served, capsys):
     assert json.loads(capsys.readouterr().out)["token_ids"] == want.outputs[0].token_ids
     assert cli.main(common + ["--lora", "zz"]) == 2
     assert "no LoRA adapter named 'zz' (loaded: a, b)" in capsys.readouterr().err
+
+
+def test_270m_adapter_equals_peft_and_runs_on_the_quantised_base(llm_270m, llm_270m_q, hf_270m, tmp_path):
+    """The real 270M: an adapter's greedy tokens on the fp32 path equal transformers + PEFT's; on the default
+    quantised path the same adapter moves the logits as it moves fp32's (the base's quantisation error aside)."""
+    model = _adapter(hf_270m, tmp_path / "a", 7, r=8, lora_alpha=4)
+    prompt = "The capital of France is"
+    ids = llm_270m.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5)
+    llm_270m.add_lora("t", str(tmp_path / "a"))
+    llm_270m_q.add_lora("t", str(tmp_path / "a"))
+    try:
+        exact = llm_270m.generate([prompt], params, lora="t")[0].outputs[0]
+        assert exact.token_ids == _greedy_peft(model, ids, 8)
+        assert exact.token_ids != llm_270m.generate([prompt], params)[0].outputs[0].token_ids
+        quant = llm_270m_q.generate([prompt], params, lora="t")[0].outputs[0]
+        assert quant.token_ids[:3] == exact.token_ids[:3]
+        # the adapter's move of the first token's top-5 logprobs, quantised base against fp32 base
+        first = [t for t, _ in exact.logprobs[0].top]
+
+        def moved(out_lora, llm):
+            base = dict(llm.generate([prompt], SamplingParams(max_tokens=1, logprobs=20))[0].outputs[0].logprobs[0].top)
+            lora = dict(out_lora.logprobs[0].top)
+            return torch.tensor([lora[t] - base[t] if t in lora and t in base else float("nan") for t in first])
+
+        exact_move, quant_move = moved(exact, llm_270m), moved(quant, llm_270m_q)
+        both = exact_move.isfinite() & quant_move.isfinite()
+        # (measured: moves up to 1.1, the two bases' own difference shifts them by up to 0.2)
+        assert both.sum() >= 3 and exact_move[both].abs().max() > 0.5
+        assert (quant_move - exact_move)[both].abs().max() < 0.3
+    finally:
+        llm_270m.remove_lora("t")
+        llm_270m_q.remove_lora("t")
+
+
+def test_bench_lora_runs_on_a_tiny_checkpoint(served, tmp_path, monkeypatch):
+    """`bench lora` writes the base row and one row per adapter count and rank, ratios against the base."""
+    import argparse
+
+    from gemmaserve.bench import lora as bench
+    from gemmaserve.config.options import add_options
+    from gemmaserve.config.engine import EngineConfig
+
+    root = served[0]
+    monkeypatch.setenv("OUT", str(tmp_path))
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    add_options(ap, EngineConfig, "engine")
+    args = ap.parse_args(["--model", str(root / "base"), "--dtype", "float32", "--cpu-compile", "off", "--batch", "3",
+                          "--tokens", "2", "--repeat", "1", "--adapters", "1,2", "--ranks", "4"])
+    assert bench.run(args) == 0
+    rows = json.loads((tmp_path / "lora.json").read_text())["rows"]
+    assert [(r["adapters"], r["rank"]) for r in rows] == [(0, None), (1, 4), (2, 4)]
+    assert rows[0]["ratio"] == 1.0 and all(r["tok_s"] > 0 for r in rows)

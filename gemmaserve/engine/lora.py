@@ -75,9 +75,6 @@ class AdapterStore:
             self._held.popitem(last=False)
         return adapter
 
-    def drop(self, name: str, path: str) -> None:
-        self._held.pop(f"{name}@{path}", None)
-
 
 class RunnerLoRA:
     """Runner side: the adapters in the device slots, and which rows of a step use which slot."""

@@ -30,6 +30,10 @@ drafting for a while (8 steps, doubling while it keeps missing, up to 256): a dr
 nothing for a text costs a drafting step's price every step (1.5-1.9x a plain one for the tiny CPU
 models of BENCHMARKS.md).
 
+LoRA adapters: a waiting request is admitted only while the running requests use at most --max-loras
+adapters with its own (others go ahead of it meanwhile); each step names every sequence's adapter slot and the
+slot loads the runner does first (engine/lora.py).
+
 The scheduler owns request and KV state: `schedule()` decides and allocates, then describes the step
 as plain data (`StepPlan`: tokens per request, block-table deltas, new slots, requests gone), and
 `update_from_output()` alone commits the step (KV commit, sampled tokens, stop checks, finishing).
