@@ -45,6 +45,19 @@ def llm_270m_q():
 
 
 @pytest.fixture(scope="session")
+def gguf_read_once():
+    """transformers' GGUF reader (`load_gguf_checkpoint`), remembering what it read: its config and its tokenizer
+    loaders each parse the 270M's 262k-entry vocabulary (~13 s on 2 cores); this way the file is parsed once."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_utils, "load_gguf_checkpoint", functools.lru_cache(maxsize=4)(gguf_utils.load_gguf_checkpoint))
+        yield
+
+
+@pytest.fixture(scope="session")
 def hf_270m(llm_270m):
     from gemmaserve.bench.hf_reference import build_hf_model
 

@@ -137,7 +137,7 @@ def test_reference_config_is_the_published_270m(llm_270m, hf_270m):
     assert ours.rms_norm_eps == pytest.approx(1e-6, rel=1e-6) and ours.sliding_window == 512
 
 
-def test_reference_config_is_what_transformers_reads_from_the_gguf(hf_270m):
+def test_reference_config_is_what_transformers_reads_from_the_gguf(hf_270m, gguf_read_once):
     """transformers' own GGUF loader (the gguf package's reader and transformers' gemma3 key mapping and
     defaults; ~10-30 s: it parses the 262k-entry vocabulary) reads the same config from the file."""
     from transformers import AutoConfig

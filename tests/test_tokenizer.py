@@ -12,7 +12,7 @@ PIECES = ["Hello", " world", "  ", "   ", "\n", "\n\n", "\t", " \t ", "naïve", 
 
 
 @pytest.fixture(scope="module")
-def tokenizers_pair(llm_270m):
+def tokenizers_pair(llm_270m, gguf_read_once):
     from transformers import AutoTokenizer
 
     from gemmaserve.models.loader import resolve_model
