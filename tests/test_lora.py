@@ -143,6 +143,23 @@ def test_at_most_max_loras_adapters_run_in_a_step(served):
     assert all(len(slots) <= 1 for slots in seen) and one.engine.runner.lora.store.loads >= 2
 
 
+def test_two_tensor_parallel_ranks_shard_adapters_like_their_base_layers(served):
+    """Each rank reads its slice of an adapter as of its base weights (B's rows of a column-parallel projection,
+    A's columns of a row-parallel one, whose delta share joins the sum over ranks): a mixed batch's greedy
+    tokens equal one process's."""
+    root, _, _, llm = served
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    names = ["a", None, "b", "a"]
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, lora=names)]
+    two = LLM(str(root / "base"), dtype="float32", page_size=4, cpu_compile="off", max_num_batched_tokens=16,
+              tensor_parallel_size=2, lora_modules={"a": str(root / "a")})
+    try:
+        two.add_lora("b", str(root / "b"))
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params, lora=names)] == want
+    finally:
+        two.engine.shutdown()
+
+
 def test_adapters_added_and_removed_at_run_time(served):
     _, _, _, llm = served
     root = served[0]

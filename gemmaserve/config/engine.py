@@ -207,8 +207,6 @@ class EngineConfig:
                 raise UserInputError(f"{name} must be a positive integer, got {value!r}")
         if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < 1):
             raise UserInputError(f"max_cpu_loras must be a positive integer, got {self.max_cpu_loras!r}")
-        if self.lora_modules and tp > 1:
-            raise UserInputError("LoRA adapters with tensor_parallel_size > 1 are not supported yet")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
 

@@ -140,9 +140,8 @@ class LLMEngine:
 
     # -- LoRA adapters -----------------------------------------------------------------------
     def add_lora(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter at `path` as `name` (read and checked now: a UserInputError says what is wrong)."""
-        if self.config.tensor_parallel_size > 1:
-            raise UserInputError("LoRA adapters with tensor_parallel_size > 1 are not supported yet")
+        """Serve the PEFT adapter at `path` as `name` (read and checked now: a UserInputError says what is wrong).
+        Under tensor parallelism each rank reads its slice when the scheduler first puts it into a slot."""
         self.loras.add(name, path)
 
     def remove_lora(self, name: str) -> None:

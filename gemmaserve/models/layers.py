@@ -103,9 +103,14 @@ class Linear(nn.Module):
 
 
 def project(module: nn.Module, x: torch.Tensor, lora: "LoRABatch | None") -> torch.Tensor:
-    """module(x), plus its LoRA deltas for the rows of a batch that has adapters (models/lora.py)."""
-    y = module(x)
-    return y if lora is None else lora.add(module, x, y)
+    """module(x), plus its LoRA deltas for the rows of a batch that has adapters (models/lora.py). A
+    row-parallel module under tensor parallelism adds its rank's share of the delta before the sum over ranks."""
+    if lora is None:
+        return module(x)
+    partial = getattr(module, "partial", None)
+    if partial is not None:
+        return module.reduce(lora.add(module, x, partial(x)))
+    return lora.add(module, x, module(x))
 
 
 class Embedding(nn.Module):

@@ -121,6 +121,7 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
     tensors, digest = _read_weights(path, name)
     stacked = getattr(type(model), "stacked", {})
     targets = projections(model)
+    plan = getattr(model, "tensor_parallel_plan", None)
     found: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     module_name: dict[tuple[str, int], str] = {}
     skipped: list[str] = []
@@ -162,6 +163,8 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
         if set(ab) != {"A", "B"}:
             raise UserInputError(f"LoRA adapter {name!r}: {hf_name} has lora_{''.join(ab)} without its pair")
         a, b = ab["A"], ab["B"]
+        if plan is not None:   # tensor parallelism: this rank's slice, as its base weight is sliced
+            a, b = _rank_slice(plan, module_name[(ours, part)], a, b)
         target = targets[ours]
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
@@ -184,6 +187,19 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
     for ours, parts in by_module.items():
         adapter.weights[ours] = _stack(targets[ours], parts, dtype)
     return adapter
+
+
+def _rank_slice(plan, hf_name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B for this rank: a column-parallel weight (sliced by output rows) takes the same rows of B and all
+    of A; a row-parallel one (sliced by input columns) the same columns of A and all of B, its delta then a
+    share that the sum over ranks completes (layers.project)."""
+    layers_at = hf_name.index("layers.")
+    sl = plan.slice_for(f"model.{hf_name[layers_at:]}.weight")
+    if sl is None:
+        return a, b
+    if sl.dim == 0:
+        return a, sl.read(b)
+    return sl.read(a), b
 
 
 def _stack(target: Projection, parts: list[tuple[int, torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> SlotWeights:

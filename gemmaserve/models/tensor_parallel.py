@@ -305,6 +305,13 @@ class AllReduceOutput(nn.Module):
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(self.inner(*args))
 
+    # What a LoRA delta joins (layers.project): this rank's share and the sum, apart.
+    def partial(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.inner(*args)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(y)
+
 
 class VocabParallelEmbedding(nn.Module):
     """A block of vocabulary rows [start, start + rows) of an `Embedding` (or its quantised form):
