@@ -91,7 +91,7 @@ class RunnerLoRA:
         self.weights.clear(load.slot)
         for path, w in adapter.weights.items():
             self.weights.put(load.slot, self._modules[path],
-                             SlotWeights(w.a.to(self.device, self.dtype), w.b.to(self.device, self.dtype)))
+                             SlotWeights(w.a.to(self.device, self.dtype), w.b.to(self.device, self.dtype)).transposed())
 
     def batch(self, seqs: list[SeqStep]) -> LoRABatch | None:
         segments, row = [], 0

@@ -13,6 +13,10 @@ a C++ kernel here, registered for the CPU dispatch key, which the dispatcher pre
 * `gemmaserve::fbgemm_int8_linear(x, shape, packed, col_offsets, bias)`: PyTorch's fbgemm int8 x int8
   linear; `gemmaserve::int8_linear`: row_affine, that product and the map back in one call (each call
   of a custom op from a compiled graph costs ~10 us of argument handling: 240 a step of the 270M).
+* `lora_add` (lora.py): each adapter slot's rows of y plus (x A^T) B^T; for stacked ranks up to 32 row by
+  row as plain fp32 dot products (one call per projection instead of ~8 ATen calls per adapter in the batch;
+  roundings of their own, like the norms': within ~1e-6 of the Python kernel's MKL products), above it
+  through MKL as the Python kernel does. Every row is independent of the others either way.
 * `linear`: fp32 x W^T with the rows padded to whole tiles of 4 (layers.py: MKL rounds a partial tile
   differently). `int4_mm`: PyTorch's int4 kernel with the group size fixed (quant.py: a graph's
   argument, not a tensor constant).
@@ -45,6 +49,8 @@ SOURCE = r"""
 #include <cmath>
 #include <limits>
 #include <vector>
+
+constexpr int64_t LORA_LOOP_RANK = 32;   // stacked ranks above this take the GEMM (BENCHMARKS.md, issue 32)
 
 namespace {
 constexpr int64_t KEY_BLOCK = @KEY_BLOCK@, ROW_TILE = @ROW_TILE@;
@@ -255,6 +261,64 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   return at::linear(at::cat({x, at::zeros({ROW_TILE - m % ROW_TILE, x.size(1)}, x.options())}), weight).slice(0, 0, m);
 }
 
+at::Tensor lora_add(const at::Tensor& y_in, const at::Tensor& x_in, at::TensorList rows, at::TensorList a,
+                    at::TensorList bt, at::TensorList spans) {
+  // Each row on its own: xa = A x (8 partial sums, then added in a fixed order), then y += xa B (B stored
+  // transposed, [r, out]: the inner loop runs over independent outputs). A row's bits never depend on the
+  // other rows, and no ATen call is made per adapter. Which way a projection's delta is computed depends
+  // only on its adapter's stacked rank, never on the batch.
+  at::Tensor y = y_in.contiguous().clone();
+  if (x_in.scalar_type() != at::kFloat || y.scalar_type() != at::kFloat) {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      at::Tensor d = ::linear(::linear(x_in.index_select(0, rows[i]), a[i]), bt[i].t());
+      y = y.index_add(0, rows[i], d.to(y.scalar_type()));
+    }
+    return y;
+  }
+  const at::Tensor x = x_in.contiguous();
+  const int64_t in = x.size(1), out = y.size(1);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (a[i].size(0) > LORA_LOOP_RANK) {   // high ranks: MKL's products (rows padded to tiles) pay off
+      at::Tensor d = ::linear(::linear(x.index_select(0, rows[i]), a[i]), bt[i].t());
+      y.index_add_(0, rows[i], d);
+      continue;
+    }
+    const at::Tensor ai = a[i].contiguous(), bi = bt[i].contiguous(), ri = rows[i].contiguous();
+    const int64_t r = ai.size(0);
+    const float* ap = ai.data_ptr<float>();
+    const float* bp = bi.data_ptr<float>();
+    const int64_t* rp = ri.data_ptr<int64_t>();
+    // B^T is block-diagonal over a fused projection's parts: each rank row's nonzero outputs [lo, hi)
+    const at::Tensor si = spans[i].contiguous();
+    const int64_t* sp = si.data_ptr<int64_t>();
+    at::parallel_for(0, ri.numel(), 1, [&](int64_t n0, int64_t n1) {   // rows apart: any split, same bits
+      std::vector<float> xa(r);
+      for (int64_t n = n0; n < n1; ++n) {
+        const float* xr = xp + rp[n] * in;
+        float* yr = yp + rp[n] * out;
+        for (int64_t j = 0; j < r; ++j) {
+          const float* aj = ap + j * in;
+          float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+          int64_t k = 0;
+          for (; k + 8 <= in; k += 8)
+            for (int l = 0; l < 8; ++l) acc[l] += aj[k + l] * xr[k + l];
+          float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+          for (; k < in; ++k) sum += aj[k] * xr[k];
+          xa[j] = sum;
+        }
+        for (int64_t j = 0; j < r; ++j) {
+          const float* bj = bp + j * out;
+          const float v = xa[j];
+          for (int64_t o = sp[2 * j]; o < sp[2 * j + 1]; ++o) yr[o] += bj[o] * v;
+        }
+      }
+    });
+  }
+  return y;
+}
+
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros) {
   return at::_weight_int4pack_mm_for_cpu(x, packed, @GROUP@, scales_zeros);
 }
@@ -277,6 +341,7 @@ TORCH_LIBRARY_IMPL(gemmaserve, CPU, m) {
   m.impl("rows_dot", &rows_dot);
   m.impl("int4_mm", &int4_mm);
   m.impl("linear", &linear);
+  m.impl("lora_add", &lora_add);
 }
 """
 
@@ -320,7 +385,7 @@ def _(x: torch.Tensor, a_t: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     return x.new_empty(x.shape), x.new_empty(x.shape[0], 1), x.new_empty(x.shape[0], 1)
 
 
-OPS = ("fbgemm_int8_linear", "int8_linear", "row_affine", "rms_norm", "add_rms_norm", "gelu_mul", "rope_tables", "softcap", "attend", "rows_dot", "int4_mm", "linear")
+OPS = ("fbgemm_int8_linear", "int8_linear", "row_affine", "rms_norm", "add_rms_norm", "gelu_mul", "rope_tables", "softcap", "attend", "rows_dot", "int4_mm", "linear", "lora_add")
 
 
 @functools.cache   # once per process: the registration is the process's
@@ -328,9 +393,9 @@ def load() -> str | None:
     """Build (or find in inductor's cache) and load the kernels. None once they serve the ops' CPU
     calls, else why they do not (the Python kernels then serve, with the same results)."""
     from ..attention import blockwise   # defines gemmaserve::attend
-    from . import fused_ops, layers, quant   # the others
+    from . import fused_ops, layers, lora, quant   # the others
 
-    del fused_ops, layers
+    del fused_ops, layers, lora
     try:
         from torch._inductor.codecache import CppCodeCache
 

@@ -59,12 +59,23 @@ def projections(model: nn.Module) -> dict[str, Projection]:
 @dataclass
 class SlotWeights:
     a: torch.Tensor            # [R, in]
-    b: torch.Tensor            # [out, R], scaled, block-diagonal over the parts
+    b: torch.Tensor            # [out, R], scaled, block-diagonal over the parts ([R, out] once `transposed`)
+    spans: torch.Tensor | None = None   # [R, 2] int64 (once `transposed`): each rank's part's output rows
+
+    def transposed(self) -> "SlotWeights":
+        """B as the CPU kernel reads it ([R, out], contiguous) with each rank's output span: what a device slot
+        holds."""
+        bt = self.b.t().contiguous()
+        nonzero = bt != 0
+        first = torch.where(nonzero.any(1), nonzero.int().argmax(1), 0)
+        last = torch.where(nonzero.any(1), bt.shape[1] - nonzero.flip(1).int().argmax(1), 0)
+        return SlotWeights(self.a.contiguous(), bt, torch.stack([first, last], 1).to(torch.int64).cpu())
 
 
 @dataclass
 class LoRAWeights:
-    """The adapters in device slots, per projection module (the runner is their only writer)."""
+    """The adapters in device slots, per projection module (the runner is their only writer): A, and B
+    transposed (`SlotWeights.transposed`)."""
 
     num_slots: int
     by_module: dict[nn.Module, dict[int, SlotWeights]] = field(default_factory=dict)
@@ -110,10 +121,31 @@ class LoRABatch:
         slots = self.weights.by_module.get(module)
         if not slots:
             return y
-        for slot, idx in self.rows.items():
-            w = slots.get(slot)
-            if w is None:
-                continue
-            d = linear(linear(x.index_select(0, idx), w.a), w.b)
-            y = y.index_add(0, idx, d.to(y.dtype))
-        return y
+        held = [(idx, slots[slot]) for slot, idx in self.rows.items() if slot in slots]
+        if not held:
+            return y
+        rows, a, bt = [i for i, _ in held], [w.a for _, w in held], [w.b for _, w in held]
+        if x.device.type == "cpu" and x.dim() == 2:   # one op call for every adapter of the batch (cpu_kernels.py)
+            return torch.ops.gemmaserve.lora_add(y, x, rows, a, bt, [w.spans for _, w in held])
+        return _lora_add(y, x, rows, a, bt)
+
+
+def _lora_add(y: torch.Tensor, x: torch.Tensor, rows: list[torch.Tensor], a: list[torch.Tensor],
+              bt: list[torch.Tensor]) -> torch.Tensor:
+    """y with rows[i] += (x[rows[i]] A_i^T) B_i^T, adapter by adapter (B_i^T given: `bt`; the products
+    row-invariant: layers.linear)."""
+    for idx, ai, bti in zip(rows, a, bt):
+        d = linear(linear(x.index_select(0, idx), ai), bti.t())
+        y = y.index_add(0, idx, d.to(y.dtype))
+    return y
+
+
+@torch.library.custom_op("gemmaserve::lora_add", mutates_args=())
+def _lora_add_op(y: torch.Tensor, x: torch.Tensor, rows: list[torch.Tensor], a: list[torch.Tensor],
+                 bt: list[torch.Tensor], spans: list[torch.Tensor]) -> torch.Tensor:
+    return _lora_add(y, x, rows, a, bt)   # (the spans only let the C++ kernel skip B's zero blocks)
+
+
+@_lora_add_op.register_fake
+def _(y, x, rows, a, bt, spans) -> torch.Tensor:
+    return torch.empty_like(y)
