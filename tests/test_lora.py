@@ -190,6 +190,35 @@ def test_two_tensor_parallel_ranks_shard_adapters_like_their_base_layers(served)
         two.engine.shutdown()
 
 
+def test_speculation_and_preemption_keep_adapter_tokens_and_counts(served):
+    """Prompt lookup verifying drafts under each request's adapter, and a pool small enough that requests with
+    adapters are preempted and recomputed: the same tokens as a roomy engine without drafts, and the same
+    prompt and cached-token counts (fresh engines on both sides)."""
+    from gemmaserve.config.engine import EngineConfig
+
+    root, _, _, llm = served
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    names = ["a", None, "b", "a"]
+    prompts = [p * 3 for p in PROMPTS]
+    base = dict(model=str(root / "base"), dtype="float32", page_size=4, cpu_compile="off", max_num_batched_tokens=16,
+                lora_modules={n: str(root / n) for n in ("a", "b")})
+
+    def run(engine_llm):
+        outs = engine_llm.generate(prompts, params, lora=names)
+        return [(o.prompt_token_ids, o.outputs[0].token_ids, o.num_cached_tokens) for o in outs]
+
+    want = run(LLM.from_config(EngineConfig(**base), llm))
+    spec = LLM.from_config(EngineConfig(**base, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 8}), llm)
+    assert run(spec) == want and spec.engine.scheduler.spec_stats.drafted > 0
+    kv = llm.engine.kv
+    longest = max(len(ids) for ids, _, _ in want) + params.max_tokens
+    tight = LLM.from_config(EngineConfig(**base, kv_cache_memory=int(1.3 * kv.peak_pages(longest, 16)) * kv.page_bytes),
+                            llm)
+    assert run(tight) == want and tight.engine.scheduler.num_preemptions > 0
+    tight.engine.kv.check_integrity()
+
+
 def test_adapters_added_and_removed_at_run_time(served):
     _, _, _, llm = served
     root = served[0]

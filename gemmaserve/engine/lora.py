@@ -139,6 +139,10 @@ class LoRARegistry:
     def names(self) -> list[str]:
         return sorted(self._refs)
 
+    def refs(self) -> list[LoRARef]:
+        """Every adapter, by name: a snapshot (the server reads it while the engine thread adds and removes)."""
+        return sorted(list(self._refs.values()), key=lambda r: r.name)
+
     def __contains__(self, name: str) -> bool:
         return name in self._refs
 

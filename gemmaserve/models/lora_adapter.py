@@ -95,7 +95,7 @@ def _pattern_value(patterns: dict, module: str, default):
 
 def _read_weights(path: Path, name: str) -> tuple[dict[str, torch.Tensor], str]:
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     file = path / WEIGHTS_FILE
     if not file.is_file():
@@ -103,8 +103,8 @@ def _read_weights(path: Path, name: str) -> tuple[dict[str, torch.Tensor], str]:
             if (path / "adapter_model.bin").is_file() else ""
         raise UserInputError(f"LoRA adapter {name!r}: {path} has no {WEIGHTS_FILE}{other}")
     try:
-        data = file.read_bytes()
-        tensors = load_file(file)
+        data = file.read_bytes()   # read once: its digest and its tensors
+        tensors = load(data)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise UserInputError(f"LoRA adapter {name!r}: {file} could not be read as safetensors: {exc}") from None
     return tensors, hashlib.blake2b(data, digest_size=16).hexdigest()

@@ -17,12 +17,9 @@ from .serving import Serving
 class LoRAServing(Serving):
     def lora_models(self, created: int) -> list[dict]:
         """The adapters as /v1/models lists them (after the base model)."""
-        out = []
-        for name in self.engine.loras.names():
-            ref = self.engine.loras.get(name)
-            out.append({"id": name, "object": "model", "created": created, "owned_by": "gemmaserve",
-                        "root": ref.path, "parent": self.model_name, "max_model_len": self.engine.max_model_len})
-        return out
+        return [{"id": ref.name, "object": "model", "created": created, "owned_by": "gemmaserve", "root": ref.path,
+                 "parent": self.model_name, "max_model_len": self.engine.max_model_len}
+                for ref in self.engine.loras.refs()]
 
     def _adapter_dir(self, given: str) -> str:
         root = self.config.lora_root
@@ -54,10 +51,11 @@ class LoRAServing(Serving):
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         req: UnloadLoRARequest = parse(UnloadLoRARequest, await self._json(request))
+        if req.lora_name not in self.engine.loras:
+            raise ApiError(404, f"no LoRA adapter named {req.lora_name!r} is loaded", param="lora_name",
+                           code="model_not_found")
         try:
             await self._engine_call(lambda eng: eng.remove_lora(req.lora_name))
-        except UserInputError as exc:
-            status = 404 if "is not loaded" in str(exc) or "no LoRA adapter" in str(exc) else 409
-            raise ApiError(status, str(exc), param="lora_name",
-                           code="model_not_found" if status == 404 else "lora_in_use") from None
+        except UserInputError as exc:   # in use by unfinished requests (or removed meanwhile)
+            raise ApiError(409, str(exc), param="lora_name", code="lora_in_use") from None
         return JSONResponse({"object": "lora_adapter", "id": req.lora_name, "status": "unloaded"})
