@@ -26,3 +26,16 @@ def release_freed_memory() -> bool:
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
+
+
+def available_host_memory() -> int | None:
+    """Bytes the system can give a new allocation without swapping (Linux's MemAvailable), or None where it
+    does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

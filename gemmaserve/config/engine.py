@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import UserInputError
+from ..hostmem import available_host_memory
 from ..models.embedded import DEFAULT_MODEL
 from .options import argparse_type, number, option, positive_int, refusing, size
 from .speculative import SpeculativeConfig
+from ..units import format_bytes
 
 if TYPE_CHECKING:   # torch is imported only when a dtype or device is resolved: `--help` stays fast
     import torch
@@ -78,6 +80,11 @@ class EngineConfig:
     kv_cache_memory: int | None = option(None, parse=size,
                                          help="hard cap on KV cache bytes, e.g. 64MiB or 2GiB "
                                               "(default: 4GiB on the CPU, --gpu-memory-utilization on CUDA)")
+    kv_offload_memory: int | None = option(
+        None, parse=size,
+        help="host memory for KV blocks the prefix cache evicts from the device, e.g. 8GiB: a later prompt with "
+             "the same prefix copies them back instead of recomputing them (pinned memory on CUDA); sliding "
+             "layers keep only the window tails a resumption reads. Default: none")
     gpu_memory_utilization: float = option(0.9, parse=number,
                                            help="fraction of GPU memory the engine may use (weights + KV)")
     kv_cache_manager: str = option("auto", choices=KV_MANAGERS,
@@ -162,6 +169,15 @@ class EngineConfig:
             raise UserInputError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
             raise UserInputError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if self.kv_offload_memory is not None:
+            if not isinstance(self.kv_offload_memory, int) or isinstance(self.kv_offload_memory, bool) \
+                    or self.kv_offload_memory < 1:
+                raise UserInputError(
+                    f"kv_offload_memory must be a positive number of bytes, got {self.kv_offload_memory!r}")
+            free = available_host_memory()
+            if free is not None and self.kv_offload_memory > free:
+                raise UserInputError(f"--kv-offload-memory {format_bytes(self.kv_offload_memory)} exceeds the host's "
+                                     f"available memory ({format_bytes(free)})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise UserInputError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_manager not in KV_MANAGERS:
@@ -195,6 +211,9 @@ class EngineConfig:
         if tp > 1 and self.batch_invariant:
             raise UserInputError("batch_invariant is not supported with tensor_parallel_size > 1 (the all-reduce "
                                  "picks its algorithm, hence its summation order, by message size: by the batch)")
+        if self.kv_offload_memory is not None and self.kv_transfer is not None and self.kv_transfer.disaggregated:
+            raise UserInputError("--kv-offload-memory is not supported with a prefill or decode role yet (the KV "
+                                 "handoff writes the device cache outside the step)")
         if tp > 1 and self.kv_transfer is not None and self.kv_transfer.disaggregated:
             raise UserInputError("a prefill or decode role with tensor_parallel_size > 1 is not supported yet (the "
                                  "KV handoff reads and writes one process's cache)")

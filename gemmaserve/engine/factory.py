@@ -185,7 +185,8 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     kv = create_kv_manager(cache_options.kv_cache_manager, specs, config.page_size, config.kv_budget_bytes(device),
                            enable_prefix_caching=cache_options.enable_prefix_caching,
                            enable_scratch=cache_options.swa_scratch_reuse, sliding_share=config.kv_pool_split,
-                           lookback=0 if drafter is None else drafter.lookback)
+                           lookback=0 if drafter is None else drafter.lookback,
+                           offload_bytes=config.kv_offload_memory or 0)
     use_graphs = device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs
     layouts = {m: layout.with_texts(tokenizer.special_text) for m, layout in model.media_layouts().items()} \
         if hasattr(model, "media_layouts") else {}
@@ -210,7 +211,8 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                                     speculative_batch=spec.disable_by_batch_size if spec else 0,
                                     max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                                     max_cpu_loras=config.max_cpu_loras or max(config.max_loras,
-                                                                              len(config.lora_modules or {})))
+                                                                              len(config.lora_modules or {})),
+                                    host_kv_pages=kv.tier.num_pages if kv.tier is not None else 0)
     async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
     info = EngineInfo(
         model=config.model, device=str(device), dtype=str(dtype).removeprefix("torch."),

@@ -38,6 +38,7 @@ from .block_tables import BlockTables
 from ..device import to_device
 from .drafters import Drafter
 from .encoder_cache import EncoderCache
+from .host_kv_store import HostKVStore
 from .lora import RunnerLoRA
 from .media import MediaItem
 from .sampler import Sampled, SamplingState, sample
@@ -61,14 +62,15 @@ class ModelRunner:
                  encoder_cache_bytes: int = 256 * 2**20, suppress_token_ids: list[int] | None = None,
                  grammars: Grammars | None = None, cpu_compile: str = "off", drafter: "Drafter | None" = None,
                  speculative_tokens: int = 0, speculative_batch: int = 0, max_loras: int = 0,
-                 max_lora_rank: int = 64, max_cpu_loras: int = 1):
+                 max_lora_rank: int = 64, max_cpu_loras: int = 1, host_kv_pages: int = 0):
         """`suppress_token_ids`: never sampled (their logits become -inf before the sampler).
         `grammars`: matchers for requests with structured output. `cpu_compile`: decode steps through
         torch.compile (compiled_decode.py), compiled here: "required" raises if that fails, "try" warns
         and stays eager, "off" never compiles. `drafter`: drafts for speculative steps (drafters.py);
         `speculative_tokens`: drafts a step may verify for each of up to `speculative_batch` sequences (CUDA
         graphs replay such steps as decode rows: that many more rows, and keys per sliding table).
-        `max_loras`: device slots for LoRA adapters, filled as plans say (`max_cpu_loras` kept read on the host)."""
+        `max_loras`: device slots for LoRA adapters, filled as plans say (`max_cpu_loras` kept read on the host).
+        `host_kv_pages`: pages of a host-memory KV tier that plans copy to and from (host_kv_store.py)."""
         self.model = model
         self.drafter = drafter
         self.backend = backend
@@ -77,6 +79,7 @@ class ModelRunner:
         # One page more than the manager hands out: the null page that CUDA-graph padding rows use.
         self.kv_cache = backend.allocate_kv_cache(specs, dataclasses.replace(layout, num_pages=layout.num_pages + 1),
                                                   device)
+        self.host_kv = HostKVStore(self.kv_cache, layout.page_bytes, host_kv_pages) if host_kv_pages else None
         self.tables = BlockTables(groups, max(1, max_batch), max_model_len or 1,
                                   layout.num_pages + 1 if layout.identity_slots else None, device)
         self.suppressed = to_device(suppress_token_ids, torch.long, device) if suppress_token_ids else None
@@ -130,6 +133,8 @@ class ModelRunner:
         if plan.step == self._applied_step:
             return
         self._applied_step = plan.step
+        if plan.kv_transfers:   # first: a save reads device pages this step's forward may overwrite
+            self.host_kv.execute(plan.kv_transfers)
         for load in plan.lora_loads:
             self.lora.load(load)
         for req_id in plan.released + plan.finished:

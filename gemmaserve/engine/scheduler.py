@@ -259,6 +259,7 @@ class Scheduler:
                 req.num_pending_samples += 1
             req.num_computed_tokens = end
             self._uncommitted.append((req, end))
+        plan.kv_transfers = self.kv.take_transfers() or plan.kv_transfers
         for g, cursor in enumerate(self._slot_cursors):
             rows, self._slot_cursors[g] = self.kv.slot_changes(g, cursor)
             if rows is None or rows:   # None: the log moved on without us; resend every live row

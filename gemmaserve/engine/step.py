@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..kv.connector import KVTransfers
 from .media import MediaItem
 from .request import TokenLogprob
 from .sampling_params import SamplingParams
@@ -99,6 +100,8 @@ class StepPlan:
     released: list[str] = field(default_factory=list)   # preempted since the last plan: tables gone
     finished: list[str] = field(default_factory=list)   # finished or aborted: tables and sampling state gone
     lora_loads: list[LoRALoad] = field(default_factory=list)   # adapters to copy into slots first
+    # Copies between the device cache and an outside store (a host tier), before the forward, in order.
+    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
 
     @property
     def num_tokens(self) -> int:
@@ -119,7 +122,8 @@ class StepPlan:
         news = [NewRequest(**{**n, "params": SamplingParams(**n["params"]),
                               "media": [MediaItem(**i) for i in n.get("media", [])]}) for n in d["new_requests"]]
         return cls(d["step"], seqs, news, [SlotUpdate(**u) for u in d["slot_updates"]], list(d["released"]),
-                   list(d["finished"]), [LoRALoad(**x) for x in d.get("lora_loads", [])])
+                   list(d["finished"]), [LoRALoad(**x) for x in d.get("lora_loads", [])],
+                   KVTransfers.from_dict(d.get("kv_transfers")))
 
 
 @dataclass

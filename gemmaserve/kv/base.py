@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from ..device import to_device
+from .connector import KVTransfers
 from .groups import KVGroup
+from .host_tier import HostTier
 from .spec import LayerSpec
 
 
@@ -91,6 +93,7 @@ class KVStats:
 
 class KVCacheManager(ABC):
     name: str
+    tier: HostTier | None = None    # a host-memory tier behind the prefix cache (V2 only)
 
     def __init__(self, specs: list[LayerSpec], page_size: int):
         if page_size < 1:
@@ -178,6 +181,11 @@ class KVCacheManager(ABC):
 
     def commit(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         """After a forward pass computed tokens up to `num_computed`."""
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The copies between the device cache and an outside store decided since the last call, for the
+        step being planned (connector.py); None when there is no store."""
+        return None
 
     @abstractmethod
     def free(self, seq_id: str) -> None: ...

@@ -25,6 +25,12 @@ Prefix reuse: full blocks are registered under a hash chain of their tokens. A c
 tokens needs every block of full groups below m, and for sliding groups only the blocks the query
 at m reads (the window tail). Scratch blocks have no pages to keep, but the window at every chunk
 end and at the end of the prompt is real, so a repeated or extended prompt hits there.
+
+Host tier (host_tier.py, optional): a block the prefix cache evicts is copied to host memory first if a
+resumption would read it: every block of a full group; of a sliding group, only blocks in the window tail
+of a prefill chunk's end or a sequence's end (`Slot.tail`), the points where a later request resumes;
+KV-shared layers own no pages, so nothing of theirs. A lookup counts a block found in either place; an
+allocation gives a stored block fresh pages and asks the runner to copy it back before the forward.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from dataclasses import dataclass, field
 
 from .base import GroupStats, KVCacheManager, KVLayout, KVStats
 from .block_hash import chain_root, extend_chain, root_of
+from .connector import KVTransfers
 from .groups import KVGroup, derive_groups
+from .host_tier import HostBlock, HostTier
 from .page_pool import PagePool
 from .policy import NEVER, GroupPolicy, policy_for
 from .prefix_cache import PrefixCache
@@ -81,9 +89,10 @@ class KVCacheManagerV2(KVCacheManager):
 
     def __init__(self, specs: list[LayerSpec], page_size: int, num_pages: int, *,
                  enable_prefix_caching: bool = True, enable_scratch: bool = False, salt: bytes | str = b"",
-                 lookback: int = 0):
+                 lookback: int = 0, offload_pages: int = 0):
         """`lookback`: tokens behind the newest position whose keys sliding groups keep beyond their
-        window (policy.py: consumers that query behind the writer)."""
+        window (policy.py: consumers that query behind the writer). `offload_pages`: pages of a host tier
+        that keeps what the prefix cache evicts (0: none)."""
         super().__init__(specs, page_size)
         geo = derive_groups(specs, page_size)
         self._groups = geo.groups
@@ -103,6 +112,9 @@ class KVCacheManagerV2(KVCacheManager):
         self._query_tokens = 0
         self._hit_tokens = 0
         self._peak_memo: dict[tuple[int, int, tuple[int, ...]], int] = {}
+        if offload_pages and not enable_prefix_caching:
+            raise ValueError("a host KV tier keeps what the prefix cache evicts: it needs prefix caching")
+        self.tier = HostTier(offload_pages, geo.page_bytes) if offload_pages else None
 
     # -- geometry -----------------------------------------------------------------------------
     @property
@@ -175,6 +187,13 @@ class KVCacheManagerV2(KVCacheManager):
     def _cached(self, chain: list[bytes], g: KVGroup, block: int) -> Slot | None:
         return self.cache.get(g.index, self._block_key(chain, g, block))
 
+    def _found(self, chain: list[bytes], g: KVGroup, block: int) -> Slot | HostBlock | None:
+        """The block's cached slot on the device, else its copy in the host tier, else None."""
+        slot = self._cached(chain, g, block)
+        if slot is None and self.tier is not None:
+            return self.tier.get(g.index, self._block_key(chain, g, block))
+        return slot
+
     def lookup(self, seq_id: str, token_ids: list[int], chain: list[bytes] | None = None) -> int:
         if not self.enable_prefix_caching or seq_id in self._seqs or len(token_ids) < 2:
             return 0
@@ -198,13 +217,13 @@ class KVCacheManagerV2(KVCacheManager):
         while hit > 0:
             blocks = policy.hit_blocks(hit)
             if not policy.drops_blocks:   # every block from 0: the first missing one bounds the hit
-                missing = next((b for b in blocks if self._cached(chain, g, b) is None), None)
+                missing = next((b for b in blocks if self._found(chain, g, b) is None), None)
                 if missing is None:
                     return hit
                 return missing * g.tokens_per_page // self._hit_step * self._hit_step
             # A window tail: no hit point whose window still covers the last missing block can work,
             # so jump below it and look again.
-            missing = next((b for b in reversed(blocks) if self._cached(chain, g, b) is None), None)
+            missing = next((b for b in reversed(blocks) if self._found(chain, g, b) is None), None)
             if missing is None:
                 return hit
             hit = missing * g.tokens_per_page // self._hit_step * self._hit_step
@@ -224,14 +243,14 @@ class KVCacheManagerV2(KVCacheManager):
         scratch_ok = self.enable_scratch and prefill and end - start > 1
         keep = (end - 1) // self._hit_step * self._hit_step
         # Per group: the blocks reused from the cache (new sequences only), then fresh blocks.
-        plan: list[tuple[int, list[Slot], list[bool]]] = []    # (first block, hits, fresh-is-scratch)
-        need: list[int] = []   # fresh pages per group
+        plan: list[tuple[int, list[Slot | HostBlock], list[bool]]] = []    # (first block, hits, fresh-is-scratch)
+        need: list[int] = []   # fresh pages per group (blocks copied back from the host tier included)
         reviving = 0
         for g, policy in zip(self._groups, self.policies):
             if new_seq:
                 blocks = policy.hit_blocks(start)
                 first = blocks.start
-                hits = [self._cached(chain, g, b) for b in blocks]
+                hits = [self._found(chain, g, b) for b in blocks]
                 if any(s is None for s in hits):
                     raise ValueError(f"sequence {seq_id}: {start} tokens are not cached (call lookup first)")
                 next_block = start // g.tokens_per_page
@@ -243,20 +262,26 @@ class KVCacheManagerV2(KVCacheManager):
             # (the last prompt token is always recomputed, so a repeated prompt hits just before it).
             stale_at_end = policy.scratch_below(keep) if scratch_ok else 0
             fresh = [b < stale_at_end for b in range(next_block, g.num_blocks(end))]
-            need.append(sum(1 if scratch else g.num_layers for scratch in fresh))
-            reviving += sum(len(s.pages) for s in hits if self.cache.is_parked(s))
+            need.append(sum(1 if scratch else g.num_layers for scratch in fresh)
+                        + sum(g.num_layers for s in hits if isinstance(s, HostBlock)))
+            reviving += sum(len(s.pages) for s in hits if isinstance(s, Slot) and self.cache.is_parked(s))
             plan.append((first, hits, fresh))
         if not self._has_room(need, reviving):
             return False
         for _, hits, _ in plan:
-            for slot in hits:
-                self._take(slot)
+            for hit in hits:
+                if isinstance(hit, Slot):
+                    self._take(hit)
+                else:
+                    self.tier.pin(hit)   # no save made room by evicting it before its load below
         while self.pool.num_free < sum(need):
-            self._destroy(self.cache.evict_oldest())
+            self._evict_one()
         if new_seq:
-            seq = _Seq([_BlockTable(first, list(hits), [h.row for h in hits], start // g.tokens_per_page)
-                        for g, (first, hits, _) in zip(self._groups, plan)], start, chain)
-            seq.pages = sum(len(s.pages) for _, hits, _ in plan for s in hits)
+            slots = [[self._restore(hit, chain, g, b) for b, hit in enumerate(hits, first)]
+                     for g, (first, hits, _) in zip(self._groups, plan)]
+            seq = _Seq([_BlockTable(first, held, [h.row for h in held], start // g.tokens_per_page)
+                        for g, (first, _, _), held in zip(self._groups, plan, slots)], start, chain)
+            seq.pages = sum(len(s.pages) for held in slots for s in held)
             self._seqs[seq_id] = seq
         for g, (_, _, fresh) in zip(self._groups, plan):
             for scratch in fresh:
@@ -267,7 +292,44 @@ class KVCacheManagerV2(KVCacheManager):
                 if scratch:
                     seq.next_event = 0   # the next commit must free it
         seq.room = min(t.end * g.tokens_per_page for g, t in zip(self._groups, seq.tables))
+        if prefill and end - start > 1 and self.tier is not None:
+            self._mark_tail(seq, keep)
         return True
+
+    def _restore(self, hit: Slot | HostBlock, chain: list[bytes], g: KVGroup, block: int) -> Slot:
+        """A hit's slot: a device one as it is (already taken), or fresh pages the runner fills from the host
+        tier before the forward, cached under the block's key at once (its content is known)."""
+        if isinstance(hit, Slot):
+            return hit
+        slot = self.rows[g.index].add(g.index, self.pool.allocate(g.num_layers), False)
+        slot.ref = 1
+        slot.tail = self.policies[g.index].drops_blocks
+        self.tier.load(hit, slot.pages)
+        self.cache.register(slot, self._block_key(chain, g, block))
+        return slot
+
+    def _mark_tail(self, seq: _Seq, hit: int) -> None:
+        """Flag the sliding blocks a request resuming at `hit` reads, held or parked, as worth a host copy."""
+        for g, policy, table in zip(self._groups, self.policies, seq.tables):
+            if not policy.drops_blocks or hit <= 0:
+                continue
+            for b in policy.hit_blocks(hit):
+                if table.first <= b < table.end:
+                    table.slots[b - table.first].tail = True
+                elif (b + 1) * g.tokens_per_page // self._granularity <= len(seq.chain):
+                    slot = self._cached(seq.chain, g, b)
+                    if slot is not None:
+                        slot.tail = True
+
+    def _evict_one(self) -> None:
+        """Give the least recently used cached slot's pages back, keeping a host copy where one is worth it."""
+        slot, key = self.cache.evict_oldest()
+        if self.tier is not None and (slot.tail or not self.policies[slot.group].drops_blocks):
+            self.tier.save(slot.group, key, slot.pages)
+        self._destroy(slot)
+
+    def take_transfers(self) -> KVTransfers | None:
+        return self.tier.take() if self.tier is not None else None
 
     def allocate_computed(self, seq_id, token_ids, num_computed) -> bool:
         if seq_id in self._seqs:
@@ -277,7 +339,7 @@ class KVCacheManagerV2(KVCacheManager):
         if not self._has_room(need, 0):
             return False
         while self.pool.num_free < sum(need):
-            self._destroy(self.cache.evict_oldest())
+            self._evict_one()
         # registered = end: the received blocks never enter the prefix cache.
         seq = _Seq([_BlockTable(span.start, registered=span.stop) for span in spans], num_computed)
         for g, span in zip(self._groups, spans):
@@ -302,7 +364,9 @@ class KVCacheManagerV2(KVCacheManager):
 
     def reset_prefix_cache(self) -> None:
         while self.cache.evictable_pages:
-            self._destroy(self.cache.evict_oldest())
+            self._destroy(self.cache.evict_oldest()[0])
+        if self.tier is not None:
+            self.tier.clear()
         self._query_tokens = self._hit_tokens = 0
 
     def _take(self, slot: Slot) -> None:
@@ -363,6 +427,8 @@ class KVCacheManagerV2(KVCacheManager):
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
+        if self.tier is not None:   # a later turn resumes at the end of this one
+            self._mark_tail(seq, seq.num_computed // self._hit_step * self._hit_step)
         for table in seq.tables:
             for slot in reversed(table.slots):   # the tail is parked first, so it is evicted first
                 self._release(slot)
@@ -463,6 +529,8 @@ class KVCacheManagerV2(KVCacheManager):
         for slot in self.cache.registered():
             assert self.cache.get(slot.group, slot.key) is slot, "cache key map inconsistent"
         assert self.cache.evictable_pages == sum(len(s.pages) for s in self.cache.parked())
+        if self.tier is not None:
+            self.tier.check_integrity()
         assert len(page_owner) + self.pool.num_free == self.num_pages, (
             f"{len(page_owner)} pages in slots + {self.pool.num_free} free != {self.num_pages}")
 

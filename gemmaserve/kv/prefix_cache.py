@@ -46,12 +46,14 @@ class PrefixCache:
     def is_parked(self, slot: Slot) -> bool:
         return id(slot) in self._lru
 
-    def evict_oldest(self) -> Slot:
+    def evict_oldest(self) -> tuple[Slot, bytes]:
+        """The least recently used parked slot, no longer findable, and the key it had."""
         _, slot = self._lru.popitem(last=False)
         self.evictable_pages -= len(slot.pages)
-        del self._by_key[(slot.group, slot.key)]
+        key = slot.key
+        del self._by_key[(slot.group, key)]
         slot.key = None
-        return slot
+        return slot, key
 
     def parked(self) -> list[Slot]:
         return list(self._lru.values())

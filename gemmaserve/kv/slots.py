@@ -21,6 +21,9 @@ class Slot:
     scratch: bool = False
     ref: int = 0                 # block tables that hold it
     key: bytes | None = None     # content address once registered in the prefix cache
+    # A sliding group's block in the window tail of a point where a later request may resume (a prefill
+    # chunk's end, a sequence's end): worth keeping in a host tier when evicted (manager_v2.py).
+    tail: bool = False
 
 
 class SlotRows:

@@ -1,0 +1,177 @@
+"""The host-memory KV tier (`--kv-offload-memory`): what the device's prefix cache evicts is kept in host memory
+and copied back on a hit, through the step description (kv/connector.py), with the same greedy output as
+recomputing it.
+
+The manager tests check what is kept (every block of full groups, only window tails of sliding groups, nothing of
+KV-shared layers) and the copies each step carries. The engine tests run interleaved sessions whose prefixes do
+not all fit the device pool, on tiny random Gemma 3 and Gemma 4 (KV-shared) checkpoints: tokens equal with the
+tier on and off, more prompt tokens served from cache with it, and the KV manager's integrity after every step.
+"""
+
+import pytest
+import torch
+
+from gemmaserve import LLM, SamplingParams
+from gemmaserve.config.engine import EngineConfig
+from gemmaserve.errors import UserInputError
+from gemmaserve.kv.connector import BlockCopy, Direction, KVTransfers
+from gemmaserve.kv.manager_v2 import KVCacheManagerV2
+from gemmaserve.kv.spec import AttentionKind, LayerSpec
+
+from helpers import fresh_seed, save_checkpoint, tiny_gemma4_hf, tiny_hf_model
+
+FULL = LayerSpec(AttentionKind.FULL, 1, 8, torch.float32)
+SLIDING = LayerSpec(AttentionKind.SLIDING, 1, 8, torch.float32, window=8)
+
+
+def _run(kv, sid, tokens, start, end, chunk):
+    """Prefill tokens [start, end) of `sid` in chunks as the scheduler would, committing each."""
+    pos = start
+    while pos < end:
+        step = min(chunk, end - pos)
+        assert kv.allocate(sid, tokens, pos, pos + step, prefill=True)
+        pos += step
+        kv.commit(sid, tokens, pos)
+        kv.check_integrity()
+
+
+def _manager(num_pages=60, offload_pages=200, **kw):
+    # Layers 0-2 sliding (W = 8), 3 full, 4 shares layer 3's KV (owns none); 4 tokens a page.
+    specs = [SLIDING, SLIDING, SLIDING, FULL, LayerSpec(AttentionKind.FULL, 1, 8, torch.float32, kv_source=3)]
+    return KVCacheManagerV2(specs, 4, num_pages, enable_prefix_caching=True, offload_pages=offload_pages, **kw)
+
+
+def test_tier_keeps_full_blocks_and_window_tails_only():
+    kv = _manager()
+    a = list(range(100, 141))   # 41 tokens: 10 full blocks
+    assert kv.lookup("a", a) == 0
+    _run(kv, "a", a, 0, 41, chunk=41)
+    kv.free("a")
+    kv.take_transfers()
+    # Other prompts take the whole pool: every cached block of "a" is evicted.
+    others = 0
+    while kv.allocate(f"b{others}", [9, 9, 9, 9], 0, 4, prefill=True):
+        others += 1
+    assert kv.stats().pages_cached == 0
+    saves = [c for c in kv.take_transfers().copies if c.direction is Direction.SAVE]
+    groups = {g.index: g for g in kv.groups}
+    full = next(g for g in groups.values() if not g.sliding)
+    sliding = next(g for g in groups.values() if g.sliding)
+    saved = {g: sum(c.group == g for c in saves) for g in groups}
+    assert saved[full.index] == 10                       # every block of the full group
+    # The sliding group: only the tail a resumption at 40 reads (tokens 33..40: blocks 8 and 9), never the rest.
+    assert saved[sliding.index] == len(kv.policies[sliding.index].hit_blocks(40)) == 2
+    assert all(len(c.device_pages) == len(c.store_pages) == groups[c.group].num_layers for c in saves)
+    assert full.num_layers == 1   # the KV-shared layer owns no pages: nothing of it is stored
+    for i in range(others):
+        kv.free(f"b{i}")
+    kv.check_integrity()
+
+    # "a" again, extended: the hit comes from the host tier, and the allocation asks for the copies back.
+    a2 = a + [7, 8, 9, 10]
+    assert kv.lookup("a2", a2) == 40
+    assert kv.allocate("a2", a2, 40, 45, prefill=True)
+    loads = [c for c in kv.take_transfers().copies if c.direction is Direction.LOAD]
+    assert sum(c.group == full.index for c in loads) == 10 and sum(c.group == sliding.index for c in loads) == 2
+    kv.commit("a2", a2, 45)
+    kv.check_integrity()
+    st = kv.tier.stats()
+    assert st.loaded_blocks == 12 and st.saved_blocks == 12 and st.bytes_used == st.pages_used * kv.page_bytes
+
+
+def test_tier_without_room_keeps_the_newest_and_never_fails():
+    kv = _manager(offload_pages=4)   # room for 4 full blocks (1 page) or one sliding block (3 pages) at a time
+    for i in range(6):
+        toks = [1000 * (i + 1) + j for j in range(41)]
+        _run(kv, f"s{i}", toks, 0, 41, chunk=16)
+        kv.free(f"s{i}")
+        kv.take_transfers()
+        kv.check_integrity()
+    st = kv.tier.stats()
+    assert st.pages_used <= 4 and st.evicted_blocks > 0
+
+
+def test_copy_runs_keep_order_and_never_write_a_page_twice():
+    t = KVTransfers([BlockCopy(Direction.SAVE, 0, [7, 8], [0, 1]), BlockCopy(Direction.SAVE, 1, [9], [2]),
+                     BlockCopy(Direction.LOAD, 0, [7, 8], [4, 5]), BlockCopy(Direction.LOAD, 0, [8], [6]),
+                     BlockCopy(Direction.SAVE, 0, [3], [0])])
+    assert t.runs() == [(Direction.SAVE, [7, 8, 9], [0, 1, 2]), (Direction.LOAD, [7, 8], [4, 5]),
+                        (Direction.LOAD, [8], [6]), (Direction.SAVE, [3], [0])]
+    assert KVTransfers.from_dict({"copies": [vars(c) for c in t.copies]}).runs() == t.runs()
+
+
+def _sessions(turns: int, sessions: int, prefix: int, vocab: int, seed: int) -> list[list[list[int]]]:
+    """Per session, its prompts turn by turn: a long random prefix, then each turn appends a few tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(sessions):
+        ids = torch.randint(3, vocab, (prefix,), generator=gen).tolist()
+        prompts = []
+        for _ in range(turns):
+            ids = ids + torch.randint(3, vocab, (5,), generator=gen).tolist()
+            prompts.append(list(ids))
+        out.append(prompts)
+    return out
+
+
+def _interleaved(llm: LLM, sessions, max_tokens: int, check_every_step: bool = False) -> tuple[list[list[int]], int]:
+    """Turn t of every session, then turn t + 1 of every session (each continuing from its own answer);
+    returns the tokens of every answer and the prompt tokens served from cache."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    history = [[] for _ in sessions]
+    answers, cached = [], 0
+    for t in range(len(sessions[0])):
+        for s, prompts in enumerate(sessions):
+            prompt = prompts[t] if t == 0 else history[s] + prompts[t][len(prompts[t - 1]):]
+            engine = llm.engine
+            rid = engine.add_request("", params, prompt_ids=prompt)
+            out = None
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    out = o if o.request_id == rid and o.finished else out
+                if check_every_step:
+                    engine.kv.check_integrity()
+            engine.kv.check_integrity()
+            history[s] = prompt + list(out.outputs[0].token_ids)
+            answers.append(list(out.outputs[0].token_ids))
+            cached += out.num_cached_tokens
+    return answers, cached
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4-e2b"])
+def test_interleaved_sessions_same_tokens_with_the_tier(tmp_path, family):
+    seed = fresh_seed()
+    hf = tiny_hf_model(seed, sliding_window=6) if family == "gemma3" else tiny_gemma4_hf(seed, "e2b")
+    path = str(save_checkpoint(hf, tmp_path / family))
+    base = LLM(model=path, kv_cache_manager="v2", page_size=4)
+    sessions = _sessions(turns=3, sessions=3, prefix=120, vocab=hf.config.vocab_size, seed=seed)
+    # A pool that holds about one session: the others' prefixes are evicted between their turns.
+    per_token = base.engine.kv.pages_at(200) * base.engine.kv.page_bytes // 200
+    opts = dict(model=path, kv_cache_manager="v2", page_size=4, kv_cache_memory=per_token * 260,
+                max_num_batched_tokens=64)
+    plain, plain_cached = _interleaved(LLM.from_config(EngineConfig(**opts), base), sessions, 6)
+    # Gemma 4 plans ahead (asynchronous scheduling): copies must still run in plan order (a step in flight
+    # holds scratch slots, so integrity is checked when idle there).
+    tiered_llm = LLM.from_config(EngineConfig(**opts, kv_offload_memory=4 << 20,
+                                              async_scheduling="on" if family != "gemma3" else "off"), base)
+    tiered, tiered_cached = _interleaved(tiered_llm, sessions, 6, check_every_step=family == "gemma3")
+    assert tiered == plain
+    st = tiered_llm.engine.kv.tier.stats()
+    assert st.loaded_blocks > 0 and st.saved_blocks > 0
+    assert tiered_cached > plain_cached + 2 * 100, (tiered_cached, plain_cached)
+    off = LLM.from_config(EngineConfig(**opts, enable_prefix_caching=False), base)
+    assert _interleaved(off, sessions, 6)[0] == plain
+
+
+def test_bad_offload_sizes_are_clear_errors(tmp_path):
+    with pytest.raises(UserInputError, match="exceeds the host's available memory"):
+        EngineConfig(kv_offload_memory=1 << 60)
+    with pytest.raises(UserInputError, match="invalid size"):
+        EngineConfig.from_cli(["--kv-offload-memory", "lots"]) if hasattr(EngineConfig, "from_cli") else \
+            __import__("gemmaserve.units", fromlist=["parse_size"]).parse_size("lots")
+    path = str(save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "tiny"))
+    base = LLM(model=path, page_size=4)
+    with pytest.raises(UserInputError, match="needs KV cache manager v2 with prefix caching"):
+        LLM.from_config(EngineConfig(model=path, kv_offload_memory=1 << 20, enable_prefix_caching=False), base)
+    with pytest.raises(UserInputError, match="cannot hold one block"):
+        LLM.from_config(EngineConfig(model=path, kv_offload_memory=16, page_size=4), base)
