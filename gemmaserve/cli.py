@@ -41,6 +41,7 @@ BENCHMARKS = {
     "spec-drafters": ("draft_model and MTP drafting steps against plain ones on tiny random checkpoints", False),
     "preprocess": ("host time to prepare an image or 30 s of audio, against transformers' processors", False),
     "lora": ("a batch's tokens/s with 1-16 LoRA adapters of rank 8 and 64, against the base alone", True),
+    "sessions": ("multi-turn sessions returning after eviction: host KV tier against recomputation", True),
 }
 
 

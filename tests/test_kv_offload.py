@@ -159,6 +159,17 @@ def test_interleaved_sessions_same_tokens_with_the_tier(tmp_path, family):
     st = tiered_llm.engine.kv.tier.stats()
     assert st.loaded_blocks > 0 and st.saved_blocks > 0
     assert tiered_cached > plain_cached + 2 * 100, (tiered_cached, plain_cached)
+    if family == "gemma3":   # what /metrics reads: the tier's counters, as the engine thread snapshots them
+        from types import SimpleNamespace
+
+        from gemmaserve.server.async_engine import AsyncEngine
+        from gemmaserve.server.metrics import ServerMetrics
+
+        snap = AsyncEngine.snapshot(SimpleNamespace(_integrity_ok=True), tiered_llm.engine)
+        text = ServerMetrics().render(snap).decode()
+        assert f"gemmaserve_kv_offload_loaded_blocks_total {float(st.loaded_blocks)}" in text
+        assert f"gemmaserve_kv_offload_bytes {float(st.bytes_used)}" in text
+        assert tiered_llm.engine.info.kv_offload_bytes == st.num_pages * st.page_bytes > 0
     off = LLM.from_config(EngineConfig(**opts, enable_prefix_caching=False), base)
     assert _interleaved(off, sessions, 6)[0] == plain
 
@@ -175,3 +186,28 @@ def test_bad_offload_sizes_are_clear_errors(tmp_path):
         LLM.from_config(EngineConfig(model=path, kv_offload_memory=1 << 20, enable_prefix_caching=False), base)
     with pytest.raises(UserInputError, match="cannot hold one block"):
         LLM.from_config(EngineConfig(model=path, kv_offload_memory=16, page_size=4), base)
+
+
+def test_bench_sessions_runs_on_a_tiny_checkpoint(tmp_path, monkeypatch):
+    """`bench sessions` compares the tier with recomputation on the same prompts: the same tokens, returning
+    turns served from the tier, and the tier's bytes against a tier of every layer."""
+    import argparse
+    import json
+
+    from gemmaserve.bench import sessions as bench
+    from gemmaserve.config.options import add_options
+
+    path = save_checkpoint(tiny_hf_model(fresh_seed(), sliding_window=6), tmp_path / "tiny")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    add_options(ap, EngineConfig, "engine")
+    args = ap.parse_args(["--model", str(path), "--page-size", "4", "--cpu-compile", "off", "--sessions", "3",
+                          "--turns", "2", "--prefixes", "96", "--turn-tokens", "8", "--answer-tokens", "4"])
+    assert bench.run(args) == 0
+    rows = json.loads((tmp_path / "sessions.json").read_text())["rows"]
+    back, fresh = rows
+    assert back["returns"] and not fresh["returns"] and back["same_tokens"] and fresh["same_tokens"]
+    assert back["recompute"]["cached_tokens"] == 0 and back["tier"]["cached_tokens"] >= 2 * 3 * 96
+    assert back["tier"]["loaded_blocks"] > 0 and fresh["tier"]["loaded_blocks"] == 0
+    assert 0 < back["tier_bytes_vs_every_layer"] < 1   # a window of 6 tokens: sliding layers keep tails only

@@ -47,6 +47,9 @@ GEMMA4_CONFIGS = {
                               max_position_embeddings=262144),
     "gemma4-31b": _gemma4(60, 6, 5376, 32, 16, 4, 21504, 1024, attention_k_eq_v=True,
                           max_position_embeddings=262144),
+    # Not a real model: the E2B's structure (per-layer inputs, a KV-shared tail, window 512) at a CPU size.
+    "gemma4-tiny": _gemma4(10, 5, 512, 4, 1, 1, 2048, 512, hidden_size_per_layer_input=64, num_kv_shared_layers=4,
+                           vocab_size=32768),
 }
 
 

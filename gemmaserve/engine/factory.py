@@ -63,6 +63,7 @@ class EngineInfo:
     cpu_compile: str = "off"   # compiled CPU decode steps: off, unavailable, building, ready, failed (eager)
     batch_invariant: bool = False   # --batch-invariant (config/resolve.py: what it replaces)
     speculative: str = "off"        # --speculative-config: "ngram k=4 n=4..2"
+    kv_offload_bytes: int = 0       # --kv-offload-memory: the host KV tier's size (whole pages)
 
 
 def _weights_label(loaded: LoadedModel, dtype: torch.dtype) -> str:
@@ -223,7 +224,8 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         kv_pages=kv.num_pages, kv_page_size=kv.page_size, kv_bytes=kv.num_pages * kv.page_bytes,
         load_seconds=loaded.load_seconds, tensor_parallel_size=config.tensor_parallel_size,
         batch_invariant=invariance is not BatchInvariance.OFF,
-        speculative="off" if spec is None else spec.label)
+        speculative="off" if spec is None else spec.label,
+        kv_offload_bytes=kv.tier.num_pages * kv.tier.page_bytes if kv.tier is not None else 0)
     return EngineParts(
         config=config, device=device, dtype=dtype, executor=executor, loaded=loaded, max_model_len=max_model_len,
         specs=specs, backend=backend, cache_options=cache_options, kv=kv, grammars=grammars,

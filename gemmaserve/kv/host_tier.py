@@ -111,6 +111,13 @@ class HostTier:
             if k not in self._pinned:
                 self._free.extend(self._blocks.pop(k).pages)
 
+    def block_counts(self) -> dict[int, int]:
+        """Blocks held per layer group."""
+        out: dict[int, int] = {}
+        for group, _ in self._blocks:
+            out[group] = out.get(group, 0) + 1
+        return out
+
     def stats(self) -> HostTierStats:
         return HostTierStats(self.num_pages, self.page_bytes, self.num_pages - len(self._free), len(self._blocks),
                              self._saved, self._loaded, self._evicted, self._refused)

@@ -233,7 +233,8 @@ class AsyncEngine:
         return EngineSnapshot(len(sched.waiting), len(sched.running), st.num_pages, st.pages_used, st.pages_free,
                               st.pages_cached, st.scratch_pages, sched.num_preemptions, st.prefix_query_tokens,
                               st.prefix_hit_tokens, self._integrity_ok, spec.steps, spec.drafted, spec.accepted,
-                              tuple(spec.accepted_at), tuple(spec.drafted_at))
+                              tuple(spec.accepted_at), tuple(spec.drafted_at),
+                              engine.kv.tier.stats() if engine.kv.tier is not None else None)
 
     # -- the engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:

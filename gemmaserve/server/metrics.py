@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..kv.host_tier import HostTierStats
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                     2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -34,6 +36,7 @@ class EngineSnapshot:
     spec_accepted_tokens: int = 0
     spec_accepted_at: tuple[int, ...] = ()
     spec_drafted_at: tuple[int, ...] = ()
+    tier: "HostTierStats | None" = None              # the host KV tier (--kv-offload-memory), if any
 
 
 class _EngineCollector:
@@ -64,6 +67,19 @@ class _EngineCollector:
         rate = s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0
         yield GaugeMetricFamily("gemmaserve_prefix_cache_hit_rate", "Hit tokens / queried tokens since start",
                                 value=rate)
+        if s.tier is not None:
+            t = s.tier
+            yield GaugeMetricFamily("gemmaserve_kv_offload_bytes", "Host KV tier bytes holding blocks",
+                                    value=t.bytes_used)
+            yield GaugeMetricFamily("gemmaserve_kv_offload_capacity_bytes", "Host KV tier size",
+                                    value=t.num_pages * t.page_bytes)
+            yield CounterMetricFamily("gemmaserve_kv_offload_saved_blocks",
+                                      "Blocks copied to the host tier as the device evicted them", value=t.saved_blocks)
+            yield CounterMetricFamily("gemmaserve_kv_offload_loaded_blocks",
+                                      "Blocks copied back from the host tier instead of recomputed",
+                                      value=t.loaded_blocks)
+            yield CounterMetricFamily("gemmaserve_kv_offload_evicted_blocks",
+                                      "Blocks the host tier dropped to make room", value=t.evicted_blocks)
         yield GaugeMetricFamily("gemmaserve_kv_integrity_ok", "1 if the last idle KV integrity check passed",
                                 value=1.0 if s.integrity_ok else 0.0)
         yield CounterMetricFamily("gemmaserve_spec_decode_num_drafts", "Sequence steps that carried drafted tokens",
