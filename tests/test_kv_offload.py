@@ -174,6 +174,34 @@ def test_interleaved_sessions_same_tokens_with_the_tier(tmp_path, family):
     assert _interleaved(off, sessions, 6)[0] == plain
 
 
+def test_two_ranks_keep_their_own_shards_in_the_tier(tmp_path):
+    """Tensor parallelism: every rank copies its own KV heads' pages to and from its own store, as the plan
+    says, and the tokens are one process's (26B-A4B-like: sliding layers' KV heads split, so that group's pages
+    hold twice the tokens on two ranks and prefix hits land elsewhere: cached counts may differ)."""
+    seed = fresh_seed()
+    hf = tiny_gemma4_hf(seed, "26b_a4b")
+    path = str(save_checkpoint(hf, tmp_path / "moe"))
+    sessions = _sessions(turns=2, sessions=3, prefix=100, vocab=hf.config.vocab_size, seed=seed)
+    results, pages = [], []
+    for tp in (1, 2):
+        probe = LLM(model=path, dtype="float32", page_size=4, tensor_parallel_size=tp)
+        kv = probe.engine.kv
+        pool = kv.pages_at(130) * kv.page_bytes * 3 // 2   # about one and a half sessions
+        tier = kv.pages_at(130) * kv.page_bytes * 2       # the same pages on one rank or two: it evicts alike
+        probe.engine.shutdown()
+        llm = LLM.from_config(EngineConfig(model=path, dtype="float32", page_size=4, tensor_parallel_size=tp,
+                                           max_num_batched_tokens=32, kv_cache_memory=pool,
+                                           kv_offload_memory=tier))
+        try:
+            results.append(_interleaved(llm, sessions, 4))
+            assert llm.engine.kv.tier.stats().loaded_blocks > 0
+            pages.append((llm.engine.kv.num_pages, llm.engine.kv.tier.num_pages))
+        finally:
+            llm.engine.shutdown()
+    assert pages[0] == pages[1]   # the same pool and tier sizes in pages (the split group's pages hold more tokens)
+    assert results[0][0] == results[1][0]
+
+
 def test_bad_offload_sizes_are_clear_errors(tmp_path):
     with pytest.raises(UserInputError, match="exceeds the host's available memory"):
         EngineConfig(kv_offload_memory=1 << 60)

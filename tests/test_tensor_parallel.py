@@ -19,6 +19,7 @@ from gemmaserve.models.multimodal import Modality
 from gemmaserve.engine.step import NewRequest, SeqStep, SlotUpdate, StepPlan, TableDelta
 from gemmaserve.engine.structured_output import GrammarKind, StructuredOutput
 from gemmaserve.errors import UserInputError
+from gemmaserve.kv.connector import BlockCopy, Direction, KVTransfers
 
 from helpers import fresh_seed, save_checkpoint, tiny_gemma4_hf, tiny_hf_model
 
@@ -104,7 +105,8 @@ def test_a_plan_reaches_a_worker_whole():
               SeqStep("b", 9, [-1], False)],
         new_requests=[NewRequest("a", _every_field_set(), 123, [5, 6, 7], [image, clip], [9, 8])],
         slot_updates=[SlotUpdate(1, [4, 5], [[1, 2], [3, 4]])],
-        released=["c"], finished=["d"])
+        released=["c"], finished=["d"],
+        kv_transfers=KVTransfers([BlockCopy(Direction.SAVE, 1, [3, 4], [0, 1]), BlockCopy(Direction.LOAD, 0, [5], [2])]))
     back = StepPlan.from_dict(pickle.loads(pickle.dumps(plan.to_dict())))
     assert back.new_requests[0].params == plan.new_requests[0].params
     for got, want in zip(back.new_requests[0].media, [image, clip], strict=True):
