@@ -173,6 +173,37 @@ def test_at_most_max_loras_adapters_run_in_a_step(served):
     assert all(len(slots) <= 1 for slots in seen) and one.engine.runner.lora.store.loads >= 2
 
 
+def test_metrics_count_requests_per_adapter(served):
+    """/metrics' LoRA gauges, from the engine thread's snapshot: completions per adapter waiting, then running,
+    the adapters registered and --max-loras (one adapter at a time here: "b" waits while "a" runs)."""
+    from types import SimpleNamespace
+
+    from gemmaserve.server.async_engine import AsyncEngine
+    from gemmaserve.server.metrics import ServerMetrics
+
+    _, _, _, llm = served
+    one = LLM.from_config(llm.engine.config.replace(max_loras=1), llm)
+    eng = one.engine
+    for name in ("a", "a", "b", None):
+        eng.add_request("a river in the valley", SamplingParams(max_tokens=3, ignore_eos=True), lora=name)
+
+    def text() -> str:
+        return ServerMetrics().render(AsyncEngine.snapshot(SimpleNamespace(_integrity_ok=True), eng)).decode()
+
+    before = text()
+    assert 'gemmaserve_lora_requests_waiting{adapter="a"} 2.0' in before
+    assert 'gemmaserve_lora_requests_waiting{adapter="b"} 1.0' in before
+    assert "gemmaserve_lora_adapters 2.0" in before and "gemmaserve_lora_max_loras 1.0" in before
+    eng.step()
+    running = text()
+    assert 'gemmaserve_lora_requests_running{adapter="a"} 1.0' in running   # the token budget admits one
+    assert 'gemmaserve_lora_requests_waiting{adapter="a"} 1.0' in running
+    assert 'gemmaserve_lora_requests_waiting{adapter="b"} 1.0' in running
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert "gemmaserve_lora_requests_running{" not in text()
+
+
 def test_two_tensor_parallel_ranks_shard_adapters_like_their_base_layers(served):
     """Each rank reads its slice of an adapter as of its base weights (B's rows of a column-parallel projection,
     A's columns of a row-parallel one, whose delta share joins the sum over ranks): a mixed batch's greedy

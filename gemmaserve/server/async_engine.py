@@ -234,7 +234,9 @@ class AsyncEngine:
                               st.pages_cached, st.scratch_pages, sched.num_preemptions, st.prefix_query_tokens,
                               st.prefix_hit_tokens, self._integrity_ok, spec.steps, spec.drafted, spec.accepted,
                               tuple(spec.accepted_at), tuple(spec.drafted_at),
-                              engine.kv.tier.stats() if engine.kv.tier is not None else None)
+                              engine.kv.tier.stats() if engine.kv.tier is not None else None,
+                              _per_adapter(sched.running), _per_adapter(sched.waiting), len(engine.loras.names()),
+                              engine.config.max_loras)
 
     # -- the engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -434,3 +436,12 @@ def _set(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
         fut.set_exception(exc)
     else:
         fut.set_result(result)
+
+
+def _per_adapter(requests) -> tuple[tuple[str, int], ...]:
+    """(adapter name, completions) of the requests that run under an adapter, by name."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora is not None:
+            counts[r.lora.name] = counts.get(r.lora.name, 0) + 1
+    return tuple(sorted(counts.items()))

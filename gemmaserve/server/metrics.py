@@ -37,6 +37,11 @@ class EngineSnapshot:
     spec_accepted_at: tuple[int, ...] = ()
     spec_drafted_at: tuple[int, ...] = ()
     tier: "HostTierStats | None" = None              # the host KV tier (--kv-offload-memory), if any
+    # LoRA: completions per adapter name, running (holding KV pages) and waiting; adapters registered; --max-loras
+    lora_running: tuple[tuple[str, int], ...] = ()
+    lora_waiting: tuple[tuple[str, int], ...] = ()
+    lora_adapters: int = 0
+    max_loras: int = 0
 
 
 class _EngineCollector:
@@ -80,6 +85,16 @@ class _EngineCollector:
                                       value=t.loaded_blocks)
             yield CounterMetricFamily("gemmaserve_kv_offload_evicted_blocks",
                                       "Blocks the host tier dropped to make room", value=t.evicted_blocks)
+        for state, counts in (("running", s.lora_running), ("waiting", s.lora_waiting)):
+            family = GaugeMetricFamily(f"gemmaserve_lora_requests_{state}",
+                                       f"Completions {state} per LoRA adapter", labels=["adapter"])
+            for name, n in counts:
+                family.add_metric([name], n)
+            yield family
+        yield GaugeMetricFamily("gemmaserve_lora_adapters", "LoRA adapters registered (--lora-modules and loaded)",
+                                value=s.lora_adapters)
+        yield GaugeMetricFamily("gemmaserve_lora_max_loras", "Most LoRA adapters in one step (--max-loras)",
+                                value=s.max_loras)
         yield GaugeMetricFamily("gemmaserve_kv_integrity_ok", "1 if the last idle KV integrity check passed",
                                 value=1.0 if s.integrity_ok else 0.0)
         yield CounterMetricFamily("gemmaserve_spec_decode_num_drafts", "Sequence steps that carried drafted tokens",
