@@ -144,12 +144,12 @@ def _hand_over(prefill, decode, prompt, params, prefill_id, decode_id, transfer_
     staging = PrefillHandoff(prefill, source, timeout=30, engine_id="p")
     staging.expect(prefill_id, transfer_id)
     _run(prefill, prefill_id, dataclasses.replace(params, max_tokens=1), prompt)
-    desc = staging.describe(transfer_id)
+    desc = staging.describe_transfer(transfer_id)
     handoff = DecodeHandoff(decode)
     decode.add_request("", params, prompt_ids=prompt, request_id=decode_id)
     handoff.reserve(decode_id, prompt)
     outputs = handoff.adopt(decode, decode_id, TransferPlan.from_dict(desc["plan"]), source._buffers[transfer_id],
-                            desc["first_token"], None)
+                            desc["first_token"], None, desc["cached_tokens"])
     return staging, handoff, desc, outputs
 
 
@@ -165,7 +165,9 @@ def test_handoff_to_another_manager_and_page_size_gives_the_single_engine_tokens
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     want = _run(single, "a", params, prompt).outputs[0].token_ids
     staging, handoff, desc, outputs = _hand_over(prefill, decode, prompt, params, "x", "y", "t1")
-    assert desc["first_token"] == want[0] and prefill.kv.stats().pages_used == 0
+    # The prompt's pages went back; the staged bytes hold as many pages until released (the KV budget).
+    staged_pages = -(-desc["nbytes"] // prefill.kv.page_bytes)
+    assert desc["first_token"] == want[0] and prefill.kv.stats().pages_used == staged_pages > 0
     assert [o.outputs[0].delta_token_ids for o in outputs] == [[want[0]]]   # the first token, at once
     final = _drain(decode)
     assert final.outputs[0].token_ids == want
@@ -247,7 +249,7 @@ def test_staged_kv_nobody_fetches_is_freed_after_the_timeout(engines):
     _run(prefill, "w", SamplingParams(max_tokens=1), list(range(5, 40)))
     assert staging.num_staged == 1
     time.sleep(0.3)
-    assert staging.expire() == 1 and staging.num_staged == 0 and staging.describe("t2") is None
+    assert staging.expire() == 1 and staging.num_staged == 0 and staging.describe_transfer("t2") is None
 
 
 def test_a_stalled_torch_transfer_times_out():
@@ -267,3 +269,60 @@ def test_a_stalled_torch_transfer_times_out():
     with pytest.raises(TransferTimeout):
         sink.receive({"engine": "p"}, "t", 64, torch.device("cpu"), 1.0, control)
     assert joined == [{}]
+
+
+def test_received_blocks_enter_the_prefix_cache_and_cached_tokens_follow_the_prefill_engine(engines):
+    """The decode engine (V2, a host tier on) adopts a prompt: a later request extending it is served from the
+    received blocks. The handed-over request reports the cached tokens the prefill engine's prefix cache gave."""
+    from gemmaserve.engine.llm_engine import LLMEngine
+    from gemmaserve.engine.sampling_params import SamplingParams
+
+    single, prefill, _ = engines
+    decode = LLMEngine(prefill.config.replace(kv_transfer=KVTransferConfig(role="decode", kv_transfer_runtime="torch"),
+                                              kv_offload_memory=1 << 20), single.loaded)
+    prompt = [(11 * i + 5) % 280 + 7 for i in range(60)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    _run(prefill, "warm", dataclasses.replace(params, max_tokens=1), prompt[:40])   # the prefill side hits 36
+    want = _run(single, "r", params, prompt).outputs[0].token_ids
+    staging, _, desc, _ = _hand_over(prefill, decode, prompt, params, "xr", "yr", "t5")
+    final = _drain(decode)
+    assert final.outputs[0].token_ids == want
+    assert final.num_cached_tokens == desc["cached_tokens"] >= 32
+    assert staging.release("t5")
+    longer = prompt + want + [9, 10, 11]
+    again = _run(decode, "later", params, longer)
+    assert again.num_cached_tokens >= 60 - 60 % 4 - 4   # the received blocks, not recomputed
+    assert again.outputs[0].token_ids == _run(single, "later1", params, longer).outputs[0].token_ids
+    decode.kv.check_integrity()
+
+
+@pytest.mark.parametrize("ranks", [(2, 1), (1, 2)])
+def test_prefill_and_decode_roles_with_two_ranks(tmp_path, ranks):
+    """Tensor parallelism on either side (26B-A4B-like: sliding layers' KV heads split across ranks): each rank
+    saves or loads its own heads inside the step, rank 0 puts the wire's rows together or sends them out, and
+    the tokens are one engine's."""
+    from gemmaserve.engine.llm_engine import LLMEngine
+    from gemmaserve.engine.sampling_params import SamplingParams
+
+    from helpers import fresh_seed, save_checkpoint, tiny_gemma4_hf
+
+    path = save_checkpoint(tiny_gemma4_hf(fresh_seed(), "26b_a4b"), tmp_path / "moe")
+    base = EngineConfig(model=str(path), dtype="float32", page_size=4, max_num_batched_tokens=32,
+                        kv_cache_memory=2 << 20)
+    role = lambda r: KVTransferConfig(role=r, kv_transfer_runtime="torch")   # noqa: E731
+    single = LLMEngine(base)
+    prefill = LLMEngine(base.replace(kv_transfer=role("prefill"), tensor_parallel_size=ranks[0]))
+    decode = LLMEngine(base.replace(kv_transfer=role("decode"), tensor_parallel_size=ranks[1]))
+    try:
+        prompt = [(13 * i + 3) % 250 + 5 for i in range(70)]
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        want = _run(single, "s", params, prompt).outputs[0].token_ids
+        staging = _hand_over(prefill, decode, prompt, params, "x", "y", "t")[0]
+        assert _drain(decode).outputs[0].token_ids == want
+        assert staging.release("t")
+        for eng in (prefill, decode):
+            eng.kv.check_integrity()
+            assert eng.kv.stats().pages_used == 0
+    finally:
+        for eng in (prefill, decode):
+            eng.shutdown()

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 from ..errors import UserInputError
 from ..hostmem import available_host_memory
 from ..models.embedded import DEFAULT_MODEL
+from ..units import format_bytes
 from .options import argparse_type, number, option, positive_int, refusing, size
 from .speculative import SpeculativeConfig
-from ..units import format_bytes
 
 if TYPE_CHECKING:   # torch is imported only when a dtype or device is resolved: `--help` stays fast
     import torch
@@ -211,12 +211,6 @@ class EngineConfig:
         if tp > 1 and self.batch_invariant:
             raise UserInputError("batch_invariant is not supported with tensor_parallel_size > 1 (the all-reduce "
                                  "picks its algorithm, hence its summation order, by message size: by the batch)")
-        if self.kv_offload_memory is not None and self.kv_transfer is not None and self.kv_transfer.disaggregated:
-            raise UserInputError("--kv-offload-memory is not supported with a prefill or decode role yet (the KV "
-                                 "handoff writes the device cache outside the step)")
-        if tp > 1 and self.kv_transfer is not None and self.kv_transfer.disaggregated:
-            raise UserInputError("a prefill or decode role with tensor_parallel_size > 1 is not supported yet (the "
-                                 "KV handoff reads and writes one process's cache)")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.lora_modules = _lora_modules(self.lora_modules)

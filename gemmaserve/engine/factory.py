@@ -132,6 +132,7 @@ class EngineParts:
     loaded: LoadedModel
     max_model_len: int
     specs: list[LayerSpec]           # one device's KV layers (fp8 scales set)
+    kv_heads: list[int]              # every KV layer's heads in the model (a tensor-parallel rank holds a share)
     backend: AttentionBackend
     cache_options: CacheOptions
     kv: KVCacheManager
@@ -160,11 +161,13 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     max_model_len = config.max_model_len or limit
 
     kv_dtype = config.torch_kv_dtype(dtype)
-    specs = executor.local_kv_specs(model.kv_layer_specs(kv_dtype))   # one device's KV heads
+    model_specs = model.kv_layer_specs(kv_dtype)
+    specs = executor.local_kv_specs(model_specs)   # one device's KV heads
     if kv_dtype == FP8_DTYPE:
         specs = calibrate_kv_scales(model, specs, calibration_tokens(tokenizer, model.vocab_size), device)
     draft = draft_model(config, loaded, dtype, device)
     if draft is not None:   # its KV layers follow the target's: one pool, one budget
+        model_specs = model_specs + draft.model.kv_layer_specs(kv_dtype)
         draft_specs = executor.local_kv_specs(draft.model.kv_layer_specs(kv_dtype))
         if kv_dtype == FP8_DTYPE:
             draft_specs = calibrate_kv_scales(draft.model, draft_specs,
@@ -228,7 +231,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         kv_offload_bytes=kv.tier.num_pages * kv.tier.page_bytes if kv.tier is not None else 0)
     return EngineParts(
         config=config, device=device, dtype=dtype, executor=executor, loaded=loaded, max_model_len=max_model_len,
-        specs=specs, backend=backend, cache_options=cache_options, kv=kv, grammars=grammars,
+        specs=specs, kv_heads=[s.num_kv_heads for s in model_specs], backend=backend, cache_options=cache_options, kv=kv, grammars=grammars,
         suppressed_token_ids=suppressed, runner=runner,
         scheduler=Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                             create_proposer(spec), spec.disable_by_batch_size if spec else 1,

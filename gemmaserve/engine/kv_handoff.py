@@ -1,18 +1,23 @@
 """Handing a prompt's KV from a prefill engine to a decode engine (the engine side; the HTTP side is
-server/disagg.py, what moves is transfer/plan.py).
+server/disagg.py, what moves is transfer/plan.py). Both sides are KV connectors in the step: the scheduler
+side (here) puts the copies in the step description, and the runner makes them, so it stays the only
+writer of its cache, and every tensor-parallel rank copies its own heads (transfer/kv_io.py).
 
-Prefill (`PrefillHandoff`): a request marked for transfer runs as usual with max_tokens=1. When the
-step that completes its prompt has run, and before it is committed (its pages still held), the
-engine's step observer copies the plan's KV into a staging buffer, offers it through the transfer
-runtime, and keeps the first sampled token with it. The request then finishes and frees its pages
-as any other; the staged buffer lives until the decode engine releases it or the timeout expires.
+Prefill (`PrefillHandoff`): a request marked for transfer runs as usual with max_tokens=1. The plan of
+the step that completes its prompt asks the runner to save the prompt's KV rows after the forward (the
+window tail of sliding layers, every token of full ones); rank 0 keeps them as one wire buffer, which the
+step observer offers through the transfer runtime with the first sampled token. The request then
+finishes and frees its pages as any other; while the staged buffer waits for a decode engine (until it
+is released or the timeout expires) as many pool pages as it has bytes are held, so staged KV counts in
+the engine's KV budget.
 
-Decode (`DecodeHandoff`): `reserve` allocates the pages the next query reads through the engine's
-own KV manager (`allocate_computed`), before any byte moves, so a full cache refuses at once;
-`adopt` writes the received bytes into those pages, moves the request straight to running with its
-prompt computed, and commits the first token as the sample of a step computed elsewhere. The first
-decode step is then exactly a single engine's: same KV, same token, so greedy output is identical.
-`cancel` frees a reservation whose transfer failed.
+Decode (`DecodeHandoff`): `reserve` allocates the pages the next query reads through the engine's own
+KV manager (`allocate_computed`), before any byte moves, so a full cache refuses at once; `adopt` gives
+rank 0's runner the received bytes and the next plan the rows to load before its forward, enters the
+blocks they fill whole into the prefix cache, moves the request straight to running with its prompt
+computed, and commits the first token as the sample of a step computed elsewhere. The first decode step
+is then exactly a single engine's: same KV, same token, so greedy output is identical. `cancel` frees a
+reservation whose transfer failed.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..transfer.kv_io import scatter, gather
+from collections.abc import Callable
+
 from ..errors import UserInputError
+from ..kv.connector import StagedRows
+from ..transfer.kv_io import row_spans, wire_bytes
 from ..transfer.plan import TransferPlan, check_plan, plan_transfer, spec_signature
 from ..transfer.runtime import TransferSource
 from .llm_engine import LLMEngine
@@ -49,29 +57,34 @@ class StagedTransfer:
     nbytes: int
     source: dict           # what the runtime's offer returned: how a sink fetches it
     staged_at: float
+    cached_tokens: int = 0   # prompt tokens the prefill engine's prefix cache served
 
     def describe(self, engine_info: dict) -> dict:
         lp = self.first_logprob
         return {"transfer_id": self.transfer_id, "prompt_token_ids": self.prompt_token_ids,
-                "first_token": self.first_token,
+                "first_token": self.first_token, "cached_tokens": self.cached_tokens,
                 "first_logprob": None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]],
                 "plan": self.plan.to_dict(), "nbytes": self.nbytes, "source": {**self.source, **engine_info}}
 
 
 class PrefillHandoff:
     """Stages the KV of requests marked for transfer; thread-safe (the engine thread stages, HTTP
-    handlers describe and release)."""
+    handlers describe and release). `post(fn)`: run fn on the engine thread (default: at once)."""
 
-    def __init__(self, engine: LLMEngine, source: TransferSource, timeout: float, engine_id: str):
+    def __init__(self, engine: LLMEngine, source: TransferSource, timeout: float, engine_id: str,
+                 post: Callable[[Callable[[], None]], None] | None = None):
         self.engine = engine
         self.source = source
         self.timeout = timeout
         self.engine_id = engine_id
         self.signature = spec_signature(engine.kv.specs)
+        self._post = post or (lambda fn: fn())
         self._expected: dict[str, str] = {}             # engine request id -> transfer id
+        self._saving: dict[str, tuple[str, TransferPlan]] = {}   # request id -> (transfer id, plan): in a plan
         self._staged: dict[str, StagedTransfer] = {}
         self._lock = threading.Lock()
         self.bytes_staged = 0
+        engine.scheduler.connectors.append(self)
         engine.step_observers.append(self._observe)
 
     def expect(self, request_id: str, transfer_id: str) -> None:
@@ -85,26 +98,56 @@ class PrefillHandoff:
         with self._lock:
             self._expected.pop(request_id, None)
 
-    def _observe(self, plan: StepPlan, result: StepResult) -> None:
+    # -- the scheduler side (engine thread) --------------------------------------------------------
+    def before_schedule(self) -> None:
+        pass
+
+    def describe(self, plan: StepPlan) -> None:
+        """Ask the runner to save the KV of each marked request whose prompt this step completes."""
         with self._lock:
             if not self._expected:
                 return
-            wanted = {s.req_id: self._expected.pop(s.req_id) for s in plan.seqs
-                      if s.sample and s.req_id in self._expected and s.req_id in result.req_ids}
+            wanted = {}
+            for s in plan.seqs:
+                tid = self._expected.get(s.req_id)
+                if tid is None or not s.sample or s.num_drafts:
+                    continue
+                n = len(self.engine.request(s.req_id).prompt_token_ids)
+                if s.start + s.num_new_tokens == n:
+                    wanted[s.req_id] = (self._expected.pop(s.req_id), n)
+        kv = self.engine.kv
+        row_bytes = [s.head_dim * s.dtype.itemsize for s in kv.specs]
+        for req_id, (tid, n) in wanted.items():
+            tplan = plan_transfer(kv.groups, n)
+            spans = row_spans(kv, req_id, tplan, self.engine.kv_heads)
+            plan.kv_transfers.row_saves.append(StagedRows(tid, spans, wire_bytes(spans, row_bytes)))
+            self._saving[req_id] = (tid, tplan)
+
+    def _observe(self, plan: StepPlan, result: StepResult) -> None:
+        """After the step ran: offer what it saved, with the first token (before the request finishes)."""
+        if not self._saving:
+            return
         sampled = dict(zip(result.req_ids, zip(result.token_ids, result.logprobs)))
-        for req_id, tid in wanted.items():
+        for rows in plan.kv_transfers.row_saves:
+            req_id = next((r for r, (tid, _) in self._saving.items() if tid == rows.key), None)
+            if req_id is None:
+                continue
+            tid, tplan = self._saving.pop(req_id)
+            buffer = self.engine.runner.take_staged(tid)
+            if buffer is None or req_id not in sampled:   # the step failed for it: nothing to hand over
+                continue
             req = self.engine.request(req_id)
-            n = len(req.prompt_token_ids)
-            tplan = plan_transfer(self.engine.kv.groups, n)
-            buffer = gather(self.engine.runner.kv_cache, self.engine.kv, req_id, tplan)
             token, logprob = sampled[req_id]
+            # Staged KV counts in the KV budget: as many pool pages as it has bytes, until it goes.
+            self.engine.kv.hold_pages(f"transfer:{tid}", -(-buffer.numel() // self.engine.kv.page_bytes))
             staged = StagedTransfer(tid, list(req.prompt_token_ids), token, logprob, tplan, buffer.numel(),
-                                    self.source.offer(tid, buffer), time.monotonic())
+                                    self.source.offer(tid, buffer), time.monotonic(), req.num_cached_tokens)
             with self._lock:
                 self._staged[tid] = staged
                 self.bytes_staged += buffer.numel()
 
-    def describe(self, transfer_id: str) -> dict | None:
+    # -- HTTP handlers ------------------------------------------------------------------------------
+    def describe_transfer(self, transfer_id: str) -> dict | None:
         self.expire()
         with self._lock:
             staged = self._staged.get(transfer_id)
@@ -117,6 +160,7 @@ class PrefillHandoff:
             staged = self._staged.pop(transfer_id, None)
         if staged is not None:
             self.source.withdraw(transfer_id)
+            self._post(lambda: self.engine.kv.release_held(f"transfer:{transfer_id}"))
         return staged is not None
 
     def expire(self) -> int:
@@ -142,6 +186,8 @@ class DecodeHandoff:
         self.engine = engine
         self.signature = spec_signature(engine.kv.specs)
         self._reserved: dict[str, float] = {}   # request id -> when its pages were reserved
+        self._loads: list[StagedRows] = []      # adopted, for the next plan
+        engine.scheduler.connectors.append(self)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int]) -> None:
         if not self.engine.kv.allocate_computed(request_id, prompt_token_ids, len(prompt_token_ids)):
@@ -163,17 +209,39 @@ class DecodeHandoff:
         return len(old)
 
     def adopt(self, engine: LLMEngine, request_id: str, plan: TransferPlan, buffer: torch.Tensor, first_token: int,
-              first_logprob: TokenLogprob | None) -> list[RequestOutput]:
+              first_logprob: TokenLogprob | None, cached_tokens: int = 0) -> list[RequestOutput]:
         why = check_plan(plan, engine.kv.specs)   # (the HTTP side checks first; a Python caller may not)
         if why is not None:
             raise UserInputError(f"the transferred KV cannot serve this engine: {why}")
-        if self._reserved.pop(request_id, None) is None:
+        if request_id not in self._reserved:
             raise RuntimeError(f"request {request_id} has no reserved pages")
+        kv = engine.kv
+        spans = row_spans(kv, request_id, plan, engine.kv_heads, receiving=True)
+        nbytes = wire_bytes(spans, [s.head_dim * s.dtype.itemsize for s in kv.specs])
+        if nbytes != buffer.numel():
+            raise UserInputError(f"a transfer buffer of {buffer.numel()} bytes for a plan of {nbytes} bytes")
+        del self._reserved[request_id]
         req = engine.request(request_id)
-        scatter(engine.runner.kv_cache, engine.kv, request_id, plan, buffer)
+        engine.runner.put_staged(request_id, buffer)
+        self._loads.append(StagedRows(request_id, spans, nbytes))
+        kv.cache_computed(request_id, req.prompt_token_ids)   # its copy runs before any later forward
         engine.scheduler.start_computed(req)
+        req.num_cached_tokens = cached_tokens   # as the prefill engine's prefix cache served it
         step = StepPlan(-1, [SeqStep(request_id, plan.num_tokens, [], True)])
         return engine.commit_step(step, StepResult([request_id], [first_token], [first_logprob]))
+
+    # -- the scheduler side --------------------------------------------------------------------------
+    def before_schedule(self) -> None:
+        pass
+
+    def describe(self, plan: StepPlan) -> None:
+        """Load what was adopted since the last plan, for requests that still hold their pages."""
+        for rows in self._loads:
+            if self.engine.kv.pages_held(rows.key):
+                plan.kv_transfers.row_loads.append(rows)
+            else:   # aborted before its first step: its pages are gone
+                self.engine.runner.drop_staged(rows.key)
+        self._loads = []
 
     @property
     def num_reserved(self) -> int:

@@ -47,6 +47,7 @@ class LLMEngine:
         self.model, self.tokenizer = parts.loaded.model, parts.loaded.tokenizer
         self.max_model_len = parts.max_model_len
         self.backend, self.cache_options, self.kv = parts.backend, parts.cache_options, parts.kv
+        self.kv_heads = parts.kv_heads
         self.grammars, self.suppressed_token_ids = parts.grammars, parts.suppressed_token_ids
         self.runner, self.scheduler = parts.runner, parts.scheduler
         self.loras = parts.loras

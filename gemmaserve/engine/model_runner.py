@@ -31,9 +31,12 @@ from torch import nn
 
 from ..attention.base import AttentionBackend, AttentionMetadata
 from ..kv.base import KVLayout
+from ..kv.connector import StagedRows
 from ..kv.groups import KVGroup
 from ..kv.spec import LayerSpec
 from ..models.base import ModelInputs
+from ..models.tensor_parallel import first_kv_head
+from ..transfer.kv_io import assemble, gather_rows, scatter_rows
 from .block_tables import BlockTables
 from ..device import to_device
 from .drafters import Drafter
@@ -80,6 +83,13 @@ class ModelRunner:
         self.kv_cache = backend.allocate_kv_cache(specs, dataclasses.replace(layout, num_pages=layout.num_pages + 1),
                                                   device)
         self.host_kv = HostKVStore(self.kv_cache, layout.page_bytes, host_kv_pages) if host_kv_pages else None
+        tp_plan = getattr(model, "tensor_parallel_plan", None)
+        self.shard = tp_plan.shard if tp_plan is not None and tp_plan.shard.world_size > 1 else None
+        # Disaggregated handoffs (transfer/kv_io.py), on rank 0: wire buffers the next plan loads (decode), and
+        # those a plan saved for the engine to take (prefill).
+        self._staged_in: dict[str, torch.Tensor] = {}
+        self._staged_out: dict[str, torch.Tensor] = {}
+        self._saved_step = -1
         self.tables = BlockTables(groups, max(1, max_batch), max_model_len or 1,
                                   layout.num_pages + 1 if layout.identity_slots else None, device)
         self.suppressed = to_device(suppress_token_ids, torch.long, device) if suppress_token_ids else None
@@ -133,8 +143,10 @@ class ModelRunner:
         if plan.step == self._applied_step:
             return
         self._applied_step = plan.step
-        if plan.kv_transfers:   # first: a save reads device pages this step's forward may overwrite
+        if plan.kv_transfers.copies:   # first: a save reads device pages this step's forward may overwrite
             self.host_kv.execute(plan.kv_transfers)
+        for rows in plan.kv_transfers.row_loads:
+            self._load_rows(rows)
         for load in plan.lora_loads:
             self.lora.load(load)
         for req_id in plan.released + plan.finished:
@@ -152,6 +164,46 @@ class ModelRunner:
         self.tables.update_slots(plan.slot_updates)
         for s in plan.seqs:
             self.tables.apply(s.req_id, s.deltas, s.new_table)
+
+    # -- disaggregated handoffs: a transfer's token rows ---------------------------------------------
+    def _first_head(self, heads: int, rank: int | None = None) -> int:
+        if self.shard is None:
+            return 0
+        return first_kv_head(heads, self.shard.world_size, self.shard.rank if rank is None else rank)
+
+    def _load_rows(self, rows: StagedRows) -> None:
+        """Write a received transfer's rows into the pages the plan names (rank 0 was given the wire buffer;
+        under tensor parallelism it sends it to every rank, each keeping its own heads)."""
+        wire = self._staged_in.pop(rows.key, None)
+        if self.shard is not None:
+            if wire is None:
+                wire = torch.empty(rows.nbytes, dtype=torch.uint8)
+            wire = self.shard.comm.broadcast_first(wire.to(self.device))
+        elif wire is None:
+            raise RuntimeError(f"no transfer buffer was given for {rows.key}")
+        scatter_rows(self.kv_cache, rows.spans, wire, self._first_head)
+
+    def _save_rows(self, rows: StagedRows) -> None:
+        """Copy a transfer's rows out of the pages the plan names, after the forward that computed them; rank 0
+        keeps the wire buffer (every rank's heads) for the engine to take."""
+        local = gather_rows(self.kv_cache, rows.spans)
+        if self.shard is None:
+            self._staged_out[rows.key] = local.cpu()
+            return
+        parts = self.shard.comm.all_gather_last(local).chunk(self.shard.world_size)
+        if self.shard.rank == 0:
+            self._staged_out[rows.key] = assemble(list(parts), rows.spans, self.kv_cache, self._first_head).cpu()
+
+    def put_staged(self, key: str, wire: torch.Tensor) -> None:
+        """A received transfer's wire buffer, for the plan that loads `key` (the engine gives it, on rank 0)."""
+        self._staged_in[key] = wire
+
+    def drop_staged(self, key: str) -> None:
+        self._staged_in.pop(key, None)
+
+    def take_staged(self, key: str) -> torch.Tensor | None:
+        """The wire buffer a plan saved under `key` (None if none did)."""
+        return self._staged_out.pop(key, None)
 
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -328,6 +380,10 @@ class ModelRunner:
         proposing = self.drafter is not None and any(s.propose for s in seqs if s.sample)
         filled: dict[str, list[int]] = {}
         logits, hidden, ran = self.run_model(seqs, proposing and self.drafter.wants_hidden, filled)
+        if plan.kv_transfers.row_saves and self._saved_step != plan.step:   # once, whatever reruns a plan
+            self._saved_step = plan.step
+            for rows in plan.kv_transfers.row_saves:
+                self._save_rows(rows)
         cut = ran is not seqs   # a grammar cut drafts before the forward
         planned = {s.req_id: s.num_drafts for s in seqs} if cut else None
         seqs = ran

@@ -148,6 +148,17 @@ class MultiprocExecutor:
     def execute(self, plan: StepPlan, only: list[int] | None = None) -> StepResult:
         return self.launch(plan, only).resolve()
 
+    # Disaggregated handoffs: the wire buffers live on rank 0 (its runner sends them to, or gathers them from,
+    # the other ranks inside the plan that loads or saves them).
+    def put_staged(self, key: str, wire: torch.Tensor) -> None:
+        self.runner.put_staged(key, wire)
+
+    def drop_staged(self, key: str) -> None:
+        self.runner.drop_staged(key)
+
+    def take_staged(self, key: str) -> torch.Tensor | None:
+        return self.runner.take_staged(key)
+
     # -- failures ----------------------------------------------------------------------------------
     def _send(self, msg: tuple) -> None:
         if self._broken is not None:

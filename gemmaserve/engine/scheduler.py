@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..kv.base import KVCacheManager
 from .proposers import Proposer
@@ -52,6 +52,14 @@ from .step import DEVICE_TOKEN, NewRequest, SeqStep, SlotUpdate, StepPlan, StepR
 
 if TYPE_CHECKING:
     from .lora import LoRASlots
+
+class SchedulerConnector(Protocol):
+    def before_schedule(self) -> None:
+        """On the engine thread, before a step is scheduled (take back what no longer needs pages)."""
+
+    def describe(self, plan: StepPlan) -> None:
+        """Add this step's copies to its plan (`plan.kv_transfers`)."""
+
 
 MISSES_BEFORE_PAUSE = 4
 FIRST_PAUSE, LONGEST_PAUSE = 8, 256   # steps
@@ -129,6 +137,9 @@ class Scheduler:
         self._released: list[str] = []     # preempted since the last plan: the runner drops their tables
         self._finished: list[str] = []     # finished since the last plan: and their sampling state
         self._slot_cursors = [-1] * len(kv.groups)
+        # The scheduler side of KV connectors outside the KV manager (kv_handoff.py): each sees every step first
+        # and adds its copies to the plan last.
+        self.connectors: list[SchedulerConnector] = []
         self._uncommitted: list[tuple[Request, int]] = []   # (request, end) scheduled, KV not committed yet
         self._proposing = False   # this step asks the runner for drafts (a runner-side proposer, batch small enough)
         self.misses_before_pause = MISSES_BEFORE_PAUSE   # (a benchmark that times drafting steps turns it off)
@@ -156,6 +167,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._step += 1
+        for connector in self.connectors:
+            connector.before_schedule()
         self._commit_ready()   # the step in flight (asynchronous scheduling) frees its stale blocks first
         out = _Decision()
         decodes = sorted((r for r in self.running if r.prompt_computed and r.num_pending_tokens == 1
@@ -260,6 +273,8 @@ class Scheduler:
             req.num_computed_tokens = end
             self._uncommitted.append((req, end))
         plan.kv_transfers = self.kv.take_transfers() or plan.kv_transfers
+        for connector in self.connectors:   # after the KV manager's copies: a handoff loads into pages they free
+            connector.describe(plan)
         for g, cursor in enumerate(self._slot_cursors):
             rows, self._slot_cursors[g] = self.kv.slot_changes(g, cursor)
             if rows is None or rows:   # None: the log moved on without us; resend every live row

@@ -175,12 +175,25 @@ class KVCacheManager(ABC):
     def allocate_computed(self, seq_id: str, token_ids: list[int], num_computed: int) -> bool:
         """Pages for a new sequence whose first `num_computed` tokens were computed elsewhere (a
         disaggregated prefill engine): every block the next query reads, fresh, for the caller to
-        fill. Atomic like `allocate`. These blocks are never offered to the prefix cache (a sliding
-        group's first block may be filled only from the window on)."""
+        fill. Atomic like `allocate`. Its blocks enter the prefix cache only through `cache_computed`."""
         raise NotImplementedError(f"KV manager {self.name} cannot take KV computed elsewhere")
+
+    def cache_computed(self, seq_id: str, token_ids: list[int]) -> int:
+        """Offer the blocks of an `allocate_computed` sequence that hold what was computed elsewhere to the
+        prefix cache (a sliding group's first block may be filled only from the window on: not that one).
+        Returns how many; 0 where there is no prefix cache."""
+        return 0
 
     def commit(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         """After a forward pass computed tokens up to `num_computed`."""
+
+    def hold_pages(self, key: str, n: int) -> int:
+        """Take up to `n` pages out of the pool under `key` (evicting cached blocks first): KV kept elsewhere that
+        counts in this pool's budget (a prefill engine's staged handoffs). Returns how many it took."""
+        return 0
+
+    def release_held(self, key: str) -> None:
+        """Give back what `hold_pages` took under `key` (nothing if nothing)."""
 
     def take_transfers(self) -> KVTransfers | None:
         """The copies between the device cache and an outside store decided since the last call, for the

@@ -1,4 +1,5 @@
-"""KV traffic between the device cache and a store outside it, as plain data in the step description.
+"""KV traffic between the device cache and a store outside it, as plain data in the step description: blocks
+to and from the host tier (below), and a disaggregated handoff's token rows (`StagedRows`).
 
 A connector has two sides, as vLLM v1's `KVConnector`: the scheduler side (here, beside the KV manager)
 decides which blocks move, the runner side executes the copies before the step's forward, so the runner
@@ -38,13 +39,45 @@ class BlockCopy:
 
 
 @dataclass
+class RowSpan:
+    """One layer's tokens of a transfer in the device cache: token i of the span at (pages[i], offsets[i]). The
+    wire holds `rows` rows of the layer's `heads` KV heads for the span; the first `skip` are not written here
+    (a receiver that holds fewer tokens of a sliding layer than the sender sent)."""
+
+    layer: int
+    pages: list[int]
+    offsets: list[int]
+    heads: int              # the layer's KV heads in the model (each tensor-parallel rank holds a share)
+    rows: int
+    skip: int = 0
+
+
+@dataclass
+class StagedRows:
+    """A disaggregated handoff's KV as token rows (transfer/plan.py's wire format: per span, K rows then V
+    rows): saved after the step's forward into a host buffer the engine takes (the prefill side), or loaded
+    before the forward from a buffer the engine gave rank 0's runner (the decode side)."""
+
+    key: str                # the transfer id (saves) or the request id (loads)
+    spans: list[RowSpan]
+    nbytes: int             # of the whole wire buffer
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StagedRows":
+        return cls(d["key"], [RowSpan(**s) for s in d["spans"]], d["nbytes"])
+
+
+@dataclass
 class KVTransfers:
-    """A step's copies, in the order the scheduler decided them."""
+    """A step's copies, in the order the scheduler decided them: block copies and row loads before the
+    forward, row saves after it."""
 
     copies: list[BlockCopy] = field(default_factory=list)
+    row_loads: list[StagedRows] = field(default_factory=list)
+    row_saves: list[StagedRows] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.copies)
+        return bool(self.copies or self.row_loads or self.row_saves)
 
     def runs(self) -> list[tuple[Direction, list[int], list[int]]]:
         """(direction, device pages, store pages) of consecutive copies that one batched copy may do: same
@@ -63,4 +96,7 @@ class KVTransfers:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "KVTransfers":
-        return cls([BlockCopy(**c) for c in (d or {}).get("copies", [])])
+        d = d or {}
+        return cls([BlockCopy(**c) for c in d.get("copies", [])],
+                   [StagedRows.from_dict(r) for r in d.get("row_loads", [])],
+                   [StagedRows.from_dict(r) for r in d.get("row_saves", [])])

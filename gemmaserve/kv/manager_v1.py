@@ -29,6 +29,7 @@ class KVCacheManagerV1(KVCacheManager):
         self._layout = KVLayout(num_pages, self.page_bytes_for(specs, page_size), False,
                                 tuple(page_size for _ in specs), identity_slots=True)
         self.pool = PagePool(num_pages)
+        self._held: dict[str, list[int]] = {}   # hold_pages
         self._tables: dict[str, list[int]] = {}
 
     @staticmethod
@@ -90,6 +91,14 @@ class KVCacheManagerV1(KVCacheManager):
     def num_free_pages(self) -> int:
         return self.pool.num_free
 
+    def hold_pages(self, key: str, n: int) -> int:
+        pages = self.pool.allocate(min(n, self.pool.num_free))
+        self._held.setdefault(key, []).extend(pages)
+        return len(pages)
+
+    def release_held(self, key: str) -> None:
+        self.pool.free(self._held.pop(key, []))
+
     def stats(self) -> KVStats:
         free = self.pool.num_free
         used = self.num_pages - free
@@ -106,5 +115,7 @@ class KVCacheManagerV1(KVCacheManager):
                 assert p not in owner, f"page {p} owned by both {owner[p]} and {seq_id}"
                 assert not self.pool.is_free(p), f"page {p} of {seq_id} is also on the free list"
                 owner[p] = seq_id
-        assert len(owner) + self.pool.num_free == self.num_pages, (
-            f"{len(owner)} owned + {self.pool.num_free} free != {self.num_pages} pages")
+        held = [p for pages in self._held.values() for p in pages]
+        assert not set(held) & owner.keys() and not any(self.pool.is_free(p) for p in held), "a held page is in use"
+        assert len(owner) + len(held) + self.pool.num_free == self.num_pages, (
+            f"{len(owner)} owned + {len(held)} held + {self.pool.num_free} free != {self.num_pages} pages")

@@ -115,6 +115,7 @@ class KVCacheManagerV2(KVCacheManager):
         if offload_pages and not enable_prefix_caching:
             raise ValueError("a host KV tier keeps what the prefix cache evicts: it needs prefix caching")
         self.tier = HostTier(offload_pages, geo.page_bytes) if offload_pages else None
+        self._held: dict[str, list[int]] = {}   # hold_pages
 
     # -- geometry -----------------------------------------------------------------------------
     @property
@@ -328,6 +329,16 @@ class KVCacheManagerV2(KVCacheManager):
             self.tier.save(slot.group, key, slot.pages)
         self._destroy(slot)
 
+    def hold_pages(self, key: str, n: int) -> int:
+        while self.pool.num_free < n and self.cache.evictable_pages:
+            self._evict_one()
+        pages = self.pool.allocate(min(n, self.pool.num_free))
+        self._held.setdefault(key, []).extend(pages)
+        return len(pages)
+
+    def release_held(self, key: str) -> None:
+        self.pool.free(self._held.pop(key, []))
+
     def take_transfers(self) -> KVTransfers | None:
         return self.tier.take() if self.tier is not None else None
 
@@ -340,7 +351,7 @@ class KVCacheManagerV2(KVCacheManager):
             return False
         while self.pool.num_free < sum(need):
             self._evict_one()
-        # registered = end: the received blocks never enter the prefix cache.
+        # registered = end: `cache_computed` offers the received blocks once their bytes are on their way.
         seq = _Seq([_BlockTable(span.start, registered=span.stop) for span in spans], num_computed)
         for g, span in zip(self._groups, spans):
             for _ in span:
@@ -351,6 +362,23 @@ class KVCacheManagerV2(KVCacheManager):
         seq.room = min(t.end * g.tokens_per_page for g, t in zip(self._groups, seq.tables))
         self._seqs[seq_id] = seq
         return True
+
+    def cache_computed(self, seq_id: str, token_ids: list[int]) -> int:
+        """Enter the blocks of an `allocate_computed` sequence that every sender fills whole (transfer/plan.py:
+        full groups from token 0, sliding groups the window tail before the query) into the prefix cache; the
+        caller has planned their copy before any later forward. Returns how many."""
+        seq = self._seqs[seq_id]
+        if not self.enable_prefix_caching:
+            return 0
+        n = seq.num_computed
+        extend_chain(seq.chain, token_ids, self._granularity, root_of(seq.chain, self._root), n)
+        added = 0
+        for g, policy, table in zip(self._groups, self.policies, seq.tables):
+            filled_from = max(0, n - g.window + 1) if policy.drops_blocks else 0
+            for b, slot in enumerate(table.slots, table.first):
+                if b * g.tokens_per_page >= filled_from and (b + 1) * g.tokens_per_page <= n and slot.key is None:
+                    added += self.cache.register(slot, self._block_key(seq.chain, g, b))
+        return added
 
     def _has_room(self, need: list[int], reviving: int) -> bool:
         """Whether the pool can give `need[g]` fresh pages to each group g while the cached slots a
@@ -466,7 +494,7 @@ class KVCacheManagerV2(KVCacheManager):
                     cached += len(slot.pages)
             per_group.append(GroupStats(g.index, g.kind.value, g.window, g.num_layers, g.tokens_per_page,
                                         used, cached, scratch))
-        used = sum(s.pages_used for s in per_group)
+        used = sum(s.pages_used for s in per_group) + sum(len(p) for p in self._held.values())
         cached = sum(s.pages_cached for s in per_group)
         return KVStats(self.num_pages, self.page_bytes, self.pool.num_free, used, cached,
                        sum(s.scratch_pages for s in per_group), tuple(per_group), self._query_tokens,
@@ -531,6 +559,8 @@ class KVCacheManagerV2(KVCacheManager):
         assert self.cache.evictable_pages == sum(len(s.pages) for s in self.cache.parked())
         if self.tier is not None:
             self.tier.check_integrity()
-        assert len(page_owner) + self.pool.num_free == self.num_pages, (
-            f"{len(page_owner)} pages in slots + {self.pool.num_free} free != {self.num_pages}")
+        held = [p for pages in self._held.values() for p in pages]
+        assert not set(held) & page_owner.keys() and not any(self.pool.is_free(p) for p in held), "a held page is used"
+        assert len(page_owner) + len(held) + self.pool.num_free == self.num_pages, (
+            f"{len(page_owner)} pages in slots + {len(held)} held + {self.pool.num_free} free != {self.num_pages}")
 

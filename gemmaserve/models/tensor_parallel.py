@@ -53,6 +53,9 @@ class Communicator(Protocol):
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x, concatenated along the last dim in rank order."""
 
+    def broadcast_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank (x: the same shape and dtype everywhere)."""
+
 
 @dataclass(frozen=True)
 class DistributedCommunicator:
@@ -76,6 +79,13 @@ class DistributedCommunicator:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def broadcast_first(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        dist.broadcast(x, dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
+        return x
 
 
 @dataclass(frozen=True)

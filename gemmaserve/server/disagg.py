@@ -97,7 +97,7 @@ class DisaggServer(OpenAIServer):
         runtime = engine.cache_options.kv_transfer_runtime
         if self.role == "prefill":
             self.prefill = PrefillHandoff(engine, make_source(runtime, engine.device), self.transfer.kv_transfer_timeout,
-                                          self.engine_id)
+                                          self.engine_id, post=lambda fn: self.async_engine.post(lambda eng: fn()))
             threading.Thread(target=self._expire_loop, name="gemmaserve-kv-expiry", daemon=True).start()
         else:
             host = self.transfer.kv_transfer_host or self.config.host
@@ -136,7 +136,7 @@ class DisaggServer(OpenAIServer):
 
     async def describe(self, transfer_id: str) -> JSONResponse:
         await self._require_ready()
-        desc = self.prefill.describe(transfer_id)
+        desc = self.prefill.describe_transfer(transfer_id)
         if desc is None:
             raise ApiError(404, f"no staged KV transfer {transfer_id!r} (never staged, expired or released)",
                            code="transfer_not_found")
@@ -245,7 +245,8 @@ class DisaggServer(OpenAIServer):
         try:
             outputs = self.async_engine.generate(
                 rid, prompts, params, deadline, media=media, admission=admission,
-                adopt=lambda eng, g: self.decode.adopt(eng, g, plan, buffer, desc["first_token"], first_lp))
+                adopt=lambda eng, g: self.decode.adopt(eng, g, plan, buffer, desc["first_token"], first_lp,
+                                                       int(desc.get("cached_tokens", 0))))
         except BaseException:
             cancel()
             raise

@@ -25,10 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
-from ..kv.base import KVCacheManager
 from ..kv.groups import KVGroup
 from ..kv.spec import AttentionKind, LayerSpec
 
@@ -91,28 +87,3 @@ def spec_signature(specs: list[LayerSpec]) -> list[list]:
     """What both engines must agree on for the bytes to mean the same thing (JSON-friendly)."""
     return [[s.kind.value, s.num_kv_heads, s.head_dim, str(s.dtype).removeprefix("torch."), s.window, s.kv_source,
              s.k_scale, s.v_scale] for s in specs]
-
-
-def token_pages(kv: KVCacheManager, seq_id: str, layer: int, start: int, end: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page, offset in page) of tokens [start, end) of a sequence in one layer, from its block tables."""
-    group, column = kv.layer_slot[layer]
-    t = kv.groups[group].tokens_per_page
-    first, rows = kv.block_table(seq_id, group)
-    pos = np.arange(start, end)
-    slot_rows = np.asarray(rows, dtype=np.int64)[pos // t - first]
-    if kv.layout.identity_slots:
-        pages = slot_rows
-    else:
-        wanted = sorted(set(slot_rows.tolist()))
-        got, table = kv.slot_rows(group, wanted)
-        page_of = {r: p[column] for r, p in zip(got, table)}
-        pages = np.fromiter((page_of[r] for r in slot_rows.tolist()), dtype=np.int64, count=len(slot_rows))
-    return torch.from_numpy(pages), torch.from_numpy(pos % t)
-
-
-def held_start(kv: KVCacheManager, seq_id: str, layer: int) -> int:
-    """The first token of a sequence a layer holds pages for."""
-    group, _ = kv.layer_slot[layer]
-    first, _ = kv.block_table(seq_id, group)
-    return first * kv.groups[group].tokens_per_page
