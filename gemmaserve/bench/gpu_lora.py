@@ -1,10 +1,12 @@
 """LoRA on the GPU (`python -m gemmaserve.bench.gpu_lora [sections] [--shapes a,b]`): what serving adapters
-through the segment kernels (models/lora_triton.py) costs against the base model alone. Sections (default: both):
+through the segment kernels (models/lora_triton.py) costs against the base model alone. Sections (default: all):
 
   check       tiny random Gemma 3 (fused 3-part qkv) and Gemma 4 E2B-like (KV-shared layers: rows narrowed
               mid-model) checkpoints, fp32 on CUDA: a mixed batch of two adapters and the base gives the same
               greedy tokens through the stacked slots and Triton kernels as through the grouped reference
               (`_lora_add` over the host layout, on the same GPU)
+  kernels     one projection's delta alone at gemma3-4b's shapes, bf16, decode (64 rows) and prefill (8192 rows)
+              with 1, 4, 16 adapters: the segment kernels, the grouped reference and the projection itself (ms)
   throughput  random bf16 weights at real shapes (gemma3-4b, gemma4-31b; the 31B cut to its first 30 of 60
               layers on a card of under 120 GiB: 60 GB of weights and 30 GB of KV do not fit 80 GB), a batch of
               `--batch` requests (`--prompt` prompt tokens, `--new` new tokens each): the base alone (decode
@@ -121,6 +123,43 @@ def section_check(res: dict, save: Callable[[], None]) -> None:
         _free()
 
 
+# -- kernels -----------------------------------------------------------------------------------------------
+def section_kernels(res: dict, save: Callable[[], None], rank: int) -> None:
+    """One projection's LoRA delta alone, bf16, at gemma3-4b's projection shapes: the segment kernels against the
+    grouped reference (`_lora_add`: per adapter a gather, two cuBLAS products, a scatter-add) and against the
+    projection itself (one cuBLAS product), for a decode batch (64 rows round robin over the adapters) and a
+    prefill chunk (8192 rows, one segment per adapter). GPU milliseconds (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+
+    from ..models import lora_triton
+    from ..models.lora import _lora_add
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    rows_out = res["kernels"] = []
+    shapes = {"qkv": (2560, (2048, 1024, 1024)), "o": (2048, (2560,)), "gate_up": (2560, (10240, 10240)),
+              "down": (10240, (2560,))}   # gemma3-4b: in, fused parts
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for proj, (k, parts) in shapes.items():
+        n_out, allot = sum(parts), rank * len(parts)
+        a = torch.randn(16, allot, k, device=dev, dtype=dt, generator=gen) * k ** -0.5
+        bt = torch.randn(16, allot, n_out, device=dev, dtype=dt, generator=gen) * 0.01
+        w = torch.randn(n_out, k, device=dev, dtype=dt, generator=gen) * k ** -0.5
+        for m in (64, 8192):
+            x = torch.randn(m, k, device=dev, dtype=dt, generator=gen)
+            y = torch.randn(m, n_out, device=dev, dtype=dt, generator=gen)
+            for n in (1, 4, 16):
+                slot_of = [i % n for i in range(m)] if m == 64 else [i * n // m for i in range(m)]
+                slots = torch.tensor(slot_of, dtype=torch.int32, device=dev)
+                groups = [torch.tensor([i for i, s in enumerate(slot_of) if s == j], device=dev) for j in range(n)]
+                ms_kernels = do_bench(lambda: lora_triton.lora_add(y, x, a, bt, slots), warmup=5, rep=30)
+                ms_grouped = do_bench(lambda: _lora_add(y, x, groups, list(a[:n]), list(bt[:n])), warmup=5, rep=30)
+                ms_base = do_bench(lambda: torch.nn.functional.linear(x, w), warmup=5, rep=30)
+                rows_out.append({"proj": proj, "rows": m, "adapters": n, "kernels_ms": round(ms_kernels, 4),
+                                 "grouped_ms": round(ms_grouped, 4), "projection_ms": round(ms_base, 4)})
+                print("kernels", rows_out[-1], flush=True)
+        save()
+
+
 # -- throughput --------------------------------------------------------------------------------------------
 def _tiny_loaded(device: torch.device):
     """A tiny random Gemma 3 (2 layers, fused 3-part qkv) for the CPU mode."""
@@ -218,7 +257,7 @@ def section_throughput(res: dict, save: Callable[[], None], args: argparse.Names
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("sections", nargs="*", default=["check", "throughput"])
+    parser.add_argument("sections", nargs="*", default=["check", "kernels", "throughput"])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model (with --device cpu: for tests)")
@@ -243,6 +282,7 @@ def main(argv: list[str]) -> int:
 
     run_sections(res, args.sections, {
         "check": lambda: section_check(res, save),
+        "kernels": lambda: section_kernels(res, save, args.rank),
         "throughput": lambda: section_throughput(res, save, args),
     }, out)
     print(summary(res))
@@ -259,10 +299,14 @@ def summary(res: dict) -> str:
     for r in res.get("check", []):
         lines.append(f"check     {r['variant']:<8} equal={r['tokens_equal']}  adapter rows that changed tokens: "
                      f"{r['adapter_changes_tokens']}")
+    for r in res.get("kernels", []):
+        lines.append(f"kernels   {r['proj']:<8} rows {r['rows']:5d} adapters {r['adapters']:2d}: segment kernels "
+                     f"{r['kernels_ms']:.4f} ms, grouped {r['grouped_ms']:.4f} ms, "
+                     f"the projection {r['projection_ms']:.4f} ms")
     for r in res.get("throughput", []):
         lines.append(f"thruput   {r['shape']:<12} ({r['layers']} layers) {r['config']:<12} {r['out_tok_s']:9.1f} "
-                     f"out tok/s ratio {r.get('ratio', '-'):>6}  prefill {r['prefill_s']:6.2f} s  decode {r['decode_s']:6.2f} s "
-                     f"(ratio {r.get('decode_ratio', '-')})")
+                     f"out tok/s ratio {r.get('ratio', '-'):>6}  prefill {r['prefill_s']:6.2f} s  "
+                     f"decode {r['decode_s']:6.2f} s (ratio {r.get('decode_ratio', '-')})")
     return "\n".join(lines)
 
 

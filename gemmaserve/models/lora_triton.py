@@ -33,7 +33,6 @@ BLOCK_K = 64      # input columns per shrink step
 SPLIT_K = 2048    # input columns per shrink program (a multiple of BLOCK_K)
 BLOCK_N = 64      # output columns per expand program
 MAX_BLOCK_R = 64  # ranks per tile (R above that: more shrink programs, more expand steps)
-_NO_SLOT = 2147483647
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -65,7 +64,7 @@ def _shrink_kernel(x_ptr, a_ptr, slot_ptr, t_ptr, num_rows, num_slot_rows, in_fe
     width = tl.minimum(SPLIT_K, in_features - first)   # the last split's columns: no steps past `in`
     todo = slots >= 0
     while tl.max(todo.to(tl.int32), axis=0) > 0:
-        s = tl.min(tl.where(todo, slots, _NO_SLOT), axis=0)
+        s = tl.min(tl.where(todo, slots, 2147483647), axis=0)   # the lowest slot not done yet
         mine = slots == s
         a_base = a_ptr + s.to(tl.int64) * s_as
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -93,7 +92,7 @@ def _expand_kernel(t_ptr, bt_ptr, slot_ptr, y_ptr, num_rows, num_slot_rows, out_
     col_ok = cols < out_features
     todo = slots >= 0
     while tl.max(todo.to(tl.int32), axis=0) > 0:
-        s = tl.min(tl.where(todo, slots, _NO_SLOT), axis=0)
+        s = tl.min(tl.where(todo, slots, 2147483647), axis=0)   # the lowest slot not done yet
         mine = slots == s
         b_base = bt_ptr + s.to(tl.int64) * s_bs
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
