@@ -100,12 +100,14 @@ def test_a_rows_delta_is_the_same_bits_alone_and_in_any_batch(dtype):
     for row, slot in [(0, 1), (16, 1), (17, 0), (19, 2), (30, 2), (39, 1)]:
         alone = LoRABatch.from_segments(weights, [(0, 1, slot)], DEVICE, 1)
         assert torch.equal(alone.add(module, x[row:row + 1], y[row:row + 1].clone())[0], got[row]), (seed, row)
-    # Another batch: the rows reversed, a different size, every slot's rows interleaved with the others'.
+    # Another batch: the rows reversed, a different size, taken in row order (not sorted by slot: blocks of
+    # three slots each, where the mixed batch had blocks of one or two).
     order = torch.arange(rows - 1, 2, -1, device=DEVICE)
-    flipped = LoRABatch(weights, {}, mixed.slots[order], mixed.present)
+    identity = torch.arange(len(order), dtype=torch.int32, device=DEVICE)
+    flipped = LoRABatch(weights, {}, mixed.slots[order], order=identity, present=mixed.present)
     assert torch.equal(flipped.add(module, x[order], y[order].clone()), got[order]), seed
     if dtype == torch.bfloat16:   # near the fp64 reference (rounded as two bf16 products are)
-        want = _reference(y.float(), x.float(), host, segments)
+        want = _reference(y.float().cpu(), x.float().cpu(), host, segments)
         assert ((got.double().cpu() - want).abs().max() / want.abs().max()).item() < 2e-2
 
 
@@ -121,7 +123,7 @@ def test_select_narrows_the_slot_tensor_on_the_device():
     full = batch.add(module, x, y.clone())
     keep = torch.tensor([5, 7, 11], device=DEVICE)
     narrow = batch.select(keep)
-    assert narrow.slots.tolist() == [1, -1, 0]
+    assert narrow.slots.tolist() == [1, -1, 0] and narrow.order.tolist() == [2, 0, 1]
     assert torch.equal(narrow.add(module, x[keep], y[keep].clone()), full[keep])
 
 

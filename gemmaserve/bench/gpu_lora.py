@@ -15,8 +15,9 @@ through the segment kernels (models/lora_triton.py) costs against the base model
               compiles, slot loads), then `--repeat` timed runs (the median), and one run of 1 new token (the
               prefill's share). Rows give tokens/s and their ratio to the base (graphs) of the same run.
 
-Steps with adapter rows run eagerly (model_runner: CUDA graphs do not capture LoRA yet), so the adapter rows
-include that; the "base eager" row separates it from the kernels' own cost.
+Steps with adapter rows run eagerly (model_runner: CUDA graphs do not capture LoRA), so the adapter rows
+include that; the "base eager" row separates it from the kernels' own cost. Prefix caching is off (every run
+repeats its prompts).
 
 Writes $OUT/gpu_lora.json (or bench-out/) after every configuration: a timeout keeps what finished.
 `--device cpu --tiny`: the throughput section's plumbing on a tiny random model on the CPU (the host layout
@@ -150,8 +151,9 @@ def section_kernels(res: dict, save: Callable[[], None], rank: int) -> None:
             for n in (1, 4, 16):
                 slot_of = [i % n for i in range(m)] if m == 64 else [i * n // m for i in range(m)]
                 slots = torch.tensor(slot_of, dtype=torch.int32, device=dev)
+                order = lora_triton.slot_order(slots)   # once per forward in the engine, not per projection
                 groups = [torch.tensor([i for i, s in enumerate(slot_of) if s == j], device=dev) for j in range(n)]
-                ms_kernels = do_bench(lambda: lora_triton.lora_add(y, x, a, bt, slots), warmup=5, rep=30)
+                ms_kernels = do_bench(lambda: lora_triton.lora_add(y, x, a, bt, slots, order), warmup=5, rep=30)
                 ms_grouped = do_bench(lambda: _lora_add(y, x, groups, list(a[:n]), list(bt[:n])), warmup=5, rep=30)
                 ms_base = do_bench(lambda: torch.nn.functional.linear(x, w), warmup=5, rep=30)
                 rows_out.append({"proj": proj, "rows": m, "adapters": n, "kernels_ms": round(ms_kernels, 4),
@@ -204,8 +206,10 @@ def section_throughput(res: dict, save: Callable[[], None], args: argparse.Names
         tokens = args.batch * (args.prompt + args.new)
         kv_bytes = int(sum(s.bytes_per_token() for s in model.kv_layer_specs(model.model.embed_tokens.dtype))
                        * tokens * 1.25) + 64 * 2**20
+        # No prefix caching: every run repeats the same prompts, and a cached prefill measures nothing.
         common = dict(model=name, device=args.device, dtype="float32" if args.tiny else "bfloat16",
                       kv_cache_memory=kv_bytes, max_num_seqs=args.batch, max_num_batched_tokens=8192,
+                      enable_prefix_caching=False,
                       max_loras=max(counts + [1]), max_lora_rank=args.rank, max_cpu_loras=max(counts + [1]))
         if device.type == "cpu":
             common["cpu_compile"] = "off"

@@ -151,6 +151,7 @@ class LoRABatch:
     weights: LoRAWeights
     rows: dict[int, torch.Tensor]     # slot -> int64 row indices, ascending (host layout)
     slots: torch.Tensor | None = None   # [rows] int32 on the device (stacked layout)
+    order: torch.Tensor | None = None   # [rows] int32: the rows sorted by slot (lora_triton.slot_order)
     present: frozenset[int] = frozenset()
 
     @classmethod
@@ -162,10 +163,13 @@ class LoRABatch:
             return None
         if weights.stacked:
             total = max(end for _, end, _ in segments) if num_rows is None else num_rows
+            from .lora_triton import slot_order
+
             slots = torch.full((total,), -1, dtype=torch.int32)
             for start, end, slot in segments:
                 slots[start:end] = slot
-            return cls(weights, {}, to_device(slots, torch.int32, device), frozenset(s for _, _, s in segments))
+            both = to_device(torch.stack([slots, slot_order(slots)]), torch.int32, device)   # one copy
+            return cls(weights, {}, both[0], both[1], frozenset(s for _, _, s in segments))
         by_slot: dict[int, list[int]] = {}
         for start, end, slot in segments:
             by_slot.setdefault(slot, []).extend(range(start, end))
@@ -173,10 +177,12 @@ class LoRABatch:
 
     def select(self, rows: torch.Tensor) -> "LoRABatch | None":
         """The same adapters for the forward narrowed to `rows` (row i of the result is rows[i] here)."""
-        if self.slots is not None:   # a gather on the device (no sync); `present` may now name a slot too many
+        if self.slots is not None:   # on the device, no sync; `present` may now name a slot too many
+            from .lora_triton import slot_order
+
             inside = rows < self.slots.shape[0]
-            picked = self.slots.index_select(0, torch.where(inside, rows, 0))
-            return LoRABatch(self.weights, {}, torch.where(inside, picked, -1), self.present)
+            picked = torch.where(inside, self.slots.index_select(0, torch.where(inside, rows, 0)), -1)
+            return LoRABatch(self.weights, {}, picked, slot_order(picked), self.present)
         where = {int(r): i for i, r in enumerate(rows.tolist())}
         picked = {}
         for slot, idx in self.rows.items():
@@ -194,7 +200,7 @@ class LoRABatch:
                 return y
             from . import lora_triton
 
-            return lora_triton.lora_add(y, x, stack.a, stack.bt, self.slots)
+            return lora_triton.lora_add(y, x, stack.a, stack.bt, self.slots, self.order)
         slots = self.weights.by_module.get(module)
         if not slots:
             return y

@@ -9,13 +9,14 @@ which adapter, so a captured CUDA graph could replay them with the slot tensor r
 module's rank allotment (the runner's max rank times the fused parts), each slot zero past its adapter's own
 rank: the padding ranks, like B's zero blocks of a fused projection, add exact zeros.
 
-Each program owns BLOCK_M rows and one output tile (shrink: BLOCK_R ranks of one split of the input; expand:
-BLOCK_N output columns, looping over the rank) and loops over the distinct slots among its rows: per slot one
-pass of tl.dot over that slot's weights with the other rows loaded as zeros, storing that slot's rows only.
-So a row's arithmetic is the same instructions in the same order whatever the other rows hold or use (block
-sizes and the split count depend on the shapes only): its delta has the same bits alone and in any batch,
-as invariant_kernels.py's rule. A prefill block (one sequence) makes one pass; a decode block holding rows of
-k adapters makes k.
+Rows are taken in slot order (`order`, sorted once per forward), so a decode batch of 64 rows over 16
+adapters has row blocks of 4 adapters, not 16. Each program owns BLOCK_M rows and one output tile (shrink:
+BLOCK_R ranks of one split of the input; expand: BLOCK_N output columns, looping over the rank) and loops over
+the distinct slots among its rows: per slot one pass of tl.dot over that slot's weights with the other rows
+loaded as zeros, storing that slot's rows only. So a row's arithmetic is the same instructions in the same
+order whatever the other rows hold or use (block sizes and the split count depend on the shapes only): its
+delta has the same bits alone and in any batch, whichever block it falls in, as invariant_kernels.py's rule.
+A prefill block (one sequence) makes one pass; a block holding rows of k adapters makes k.
 
 The shrink cuts `in` into splits of SPLIT_K columns (a fixed size, so a decode batch of a few row blocks still
 spreads over the GPU); the expand sums the splits' fp32 partial products in split order, casts t to the
@@ -49,14 +50,23 @@ def num_splits(in_features: int) -> int:
 
 
 # The row counts change every step: one compiled variant for all of them (no == 1 / % 16 specialisation).
+@triton.jit
+def _block_rows(order_ptr, slot_ptr, pid_m, num_rows, num_slot_rows, BLOCK_M: tl.constexpr):
+    """The rows of row block `pid_m` (through the slot-sorted order) and their slots (-1: none, or no row)."""
+    at = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = (at < num_slot_rows) & (at < num_rows)
+    rows = tl.load(order_ptr + at, mask=live, other=0).to(tl.int64)
+    slots = tl.load(slot_ptr + rows, mask=live & (rows < num_rows), other=-1)
+    return rows, slots
+
+
 @triton.jit(do_not_specialize=["num_rows", "num_slot_rows"])
-def _shrink_kernel(x_ptr, a_ptr, slot_ptr, t_ptr, num_rows, num_slot_rows, in_features, rank,
+def _shrink_kernel(x_ptr, a_ptr, slot_ptr, order_ptr, t_ptr, num_rows, num_slot_rows, in_features, rank,
                    s_xm, s_xk, s_as, s_ar, s_ak, s_tp, s_tm,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    PRECISION: tl.constexpr):
     pid_m, pid_r, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    slots = tl.load(slot_ptr + rows, mask=(rows < num_slot_rows) & (rows < num_rows), other=-1)
+    rows, slots = _block_rows(order_ptr, slot_ptr, pid_m, num_rows, num_slot_rows, BLOCK_M)
     ranks = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rank_ok = ranks < rank
     cols = tl.arange(0, BLOCK_K)
@@ -82,12 +92,11 @@ def _shrink_kernel(x_ptr, a_ptr, slot_ptr, t_ptr, num_rows, num_slot_rows, in_fe
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_slot_rows"])
-def _expand_kernel(t_ptr, bt_ptr, slot_ptr, y_ptr, num_rows, num_slot_rows, out_features, rank, splits,
+def _expand_kernel(t_ptr, bt_ptr, slot_ptr, order_ptr, y_ptr, num_rows, num_slot_rows, out_features, rank, splits,
                    s_tp, s_tm, s_bs, s_br, s_bn, s_ym, s_yn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    slots = tl.load(slot_ptr + rows, mask=(rows < num_slot_rows) & (rows < num_rows), other=-1)
+    rows, slots = _block_rows(order_ptr, slot_ptr, pid_m, num_rows, num_slot_rows, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < out_features
     todo = slots >= 0
@@ -113,7 +122,7 @@ def _expand_kernel(t_ptr, bt_ptr, slot_ptr, y_ptr, num_rows, num_slot_rows, out_
         todo = todo & (slots != s)
 
 
-def shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """Each row's x A_s^T as fp32 partial sums over the input's splits, [splits, rows, R] (rows without a slot,
     and other splits' columns, hold whatever was there: `expand` never reads them)."""
     rows, in_features = x.shape
@@ -125,14 +134,15 @@ def shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tenso
     if rows == 0:
         return t
     grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(rank, block_r), splits)
-    _shrink_kernel[grid](x, a, slots, t, rows, slots.shape[0], in_features, rank,
+    _shrink_kernel[grid](x, a, slots, order, t, rows, slots.shape[0], in_features, rank,
                          x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1),
                          BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
                          PRECISION=_precision(x.dtype), num_warps=4)
     return t
 
 
-def expand(y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def expand(y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor,
+           order: torch.Tensor) -> torch.Tensor:
     """y[r] += t[r] B_s^T for every row with a slot, in place (`t` from `shrink`, `bt` [S, R, out]); returns y."""
     rows, out_features = y.shape
     splits, t_rows, rank = t.shape
@@ -141,16 +151,26 @@ def expand(y: torch.Tensor, t: torch.Tensor, bt: torch.Tensor, slots: torch.Tens
     if rows == 0:
         return y
     grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(out_features, BLOCK_N))
-    _expand_kernel[grid](t, bt, slots, y, rows, slots.shape[0], out_features, rank, splits,
+    _expand_kernel[grid](t, bt, slots, order, y, rows, slots.shape[0], out_features, rank, splits,
                          t.stride(0), t.stride(1), bt.stride(0), bt.stride(1), bt.stride(2), y.stride(0), y.stride(1),
                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=_block_r(rank), PRECISION=_precision(bt.dtype),
                          num_warps=4)
     return y
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def slot_order(slots: torch.Tensor) -> torch.Tensor:
+    """The rows sorted by slot (stable; rows without one last), int32: the row blocks' membership."""
+    key = torch.where(slots >= 0, slots, torch.iinfo(torch.int32).max)
+    return torch.argsort(key, stable=True).to(torch.int32)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor,
+             order: torch.Tensor | None = None) -> torch.Tensor:
     """y[r] += (x[r] A_s^T) B_s^T for each row r with slot s = slots[r] >= 0 (rows past slots' length have none),
-    in place; returns y. x [rows, in], y [rows, out], A [S, R, in], B^T [S, R, out], slots int32."""
+    in place; returns y. x [rows, in], y [rows, out], A [S, R, in], B^T [S, R, out], slots int32. `order`
+    (`slot_order(slots)` unless given) groups the rows into blocks: it changes how many passes a block makes,
+    never a row's bits."""
     if slots.dtype != torch.int32:
         raise ValueError(f"lora_add: slots must be int32, got {slots.dtype}")
-    return expand(y, shrink(x, a, slots), bt, slots)
+    order = slot_order(slots) if order is None else order
+    return expand(y, shrink(x, a, slots, order), bt, slots, order)
