@@ -3,8 +3,8 @@ through the segment kernels (models/lora_triton.py) costs against the base model
 
   check       tiny random Gemma 3 (fused 3-part qkv) and Gemma 4 E2B-like (KV-shared layers: rows narrowed
               mid-model) checkpoints, fp32 on CUDA: a mixed batch of two adapters and the base gives the same
-              greedy tokens through the stacked slots and Triton kernels as through the grouped reference
-              (`_lora_add` over the host layout, on the same GPU)
+              greedy tokens through the stacked slots and Triton kernels (decode steps in CUDA graphs) as
+              through the grouped reference (`_lora_add` over the host layout, eager, on the same GPU)
   kernels     one projection's delta alone at gemma3-4b's shapes, bf16, decode (64 rows) and prefill (8192 rows)
               with 1, 4, 16 adapters: the segment kernels, the grouped reference and the projection itself (ms)
   throughput  random bf16 weights at real shapes (gemma3-4b, gemma4-31b; the 31B cut to its first 30 of 60
@@ -15,9 +15,8 @@ through the segment kernels (models/lora_triton.py) costs against the base model
               compiles, slot loads), then `--repeat` timed runs (the median), and one run of 1 new token (the
               prefill's share). Rows give tokens/s and their ratio to the base (graphs) of the same run.
 
-Steps with adapter rows run eagerly (model_runner: CUDA graphs do not capture LoRA), so the adapter rows
-include that; the "base eager" row separates it from the kernels' own cost. Prefix caching is off (every run
-repeats its prompts).
+Decode steps with adapter rows replay CUDA graphs of their own (cuda_graphs.py); the "base eager" row shows
+what the graphs save the base. Prefix caching is off (every run repeats its prompts).
 
 Writes $OUT/gpu_lora.json (or bench-out/) after every configuration: a timeout keeps what finished.
 `--device cpu --tiny`: the throughput section's plumbing on a tiny random model on the CPU (the host layout
@@ -117,6 +116,7 @@ def section_check(res: dict, save: Callable[[], None]) -> None:
         assert host.engine.runner.lora.weights.by_module and not host.engine.runner.lora.weights.stacked
         base = [o.outputs[0].token_ids for o in host.generate(prompts, params, use_tqdm=False)]
         rows.append({"variant": variant, "tokens_equal": out["stacked"] == out["host"],
+                     "lora_graph_sizes": stacked.engine.runner.graphs.lora_sizes,   # decode steps replayed them
                      "adapter_changes_tokens": sum(b != s for b, s, n in zip(base, out["stacked"], names) if n)})
         print("check", rows[-1], flush=True)
         save()
@@ -225,6 +225,9 @@ def section_throughput(res: dict, save: Callable[[], None], args: argparse.Names
                    "rank": args.rank if n else None, "seconds": round(secs, 3), "prefill_s": round(prefill, 3),
                    "decode_s": round(secs - prefill, 3), "out_tok_s": round(args.batch * args.new / secs, 1),
                    "total_tok_s": round(tokens / secs, 1)}
+            graphs = llm.engine.runner.graphs
+            if graphs is not None:   # which decode steps replayed graphs (LoRA steps: graphs of their own)
+                row["lora_graph_sizes"] = graphs.lora_sizes
             if label == "base":   # unrounded: the base's own ratios are exactly 1
                 base.update(seconds=secs, decode=secs - prefill)
             if base:
@@ -294,7 +297,7 @@ def main(argv: list[str]) -> int:
 
 
 # Rows that pass or fail (bench/sections.py): the exit status is 1 if one fails or a section raised.
-CHECKS = {"check": lambda r: r["tokens_equal"]}
+CHECKS = {"check": lambda r: r["tokens_equal"] and r["lora_graph_sizes"]}
 
 
 def summary(res: dict) -> str:

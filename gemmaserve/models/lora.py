@@ -153,6 +153,7 @@ class LoRABatch:
     slots: torch.Tensor | None = None   # [rows] int32 on the device (stacked layout)
     order: torch.Tensor | None = None   # [rows] int32: the rows sorted by slot (lora_triton.slot_order)
     present: frozenset[int] = frozenset()
+    captured: bool = False   # a CUDA graph's batch: every stacked module runs its kernels, whatever is loaded
 
     @classmethod
     def from_segments(cls, weights: LoRAWeights, segments: list[tuple[int, int, int]],
@@ -182,7 +183,7 @@ class LoRABatch:
 
             inside = rows < self.slots.shape[0]
             picked = torch.where(inside, self.slots.index_select(0, torch.where(inside, rows, 0)), -1)
-            return LoRABatch(self.weights, {}, picked, slot_order(picked), self.present)
+            return LoRABatch(self.weights, {}, picked, slot_order(picked), self.present, self.captured)
         where = {int(r): i for i, r in enumerate(rows.tolist())}
         picked = {}
         for slot, idx in self.rows.items():
@@ -196,7 +197,7 @@ class LoRABatch:
         module's fresh output)."""
         stack = self.weights.stacked.get(module)
         if stack is not None:
-            if self.slots is None or not (stack.held & self.present):
+            if self.slots is None or not (self.captured or stack.held & self.present):
                 return y
             from . import lora_triton
 
