@@ -49,7 +49,13 @@ def num_splits(in_features: int) -> int:
     return triton.cdiv(in_features, SPLIT_K)
 
 
-# The row counts change every step: one compiled variant for all of them (no == 1 / % 16 specialisation).
+# The row counts change every step, and so does the offset of the order inside the slot-and-order tensor
+# (LoRABatch.from_segments): one compiled variant for all of them (no == 1 / % 16 / alignment specialisation),
+# so no step compiles a new one in the middle of serving.
+_PER_STEP_ARGS = dict(do_not_specialize=["num_rows", "num_slot_rows"],
+                      do_not_specialize_on_alignment=["slot_ptr", "order_ptr"])
+
+
 @triton.jit
 def _block_rows(order_ptr, slot_ptr, pid_m, num_rows, num_slot_rows, BLOCK_M: tl.constexpr):
     """The rows of row block `pid_m` (through the slot-sorted order) and their slots (-1: none, or no row)."""
@@ -60,7 +66,7 @@ def _block_rows(order_ptr, slot_ptr, pid_m, num_rows, num_slot_rows, BLOCK_M: tl
     return rows, slots
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_slot_rows"])
+@triton.jit(**_PER_STEP_ARGS)
 def _shrink_kernel(x_ptr, a_ptr, slot_ptr, order_ptr, t_ptr, num_rows, num_slot_rows, in_features, rank,
                    s_xm, s_xk, s_as, s_ar, s_ak, s_tp, s_tm,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -91,7 +97,7 @@ def _shrink_kernel(x_ptr, a_ptr, slot_ptr, order_ptr, t_ptr, num_rows, num_slot_
         todo = todo & (slots != s)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_slot_rows"])
+@triton.jit(**_PER_STEP_ARGS)
 def _expand_kernel(t_ptr, bt_ptr, slot_ptr, order_ptr, y_ptr, num_rows, num_slot_rows, out_features, rank, splits,
                    s_tp, s_tm, s_bs, s_br, s_bn, s_ym, s_yn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
