@@ -20,9 +20,9 @@ class _EagerAsGraphs:
     def __init__(self, runner):
         self.runner = runner
 
-    def run(self, input_ids, positions, metadata):
+    def run(self, input_ids, positions, metadata, lora=None):
         attn = self.runner.backend.begin_batch(metadata, self.runner.kv_cache)
-        hidden = self.runner.model(ModelInputs(input_ids, positions, attn))
+        hidden = self.runner.model(ModelInputs(input_ids, positions, attn, lora=lora))
         return self.runner.model.compute_logits(hidden), hidden
 
 

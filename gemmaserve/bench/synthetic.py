@@ -4,6 +4,7 @@ not depend on weight values). Shapes from the public configs (../shared/referenc
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -53,12 +54,19 @@ GEMMA4_CONFIGS = {
 }
 
 
-def model_config(name: str) -> Gemma3Config | Gemma4Config:
-    """The config of a real model shape by name (gemma3-*, gemma4-*)."""
+def model_config(name: str, layers: int | None = None) -> Gemma3Config | Gemma4Config:
+    """The config of a real model shape by name (gemma3-*, gemma4-*); `layers`: only the first that many
+    (the same layer shapes and pattern, for a model too large for one card at full depth)."""
     if name in GEMMA3_CONFIGS:
-        return gemma3_config(name)
+        cfg = gemma3_config(name)
+        if layers is None:
+            return cfg
+        return dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers])
     if name in GEMMA4_CONFIGS:
-        return Gemma4Config.from_hf(GEMMA4_CONFIGS[name])
+        raw = GEMMA4_CONFIGS[name]
+        if layers is not None:
+            raw = {**raw, "num_hidden_layers": layers, "layer_types": raw["layer_types"][:layers]}
+        return Gemma4Config.from_hf(raw)
     raise KeyError(f"unknown model shape {name!r}; known: {', '.join([*GEMMA3_CONFIGS, *GEMMA4_CONFIGS])}")
 
 
@@ -85,11 +93,12 @@ def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 @torch.inference_mode()
-def random_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
-    """A real-size model of shape `name` with random weights (norm gains near their identity, so
-    activations stay in range in bf16)."""
+def random_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 config: Gemma3Config | Gemma4Config | None = None) -> LoadedModel:
+    """A real-size model of shape `name` (or of `config`, under that name) with random weights (norm gains
+    near their identity, so activations stay in range in bf16)."""
     start = time.perf_counter()
-    cfg = model_config(name)
+    cfg = model_config(name) if config is None else config
     cls: type[CausalLM] = Gemma3ForCausalLM if isinstance(cfg, Gemma3Config) else Gemma4ForCausalLM
     with torch.device(device):
         model = cls(cfg, dtype)

@@ -4,6 +4,10 @@ A decode step launches ~12 kernels per layer; at small batches launch overhead, 
 pace. Replaying a captured graph issues them all at once. Inputs live at fixed addresses (the
 backend's `GraphInputs`, shared by all sizes): each step copies the live batch in (padding rows read
 and write a reserved null page) and replays the graph of the smallest size that fits.
+
+Steps with LoRA rows replay graphs of their own, captured on the first such step of each size (the adapters'
+stacked slots exist from the first load on, at fixed addresses): every stacked module's segment kernels are in
+them, reading each row's slot and the slot order from buffers filled per step (padding rows: no slot).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch import nn
 
 from ..attention.base import AttentionBackend
 from ..models.base import ModelInputs
+from ..models.lora import LoRABatch, LoRAWeights
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -43,6 +48,10 @@ class DecodeGraphs:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, _Graph] = {}
+        self._lora_graphs: dict[int, _Graph] = {}
+        self.lora_slots = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
+        self.lora_order = torch.arange(max_batch, dtype=torch.int32, device=device)
+        self._rows = torch.arange(max_batch, dtype=torch.int32, device=device)
         self.capture_seconds = 0.0
 
     @property
@@ -55,15 +64,29 @@ class DecodeGraphs:
             self._capture(size)
         self.capture_seconds = time.perf_counter() - start
 
+    @property
+    def lora_sizes(self) -> list[int]:
+        """The padded batch sizes whose LoRA graphs are captured so far."""
+        return sorted(self._lora_graphs)
+
     def graph(self, size: int) -> torch.cuda.CUDAGraph:
         """The captured graph of a padded batch size (benchmarks replay it alone)."""
         return self._graphs[size].graph
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, hidden states) of a decode batch: views of the graph's outputs until its next replay."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata,
+            lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden states) of a decode batch: views of the graph's outputs until its next replay.
+        `lora`: the batch's adapters (stacked layout, a slot per input row)."""
         b = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
-        g = self._graphs.get(size) or self._capture(size)
+        if lora is None:
+            g = self._graphs.get(size) or self._capture(size)
+        else:
+            g = self._lora_graphs.get(size) or self._capture(size, lora.weights)
+            self.lora_slots[:b].copy_(lora.slots)
+            self.lora_slots[b:size].fill_(-1)
+            self.lora_order[:b].copy_(lora.order)
+            self.lora_order[b:size].copy_(self._rows[b:size])   # padding rows: themselves, no slot
         self.inputs.fill(metadata, size)
         self.input_ids[:b].copy_(input_ids)
         self.input_ids[b:size].zero_()
@@ -73,21 +96,26 @@ class DecodeGraphs:
         return g.logits[:b], g.hidden[:b]
 
     @torch.inference_mode()
-    def _capture(self, size: int) -> _Graph:
+    def _capture(self, size: int, lora_weights: LoRAWeights | None = None) -> _Graph:
         ids, pos = self.input_ids[:size], self.positions[:size]
         ids.zero_()
         pos.zero_()
         self.inputs.fill(None, size)   # every row is padding: writes hit the null page
         attn = self.inputs.attention(size, self.layer_slot, self.kv_cache)
+        lora = None
+        if lora_weights is not None:
+            self.lora_slots[:size].fill_(-1)
+            self.lora_order[:size].copy_(self._rows[:size])
+            lora = LoRABatch(lora_weights, {}, self.lora_slots[:size], self.lora_order[:size], captured=True)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):   # warm-up off the capture (compiles the kernels)
-            self.model.compute_logits(self.model(ModelInputs(ids, pos, attn)))
+            self.model.compute_logits(self.model(ModelInputs(ids, pos, attn, lora=lora)))
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(ModelInputs(ids, pos, attn))
+            hidden = self.model(ModelInputs(ids, pos, attn, lora=lora))
             logits = self.model.compute_logits(hidden)
         g = _Graph(graph, logits, hidden)
-        self._graphs[size] = g
+        (self._graphs if lora is None else self._lora_graphs)[size] = g
         return g

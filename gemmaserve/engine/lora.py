@@ -77,21 +77,41 @@ class AdapterStore:
 
 
 class RunnerLoRA:
-    """Runner side: the adapters in the device slots, and which rows of a step use which slot."""
+    """Runner side: the adapters in the device slots, and which rows of a step use which slot. On CUDA the slots
+    are stacked per module (models/lora.py `StackedSlots`, for lora_triton.py's kernels), allocated when the
+    first adapter is loaded, at `max_rank` per fused part, so an engine that never serves one pays nothing;
+    elsewhere (`stacked` False: the CPU) each slot holds its adapter at its own rank."""
 
-    def __init__(self, model: nn.Module, device: torch.device, max_loras: int, max_rank: int, max_cpu_loras: int):
+    def __init__(self, model: nn.Module, device: torch.device, max_loras: int, max_rank: int, max_cpu_loras: int,
+                 stacked: bool | None = None):
         self.device = device
         self.dtype = model.model.embed_tokens.dtype   # the activations' dtype (fp32 over quantised CPU weights)
         self.store = AdapterStore(model, max_rank, max_cpu_loras)
         self.weights = LoRAWeights(max_loras)
-        self._modules = {path: p.module for path, p in projections(model).items()}
+        self.max_rank = max_rank
+        self.stacked = device.type == "cuda" if stacked is None else stacked
+        self._projections = projections(model)
+        self._modules = {path: p.module for path, p in self._projections.items()}
+
+    def _allocate(self) -> None:
+        for p in self._projections.values():
+            self.weights.allocate(p.module, self.max_rank * len(p.parts), p.in_features, sum(p.parts), self.dtype,
+                                  self.device)
+        log.info("LoRA: %d slots stacked for %d projections at rank %d per part: %.1f MiB", self.weights.num_slots,
+                 len(self._projections), self.max_rank, self.weights.nbytes / 2**20)
 
     def load(self, load: LoRALoad) -> None:
         adapter = self.store.get(load.name, load.path, load.digest)
+        if self.stacked and not self.weights.stacked:
+            self._allocate()
         self.weights.clear(load.slot)
         for path, w in adapter.weights.items():
-            self.weights.put(load.slot, self._modules[path],
-                             SlotWeights(w.a.to(self.device, self.dtype), w.b.to(self.device, self.dtype)).transposed())
+            module = self._modules[path]
+            if self.stacked:   # copied and cast into the slot in place
+                self.weights.write(load.slot, module, w.a, w.b)
+            else:
+                a, b = w.a.to(self.device, self.dtype), w.b.to(self.device, self.dtype)
+                self.weights.put(load.slot, module, SlotWeights(a, b).transposed())
 
     def batch(self, seqs: list[SeqStep]) -> LoRABatch | None:
         segments, row = [], 0
@@ -99,7 +119,7 @@ class RunnerLoRA:
             if s.lora_slot >= 0:
                 segments.append((row, row + s.num_new_tokens, s.lora_slot))
             row += s.num_new_tokens
-        return LoRABatch.from_segments(self.weights, segments, self.device) if segments else None
+        return LoRABatch.from_segments(self.weights, segments, self.device, row) if segments else None
 
 
 class LoRARegistry:

@@ -309,14 +309,15 @@ class ModelRunner:
                 sampled.extend([b] * (s.num_drafts + 1))
         embeds = self._media_embeds(seqs, input_ids) if self.media else None
         lora = self.lora.batch(seqs) if self.lora is not None else None
-        # Decode batches, and verification steps as one decode row per token, run through CUDA graphs or
-        # compiled CPU steps where the engine has them (steps with LoRA rows: not yet); everything else eagerly.
-        eager = embeds is not None or lora is not None
+        # Decode batches, and verification steps as one decode row per token, run through CUDA graphs (steps with
+        # LoRA rows too, through the stacked slots' kernels) or compiled CPU steps (not those with LoRA rows)
+        # where the engine has them; everything else eagerly.
+        eager = embeds is not None or (lora is not None and (self.graphs is None or lora.slots is None))
         as_decode = md if md.is_decode_only and not eager else None
         if as_decode is None and not eager and (self.graphs is not None or self.compiled is not None):
             as_decode = verification_as_decode(seqs, md)
         if self.graphs is not None and as_decode is not None and as_decode.num_seqs <= self.graphs.max_size:
-            logits, hidden = self.graphs.run(input_ids, positions, as_decode)   # a row per input row
+            logits, hidden = self.graphs.run(input_ids, positions, as_decode, lora)   # a row per input row
             if len(rows) != as_decode.num_seqs:
                 # A one-token row can be a prefill chunk that does not complete its prompt: no sample.
                 if not rows:

@@ -9,9 +9,14 @@ pair of products serves every part and the zero blocks add exact zeros.
 
 The runner owns the weights (`LoRAWeights`: per projection module and device slot) and builds a `LoRABatch`
 per forward from the step description; models pass it down to their projections (`ModelInputs.lora`) and
-narrow it where they narrow their rows. The grouped path here gathers each slot's rows and runs the two
-products through `layers.linear`, so a row's delta, like its base output, does not depend on the other rows
-(the CPU's batch rule); segment kernels for CUDA are the next step.
+narrow it where they narrow their rows. Two layouts, two paths, one rule (a row's delta, like its base output,
+does not depend on the other rows):
+
+    host     per module and slot a `SlotWeights` (A, B^T at the adapter's own rank); a batch groups its rows by
+             slot (`LoRABatch.rows`) and one C++ op (`gemmaserve::lora_add`) or `_lora_add` runs each group
+    device   per module one `StackedSlots` (every slot's A and B^T zero padded to the runner's rank allotment,
+             allocated once, written in place); a batch holds each row's slot in a device tensor
+             (`LoRABatch.slots`) and lora_triton.py's segment kernels run every row at once
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..device import to_device
 from .layers import Attention, GeGLU, linear
 
 
@@ -73,41 +79,111 @@ class SlotWeights:
 
 
 @dataclass
+class StackedSlots:
+    """One module's slots for the segment kernels (lora_triton.py): A [S, R, in] and B^T [S, R, out], R the
+    runner's allotment (max rank x fused parts), each slot zero past its adapter's rank. Allocated once and
+    written in place, so the addresses never change (what a captured CUDA graph reads)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    held: set[int] = field(default_factory=set)   # slots whose adapter adapts this module
+
+    def write(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Slot `slot` := A [r, in], B [out, r] (any device and dtype: copied and cast here)."""
+        r = a.shape[0]
+        if r > self.a.shape[1] or a.shape[1] != self.a.shape[2] or b.shape != (self.bt.shape[2], r):
+            raise ValueError(f"LoRA weights A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a slot of "
+                             f"A {tuple(self.a.shape[1:])}, B^T {tuple(self.bt.shape[1:])}")
+        self.a[slot, :r].copy_(a)
+        self.a[slot, r:].zero_()
+        self.bt[slot, :r].copy_(b.t())
+        self.bt[slot, r:].zero_()
+        self.held.add(slot)
+
+    def clear(self, slot: int) -> None:
+        if slot in self.held:
+            self.a[slot].zero_()
+            self.bt[slot].zero_()
+            self.held.discard(slot)
+
+
+@dataclass
 class LoRAWeights:
-    """The adapters in device slots, per projection module (the runner is their only writer): A, and B
-    transposed (`SlotWeights.transposed`)."""
+    """The adapters in device slots, per projection module (the runner is their only writer), in one of two
+    layouts: per slot, A and B transposed (`SlotWeights.transposed`, `put`), or stacked (`allocate`, `write`)."""
 
     num_slots: int
     by_module: dict[nn.Module, dict[int, SlotWeights]] = field(default_factory=dict)
+    stacked: dict[nn.Module, StackedSlots] = field(default_factory=dict)
 
     def clear(self, slot: int) -> None:
         for slots in self.by_module.values():
             slots.pop(slot, None)
+        for stack in self.stacked.values():
+            stack.clear(slot)
 
     def put(self, slot: int, module: nn.Module, weights: SlotWeights) -> None:
         self.by_module.setdefault(module, {})[slot] = weights
 
+    def allocate(self, module: nn.Module, rank: int, in_features: int, out_features: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """`module`'s stacked slots, zero (no adapter), room for a stacked rank up to `rank`."""
+        self.stacked[module] = StackedSlots(
+            torch.zeros(self.num_slots, rank, in_features, dtype=dtype, device=device),
+            torch.zeros(self.num_slots, rank, out_features, dtype=dtype, device=device))
+
+    def write(self, slot: int, module: nn.Module, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.stacked[module].write(slot, a, b)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stacked slots."""
+        return sum(s.a.numel() * s.a.element_size() + s.bt.numel() * s.bt.element_size()
+                   for s in self.stacked.values())
+
 
 @dataclass
 class LoRABatch:
-    """Which rows of one forward use which slot (rows without an adapter are in no group)."""
+    """Which rows of one forward use which slot: grouped by slot for the host layout (`rows`; rows without an
+    adapter are in no group), or each row's slot in a device tensor for the stacked one (`slots`, -1 for none;
+    `present` the slots it may name, known on the host so a module no present adapter adapts costs nothing)."""
 
     weights: LoRAWeights
-    rows: dict[int, torch.Tensor]     # slot -> int64 row indices, ascending
+    rows: dict[int, torch.Tensor]     # slot -> int64 row indices, ascending (host layout)
+    slots: torch.Tensor | None = None   # [rows] int32 on the device (stacked layout)
+    order: torch.Tensor | None = None   # [rows] int32: the rows sorted by slot (lora_triton.slot_order)
+    present: frozenset[int] = frozenset()
+    captured: bool = False   # a CUDA graph's batch: every stacked module runs its kernels, whatever is loaded
 
     @classmethod
     def from_segments(cls, weights: LoRAWeights, segments: list[tuple[int, int, int]],
-                      device: torch.device) -> "LoRABatch | None":
-        """`segments`: (first row, end row, slot) of each sequence with an adapter; None when there are none."""
+                      device: torch.device, num_rows: int | None = None) -> "LoRABatch | None":
+        """`segments`: (first row, end row, slot) of each sequence with an adapter; None when there are none.
+        `num_rows`: the forward's rows (default: the last segment's end; rows past the slot tensor have none)."""
+        if not segments:
+            return None
+        if weights.stacked:
+            total = max(end for _, end, _ in segments) if num_rows is None else num_rows
+            from .lora_triton import slot_order
+
+            slots = torch.full((total,), -1, dtype=torch.int32)
+            for start, end, slot in segments:
+                slots[start:end] = slot
+            both = to_device(torch.stack([slots, slot_order(slots)]), torch.int32, device)   # one copy
+            return cls(weights, {}, both[0], both[1], frozenset(s for _, _, s in segments))
         by_slot: dict[int, list[int]] = {}
         for start, end, slot in segments:
             by_slot.setdefault(slot, []).extend(range(start, end))
-        if not by_slot:
-            return None
         return cls(weights, {s: torch.tensor(r, dtype=torch.long, device=device) for s, r in by_slot.items()})
 
     def select(self, rows: torch.Tensor) -> "LoRABatch | None":
         """The same adapters for the forward narrowed to `rows` (row i of the result is rows[i] here)."""
+        if self.slots is not None:   # on the device, no sync; `present` may now name a slot too many
+            from .lora_triton import slot_order
+
+            inside = rows < self.slots.shape[0]
+            picked = torch.where(inside, self.slots.index_select(0, torch.where(inside, rows, 0)), -1)
+            return LoRABatch(self.weights, {}, picked, slot_order(picked), self.present, self.captured)
         where = {int(r): i for i, r in enumerate(rows.tolist())}
         picked = {}
         for slot, idx in self.rows.items():
@@ -117,7 +193,15 @@ class LoRABatch:
         return LoRABatch(self.weights, picked) if picked else None
 
     def add(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (module's output for x) plus each row's adapter delta."""
+        """y (module's output for x) plus each row's adapter delta (the stacked layout adds in place: y is the
+        module's fresh output)."""
+        stack = self.weights.stacked.get(module)
+        if stack is not None:
+            if self.slots is None or not (self.captured or stack.held & self.present):
+                return y
+            from . import lora_triton
+
+            return lora_triton.lora_add(y, x, stack.a, stack.bt, self.slots, self.order)
         slots = self.weights.by_module.get(module)
         if not slots:
             return y
