@@ -40,6 +40,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--answer-tokens", type=int, default=8, help="tokens each turn generates")
     ap.add_argument("--pool-sessions", type=float, default=1.5,
                     help="device KV pool size, in sessions' worth of KV (below --sessions: returns miss the device)")
+    ap.add_argument("--workloads", default="returns,fresh",
+                    help="returns: sessions come back; fresh: every turn a new prefix (the no-regression check)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each configuration, alternating recompute and tier (medians reported)")
 
 
 def _session_prompts(sessions: int, turns: int, prefix: int, turn_tokens: int, vocab: int, seed: int
@@ -103,6 +107,12 @@ def _run_sessions(llm, sessions: list[list[list[int]]], params, returns: bool) -
     return row
 
 
+def _median_row(rows: list[dict]) -> dict:
+    """The run with the median total time, with every run's total beside it."""
+    rows = sorted(rows, key=lambda r: r["total_s"])
+    return {**rows[len(rows) // 2], "runs_total_s": [r["total_s"] for r in rows]}
+
+
 def _every_layer_bytes(kv) -> int:
     """Bytes a tier holding every KV-owning layer of the tokens this tier covers would take: the tokens are
     those of the full-attention blocks it holds (every stored prefix keeps all of them)."""
@@ -143,17 +153,19 @@ def run(args: argparse.Namespace) -> int:
         free = available_host_memory()
         if free is not None and tier_bytes > free // 2:
             raise SystemExit(f"a tier of {tier_bytes} bytes would take over half the host's free memory")
-        for returns in (True, False):
-            pair = {}
-            for name, extra in (("recompute", {}), ("tier", {"kv_offload_memory": tier_bytes})):
-                llm = LLM.from_config(config.replace(kv_cache_memory=pool, enable_prefix_caching=True, **extra),
-                                      base)
-                _one(llm.engine, sessions[0][0][:64], params)   # warm-up (first-step costs)
-                llm.engine.kv.reset_prefix_cache()
-                pair[name] = _run_sessions(llm, sessions, params, returns)
-                del llm
-            same = pair["recompute"].pop("answers") == pair["tier"].pop("answers")
-            rec, tier = pair["recompute"], pair["tier"]
+        for returns in [w == "returns" for w in args.workloads.split(",")]:
+            runs: dict[str, list[dict]] = {"recompute": [], "tier": []}
+            for _ in range(args.repeat):   # alternating, so a drift of the machine's speed hits both alike
+                for name, extra in (("recompute", {}), ("tier", {"kv_offload_memory": tier_bytes})):
+                    llm = LLM.from_config(config.replace(kv_cache_memory=pool, enable_prefix_caching=True, **extra),
+                                          base)
+                    _one(llm.engine, sessions[0][0][:64], params)   # warm-up (first-step costs)
+                    llm.engine.kv.reset_prefix_cache()
+                    runs[name].append(_run_sessions(llm, sessions, params, returns))
+                    del llm
+            answers = [r.pop("answers") for rs in runs.values() for r in rs]
+            same = all(a == answers[0] for a in answers)
+            rec, tier = (_median_row(runs[name]) for name in ("recompute", "tier"))
             row = {"prefix": prefix, "returns": returns, "pool_bytes": pool, "same_tokens": same,
                    "recompute": rec, "tier": tier,
                    "total_ratio": round(tier["total_s"] / rec["total_s"], 3)}
