@@ -284,8 +284,8 @@ static inline float load1(const float* p) { return *p; }
 static inline float load1(const at::BFloat16* p) { return static_cast<float>(*p); }
 static inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
-// xa[t] = a_t . x for G rank rows of a at once (G independent chains): 16 partial sums per rank, added in a
-// fixed tree, then the tail. Depends only on the two rows and `in`.
+// xa[t] = a_t . x for G rank rows of a at once (G independent chains, G streams of A read side by side): 16
+// partial sums per rank, added in a fixed tree, then the tail. Depends only on the two rows and `in`.
 template <int G, typename W>
 static inline void lora_dots(const W* a, const float* x, int64_t in, float* xa) {
   vfloat acc[G] = {};
@@ -306,21 +306,31 @@ static inline void lora_dots(const W* a, const float* x, int64_t in, float* xa) 
 }
 
 // One row: xa = A x, then y += xa B over each rank's nonzero outputs (B stored transposed, [r, out]; spans
-// [r, 2]). Each output adds rank 0's term first, then rank 1's, ...: its own order whatever the split.
+// [r, 2]). Each output adds rank 0's term first, then rank 1's, ...: its own order whatever the split. Ranks
+// with the same span (a fused projection's part) go together, output block by output block: their rows of B
+// are read side by side (streams the prefetchers keep up with) and y's block is loaded and stored once.
 template <typename W>
 static void lora_row(const float* x, float* y, const W* a, const W* b, const int64_t* spans, int64_t r,
                      int64_t in, int64_t out) {
   float xa[LORA_LOOP_RANK];
   int64_t j = 0;
+  for (; j + 8 <= r; j += 8) lora_dots<8>(a + j * in, x, in, xa + j);
   for (; j + 4 <= r; j += 4) lora_dots<4>(a + j * in, x, in, xa + j);
   for (; j < r; ++j) lora_dots<1>(a + j * in, x, in, xa + j);
-  for (j = 0; j < r; ++j) {
-    const W* bj = b + j * out;
-    const float v = xa[j];
-    const int64_t hi = spans[2 * j + 1];
-    int64_t o = spans[2 * j];
-    for (; o + VL <= hi; o += VL) store16(y + o, load16(y + o) + load16(bj + o) * v);
-    for (; o < hi; ++o) y[o] = y[o] + load1(bj + o) * v;
+  for (int64_t j0 = 0, j1; j0 < r; j0 = j1) {
+    const int64_t lo = spans[2 * j0], hi = spans[2 * j0 + 1];
+    for (j1 = j0 + 1; j1 < r && spans[2 * j1] == lo && spans[2 * j1 + 1] == hi; ++j1) {}
+    int64_t o = lo;
+    for (; o + VL <= hi; o += VL) {
+      vfloat acc = load16(y + o);
+      for (int64_t t = j0; t < j1; ++t) acc = acc + load16(b + t * out + o) * xa[t];
+      store16(y + o, acc);
+    }
+    for (; o < hi; ++o) {
+      float acc = y[o];
+      for (int64_t t = j0; t < j1; ++t) acc = acc + load1(b + t * out + o) * xa[t];
+      y[o] = acc;
+    }
   }
 }
 
