@@ -284,15 +284,24 @@ static inline float load1(const float* p) { return *p; }
 static inline float load1(const at::BFloat16* p) { return static_cast<float>(*p); }
 static inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
+// The line `d` bytes past p (in another adapter's weights: `lora_row`), asked for ahead of its use (into L2:
+// an adapter's share of a projection is tens of KB).
+static inline void prefetch_at(const void* p, std::ptrdiff_t d) {
+  if (d) __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + d), 0, 2);
+}
+
 // xa[t] = a_t . x for G rank rows of a at once (G independent chains, G streams of A read side by side): 16
 // partial sums per rank, added in a fixed tree, then the tail. Depends only on the two rows and `in`.
 template <int G, typename W>
-static inline void lora_dots(const W* a, const float* x, int64_t in, float* xa) {
+static inline void lora_dots(const W* a, const float* x, int64_t in, float* xa, std::ptrdiff_t ahead) {
   vfloat acc[G] = {};
   int64_t k = 0;
   for (; k + VL <= in; k += VL) {
     const vfloat xv = load16(x + k);
-    for (int t = 0; t < G; ++t) acc[t] += load16(a + t * in + k) * xv;
+    for (int t = 0; t < G; ++t) {
+      prefetch_at(a + t * in + k, ahead);
+      acc[t] += load16(a + t * in + k) * xv;
+    }
   }
   for (int t = 0; t < G; ++t) {
     float l[VL];
@@ -309,21 +318,27 @@ static inline void lora_dots(const W* a, const float* x, int64_t in, float* xa) 
 // [r, 2]). Each output adds rank 0's term first, then rank 1's, ...: its own order whatever the split. Ranks
 // with the same span (a fused projection's part) go together, output block by output block: their rows of B
 // are read side by side (streams the prefetchers keep up with) and y's block is loaded and stored once.
+// `a_ahead`, `b_ahead`: byte offsets to the next row's A and B if it has another adapter of the same shape
+// (else 0): each line read here asks for the same line there, so a decode step's next adapter streams in
+// while this one is used.
 template <typename W>
 static void lora_row(const float* x, float* y, const W* a, const W* b, const int64_t* spans, int64_t r,
-                     int64_t in, int64_t out) {
+                     int64_t in, int64_t out, std::ptrdiff_t a_ahead, std::ptrdiff_t b_ahead) {
   float xa[LORA_LOOP_RANK];
   int64_t j = 0;
-  for (; j + 8 <= r; j += 8) lora_dots<8>(a + j * in, x, in, xa + j);
-  for (; j + 4 <= r; j += 4) lora_dots<4>(a + j * in, x, in, xa + j);
-  for (; j < r; ++j) lora_dots<1>(a + j * in, x, in, xa + j);
+  for (; j + 8 <= r; j += 8) lora_dots<8>(a + j * in, x, in, xa + j, a_ahead);
+  for (; j + 4 <= r; j += 4) lora_dots<4>(a + j * in, x, in, xa + j, a_ahead);
+  for (; j < r; ++j) lora_dots<1>(a + j * in, x, in, xa + j, a_ahead);
   for (int64_t j0 = 0, j1; j0 < r; j0 = j1) {
     const int64_t lo = spans[2 * j0], hi = spans[2 * j0 + 1];
     for (j1 = j0 + 1; j1 < r && spans[2 * j1] == lo && spans[2 * j1 + 1] == hi; ++j1) {}
     int64_t o = lo;
     for (; o + VL <= hi; o += VL) {
       vfloat acc = load16(y + o);
-      for (int64_t t = j0; t < j1; ++t) acc = acc + load16(b + t * out + o) * xa[t];
+      for (int64_t t = j0; t < j1; ++t) {
+        prefetch_at(b + t * out + o, b_ahead);
+        acc = acc + load16(b + t * out + o) * xa[t];
+      }
       store16(y + o, acc);
     }
     for (; o < hi; ++o) {
@@ -377,12 +392,20 @@ at::Tensor lora_add(const at::Tensor& y_in, const at::Tensor& x_in, at::TensorLi
     for (int64_t w = w0; w < w1; ++w) {
       const Slot& s = slots[work[w].first];
       const int64_t row = work[w].second;
+      std::ptrdiff_t a_ahead = 0, b_ahead = 0;
+      if (w + 1 < w1 && work[w + 1].first != work[w].first) {
+        const Slot& n = slots[work[w + 1].first];
+        if (n.r == s.r && n.bf16 == s.bf16) {
+          a_ahead = reinterpret_cast<uintptr_t>(n.a) - reinterpret_cast<uintptr_t>(s.a);
+          b_ahead = reinterpret_cast<uintptr_t>(n.b) - reinterpret_cast<uintptr_t>(s.b);
+        }
+      }
       if (s.bf16)
         lora_row(xp + row * in, yp + row * out, static_cast<const at::BFloat16*>(s.a),
-                 static_cast<const at::BFloat16*>(s.b), s.spans, s.r, in, out);
+                 static_cast<const at::BFloat16*>(s.b), s.spans, s.r, in, out, a_ahead, b_ahead);
       else
         lora_row(xp + row * in, yp + row * out, static_cast<const float*>(s.a), static_cast<const float*>(s.b),
-                 s.spans, s.r, in, out);
+                 s.spans, s.r, in, out, a_ahead, b_ahead);
     }
   });
   return y;
