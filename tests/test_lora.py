@@ -87,33 +87,45 @@ def served(tmp_path_factory):
     return root, hf, peft_models, llm
 
 
-@pytest.mark.parametrize("rank", [8, 40])
-def test_the_cpu_op_keeps_every_row_independent_of_its_batch(rank):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [13, 40])
+def test_the_cpu_op_keeps_every_row_independent_of_its_batch(rank, dtype):
     """gemmaserve::lora_add (the C++ kernel where it is built): a row's delta is the same bits alone as among
-    other adapters' rows, and within 1e-5 of the Python kernel's MKL products (rank 8: the row loop; 40: MKL)."""
+    other adapters' rows and whatever the threads, and within 1e-5 of the Python kernel's MKL products (rank 13:
+    the row loop, its groups of 8, 4 and 1 ranks and its vectors' tails; 40: MKL), with A and B held in fp32 or
+    bf16 (engine/lora.py)."""
     from gemmaserve.models import cpu_kernels
     from gemmaserve.models.lora import LoRABatch, LoRAWeights, SlotWeights, _lora_add
 
     cpu_kernels.load()
     gen = torch.Generator().manual_seed(fresh_seed())
-    module = torch.nn.Linear(48, 96)
+    module = torch.nn.Linear(53, 96)
     weights = LoRAWeights(4)
     for slot in range(4):
         b = torch.randn(96, rank, generator=gen)
         b[:40, rank // 2:] = 0   # two parts: block-diagonal, as a fused projection's
         b[40:, :rank // 2] = 0
-        weights.put(slot, module, SlotWeights(torch.randn(rank, 48, generator=gen), b).transposed())
-    x, y = torch.randn(11, 48, generator=gen), torch.randn(11, 96, generator=gen)
-    mixed = LoRABatch.from_segments(weights, [(0, 3, 0), (3, 4, 2), (4, 9, 1), (10, 11, 3)], torch.device("cpu"))
+        w = SlotWeights(torch.randn(rank, 53, generator=gen), b).transposed()
+        weights.put(slot, module, SlotWeights(w.a.to(dtype), w.b.to(dtype), w.spans))
+    x, y = torch.randn(11, 53, generator=gen), torch.randn(11, 96, generator=gen)
+    segments = [(0, 3, 0), (3, 4, 2), (4, 9, 1), (10, 11, 3)]
+    mixed = LoRABatch.from_segments(weights, segments, torch.device("cpu"))
     got = mixed.add(module, x, y)
     assert torch.equal(got[9], y[9])   # no adapter: untouched
-    for start, end, slot in [(0, 3, 0), (3, 4, 2), (4, 9, 1), (10, 11, 3)]:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(mixed.add(module, x, y), got)
+    finally:
+        torch.set_num_threads(threads)
+    for start, end, slot in segments:
         for row in (start, end - 1):
             alone = LoRABatch.from_segments(weights, [(row, row + 1, slot)], torch.device("cpu")).add(module, x, y)
             assert torch.equal(alone[row], got[row]), (slot, row)
     held = [(idx, weights.by_module[module][s]) for s, idx in mixed.rows.items()]
     want = _lora_add(y, x, [i for i, _ in held], [w.a for _, w in held], [w.b for _, w in held])
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert not torch.equal(got[:9], y[:9])   # (the adapters' deltas were added)
 
 
 def _greedy_peft(model, ids: list[int], n: int) -> list[int]:

@@ -29,6 +29,7 @@ from torch import nn
 from ..errors import UserInputError
 from ..models.lora import LoRABatch, LoRAWeights, SlotWeights, projections
 from ..models.lora_adapter import LoRAAdapter, load_adapter
+from ..models.quant import QuantLinear
 from .step import LoRALoad, SeqStep
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,15 @@ class LoRARef:
     @property
     def salt(self) -> bytes:
         return f"lora\x00{self.key}".encode()
+
+
+def slot_dtype(module: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """What a device slot holds an adapter's A and B in for projection `module` (activations in `dtype`). bf16
+    over a quantised projection (int8/int4): half the bytes each step reads, the delta still computed in fp32;
+    that path's logits move as much when the adapter's fp32 weights change in their last bits as when they are
+    rounded to bf16 (its activations are quantised too: BENCHMARKS.md, issue 32). Else `dtype`: the fp32 path
+    stays exact against PEFT."""
+    return torch.bfloat16 if isinstance(module, QuantLinear) else dtype
 
 
 class AdapterStore:
@@ -110,8 +120,9 @@ class RunnerLoRA:
             if self.stacked:   # copied and cast into the slot in place
                 self.weights.write(load.slot, module, w.a, w.b)
             else:
-                a, b = w.a.to(self.device, self.dtype), w.b.to(self.device, self.dtype)
-                self.weights.put(load.slot, module, SlotWeights(a, b).transposed())
+                held = SlotWeights(w.a.to(self.device, self.dtype), w.b.to(self.device, self.dtype)).transposed()
+                dtype = slot_dtype(module, self.dtype)   # (after `transposed`: B's zero blocks found in full precision)
+                self.weights.put(load.slot, module, SlotWeights(held.a.to(dtype), held.b.to(dtype), held.spans))
 
     def batch(self, seqs: list[SeqStep]) -> LoRABatch | None:
         segments, row = [], 0

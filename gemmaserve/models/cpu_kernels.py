@@ -14,9 +14,10 @@ a C++ kernel here, registered for the CPU dispatch key, which the dispatcher pre
   linear; `gemmaserve::int8_linear`: row_affine, that product and the map back in one call (each call
   of a custom op from a compiled graph costs ~10 us of argument handling: 240 a step of the 270M).
 * `lora_add` (lora.py): each adapter slot's rows of y plus (x A^T) B^T; for stacked ranks up to 32 row by
-  row as plain fp32 dot products (one call per projection instead of ~8 ATen calls per adapter in the batch;
-  roundings of their own, like the norms': within ~1e-6 of the Python kernel's MKL products), above it
-  through MKL as the Python kernel does. Every row is independent of the others either way.
+  row as fp32 dot products in vectors of 16 (one call per projection instead of ~8 ATen calls per adapter in
+  the batch; the rows of all the call's adapters spread over the threads; A and B in fp32 or bf16; roundings
+  of their own, like the norms': within ~1e-6 of the Python kernel's MKL products), above it through MKL as
+  the Python kernel does. Every row is independent of the others either way.
 * `linear`: fp32 x W^T with the rows padded to whole tiles of 4 (layers.py: MKL rounds a partial tile
   differently). `int4_mm`: PyTorch's int4 kernel with the group size fixed (quant.py: a graph's
   argument, not a tensor constant).
@@ -47,6 +48,7 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -261,12 +263,98 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   return at::linear(at::cat({x, at::zeros({ROW_TILE - m % ROW_TILE, x.size(1)}, x.options())}), weight).slice(0, 0, m);
 }
 
+// LoRA's per-row loop, explicitly vectorised (the build turns loop vectorisation off): GCC vector types of 16
+// floats, lane by lane the same IEEE operations whatever registers -march picks, so the ISA never changes a bit.
+typedef float vfloat __attribute__((vector_size(64)));
+typedef uint16_t vbf16 __attribute__((vector_size(32)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+constexpr int64_t VL = 16;
+
+static inline vfloat load16(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline vfloat load16(const at::BFloat16* p) {   // bf16 -> fp32 is exact: the bits shifted up
+  vbf16 h;
+  std::memcpy(&h, p, sizeof h);
+  return (vfloat)(__builtin_convertvector(h, vuint) << 16);
+}
+static inline float load1(const float* p) { return *p; }
+static inline float load1(const at::BFloat16* p) { return static_cast<float>(*p); }
+static inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+// The line `d` bytes past p (in another adapter's weights: `lora_row`), asked for ahead of its use (into L2:
+// an adapter's share of a projection is tens of KB).
+static inline void prefetch_at(const void* p, std::ptrdiff_t d) {
+  if (d) __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + d), 0, 2);
+}
+
+// xa[t] = a_t . x for G rank rows of a at once (G independent chains, G streams of A read side by side): 16
+// partial sums per rank, added in a fixed tree, then the tail. Depends only on the two rows and `in`.
+template <int G, typename W>
+static inline void lora_dots(const W* a, const float* x, int64_t in, float* xa, std::ptrdiff_t ahead) {
+  vfloat acc[G] = {};
+  int64_t k = 0;
+  for (; k + VL <= in; k += VL) {
+    const vfloat xv = load16(x + k);
+    for (int t = 0; t < G; ++t) {
+      prefetch_at(a + t * in + k, ahead);
+      acc[t] += load16(a + t * in + k) * xv;
+    }
+  }
+  for (int t = 0; t < G; ++t) {
+    float l[VL];
+    std::memcpy(l, &acc[t], sizeof l);
+    for (int h = VL / 2; h > 0; h /= 2)
+      for (int i = 0; i < h; ++i) l[i] = l[i] + l[i + h];
+    float sum = l[0];
+    for (int64_t kk = k; kk < in; ++kk) sum += load1(a + t * in + kk) * x[kk];
+    xa[t] = sum;
+  }
+}
+
+// One row: xa = A x, then y += xa B over each rank's nonzero outputs (B stored transposed, [r, out]; spans
+// [r, 2]). Each output adds rank 0's term first, then rank 1's, ...: its own order whatever the split. Ranks
+// with the same span (a fused projection's part) go together, output block by output block: their rows of B
+// are read side by side (streams the prefetchers keep up with) and y's block is loaded and stored once.
+// `a_ahead`, `b_ahead`: byte offsets to the next row's A and B if it has another adapter of the same shape
+// (else 0): each line read here asks for the same line there, so a decode step's next adapter streams in
+// while this one is used.
+template <typename W>
+static void lora_row(const float* x, float* y, const W* a, const W* b, const int64_t* spans, int64_t r,
+                     int64_t in, int64_t out, std::ptrdiff_t a_ahead, std::ptrdiff_t b_ahead) {
+  float xa[LORA_LOOP_RANK];
+  int64_t j = 0;
+  for (; j + 8 <= r; j += 8) lora_dots<8>(a + j * in, x, in, xa + j, a_ahead);
+  for (; j + 4 <= r; j += 4) lora_dots<4>(a + j * in, x, in, xa + j, a_ahead);
+  for (; j < r; ++j) lora_dots<1>(a + j * in, x, in, xa + j, a_ahead);
+  for (int64_t j0 = 0, j1; j0 < r; j0 = j1) {
+    const int64_t lo = spans[2 * j0], hi = spans[2 * j0 + 1];
+    for (j1 = j0 + 1; j1 < r && spans[2 * j1] == lo && spans[2 * j1 + 1] == hi; ++j1) {}
+    int64_t o = lo;
+    for (; o + VL <= hi; o += VL) {
+      vfloat acc = load16(y + o);
+      for (int64_t t = j0; t < j1; ++t) {
+        prefetch_at(b + t * out + o, b_ahead);
+        acc = acc + load16(b + t * out + o) * xa[t];
+      }
+      store16(y + o, acc);
+    }
+    for (; o < hi; ++o) {
+      float acc = y[o];
+      for (int64_t t = j0; t < j1; ++t) acc = acc + load1(b + t * out + o) * xa[t];
+      y[o] = acc;
+    }
+  }
+}
+
 at::Tensor lora_add(const at::Tensor& y_in, const at::Tensor& x_in, at::TensorList rows, at::TensorList a,
                     at::TensorList bt, at::TensorList spans) {
-  // Each row on its own: xa = A x (8 partial sums, then added in a fixed order), then y += xa B (B stored
-  // transposed, [r, out]: the inner loop runs over independent outputs). A row's bits never depend on the
-  // other rows, and no ATen call is made per adapter. Which way a projection's delta is computed depends
-  // only on its adapter's stacked rank, never on the batch.
+  // Each row on its own (lora_row), the rows of every adapter of the call spread over the threads: a row's
+  // bits never depend on the other rows or on the split, and no ATen call is made per adapter. Which way a
+  // projection's delta is computed depends only on its adapter's stacked rank, never on the batch. A and B
+  // may be held in bf16 (engine/lora.py says when); the arithmetic is fp32 either way.
   at::Tensor y = y_in.contiguous().clone();
   if (x_in.scalar_type() != at::kFloat || y.scalar_type() != at::kFloat) {
     for (size_t i = 0; i < rows.size(); ++i) {
@@ -279,43 +367,47 @@ at::Tensor lora_add(const at::Tensor& y_in, const at::Tensor& x_in, at::TensorLi
   const int64_t in = x.size(1), out = y.size(1);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  struct Slot { const void* a; const void* b; const int64_t* spans; const int64_t* rows; int64_t r; bool bf16; };
+  std::vector<at::Tensor> keep;
+  std::vector<Slot> slots;
+  std::vector<std::pair<int64_t, int64_t>> work;   // (slot, row of y)
   for (size_t i = 0; i < rows.size(); ++i) {
+    const bool bf16 = a[i].scalar_type() == at::kBFloat16;
+    TORCH_CHECK(a[i].scalar_type() == bt[i].scalar_type() && (bf16 || a[i].scalar_type() == at::kFloat),
+                "lora_add: A and B in fp32 or bf16, alike");
     if (a[i].size(0) > LORA_LOOP_RANK) {   // high ranks: MKL's products (rows padded to tiles) pay off
-      at::Tensor d = ::linear(::linear(x.index_select(0, rows[i]), a[i]), bt[i].t());
-      y.index_add_(0, rows[i], d);
+      at::Tensor d = ::linear(::linear(x.index_select(0, rows[i]), a[i].to(at::kFloat)), bt[i].to(at::kFloat).t());
+      y.index_add_(0, rows[i], d);   // (a slot's rows are no other slot's: the loop below never touches them)
       continue;
     }
-    const at::Tensor ai = a[i].contiguous(), bi = bt[i].contiguous(), ri = rows[i].contiguous();
-    const int64_t r = ai.size(0);
-    const float* ap = ai.data_ptr<float>();
-    const float* bp = bi.data_ptr<float>();
-    const int64_t* rp = ri.data_ptr<int64_t>();
-    // B^T is block-diagonal over a fused projection's parts: each rank row's nonzero outputs [lo, hi)
-    const at::Tensor si = spans[i].contiguous();
-    const int64_t* sp = si.data_ptr<int64_t>();
-    at::parallel_for(0, ri.numel(), 1, [&](int64_t n0, int64_t n1) {   // rows apart: any split, same bits
-      std::vector<float> xa(r);
-      for (int64_t n = n0; n < n1; ++n) {
-        const float* xr = xp + rp[n] * in;
-        float* yr = yp + rp[n] * out;
-        for (int64_t j = 0; j < r; ++j) {
-          const float* aj = ap + j * in;
-          float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-          int64_t k = 0;
-          for (; k + 8 <= in; k += 8)
-            for (int l = 0; l < 8; ++l) acc[l] += aj[k + l] * xr[k + l];
-          float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-          for (; k < in; ++k) sum += aj[k] * xr[k];
-          xa[j] = sum;
-        }
-        for (int64_t j = 0; j < r; ++j) {
-          const float* bj = bp + j * out;
-          const float v = xa[j];
-          for (int64_t o = sp[2 * j]; o < sp[2 * j + 1]; ++o) yr[o] += bj[o] * v;
+    for (const at::Tensor& t : {a[i].contiguous(), bt[i].contiguous(), spans[i].contiguous(), rows[i].contiguous()})
+      keep.push_back(t);
+    const size_t k = keep.size() - 4;
+    slots.push_back({keep[k].data_ptr(), keep[k + 1].data_ptr(), keep[k + 2].data_ptr<int64_t>(),
+                     keep[k + 3].data_ptr<int64_t>(), a[i].size(0), bf16});
+    for (int64_t n = 0; n < rows[i].numel(); ++n)
+      work.emplace_back(static_cast<int64_t>(slots.size()) - 1, slots.back().rows[n]);
+  }
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t w0, int64_t w1) {   // any split, same bits
+    for (int64_t w = w0; w < w1; ++w) {
+      const Slot& s = slots[work[w].first];
+      const int64_t row = work[w].second;
+      std::ptrdiff_t a_ahead = 0, b_ahead = 0;
+      if (w + 1 < w1 && work[w + 1].first != work[w].first) {
+        const Slot& n = slots[work[w + 1].first];
+        if (n.r == s.r && n.bf16 == s.bf16) {
+          a_ahead = reinterpret_cast<uintptr_t>(n.a) - reinterpret_cast<uintptr_t>(s.a);
+          b_ahead = reinterpret_cast<uintptr_t>(n.b) - reinterpret_cast<uintptr_t>(s.b);
         }
       }
-    });
-  }
+      if (s.bf16)
+        lora_row(xp + row * in, yp + row * out, static_cast<const at::BFloat16*>(s.a),
+                 static_cast<const at::BFloat16*>(s.b), s.spans, s.r, in, out, a_ahead, b_ahead);
+      else
+        lora_row(xp + row * in, yp + row * out, static_cast<const float*>(s.a), static_cast<const float*>(s.b),
+                 s.spans, s.r, in, out, a_ahead, b_ahead);
+    }
+  });
   return y;
 }
 

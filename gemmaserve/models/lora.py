@@ -217,9 +217,9 @@ class LoRABatch:
 def _lora_add(y: torch.Tensor, x: torch.Tensor, rows: list[torch.Tensor], a: list[torch.Tensor],
               bt: list[torch.Tensor]) -> torch.Tensor:
     """y with rows[i] += (x[rows[i]] A_i^T) B_i^T, adapter by adapter (B_i^T given: `bt`; the products
-    row-invariant: layers.linear)."""
+    row-invariant: layers.linear; A and B may be held in bf16 under fp32 x: engine/lora.py's `slot_dtype`)."""
     for idx, ai, bti in zip(rows, a, bt):
-        d = linear(linear(x.index_select(0, idx), ai), bti.t())
+        d = linear(linear(x.index_select(0, idx), ai.to(x.dtype)), bti.t().to(x.dtype))
         y = y.index_add(0, idx, d.to(y.dtype))
     return y
 
