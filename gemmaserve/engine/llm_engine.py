@@ -190,6 +190,8 @@ class LLMEngine:
         read back, so the device never waits for the host; the outputs returned are step N's (one
         step behind), and a final call with nothing left to schedule collects the last one."""
         self.compiled_steps.poll()
+        # A grammar that finishes compiling while the step is scheduled lets its request in only at the next one.
+        grammars_ready = all(r.grammar.done() for r in self.scheduler.waiting if r.grammar is not None)
         plan = self.scheduler.schedule()
         launched = None
         if plan.seqs:
@@ -199,7 +201,7 @@ class LLMEngine:
             compiling = [r.grammar for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.done()]
             if compiling and self._inflight is None:   # nothing else to do: wait a little, not spin
                 futures.wait(compiling, timeout=GRAMMAR_POLL_S, return_when=futures.FIRST_COMPLETED)
-            elif self.scheduler.waiting and not self.scheduler.running and self._inflight is None:
+            elif self.scheduler.waiting and not self.scheduler.running and self._inflight is None and grammars_ready:
                 raise RuntimeError("scheduler made no progress with an empty running set")  # a bug, never input
         if not self.async_scheduling and launched is not None:
             return self._update(plan, launched.resolve())
