@@ -450,6 +450,11 @@ def test_270m_adapter_equals_peft_and_runs_on_the_quantised_base(llm_270m, llm_2
         assert exact.token_ids != llm_270m.generate([prompt], params)[0].outputs[0].token_ids
         quant = llm_270m_q.generate([prompt], params, lora="t")[0].outputs[0]
         assert quant.token_ids[:3] == exact.token_ids[:3]
+        # slots hold the adapter in fp32 over fp32 weights, in bf16 over quantised ones (engine/lora.py's slot_dtype)
+        for llm, dtype in ((llm_270m, torch.float32), (llm_270m_q, torch.bfloat16)):
+            held = {t.dtype for slots in llm.engine.runner.lora.weights.by_module.values() for w in slots.values()
+                    for t in (w.a, w.b)}
+            assert held == {dtype}, (dtype, held)
         # the adapter's move of the first token's top-5 logprobs, quantised base against fp32 base
         first = [t for t, _ in exact.logprobs[0].top]
 

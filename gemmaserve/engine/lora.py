@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import UserInputError
+from ..models.cpu_kernels import LORA_LOOP_RANK
 from ..models.lora import LoRABatch, LoRAWeights, SlotWeights, projections
 from ..models.lora_adapter import LoRAAdapter, load_adapter
 from ..models.quant import QuantLinear
@@ -53,13 +54,14 @@ class LoRARef:
         return f"lora\x00{self.key}".encode()
 
 
-def slot_dtype(module: nn.Module, dtype: torch.dtype) -> torch.dtype:
-    """What a device slot holds an adapter's A and B in for projection `module` (activations in `dtype`). bf16
-    over a quantised projection (int8/int4): half the bytes each step reads, the delta still computed in fp32;
-    that path's logits move as much when the adapter's fp32 weights change in their last bits as when they are
-    rounded to bf16 (its activations are quantised too: BENCHMARKS.md, issue 32). Else `dtype`: the fp32 path
-    stays exact against PEFT."""
-    return torch.bfloat16 if isinstance(module, QuantLinear) else dtype
+def slot_dtype(module: nn.Module, rank: int, dtype: torch.dtype) -> torch.dtype:
+    """What a device slot holds an adapter's A and B in for projection `module` (stacked rank `rank`, activations
+    in `dtype`). bf16 over a quantised projection where the CPU op's row loop reads them (rank up to
+    LORA_LOOP_RANK): half the bytes each step reads, the delta still computed in fp32; that path's logits move
+    as much when the adapter's fp32 weights change in their last bits as when they are rounded to bf16 (its
+    activations are quantised too: BENCHMARKS.md, issue 32). Else `dtype`: the fp32 path stays exact against
+    PEFT, and higher ranks go to MKL's fp32 products, which would convert them every call."""
+    return torch.bfloat16 if isinstance(module, QuantLinear) and rank <= LORA_LOOP_RANK else dtype
 
 
 class AdapterStore:
@@ -121,7 +123,7 @@ class RunnerLoRA:
                 self.weights.write(load.slot, module, w.a, w.b)
             else:
                 held = SlotWeights(w.a.to(self.device, self.dtype), w.b.to(self.device, self.dtype)).transposed()
-                dtype = slot_dtype(module, self.dtype)   # (after `transposed`: B's zero blocks found in full precision)
+                dtype = slot_dtype(module, held.a.shape[0], self.dtype)   # (after `transposed`: B's zeros found in fp32)
                 self.weights.put(load.slot, module, SlotWeights(held.a.to(dtype), held.b.to(dtype), held.spans))
 
     def batch(self, seqs: list[SeqStep]) -> LoRABatch | None:

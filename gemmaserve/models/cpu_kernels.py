@@ -43,6 +43,10 @@ import math
 
 import torch
 
+# `lora_add`: stacked ranks up to this run the C++ row loop, higher ones MKL's products (BENCHMARKS.md, issue 32);
+# engine/lora.py holds the former's weights in bf16 over quantised projections.
+LORA_LOOP_RANK = 32
+
 SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -52,7 +56,7 @@ SOURCE = r"""
 #include <limits>
 #include <vector>
 
-constexpr int64_t LORA_LOOP_RANK = 32;   // stacked ranks above this take the GEMM (BENCHMARKS.md, issue 32)
+constexpr int64_t LORA_LOOP_RANK = @LORA_LOOP_RANK@;   // stacked ranks above this take the GEMM
 
 namespace {
 constexpr int64_t KEY_BLOCK = @KEY_BLOCK@, ROW_TILE = @ROW_TILE@;
@@ -496,7 +500,8 @@ def load() -> str | None:
             cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
 
         _Build.load(SOURCE.replace("@KEY_BLOCK@", str(blockwise.KEY_BLOCK)).replace("@ROW_TILE@", str(blockwise.ROW_TILE))
-                    .replace("@GROUP@", str(quant.GROUP)))
+                    .replace("@GROUP@", str(quant.GROUP))
+                    .replace("@LORA_LOOP_RANK@", str(LORA_LOOP_RANK)))
     except Exception as e:   # no compiler, no headers: the Python kernels stay
         return f"{type(e).__name__}: {e}"
     if not all(torch._C._dispatch_has_kernel_for_dispatch_key(f"gemmaserve::{op}", "CPU") for op in OPS):
