@@ -100,6 +100,37 @@ def test_copy_runs_keep_order_and_never_write_a_page_twice():
     assert KVTransfers.from_dict({"copies": [vars(c) for c in t.copies]}).runs() == t.runs()
 
 
+def test_store_copies_in_runs_equal_page_by_page(monkeypatch):
+    """The runner's batched copies (a gather per run of store pages) move the same bytes as a copy per page,
+    with scattered device pages, broken store runs and runs cut at the staging limit."""
+    from gemmaserve.engine import host_kv_store
+    from gemmaserve.engine.host_kv_store import HostKVStore, _store_runs
+
+    assert _store_runs([5, 2, 9, 4], [0, 1, 3, 4], 2) == [([5, 2], 0, 2), ([9, 4], 3, 2)]
+    assert _store_runs([5, 2, 9], [0, 1, 2], 2) == [([5, 2], 0, 2), ([9], 2, 1)]
+    gen = torch.Generator().manual_seed(fresh_seed())
+    page_bytes = 64
+    cache = torch.randint(0, 255, (40 * page_bytes,), dtype=torch.uint8, generator=gen)
+    kv = [(cache.view(torch.float32), cache.view(torch.float32))]
+    monkeypatch.setattr(host_kv_store, "_STAGE_BYTES", 3 * page_bytes)
+    store = HostKVStore(kv, page_bytes, 24)
+    store.pages.zero_()
+    dev = torch.randperm(40, generator=gen)[:20].tolist()
+    host = list(range(0, 8)) + list(range(10, 22))
+    expect = torch.zeros(24, page_bytes, dtype=torch.uint8)
+    arena = cache.view(40, page_bytes)
+    for d, h in zip(dev, host):
+        expect[h] = arena[d]
+    store.execute(KVTransfers([BlockCopy(Direction.SAVE, 0, dev, host)]))
+    assert torch.equal(store.pages, expect)
+    before = arena.clone()
+    back = torch.randperm(40, generator=gen)[:20].tolist()
+    store.execute(KVTransfers([BlockCopy(Direction.LOAD, 0, back, host)]))
+    for i in range(40):
+        want = expect[host[back.index(i)]] if i in back else before[i]
+        assert torch.equal(arena[i], want), i
+
+
 def _sessions(turns: int, sessions: int, prefix: int, vocab: int, seed: int) -> list[list[list[int]]]:
     """Per session, its prompts turn by turn: a long random prefix, then each turn appends a few tokens."""
     gen = torch.Generator().manual_seed(seed)

@@ -26,6 +26,7 @@ def arena_pages(kv_cache: list[tuple[torch.Tensor, torch.Tensor]], page_bytes: i
 
 class HostKVStore:
     def __init__(self, kv_cache: list[tuple[torch.Tensor, torch.Tensor]], page_bytes: int, num_pages: int):
+        self.page_bytes = page_bytes
         self.arena = arena_pages(kv_cache, page_bytes)
         self.device = self.arena.device
         pin = self.device.type == "cuda"
@@ -33,28 +34,30 @@ class HostKVStore:
         self.pages = torch.empty(num_pages, page_bytes, dtype=torch.uint8, pin_memory=pin)
 
     def execute(self, transfers: KVTransfers) -> None:
+        # Device pages lie anywhere in the pool, store pages mostly in runs (host_tier.py allocates the lowest
+        # free first): one gather or scatter on the device per run of store pages, and one large copy across,
+        # instead of a copy per page (small copies reach a fraction of PCIe's bandwidth).
+        pin = self.device.type == "cuda"
         for direction, device_pages, store_pages in transfers.runs():
-            if self.device.type == "cpu":
-                dev = torch.tensor(device_pages, dtype=torch.long)
-                host = torch.tensor(store_pages, dtype=torch.long)
+            for dev, h, n in _store_runs(device_pages, store_pages, max(1, _STAGE_BYTES // self.page_bytes)):
+                index = torch.tensor(dev, dtype=torch.long).to(self.device, non_blocking=pin)
                 if direction is Direction.SAVE:
-                    self.pages.index_copy_(0, host, self.arena.index_select(0, dev))
+                    self.pages[h:h + n].copy_(self.arena.index_select(0, index), non_blocking=pin)
                 else:
-                    self.arena.index_copy_(0, dev, self.pages.index_select(0, host))
-                continue
-            for d, h, n in _spans(device_pages, store_pages):   # pinned <-> device: one copy per contiguous span
-                if direction is Direction.SAVE:
-                    self.pages[h:h + n].copy_(self.arena[d:d + n], non_blocking=True)
-                else:
-                    self.arena[d:d + n].copy_(self.pages[h:h + n], non_blocking=True)
+                    self.arena.index_copy_(0, index, self.pages[h:h + n].to(self.device, non_blocking=pin))
 
 
-def _spans(device_pages: list[int], store_pages: list[int]) -> list[tuple[int, int, int]]:
-    """(device start, store start, length) of runs where both page numbers go up by one together."""
-    out: list[tuple[int, int, int]] = []
+# The device buffer one run goes through: large enough to copy at PCIe's speed, small beside the pool.
+_STAGE_BYTES = 64 << 20
+
+
+def _store_runs(device_pages: list[int], store_pages: list[int], limit: int) -> list[tuple[list[int], int, int]]:
+    """(device pages, first store page, length) of runs of consecutive store pages, at most `limit` long."""
+    out: list[tuple[list[int], int, int]] = []
     for d, h in zip(device_pages, store_pages):
-        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == h:
+        if out and out[-1][1] + out[-1][2] == h and out[-1][2] < limit:
+            out[-1][0].append(d)
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
         else:
-            out.append((d, h, 1))
+            out.append(([d], h, 1))
     return out

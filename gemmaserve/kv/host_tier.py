@@ -13,6 +13,7 @@ would let a later copy of the same step overwrite store pages an earlier one sti
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -48,7 +49,9 @@ class HostTier:
             raise ValueError(f"a host tier needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.page_bytes = page_bytes
-        self._free = list(range(num_pages - 1, -1, -1))
+        # A min-heap: the lowest free pages first, so a block's pages and blocks saved together lie in runs
+        # the runner copies at once (engine/host_kv_store.py).
+        self._free = list(range(num_pages))
         self._blocks: OrderedDict[tuple[int, bytes], HostBlock] = OrderedDict()   # least recently used first
         self._pinned: set[tuple[int, bytes]] = set()
         self._copies: list[BlockCopy] = []
@@ -76,9 +79,9 @@ class HostTier:
             self._refused += 1
             return False
         for other in victims:
-            self._free.extend(self._blocks.pop(other).pages)
+            self._release(self._blocks.pop(other).pages)
             self._evicted += 1
-        pages = tuple(self._free.pop() for _ in range(need))
+        pages = tuple(heapq.heappop(self._free) for _ in range(need))
         self._blocks[k] = HostBlock(group, key, pages)
         self._pinned.add(k)
         self._copies.append(BlockCopy(Direction.SAVE, group, list(device_pages), list(pages)))
@@ -109,7 +112,11 @@ class HostTier:
         """Forget every block (copies already decided still run: their pages stay allocated until taken)."""
         for k in list(self._blocks):
             if k not in self._pinned:
-                self._free.extend(self._blocks.pop(k).pages)
+                self._release(self._blocks.pop(k).pages)
+
+    def _release(self, pages: tuple[int, ...]) -> None:
+        for p in pages:
+            heapq.heappush(self._free, p)
 
     def block_counts(self) -> dict[int, int]:
         """Blocks held per layer group."""
