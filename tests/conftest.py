@@ -62,3 +62,27 @@ def hf_270m(llm_270m):
     from gemmaserve.bench.hf_reference import build_hf_model
 
     return build_hf_model(llm_270m.engine.model)
+
+
+@pytest.fixture
+def row_invariant_dot(monkeypatch):
+    """Triton's interpreter computes tl.dot as numpy's matmul of the tile, and OpenBLAS's AVX2 kernels round a
+    row by its place in the tile (blocks of rows take different code; AVX-512 machines do not). A GPU's tile
+    configuration gives a row the same K order wherever it sits, which is what the bitwise tests pin: here each
+    row of a tile is multiplied alone."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    tile_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        if a.data.ndim != 2:
+            return tile_dot(self, a, b, d, *args)
+        rows = [tile_dot(self, interpreter.TensorHandle(a.data[i:i + 1], a.dtype.scalar), b,
+                         interpreter.TensorHandle(d.data[i:i + 1], d.dtype.scalar), *args).data
+                for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(interpreter.np.concatenate(rows), d.dtype.scalar)
+
+    monkeypatch.setattr(builder, "create_dot", create_dot)

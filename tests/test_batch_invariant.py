@@ -11,6 +11,7 @@ import torch
 from helpers import fresh_seed
 
 triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("row_invariant_dot")
 from gemmaserve.attention import triton_kernels as K  # noqa: E402
 from gemmaserve.models import invariant_kernels as IK  # noqa: E402
 
