@@ -13,6 +13,7 @@ import torch
 from helpers import fresh_seed
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("row_invariant_dot")   # bitwise row checks (conftest.py)
 from gemmaserve.models import lora_triton  # noqa: E402
 from gemmaserve.models.lora import LoRABatch, LoRAWeights, SlotWeights, _lora_add  # noqa: E402
 
