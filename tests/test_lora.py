@@ -53,7 +53,9 @@ def _slot_logits(llm: LLM, name: str | None, ids: list[int], chunk: int = 8) -> 
     ("gemma3", {}),
     ("gemma3", {"use_rslora": True, "r": 8, "rank_pattern": {"o_proj": 2}, "alpha_pattern": {"down_proj": 3}}),
     ("gemma3", {"r": 16}),   # qkv's stacked rank 48 takes the C++ op's MKL branch, gate_up's 32 its row loop
-    ("31b", {}), ("e2b", {}), ("26b_a4b", {"target_modules": ["q_proj", "v_proj", "down_proj"]})])
+    ("31b", {}), ("e2b", {}), ("26b_a4b", {"target_modules": ["q_proj", "v_proj", "down_proj"]}),
+    ("26b_a4b", {"target_modules": ["o_proj"], "target_parameters": ["experts.gate_up_proj", "experts.down_proj"],
+                 "r": 3, "lora_alpha": 5})])
 def test_logits_equal_peft(tmp_path, variant, config):
     """Every prompt position, chunked, in fp32: within 1e-4 of PEFT's; the adapter moves the logits by what
     it moves PEFT's (~1, against a 1e-4 tolerance)."""
@@ -233,6 +235,37 @@ def test_two_tensor_parallel_ranks_shard_adapters_like_their_base_layers(served)
         two.engine.shutdown()
 
 
+def test_moe_expert_adapters_batch_with_others_and_shard_like_the_experts(tmp_path):
+    """A 26B-A4B-like base, one adapter on the experts (PEFT's target_parameters) and the attention, another on
+    the dense MLP only: a mixed batch gives each request its tokens alone and PEFT's greedy tokens, and two
+    tensor-parallel ranks (each holding every expert's half of the intermediate, and that half of the adapter)
+    give the same tokens."""
+    seed = fresh_seed()
+    hf = _hf("26b_a4b", seed)
+    save_checkpoint(hf, tmp_path / "base")
+    peft_models = {
+        "e": _adapter(hf, tmp_path / "e", seed + 1, target_modules=["q_proj"], r=5, lora_alpha=7,
+                      target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
+        "d": _adapter(hf, tmp_path / "d", seed + 2, target_modules=["gate_proj", "down_proj"]),
+    }
+    mods = {n: str(tmp_path / n) for n in peft_models}
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    names = ["e", None, "d", "e"]
+    llm = LLM(str(tmp_path / "base"), dtype="float32", page_size=4, cpu_compile="off", max_num_batched_tokens=16,
+              lora_modules=mods)
+    alone = [llm.generate([p], params, lora=n)[0].outputs[0].token_ids for p, n in zip(PROMPTS, names)]
+    mixed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, lora=names)]
+    assert mixed == alone
+    for p, n, tokens in zip(PROMPTS, names, alone):
+        assert tokens == _greedy_peft(peft_models[n] if n else hf, llm.tokenizer.encode(p), 6), (p, n)
+    two = LLM(str(tmp_path / "base"), dtype="float32", page_size=4, cpu_compile="off", max_num_batched_tokens=16,
+              tensor_parallel_size=2, lora_modules=mods)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params, lora=names)] == mixed
+    finally:
+        two.engine.shutdown()
+
+
 def test_speculation_and_preemption_keep_adapter_tokens_and_counts(served):
     """Prompt lookup verifying drafts under each request's adapter, and a pool small enough that requests with
     adapters are preempted and recomputed: the same tokens as a roomy engine without drafts, and the same
@@ -351,6 +384,10 @@ def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(served, tmp_
         (_broken(root, "tower", lambda d: rename(d, "model.layers.0.", "model.vision_tower.layers.0.")),
          "adapts the vision_tower"),
         (str(tmp_path / "other"), "belongs to another base model"),
+        (_broken(root, "params", _config_edit(target_parameters=["mlp.gate_proj.weight"])),
+         "parameters other than the MoE experts"),
+        (_broken(root, "experts", lambda d: rename(d, "self_attn.q_proj", "experts")),
+         r"adapts MoE experts, and layer \d+ of this model has none"),
     ]
     for path, needle in cases:
         with pytest.raises(UserInputError, match=needle):

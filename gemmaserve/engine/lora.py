@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import UserInputError
 from ..models.cpu_kernels import LORA_LOOP_RANK
-from ..models.lora import LoRABatch, LoRAWeights, SlotWeights, projections
+from ..models.lora import ExpertWeights, LoRABatch, LoRAWeights, SlotWeights, expert_modules, projections
 from ..models.lora_adapter import LoRAAdapter, load_adapter
 from ..models.quant import QuantLinear
 from .step import LoRALoad, SeqStep
@@ -104,6 +104,7 @@ class RunnerLoRA:
         self.stacked = device.type == "cuda" if stacked is None else stacked
         self._projections = projections(model)
         self._modules = {path: p.module for path, p in self._projections.items()}
+        self._experts = expert_modules(model)
 
     def _allocate(self) -> None:
         for p in self._projections.values():
@@ -125,6 +126,9 @@ class RunnerLoRA:
                 held = SlotWeights(w.a.to(self.device, self.dtype), w.b.to(self.device, self.dtype)).transposed()
                 dtype = slot_dtype(module, held.a.shape[0], self.dtype)   # (after `transposed`: B's zeros found in fp32)
                 self.weights.put(load.slot, module, SlotWeights(held.a.to(dtype), held.b.to(dtype), held.spans))
+        for path, w in adapter.experts.items():   # per slot in either layout (models/lora.py)
+            self.weights.put_experts(load.slot, self._experts[path], ExpertWeights(
+                *(None if p is None else p.to(self.device, self.dtype) for p in (w.gate_up, w.down))))
 
     def batch(self, seqs: list[SeqStep]) -> LoRABatch | None:
         segments, row = [], 0

@@ -310,9 +310,10 @@ class ModelRunner:
         embeds = self._media_embeds(seqs, input_ids) if self.media else None
         lora = self.lora.batch(seqs) if self.lora is not None else None
         # Decode batches, and verification steps as one decode row per token, run through CUDA graphs (steps with
-        # LoRA rows too, through the stacked slots' kernels) or compiled CPU steps (not those with LoRA rows)
-        # where the engine has them; everything else eagerly.
-        eager = embeds is not None or (lora is not None and (self.graphs is None or lora.slots is None))
+        # LoRA rows too, through the stacked slots' kernels, unless an adapter adapts MoE experts) or compiled CPU
+        # steps (not those with LoRA rows) where the engine has them; everything else eagerly.
+        eager = embeds is not None or (lora is not None and (self.graphs is None or lora.slots is None
+                                                             or bool(lora.expert_slots)))
         as_decode = md if md.is_decode_only and not eager else None
         if as_decode is None and not eager and (self.graphs is not None or self.compiled is not None):
             as_decode = verification_as_decode(seqs, md)

@@ -366,7 +366,7 @@ class Gemma4DecoderLayer(nn.Module):
         m = self.mlp(h, lora)
         if self.moe:
             weights, idx = self.router(x)
-            e = self.experts(rms_norm(x, self.pre_feedforward_layernorm_2.weight, kind), weights, idx)
+            e = self.experts(rms_norm(x, self.pre_feedforward_layernorm_2.weight, kind), weights, idx, lora)
             m = (rms_norm(m, self.post_feedforward_layernorm_1.weight, kind)
                  + rms_norm(e, self.post_feedforward_layernorm_2.weight, kind))
         if not self.ple:

@@ -17,6 +17,11 @@ does not depend on the other rows):
     device   per module one `StackedSlots` (every slot's A and B^T zero padded to the runner's rank allotment,
              allocated once, written in place); a batch holds each row's slot in a device tensor
              (`LoRABatch.slots`) and lora_triton.py's segment kernels run every row at once
+
+MoE experts (PEFT's `target_parameters`: every expert's gate_up_proj / down_proj) hold, per slot, A^T and B^T
+of each expert side by side ([E, in, r], [E, r, out]: `ExpertPair`), in either layout. The expert rows of a
+forward are already sorted by expert (moe.py); a slot's rows keep that order, so two grouped matmuls with that
+slot's expert offsets give its deltas (`LoRABatch.add_experts`).
 """
 
 from __future__ import annotations
@@ -60,6 +65,44 @@ def projections(model: nn.Module) -> dict[str, Projection]:
             out[f"model.layers.{i}.mlp.down_proj"] = Projection(
                 f"model.layers.{i}.mlp.down_proj", i, mlp.down_proj, n, (hidden,))
     return out
+
+
+def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every MoE experts block of the text layers (moe.Experts, unwrapped from a tensor-parallel collective),
+    by its path: what an adapter's target_parameters may adapt."""
+    from .moe import Experts
+
+    out: dict[str, nn.Module] = {}
+    for i, layer in enumerate(model.model.layers):
+        experts = getattr(layer, "experts", None)
+        experts = getattr(experts, "inner", experts)
+        if isinstance(experts, Experts):
+            out[f"model.layers.{i}.experts"] = experts
+    return out
+
+
+@dataclass
+class ExpertPair:
+    """One slot's LoRA of one expert matrix, every expert at once: A^T [E, in, r], B^T [E, r, out] (scaled)."""
+
+    a_t: torch.Tensor
+    b_t: torch.Tensor
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> "ExpertPair":
+        return ExpertPair(self.a_t.to(device, dtype).contiguous(), self.b_t.to(device, dtype).contiguous())
+
+
+@dataclass
+class ExpertWeights:
+    """One slot's LoRA of one experts block: gate_up_proj's and down_proj's (None where not adapted)."""
+
+    gate_up: ExpertPair | None = None
+    down: ExpertPair | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in (self.gate_up, self.down) if p is not None
+                   for t in (p.a_t, p.b_t))
 
 
 @dataclass
@@ -115,15 +158,23 @@ class LoRAWeights:
     num_slots: int
     by_module: dict[nn.Module, dict[int, SlotWeights]] = field(default_factory=dict)
     stacked: dict[nn.Module, StackedSlots] = field(default_factory=dict)
+    experts: dict[nn.Module, dict[int, ExpertWeights]] = field(default_factory=dict)   # both layouts
 
     def clear(self, slot: int) -> None:
-        for slots in self.by_module.values():
+        for slots in (*self.by_module.values(), *self.experts.values()):
             slots.pop(slot, None)
         for stack in self.stacked.values():
             stack.clear(slot)
 
     def put(self, slot: int, module: nn.Module, weights: SlotWeights) -> None:
         self.by_module.setdefault(module, {})[slot] = weights
+
+    def put_experts(self, slot: int, module: nn.Module, weights: ExpertWeights) -> None:
+        self.experts.setdefault(module, {})[slot] = weights
+
+    def expert_slots(self) -> set[int]:
+        """Slots whose adapter adapts some experts block."""
+        return {slot for slots in self.experts.values() for slot in slots}
 
     def allocate(self, module: nn.Module, rank: int, in_features: int, out_features: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -191,6 +242,45 @@ class LoRABatch:
             if mine:
                 picked[slot] = torch.tensor(mine, dtype=torch.long, device=idx.device)
         return LoRABatch(self.weights, picked) if picked else None
+
+    @property
+    def expert_slots(self) -> set[int]:
+        """The slots of this batch whose adapters adapt experts (their rows run outside CUDA graphs: a slot's
+        expert rows are found on the host)."""
+        mine = set(self.rows) if self.slots is None else set(self.present)
+        return mine & self.weights.expert_slots()
+
+    def add_experts(self, module: nn.Module, which: str, x: torch.Tensor, y: torch.Tensor, num_tokens: int,
+                    token_of_row: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        """y (`which` of `module`: "gate_up" or "down", for the expert rows x, sorted by expert; row i is token
+        token_of_row[i]'s pair with expert expert_of_row[i]) plus each row's adapter delta on that expert."""
+        slots = self.weights.experts.get(module)
+        if not slots or self.captured:   # (the runner runs batches with expert adapters outside CUDA graphs)
+            return y
+        from .moe import grouped_mm
+
+        slot_of_row = self._slot_of_token(num_tokens, y.device)[token_of_row]
+        for slot in sorted(slots):
+            pair = getattr(slots[slot], which)
+            if pair is None:
+                continue
+            idx = torch.nonzero(slot_of_row == slot).squeeze(1)
+            if idx.numel() == 0:
+                continue
+            experts = expert_of_row.index_select(0, idx)
+            offsets = torch.cumsum(torch.bincount(experts, minlength=pair.a_t.shape[0]), 0).to(torch.int32)
+            xa = grouped_mm(x.index_select(0, idx).to(pair.a_t.dtype), pair.a_t, offsets, experts)
+            d = grouped_mm(xa, pair.b_t, offsets, experts)
+            y = y.index_add(0, idx, d.to(y.dtype))
+        return y
+
+    def _slot_of_token(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        if self.slots is not None:
+            return self.slots
+        out = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+        for slot, idx in self.rows.items():
+            out[idx.to(device)] = slot
+        return out
 
     def add(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (module's output for x) plus each row's adapter delta (the stacked layout adds in place: y is the

@@ -4,16 +4,22 @@
         A [r, in], B [out, r]; delta = B A x * scaling, scaling = alpha / r (alpha / sqrt(r) with rsLoRA),
         r and alpha per module where rank_pattern / alpha_pattern name it
 
+    base_model.model.<prefix>layers.<i>.experts[.base_layer].lora_<A|B>.weight        (target_parameters)
+        every expert of a MoE block at once: A [E r, in] (expert-major), B [out, r E] (rank-major), so expert
+        e's delta is B[:, e::E] A[e r:(e+1) r] (PEFT's ParamWrapper). PEFT nests one wrapper per targeted
+        parameter; which is which follows from the shapes (gate_up_proj maps H -> 2I, down_proj I -> H).
+
 Each HF projection maps onto ours through the model's `stacked` table (q_proj is part 0 of qkv_proj, up_proj
 part 1 of gate_up_proj). What we cannot apply is refused with its reason before anything is served: DoRA, bias
-training, `modules_to_save`, embeddings, the head, MoE experts, encoder towers, a rank above --max-lora-rank,
-shapes of another base. A projection the layer does not run (k/v of a KV-shared layer, v of a K = V layer,
+training, `modules_to_save`, embeddings, the head, parameters other than the experts' two, encoder towers, a
+rank above --max-lora-rank, shapes of another base. A projection the layer does not run (k/v of a KV-shared layer, v of a K = V layer,
 which older transformers versions still had) is skipped with a log line: it changes nothing in transformers
 either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,7 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import UserInputError
-from .lora import Projection, SlotWeights, projections
+from .lora import ExpertPair, ExpertWeights, Projection, SlotWeights, expert_modules, projections
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +40,9 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\."
                   r"(?P<proj>[a-z_]+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
+_EXPERT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<prefix>.*?)layers\.(?P<layer>\d+)\.experts\."
+                         r"(?P<nest>(?:base_layer\.)*)lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
+_EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 _TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.", "model.text_model.", "")
 _TOWERS = ("vision_tower", "audio_tower", "vision_model", "audio_model", "embed_vision", "embed_audio",
            "multi_modal_projector")
@@ -49,11 +58,13 @@ class LoRAAdapter:
     rank: int                              # the largest rank of any module
     digest: str                            # of the weights file: the prefix cache keys blocks by it
     weights: dict[str, SlotWeights] = field(default_factory=dict)
+    experts: dict[str, ExpertWeights] = field(default_factory=dict)   # MoE experts blocks, by path
     skipped: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
-        return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size() for w in self.weights.values())
+        return (sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size() for w in self.weights.values())
+                + sum(w.nbytes for w in self.experts.values()))
 
 
 def _read_config(path: Path, name: str) -> dict:
@@ -75,8 +86,11 @@ def _read_config(path: Path, name: str) -> dict:
         refuse.append(f"trained biases (bias={cfg.get('bias')!r})")
     if cfg.get("modules_to_save"):
         refuse.append(f"fully trained modules (modules_to_save={cfg['modules_to_save']})")
-    if cfg.get("target_parameters"):
-        refuse.append(f"LoRA on parameters such as MoE experts (target_parameters={cfg['target_parameters']})")
+    params = cfg.get("target_parameters") or []
+    other = [p for p in params if not isinstance(p, str) or not p.endswith(_EXPERT_PARAMS)]
+    if other:
+        refuse.append(f"LoRA on parameters other than the MoE experts' gate_up_proj and down_proj "
+                      f"(target_parameters={other})")
     if refuse:
         raise UserInputError(f"LoRA adapter {name!r} uses {'; '.join(refuse)}, which gemmaserve does not serve")
     for key in ("r", "lora_alpha"):
@@ -125,7 +139,17 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
     found: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     module_name: dict[tuple[str, int], str] = {}
     skipped: list[str] = []
+    experts = expert_modules(model)
+    expert_found: dict[str, dict[str, dict[str, torch.Tensor]]] = {}   # path -> nesting -> A/B
     for key, tensor in tensors.items():
+        e = _EXPERT_KEY.match(key)
+        if e is not None and e["prefix"] in _TEXT_PREFIXES:
+            path = f"model.layers.{e['layer']}.experts"
+            if path not in experts:
+                raise UserInputError(f"LoRA adapter {name!r}: {key} adapts MoE experts, and layer {e['layer']} of "
+                                     "this model has none (an adapter for another base model)")
+            expert_found.setdefault(path, {}).setdefault(e["nest"], {})[e["ab"]] = tensor
+            continue
         m = _KEY.match(key)
         tower = next((t for t in _TOWERS if t in key), None)
         if tower is not None:
@@ -133,8 +157,8 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
                                  "the text layers only")
         if m is None or m["prefix"] not in _TEXT_PREFIXES:
             raise UserInputError(f"LoRA adapter {name!r}: {key} is not a LoRA weight of an attention or MLP "
-                                 "projection of the text layers (embeddings, the head and MoE experts are not "
-                                 "adapted)")
+                                 "projection or MoE experts block of the text layers (embeddings and the head "
+                                 "are not adapted)")
         leaf, part = stacked.get(m["proj"], (m["proj"], 0))
         ours = f"model.layers.{m['layer']}.{m['block']}.{leaf}"
         hf_name = f"layers.{m['layer']}.{m['block']}.{m['proj']}"
@@ -154,7 +178,7 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
         log.info("LoRA adapter %r: skipped %d projections this model does not run (KV-shared layers project no K/V, "
                  "K = V layers no V): %s", name, len(skipped), ", ".join(skipped[:6]) + (" ..." if len(skipped) > 6
                                                                                        else ""))
-    if not found:
+    if not found and not expert_found:
         raise UserInputError(f"LoRA adapter {name!r} holds no LoRA weights for this model's projections")
     by_module: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     rank = 0
@@ -186,7 +210,59 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
     adapter = LoRAAdapter(name, path, rank, digest, skipped=skipped)
     for ours, parts in by_module.items():
         adapter.weights[ours] = _stack(targets[ours], parts, dtype)
+    for ours, nested in sorted(expert_found.items()):
+        adapter.experts[ours], r = _experts(name, cfg, ours, experts[ours], nested, plan, max_rank, dtype)
+        adapter.rank = max(adapter.rank, r)
     return adapter
+
+
+def _experts(name: str, cfg: dict, ours: str, module: nn.Module, nested: dict[str, dict[str, torch.Tensor]], plan,
+             max_rank: int, dtype: torch.dtype) -> tuple[ExpertWeights, int]:
+    """One experts block's LoRA, per expert: gate_up_proj and down_proj told apart by their shapes."""
+    hf_name = ours.removeprefix("model.")
+    n_exp, full_i = module.num_experts, module.intermediate
+    hidden = module.down_proj.shape[1]
+    if plan is not None:
+        full_i = plan.experts.get(ours, full_i)
+    out, rank = ExpertWeights(), 0
+    for ab in nested.values():
+        if set(ab) != {"A", "B"}:
+            raise UserInputError(f"LoRA adapter {name!r}: {hf_name} has lora_{''.join(ab)} without its pair")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] % n_exp:
+            raise UserInputError(f"LoRA adapter {name!r}: {hf_name} has A {list(a.shape)} and B {list(b.shape)}, "
+                                 f"which are not a LoRA of {n_exp} experts")
+        which = {(hidden, 2 * full_i): "gate_up", (full_i, hidden): "down"}.get((a.shape[1], b.shape[0]))
+        if which is None or getattr(out, which) is not None:
+            raise UserInputError(
+                f"LoRA adapter {name!r}: {hf_name} maps {a.shape[1]} -> {b.shape[0]}; this model's experts map "
+                f"{hidden} -> {2 * full_i} (gate_up_proj) and {full_i} -> {hidden} (down_proj): the adapter "
+                "belongs to another base model")
+        r = a.shape[0] // n_exp
+        want_r = _pattern_value(cfg.get("rank_pattern"), hf_name, cfg.get("r", r))
+        if r != want_r:
+            raise UserInputError(f"LoRA adapter {name!r}: {hf_name} has rank {r} per expert, its config says {want_r}")
+        if r > max_rank:
+            raise UserInputError(f"LoRA adapter {name!r} has rank {r} ({hf_name}), above --max-lora-rank {max_rank}")
+        alpha = _pattern_value(cfg.get("alpha_pattern"), hf_name, cfg.get("lora_alpha", 8))
+        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        if plan is not None:   # this rank's share of the intermediate, as its base experts hold it
+            sl = plan.slice_for(f"{ours}.{which}_proj")
+            if sl is not None:
+                if which == "gate_up":
+                    b = dataclasses.replace(sl, dim=0).read(b)
+                else:
+                    a = dataclasses.replace(sl, dim=1).read(a)
+        # [E, in, R] and [E, R, out], R = r padded with zeros to a multiple of 8: grouped matmuls want strides of
+        # whole 16-byte units (the zeros add exact zeros).
+        padded = -(-r // 8) * 8
+        a_t = torch.zeros(n_exp, a.shape[1], padded)
+        a_t[:, :, :r] = a.float().reshape(n_exp, r, a.shape[1]).transpose(1, 2)
+        b_t = torch.zeros(n_exp, padded, b.shape[0])
+        b_t[:, :r] = (b.float() * scaling).reshape(b.shape[0], r, n_exp).permute(2, 1, 0)
+        setattr(out, which, ExpertPair(a_t.to(dtype), b_t.to(dtype)))
+        rank = max(rank, r)
+    return out, rank
 
 
 def _rank_slice(plan, hf_name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,11 +18,16 @@ index order, since torch's reduction kernels pick their thread layout from the n
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from .fused_ops import NormKind, gelu_mul, rms_norm
 from .layers import ROW_TILE, Linear
+
+if TYPE_CHECKING:
+    from .lora import LoRABatch
 
 
 def _grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -102,7 +107,8 @@ class Experts(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                lora: "LoRABatch | None" = None) -> torch.Tensor:
         t, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -119,8 +125,13 @@ class Experts(nn.Module):
         else:
             mm = lambda a, w: grouped_mm(a, w, offsets, expert_of_row)   # noqa: E731
         # w^T views: [E, H, 2I] and [E, I, H], column-major per expert, as grouped_mm wants them.
-        h = gelu_mul(mm(rows, self.gate_up_proj.transpose(1, 2)), self.intermediate)
+        gate_up = mm(rows, self.gate_up_proj.transpose(1, 2))
+        if lora is not None:   # adapters of the experts (models/lora.py), on the rows in this order
+            gate_up = lora.add_experts(self, "gate_up", rows, gate_up, t, token_of_row, expert_of_row)
+        h = gelu_mul(gate_up, self.intermediate)
         y = mm(h, self.down_proj.transpose(1, 2))
+        if lora is not None:
+            y = lora.add_experts(self, "down", h, y, t, token_of_row, expert_of_row)
         y = y.float() * weights.reshape(-1)[order, None]
         # Unsort (each row has one destination, so this copy is deterministic), then sum over k.
         per_pair = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
