@@ -148,7 +148,7 @@ def test_a_tiny_models_logits_through_the_stacked_slots_equal_the_host_layouts(t
     """The runner's stacked slots (lazily allocated, written from a PEFT adapter) and the kernels, through a
     whole Gemma 3 forward with a fused 3-part qkv: logits equal the host layout's (the C++ op)."""
     from gemmaserve.bench.lora import write_random_adapter
-    from gemmaserve.engine.lora import RunnerLoRA
+    from gemmaserve.engine.lora import RunnerLoRA, stacked_bytes
     from gemmaserve.engine.step import LoRALoad
     from gemmaserve.models import cpu_kernels
 
@@ -165,6 +165,8 @@ def test_a_tiny_models_logits_through_the_stacked_slots_equal_the_host_layouts(t
             runner.load(LoRALoad(slot, f"a{slot}", str(tmp_path / f"a{slot}"), None))
     assert runners[True].weights.stacked and not runners[False].weights.stacked
     assert not runners[True].weights.by_module
+    # what the engine keeps out of the KV budget for them on CUDA
+    assert runners[True].weights.nbytes == stacked_bytes(model, 2, 8, torch.float32)
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (9, 5, 7)]
     slots = [1, -1, 0]

@@ -30,7 +30,7 @@ from .draft_model import DraftModelDrafter, offset_specs
 from .executor import create_executor
 from .input_processor import InputProcessor
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
-from .lora import LoRARegistry, LoRASlots
+from .lora import LoRARegistry, LoRASlots, stacked_bytes
 from .mtp import MtpDrafter
 from .output_processor import OutputProcessor
 from .proposers import create_proposer
@@ -186,7 +186,14 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         draft.model, backend, first_draft_layer, tokenizer.pad_token_id or 0)
     cache_options = resolve_cache_options(config, model.engine_preferences(), backend.capabilities, specs,
                                           probe=lambda name: probe_transfer(name, device))
-    kv = create_kv_manager(cache_options.kv_cache_manager, specs, config.page_size, config.kv_budget_bytes(device),
+    budget = config.kv_budget_bytes(device)
+    if device.type == "cuda" and config.lora_modules and config.kv_cache_memory is None:
+        # The adapters' stacked device slots are allocated at the first one's load: leave them room.
+        reserve = stacked_bytes(model, config.max_loras, config.max_lora_rank, dtype)
+        log.info("LoRA: %.0f MiB of the KV budget kept for %d adapter slots of rank %d", reserve / 2**20,
+                 config.max_loras, config.max_lora_rank)
+        budget = max(0, budget - reserve)
+    kv = create_kv_manager(cache_options.kv_cache_manager, specs, config.page_size, budget,
                            enable_prefix_caching=cache_options.enable_prefix_caching,
                            enable_scratch=cache_options.swa_scratch_reuse, sliding_share=config.kv_pool_split,
                            lookback=0 if drafter is None else drafter.lookback,

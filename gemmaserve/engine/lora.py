@@ -64,6 +64,14 @@ def slot_dtype(module: nn.Module, rank: int, dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if isinstance(module, QuantLinear) and rank <= LORA_LOOP_RANK else dtype
 
 
+def stacked_bytes(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
+    """Device bytes of the stacked slots (`RunnerLoRA` on CUDA): A and B^T of every projection at `max_rank` per
+    fused part, `max_loras` slots."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return sum(max_loras * max_rank * len(p.parts) * (p.in_features + sum(p.parts)) * size
+               for p in projections(model).values())
+
+
 class AdapterStore:
     """Adapters read into host memory, at most `capacity` of them (least recently used dropped)."""
 
@@ -102,11 +110,19 @@ class RunnerLoRA:
         self.weights = LoRAWeights(max_loras)
         self.max_rank = max_rank
         self.stacked = device.type == "cuda" if stacked is None else stacked
+        self._model = model
         self._projections = projections(model)
         self._modules = {path: p.module for path, p in self._projections.items()}
         self._experts = expert_modules(model)
 
     def _allocate(self) -> None:
+        need = stacked_bytes(self._model, self.weights.num_slots, self.max_rank, self.dtype)
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else need
+        if need > free:   # (the engine reserves them when it starts with adapters; a first one loaded later may not fit)
+            raise UserInputError(
+                f"LoRA: the device slots for {self.weights.num_slots} adapters of rank up to {self.max_rank} need "
+                f"{need / 2**20:.0f} MiB and {free / 2**20:.0f} MiB are free: start with the adapter in "
+                "--lora-modules (reserved before the KV cache), or lower --max-loras or --max-lora-rank")
         for p in self._projections.values():
             self.weights.allocate(p.module, self.max_rank * len(p.parts), p.in_features, sum(p.parts), self.dtype,
                                   self.device)
