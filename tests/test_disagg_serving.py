@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,7 +79,20 @@ def _stop(*procs) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(save_checkpoint(tiny_hf_model(fresh_seed(), sliding_window=WINDOW), tmp_path_factory.mktemp("m")))
+    """The base checkpoint, and beside it (`adapter/`) a random LoRA adapter saved by PEFT."""
+    from peft import LoraConfig, get_peft_model
+
+    seed = fresh_seed()
+    hf = tiny_hf_model(seed, sliding_window=WINDOW)
+    path = save_checkpoint(hf, tmp_path_factory.mktemp("m"))
+    torch.manual_seed(seed + 1)
+    get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                  init_lora_weights=False)).save_pretrained(path.parent / "adapter")
+    return str(path)
+
+
+def _adapter(model_dir: str) -> str:
+    return str(Path(model_dir).parent / "adapter")
 
 
 @contextlib.contextmanager
@@ -103,7 +117,7 @@ def cluster(model_dir):
     # 10 s: long enough for a decode engine that compiles a grammar first on a loaded 2-core CI machine
     # (3 s expired a staged transfer once), short enough for the kill test's 20 s wait for cleanup.
     with _start_cluster("--model", model_dir, *ENGINE_ARGS, "--kv-transfer-runtime", "torch",
-                        "--kv-transfer-timeout", "10") as c:
+                        "--kv-transfer-timeout", "10", "--lora-modules", f"ad={_adapter(model_dir)}") as c:
         yield c
 
 
@@ -114,11 +128,14 @@ def single(model_dir):
 
     torch.set_num_threads(1)
     return LLM.from_config(EngineConfig(model=model_dir, page_size=4, max_num_batched_tokens=64,
-                                        kv_cache_memory=2 << 20, max_num_seqs=4))
+                                        kv_cache_memory=2 << 20, max_num_seqs=4,
+                                        lora_modules={"ad": _adapter(model_dir)}))
 
 
-def _completion(port: int, prompt: str, stream: bool, max_tokens: int = 12) -> str:
+def _completion(port: int, prompt: str, stream: bool, max_tokens: int = 12, model: str | None = None) -> str:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if model is not None:
+        body["model"] = model
     status, raw = _post(f"http://127.0.0.1:{port}/v1/completions", body)
     assert status == 200, raw
     if not stream:
@@ -154,6 +171,22 @@ def test_greedy_output_equals_a_single_engine(cluster, single):
                         {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 4})
     assert status == 200 and json.loads(raw)["choices"][0]["message"]["content"], raw
     assert _get(f"http://127.0.0.1:{cluster['router']}/v1/models")["data"][0]["id"]
+
+
+def test_an_adapter_runs_on_both_roles_and_its_kv_stays_its_own(cluster, single):
+    """A request for a LoRA adapter through the router: the prefill engine computes the prompt under it, the
+    decode engine checks it serves the same adapter (name and weights' digest) and decodes under it: the single
+    engine's tokens for that adapter, which differ from the base's. The base's tokens for the same prompt
+    right after are the base's (no KV crossed adapters on either side)."""
+    from gemmaserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=12)
+    want = single.generate([PROMPTS[0]], params, use_tqdm=False, lora="ad")[0].outputs[0].text
+    base = single.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].text
+    assert want != base
+    assert _completion(cluster["router"], PROMPTS[0], stream=False, model="ad") == want
+    assert _completion(cluster["router"], PROMPTS[0], stream=True, model="ad") == want
+    assert _completion(cluster["router"], PROMPTS[0], stream=False) == base
 
 
 def test_grammars_penalties_and_seeds_continue_on_the_decode_engine(cluster, single):

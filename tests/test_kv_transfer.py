@@ -121,8 +121,8 @@ def engines(tmp_path_factory):
     return single, prefill, decode_v1
 
 
-def _run(engine, rid, params, ids):
-    engine.add_request("", params, prompt_ids=ids, request_id=rid)
+def _run(engine, rid, params, ids, lora=None):
+    engine.add_request("", params, prompt_ids=ids, request_id=rid, lora=lora)
     return _drain(engine)
 
 
@@ -134,19 +134,20 @@ def _drain(engine):
     return final
 
 
-def _hand_over(prefill, decode, prompt, params, prefill_id, decode_id, transfer_id):
-    """Prefill `prompt` on `prefill` (one token), stage its KV and adopt it on `decode` as `decode_id`:
-    (staging, the decode handoff, the staged description, the outputs the adoption gave)."""
+def _hand_over(prefill, decode, prompt, params, prefill_id, decode_id, transfer_id, lora=None):
+    """Prefill `prompt` on `prefill` (one token), stage its KV and adopt it on `decode` as `decode_id` (under
+    adapter `lora` on both): (staging, the decode handoff, the staged description, the outputs the adoption
+    gave)."""
     from gemmaserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
     from gemmaserve.transfer.torch_runtime import TorchSource
 
     source = TorchSource(torch.device("cpu"))
     staging = PrefillHandoff(prefill, source, timeout=30, engine_id="p")
     staging.expect(prefill_id, transfer_id)
-    _run(prefill, prefill_id, dataclasses.replace(params, max_tokens=1), prompt)
+    _run(prefill, prefill_id, dataclasses.replace(params, max_tokens=1), prompt, lora)
     desc = staging.describe_transfer(transfer_id)
     handoff = DecodeHandoff(decode)
-    decode.add_request("", params, prompt_ids=prompt, request_id=decode_id)
+    decode.add_request("", params, prompt_ids=prompt, request_id=decode_id, lora=lora)
     handoff.reserve(decode_id, prompt)
     outputs = handoff.adopt(decode, decode_id, TransferPlan.from_dict(desc["plan"]), source._buffers[transfer_id],
                             desc["first_token"], None, desc["cached_tokens"])
@@ -293,6 +294,43 @@ def test_received_blocks_enter_the_prefix_cache_and_cached_tokens_follow_the_pre
     again = _run(decode, "later", params, longer)
     assert again.num_cached_tokens >= 60 - 60 % 4 - 4   # the received blocks, not recomputed
     assert again.outputs[0].token_ids == _run(single, "later1", params, longer).outputs[0].token_ids
+    decode.kv.check_integrity()
+
+
+def test_an_adapters_received_blocks_are_keyed_under_the_adapter(engines, tmp_path):
+    """A prompt computed under a LoRA adapter and handed over: the description names the adapter (name and
+    digest), the decode engine gives the single engine's tokens for it, and its prefix cache serves the
+    received blocks to a later request under that adapter only (the base recomputes them)."""
+    from peft import LoraConfig, get_peft_model
+
+    from gemmaserve.engine.llm_engine import LLMEngine
+    from gemmaserve.engine.sampling_params import SamplingParams
+
+    from helpers import tiny_hf_model
+
+    single, prefill, _ = engines
+    hf = tiny_hf_model(3, sliding_window=8, vocab_size=single.model.vocab_size)
+    torch.manual_seed(4)
+    get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], init_lora_weights=False)
+                   ).save_pretrained(tmp_path / "ad")
+    decode = LLMEngine(prefill.config.replace(kv_transfer=KVTransferConfig(role="decode", kv_transfer_runtime="torch")),
+                       single.loaded)
+    for engine in (single, prefill, decode):
+        if "ad" not in engine.loras:
+            engine.add_lora("ad", str(tmp_path / "ad"))
+    prompt = [(13 * i + 3) % 280 + 7 for i in range(44)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = _run(single, "ra", params, prompt, "ad").outputs[0].token_ids
+    assert want != _run(single, "rb", params, prompt).outputs[0].token_ids
+    staging, _, desc, _ = _hand_over(prefill, decode, prompt, params, "xa", "ya", "t7", lora="ad")
+    assert desc["lora"] == decode.loras.get("ad").key
+    assert _drain(decode).outputs[0].token_ids == want
+    staging.release("t7")
+    longer = prompt + want + [9, 10, 11]
+    assert _run(decode, "base", params, longer).num_cached_tokens == 0
+    again = _run(decode, "under", params, longer, "ad")
+    assert again.num_cached_tokens >= 40
+    assert again.outputs[0].token_ids == _run(single, "under1", params, longer, "ad").outputs[0].token_ids
     decode.kv.check_integrity()
 
 

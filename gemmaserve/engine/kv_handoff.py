@@ -58,11 +58,12 @@ class StagedTransfer:
     source: dict           # what the runtime's offer returned: how a sink fetches it
     staged_at: float
     cached_tokens: int = 0   # prompt tokens the prefill engine's prefix cache served
+    lora: str | None = None  # the adapter the KV was computed under (LoRARef.key: name and weights' digest)
 
     def describe(self, engine_info: dict) -> dict:
         lp = self.first_logprob
         return {"transfer_id": self.transfer_id, "prompt_token_ids": self.prompt_token_ids,
-                "first_token": self.first_token, "cached_tokens": self.cached_tokens,
+                "first_token": self.first_token, "cached_tokens": self.cached_tokens, "lora": self.lora,
                 "first_logprob": None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]],
                 "plan": self.plan.to_dict(), "nbytes": self.nbytes, "source": {**self.source, **engine_info}}
 
@@ -141,7 +142,8 @@ class PrefillHandoff:
             # Staged KV counts in the KV budget: as many pool pages as it has bytes, until it goes.
             self.engine.kv.hold_pages(f"transfer:{tid}", -(-buffer.numel() // self.engine.kv.page_bytes))
             staged = StagedTransfer(tid, list(req.prompt_token_ids), token, logprob, tplan, buffer.numel(),
-                                    self.source.offer(tid, buffer), time.monotonic(), req.num_cached_tokens)
+                                    self.source.offer(tid, buffer), time.monotonic(), req.num_cached_tokens,
+                                    None if req.lora is None else req.lora.key)
             with self._lock:
                 self._staged[tid] = staged
                 self.bytes_staged += buffer.numel()
@@ -224,7 +226,7 @@ class DecodeHandoff:
         req = engine.request(request_id)
         engine.runner.put_staged(request_id, buffer)
         self._loads.append(StagedRows(request_id, spans, nbytes))
-        kv.cache_computed(request_id, req.prompt_token_ids)   # its copy runs before any later forward
+        kv.cache_computed(request_id, req.prompt_token_ids, req.block_hashes)   # copied before any later forward
         engine.scheduler.start_computed(req)
         req.num_cached_tokens = cached_tokens   # as the prefill engine's prefix cache served it
         step = StepPlan(-1, [SeqStep(request_id, plan.num_tokens, [], True)])

@@ -178,10 +178,11 @@ class KVCacheManager(ABC):
         fill. Atomic like `allocate`. Its blocks enter the prefix cache only through `cache_computed`."""
         raise NotImplementedError(f"KV manager {self.name} cannot take KV computed elsewhere")
 
-    def cache_computed(self, seq_id: str, token_ids: list[int]) -> int:
+    def cache_computed(self, seq_id: str, token_ids: list[int], chain: list[bytes] | None = None) -> int:
         """Offer the blocks of an `allocate_computed` sequence that hold what was computed elsewhere to the
-        prefix cache (a sliding group's first block may be filled only from the window on: not that one).
-        Returns how many; 0 where there is no prefix cache."""
+        prefix cache (a sliding group's first block may be filled only from the window on: not that one), keyed
+        on `chain` (the request's, salted by its adapter) when given. Returns how many; 0 where there is no
+        prefix cache."""
         return 0
 
     def commit(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:

@@ -363,13 +363,15 @@ class KVCacheManagerV2(KVCacheManager):
         self._seqs[seq_id] = seq
         return True
 
-    def cache_computed(self, seq_id: str, token_ids: list[int]) -> int:
+    def cache_computed(self, seq_id: str, token_ids: list[int], chain: list[bytes] | None = None) -> int:
         """Enter the blocks of an `allocate_computed` sequence that every sender fills whole (transfer/plan.py:
         full groups from token 0, sliding groups the window tail before the query) into the prefix cache; the
         caller has planned their copy before any later forward. Returns how many."""
         seq = self._seqs[seq_id]
         if not self.enable_prefix_caching:
             return 0
+        if chain is not None and not seq.chain:   # the sequence keeps (and grows) the request's chain
+            seq.chain = chain
         n = seq.num_computed
         extend_chain(seq.chain, token_ids, self._granularity, root_of(seq.chain, self._root), n)
         added = 0

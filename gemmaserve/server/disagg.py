@@ -165,8 +165,6 @@ class DisaggServer(OpenAIServer):
     async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[tuple[str, list[int]]],
                      params: SamplingParams, deadline: float | None, admission: Admission,
                      media: list[list] | None = None, lora: str | None = None) -> Generation:
-        if lora is not None:
-            raise ApiError(400, "LoRA adapters are not served by a prefill or decode role yet", param="model")
         tp = req.kv_transfer_params
         if tp is None:
             raise ApiError(400, f"this is a {self.role} engine: send requests through `gemmaserve router` "
@@ -179,27 +177,27 @@ class DisaggServer(OpenAIServer):
             raise ApiError(400, "disaggregated serving takes one prompt and n=1 per request", param="prompt")
         gid = f"{rid}-0"   # AsyncEngine's engine id for prompt 0
         if self.role == "prefill":
-            return self._prefill(rid, gid, tid, prompts, params, deadline, admission, media)
+            return self._prefill(rid, gid, tid, prompts, params, deadline, admission, media, lora)
         url = tp.get("prefill_url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ApiError(400, "kv_transfer_params.prefill_url must be an http(s) URL", param="kv_transfer_params")
-        return await self._decode(rid, gid, tid, url.rstrip("/"), prompts, params, deadline, admission, media)
+        return await self._decode(rid, gid, tid, url.rstrip("/"), prompts, params, deadline, admission, media, lora)
 
-    def _prefill(self, rid, gid, tid, prompts, params, deadline, admission, media) -> Generation:
+    def _prefill(self, rid, gid, tid, prompts, params, deadline, admission, media, lora) -> Generation:
         try:
             self.prefill.expect(gid, tid)
         except ValueError as exc:
             raise ApiError(409, str(exc), param="kv_transfer_params", code="transfer_id_in_use") from None
         try:
             outputs = self.async_engine.generate(rid, prompts, dataclasses.replace(params, max_tokens=1), deadline,
-                                                 media=media, admission=admission)
+                                                 media=media, admission=admission, lora=lora)
         except BaseException:
             self.prefill.forget(gid)
             raise
         outputs.on_end(lambda: self.prefill.forget(gid))
         return outputs
 
-    async def _decode(self, rid, gid, tid, url, prompts, params, deadline, admission, media) -> Generation:
+    async def _decode(self, rid, gid, tid, url, prompts, params, deadline, admission, media, lora) -> Generation:
         started = time.perf_counter()
         desc = await asyncio.to_thread(self._call, url, "GET", f"/disagg/transfers/{tid}")
         ids = prompts[0][1]
@@ -210,6 +208,11 @@ class DisaggServer(OpenAIServer):
             raise ApiError(400, "the prefill engine's KV layout (layers, heads, dtype) differs from this engine's: "
                                 "serve the same model with the same --kv-cache-dtype (and the same draft model, "
                                 "whose KV layers travel with the target's)", code="transfer_mismatch")
+        ours = next((r.key for r in self.engine.loras.refs() if r.name == lora), None)
+        if desc.get("lora") != ours:   # KV computed under another adapter (or another version of it) is not ours
+            raise ApiError(400, f"the prefill engine computed this prompt under adapter "
+                                f"{desc.get('lora') or 'none'}, this request runs under {ours or 'none'} (name@digest): "
+                                "serve the same adapters on both roles", param="model", code="transfer_mismatch")
         plan = TransferPlan.from_dict(desc["plan"])
         why = check_plan(plan, self.engine.kv.specs)
         if why is not None:
@@ -244,7 +247,7 @@ class DisaggServer(OpenAIServer):
 
         try:
             outputs = self.async_engine.generate(
-                rid, prompts, params, deadline, media=media, admission=admission,
+                rid, prompts, params, deadline, media=media, admission=admission, lora=lora,
                 adopt=lambda eng, g: self.decode.adopt(eng, g, plan, buffer, desc["first_token"], first_lp,
                                                        int(desc.get("cached_tokens", 0))))
         except BaseException:
