@@ -12,9 +12,9 @@
 Each HF projection maps onto ours through the model's `stacked` table (q_proj is part 0 of qkv_proj, up_proj
 part 1 of gate_up_proj). What we cannot apply is refused with its reason before anything is served: DoRA, bias
 training, `modules_to_save`, embeddings, the head, parameters other than the experts' two, encoder towers, a
-rank above --max-lora-rank, shapes of another base. A projection the layer does not run (k/v of a KV-shared layer, v of a K = V layer,
-which older transformers versions still had) is skipped with a log line: it changes nothing in transformers
-either.
+rank above --max-lora-rank, shapes of another base. A projection the layer does not run (k/v of a KV-shared
+layer, v of a K = V layer, which older transformers versions still had) is skipped with a log line: it changes
+nothing in transformers either.
 """
 
 from __future__ import annotations
