@@ -4,6 +4,7 @@ sliding layers; E2B-like: causal): frames decoded by PyAV and sampled as transfo
 given the same frames, through LLM, the CLI and the server."""
 
 import base64
+import copy
 import io
 from types import SimpleNamespace
 
@@ -62,11 +63,14 @@ def _reference_prompt(prompt: str, frames: int, tokens: int, total: int, fps: fl
 
 
 def _hf_logits(hf, ids, items):
+    """transformers' logits in float64: the reference at higher precision (ours run in fp32; fp32 transformers
+    is as far from the float64 logits as ours are, 3e-4 here)."""
+    hf = copy.deepcopy(hf).double()
     ids_t = torch.tensor([ids])
     types = torch.zeros_like(ids_t)
     types[ids_t == VID] = 2
     with torch.no_grad():
-        return hf(input_ids=ids_t, pixel_values_videos=torch.from_numpy(np.stack([it.data for it in items])),
+        return hf(input_ids=ids_t, pixel_values_videos=torch.from_numpy(np.stack([it.data for it in items])).double(),
                   video_position_ids=torch.from_numpy(np.stack([it.extra for it in items])),
                   num_frames_per_video=torch.tensor([len(items)]), mm_token_type_ids=types).logits[0]
 
