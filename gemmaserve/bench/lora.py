@@ -4,9 +4,9 @@ One batch of `--batch` requests (default 16) decodes `--tokens` tokens each on t
 270M on its default CPU path) with 0 adapters (the base alone, the reference), then with 1, 4 and 16 adapters of
 rank 8 and 64 spread round robin over the batch (every request with an adapter; --max-loras 16). Adapters are
 random, in PEFT's format (adapter_config.json and adapter_model.safetensors over every attention and MLP
-projection), written to a temporary directory. Each configuration is timed `--repeat` times after a warm-up
-(the median kept); rows report tokens/s and their ratio to the base in the same run. Writes $OUT/lora.json (or
-bench-out/).
+projection), written to a temporary directory. Each configuration is timed `--repeat` times after a warm-up,
+its runs alternating with runs of the base alone (the median of each kept); a row reports its tokens/s, the
+base's beside it and their ratio. Writes $OUT/lora.json (or bench-out/).
 """
 
 from __future__ import annotations
@@ -48,15 +48,20 @@ def write_random_adapter(model, path: Path, rank: int, seed: int) -> None:
         {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(targets), "bias": "none"}))
 
 
-def _run(llm, prompts: list[str], params, lora: list[str | None], repeat: int) -> tuple[float, int]:
-    llm.generate(prompts, params, lora=lora, use_tqdm=False)   # warm-up (and the adapters' slot loads)
-    times, tokens = [], 0
+def _run(llm, prompts: list[str], params, loras: list[list[str | None]], repeat: int) -> list[tuple[float, int]]:
+    """(median seconds, tokens) of each configuration in `loras`, their runs alternating (base, adapters, base,
+    ...), so that a machine whose speed drifts (a shared VM) moves both alike."""
+    for lora in loras:
+        llm.generate(prompts, params, lora=lora, use_tqdm=False)   # warm-up (and the adapters' slot loads)
+    times: list[list[float]] = [[] for _ in loras]
+    tokens = [0] * len(loras)
     for _ in range(repeat):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, lora=lora, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return statistics.median(times), tokens
+        for i, lora in enumerate(loras):
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, lora=lora, use_tqdm=False)
+            times[i].append(time.perf_counter() - start)
+            tokens[i] = sum(len(o.outputs[0].token_ids) for o in outs)
+    return [(statistics.median(t), n) for t, n in zip(times, tokens)]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -81,10 +86,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM.from_config(config)
     prompts = [f"Request {i}: write a short story about the number {i} and the sea." for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0)
-    base_s, base_tokens = _run(llm, prompts, params, [None] * args.batch, args.repeat)
-    rows = [{"adapters": 0, "rank": None, "seconds": round(base_s, 3), "tok_s": round(base_tokens / base_s, 1),
-             "ratio": 1.0}]
-    print(json.dumps(rows[0]), flush=True)
+    base = [None] * args.batch
+    rows = []
     with tempfile.TemporaryDirectory(prefix="gemmaserve-lora-") as tmp:
         for rank in ranks:
             for n in counts:
@@ -94,8 +97,10 @@ def run(args: argparse.Namespace) -> int:
                     write_random_adapter(llm.engine.model, Path(tmp) / name, rank, seed=1000 * rank + i)
                     llm.add_lora(name, str(Path(tmp) / name))
                     names.append(name)
-                s, tokens = _run(llm, prompts, params, [names[i % n] for i in range(args.batch)], args.repeat)
+                (base_s, base_tokens), (s, tokens) = _run(
+                    llm, prompts, params, [base, [names[i % n] for i in range(args.batch)]], args.repeat)
                 row = {"adapters": n, "rank": rank, "seconds": round(s, 3), "tok_s": round(tokens / s, 1),
+                       "base_seconds": round(base_s, 3), "base_tok_s": round(base_tokens / base_s, 1),
                        "ratio": round((tokens / s) / (base_tokens / base_s), 3)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
