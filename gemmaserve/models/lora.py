@@ -18,8 +18,8 @@ does not depend on the other rows):
              allocated once, written in place); a batch holds each row's slot in a device tensor
              (`LoRABatch.slots`) and lora_triton.py's segment kernels run every row at once
 
-MoE experts (PEFT's `target_parameters`: every expert's gate_up_proj / down_proj) hold, per slot, A^T and B^T
-of each expert side by side ([E, in, r], [E, r, out]: `ExpertPair`), in either layout. The expert rows of a
+MoE experts (PEFT's `target_parameters`: every expert's gate_up_proj / down_proj) hold, per slot, A and B
+of each expert side by side ([E, r, in], [E, out, r]: `ExpertPair`), in either layout. The expert rows of a
 forward are already sorted by expert (moe.py); a slot's rows keep that order, so two grouped matmuls with that
 slot's expert offsets give its deltas (`LoRABatch.add_experts`).
 """
@@ -83,13 +83,14 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 @dataclass
 class ExpertPair:
-    """One slot's LoRA of one expert matrix, every expert at once: A^T [E, in, r], B^T [E, r, out] (scaled)."""
+    """One slot's LoRA of one expert matrix, every expert at once: A [E, r, in] and B [E, out, r] (scaled), whose
+    transposes are the column-major [E, K, N] operands grouped matmuls take (as moe.py passes the experts')."""
 
-    a_t: torch.Tensor
-    b_t: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "ExpertPair":
-        return ExpertPair(self.a_t.to(device, dtype).contiguous(), self.b_t.to(device, dtype).contiguous())
+        return ExpertPair(self.a.to(device, dtype).contiguous(), self.b.to(device, dtype).contiguous())
 
 
 @dataclass
@@ -102,7 +103,7 @@ class ExpertWeights:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for p in (self.gate_up, self.down) if p is not None
-                   for t in (p.a_t, p.b_t))
+                   for t in (p.a, p.b))
 
 
 @dataclass
@@ -268,9 +269,9 @@ class LoRABatch:
             if idx.numel() == 0:
                 continue
             experts = expert_of_row.index_select(0, idx)
-            offsets = torch.cumsum(torch.bincount(experts, minlength=pair.a_t.shape[0]), 0).to(torch.int32)
-            xa = grouped_mm(x.index_select(0, idx).to(pair.a_t.dtype), pair.a_t, offsets, experts)
-            d = grouped_mm(xa, pair.b_t, offsets, experts)
+            offsets = torch.cumsum(torch.bincount(experts, minlength=pair.a.shape[0]), 0).to(torch.int32)
+            xa = grouped_mm(x.index_select(0, idx).to(pair.a.dtype), pair.a.transpose(1, 2), offsets, experts)
+            d = grouped_mm(xa, pair.b.transpose(1, 2), offsets, experts)
             y = y.index_add(0, idx, d.to(y.dtype))
         return y
 

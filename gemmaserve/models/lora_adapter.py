@@ -253,14 +253,14 @@ def _experts(name: str, cfg: dict, ours: str, module: nn.Module, nested: dict[st
                     b = dataclasses.replace(sl, dim=0).read(b)
                 else:
                     a = dataclasses.replace(sl, dim=1).read(a)
-        # [E, in, R] and [E, R, out], R = r padded with zeros to a multiple of 8: grouped matmuls want strides of
-        # whole 16-byte units (the zeros add exact zeros).
+        # A [E, R, in] and B [E, out, R], R = r padded with zeros to a multiple of 8: grouped matmuls want strides
+        # of whole 16-byte units (the zeros add exact zeros).
         padded = -(-r // 8) * 8
-        a_t = torch.zeros(n_exp, a.shape[1], padded)
-        a_t[:, :, :r] = a.float().reshape(n_exp, r, a.shape[1]).transpose(1, 2)
-        b_t = torch.zeros(n_exp, padded, b.shape[0])
-        b_t[:, :r] = (b.float() * scaling).reshape(b.shape[0], r, n_exp).permute(2, 1, 0)
-        setattr(out, which, ExpertPair(a_t.to(dtype), b_t.to(dtype)))
+        a_e = torch.zeros(n_exp, padded, a.shape[1])
+        a_e[:, :r] = a.float().reshape(n_exp, r, a.shape[1])
+        b_e = torch.zeros(n_exp, b.shape[0], padded)
+        b_e[:, :, :r] = (b.float() * scaling).reshape(b.shape[0], r, n_exp).permute(2, 0, 1)
+        setattr(out, which, ExpertPair(a_e.to(dtype), b_e.to(dtype)))
         rank = max(rank, r)
     return out, rank
 
