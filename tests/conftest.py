@@ -6,6 +6,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):   # `-n 2`: the workers share the cores, one thread each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # No test starts a background build of compiled decode steps (minutes of both cores); the tests of that
 # path ask for it themselves.
 os.environ.setdefault("GEMMASERVE_BACKGROUND_COMPILE", "0")

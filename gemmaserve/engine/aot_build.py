@@ -73,8 +73,7 @@ class BuildJob:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "gemmaserve.engine.aot_build", "--config", json.dumps(config_fields),
                      "--into", str(directory), "--lock", str(lock)],
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    preexec_fn=lambda: os.nice(10))
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             os.write(fd, str(process.pid).encode())
             os.close(fd)
             return cls(directory, process, log_path, time.perf_counter())
@@ -113,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--into", required=True, help="the store directory its key names")
     parser.add_argument("--lock", help="the lock file to remove when done")
     args = parser.parse_args(argv)
+    # Lower priority here rather than in a preexec_fn: that would make the engine fork (copying its page tables,
+    # ENOMEM for a large engine process under the kernel's overcommit heuristic) instead of vfork and exec.
+    os.nice(10)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         from ..config.engine import EngineConfig
