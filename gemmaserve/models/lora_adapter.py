@@ -198,13 +198,7 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
             raise UserInputError(
                 f"LoRA adapter {name!r}: {hf_name} maps {a.shape[1]} -> {b.shape[0]}, this model's projection "
                 f"{target.in_features} -> {target.parts[part]}: the adapter belongs to another base model")
-        want_r = _pattern_value(cfg.get("rank_pattern"), hf_name, cfg.get("r", r))
-        if r != want_r:
-            raise UserInputError(f"LoRA adapter {name!r}: {hf_name} has rank {r}, its config says {want_r}")
-        if r > max_rank:
-            raise UserInputError(f"LoRA adapter {name!r} has rank {r} ({hf_name}), above --max-lora-rank {max_rank}")
-        alpha = _pattern_value(cfg.get("alpha_pattern"), hf_name, cfg.get("lora_alpha", 8))
-        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        scaling = _scaling(name, cfg, hf_name, r, max_rank)
         by_module.setdefault(ours, []).append((part, a, b.float() * scaling))
         rank = max(rank, r)
     adapter = LoRAAdapter(name, path, rank, digest, skipped=skipped)
@@ -238,14 +232,8 @@ def _experts(name: str, cfg: dict, ours: str, module: nn.Module, nested: dict[st
                 f"LoRA adapter {name!r}: {hf_name} maps {a.shape[1]} -> {b.shape[0]}; this model's experts map "
                 f"{hidden} -> {2 * full_i} (gate_up_proj) and {full_i} -> {hidden} (down_proj): the adapter "
                 "belongs to another base model")
-        r = a.shape[0] // n_exp
-        want_r = _pattern_value(cfg.get("rank_pattern"), hf_name, cfg.get("r", r))
-        if r != want_r:
-            raise UserInputError(f"LoRA adapter {name!r}: {hf_name} has rank {r} per expert, its config says {want_r}")
-        if r > max_rank:
-            raise UserInputError(f"LoRA adapter {name!r} has rank {r} ({hf_name}), above --max-lora-rank {max_rank}")
-        alpha = _pattern_value(cfg.get("alpha_pattern"), hf_name, cfg.get("lora_alpha", 8))
-        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        r = a.shape[0] // n_exp   # per expert
+        scaling = _scaling(name, cfg, hf_name, r, max_rank)
         if plan is not None:   # this rank's share of the intermediate, as its base experts hold it
             sl = plan.slice_for(f"{ours}.{which}_proj")
             if sl is not None:
@@ -263,6 +251,17 @@ def _experts(name: str, cfg: dict, ours: str, module: nn.Module, nested: dict[st
         setattr(out, which, ExpertPair(a_e.to(dtype), b_e.to(dtype)))
         rank = max(rank, r)
     return out, rank
+
+
+def _scaling(name: str, cfg: dict, hf_name: str, r: int, max_rank: int) -> float:
+    """The delta's scale for module `hf_name` of rank `r`, after checking r against the config and the limit."""
+    want_r = _pattern_value(cfg.get("rank_pattern"), hf_name, cfg.get("r", r))
+    if r != want_r:
+        raise UserInputError(f"LoRA adapter {name!r}: {hf_name} has rank {r}, its config says {want_r}")
+    if r > max_rank:
+        raise UserInputError(f"LoRA adapter {name!r} has rank {r} ({hf_name}), above --max-lora-rank {max_rank}")
+    alpha = _pattern_value(cfg.get("alpha_pattern"), hf_name, cfg.get("lora_alpha", 8))
+    return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
 
 
 def _rank_slice(plan, hf_name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
