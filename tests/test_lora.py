@@ -309,6 +309,31 @@ def test_adapters_added_and_removed_at_run_time(served):
         llm.generate(["hello"], params, lora="c")
 
 
+def test_an_adapter_that_fails_to_load_fails_only_its_requests(served, tmp_path):
+    """An adapter whose file breaks after it was registered: its load into a slot fails in the runner, its
+    request ends with the error, and the requests beside it in the same steps get their tokens alone."""
+    import shutil
+
+    root, _, _, llm = served
+    shutil.copytree(root / "a", tmp_path / "x")
+    llm.add_lora("x", str(tmp_path / "x"))
+    (tmp_path / "x" / "adapter_model.safetensors").write_bytes(b"broken")
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    names = ["a", "x", None, "b"]
+    try:
+        alone = {n: llm.generate([p], params, lora=n)[0].outputs[0].token_ids
+                 for p, n in zip(PROMPTS, names) if n != "x"}
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, lora=names)]
+        for out, n in zip(outs, names):
+            if n == "x":
+                assert out.finish_reason == "error" and "could not be loaded" in out.error, out
+            else:
+                assert out.token_ids == alone[n], n
+        assert llm.generate(["hello"], params, lora="b")[0].outputs[0].finish_reason == "length"
+    finally:
+        llm.remove_lora("x")
+
+
 def _broken(root, name: str, edit) -> str:
     """A copy of adapter a with `edit(directory)` applied."""
     import shutil

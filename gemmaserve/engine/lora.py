@@ -110,6 +110,7 @@ class RunnerLoRA:
         self.weights = LoRAWeights(max_loras)
         self.max_rank = max_rank
         self.stacked = device.type == "cuda" if stacked is None else stacked
+        self.failed: dict[int, str] = {}   # slot -> why its adapter could not be loaded (until a load succeeds)
         self._model = model
         self._projections = projections(model)
         self._modules = {path: p.module for path, p in self._projections.items()}
@@ -145,10 +146,20 @@ class RunnerLoRA:
         for path, w in adapter.experts.items():   # per slot in either layout (models/lora.py)
             self.weights.put_experts(load.slot, self._experts[path], ExpertWeights(
                 *(None if p is None else p.to(self.device, self.dtype) for p in (w.gate_up, w.down))))
+        self.failed.pop(load.slot, None)
+
+    def fail(self, slot: int, why: str) -> None:
+        """The load into `slot` failed: the slot holds nothing, and a step with its rows raises `why` (the engine
+        then reruns the step's sequences one by one, so only that adapter's requests fail)."""
+        log.error("%s", why)
+        self.weights.clear(slot)
+        self.failed[slot] = why
 
     def batch(self, seqs: list[SeqStep]) -> LoRABatch | None:
         segments, row = [], 0
         for s in seqs:
+            if s.lora_slot in self.failed:
+                raise RuntimeError(self.failed[s.lora_slot])
             if s.lora_slot >= 0:
                 segments.append((row, row + s.num_new_tokens, s.lora_slot))
             row += s.num_new_tokens

@@ -148,7 +148,10 @@ class ModelRunner:
         for rows in plan.kv_transfers.row_loads:
             self._load_rows(rows)
         for load in plan.lora_loads:
-            self.lora.load(load)
+            try:
+                self.lora.load(load)
+            except Exception as exc:   # the rest of the plan still applies; only this adapter's rows fail
+                self.lora.fail(load.slot, f"LoRA adapter {load.name!r} could not be loaded: {exc}")
         for req_id in plan.released + plan.finished:
             self.tables.release(req_id)
         for req_id in plan.finished:
