@@ -198,8 +198,8 @@ def test_metrics_count_requests_per_adapter(served):
     _, _, _, llm = served
     one = LLM.from_config(llm.engine.config.replace(max_loras=1), llm)
     eng = one.engine
-    for name in ("a", "a", "b", None):
-        eng.add_request("a river in the valley", SamplingParams(max_tokens=3, ignore_eos=True), lora=name)
+    ids = [eng.add_request("a river in the valley", SamplingParams(max_tokens=3, ignore_eos=True), lora=name)
+           for name in ("a", "a", "b", None)]
 
     def text() -> str:
         return ServerMetrics().render(AsyncEngine.snapshot(SimpleNamespace(_integrity_ok=True), eng)).decode()
@@ -213,6 +213,8 @@ def test_metrics_count_requests_per_adapter(served):
     assert 'gemmaserve_lora_requests_running{adapter="a"} 1.0' in running   # the token budget admits one
     assert 'gemmaserve_lora_requests_waiting{adapter="a"} 1.0' in running
     assert 'gemmaserve_lora_requests_waiting{adapter="b"} 1.0' in running
+    eng.abort_request(ids[2])   # an aborted request leaves its adapter's gauge at once
+    assert 'gemmaserve_lora_requests_waiting{adapter="b"}' not in text()
     while eng.has_unfinished_requests():
         eng.step()
     assert "gemmaserve_lora_requests_running{" not in text()
