@@ -2,14 +2,18 @@
 so a prompt's logits are the same bits alone, twice in one batch, at any place in a mixed batch, chunked
 any way, with its prefix cached or not, on V1 or V2, eager or compiled.
 
-Kernel level: the properties the model code relies on (MKL's 4-row tiles, the C++ kernels equal to their
-Python kernels, attention the same for a query however it is batched). Engine level: tiny random Gemma 3
+Kernel level: the properties the model code relies on (the products' own summation order, exactly as
+documented and the same for a row in any batch on 1 or 2 threads; the start-up check that names a kernel
+where it is not; the C++ kernels against their Python kernels; attention the same for a query however it
+is batched). Engine level: tiny random Gemma 3
 (fp32 and quantised) and Gemma 4 variants, every generated token's logprobs compared bit for bit (they
 are the logits' log-softmax: equal logits, equal logprobs). One real-model test: the embedded 270M."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -18,39 +22,144 @@ import torch.nn.functional as F
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.attention.blockwise import KEY_BLOCK, attend, attend_reference, block_span
 from gemmaserve.config.engine import EngineConfig
-from gemmaserve.models import cpu_kernels, fused_ops, layers
+from gemmaserve.models import cpu_kernels, cpu_products, fused_ops, layers
 from gemmaserve.models.fused_ops import NormKind
-from gemmaserve.models.layers import ROW_TILE, linear
 from gemmaserve.models.quant import Int8Kernel
 
 from helpers import GEMMA4_VARIANTS, fresh_seed, save_checkpoint, tiny_gemma4_hf, tiny_hf_model
 
 
 # -- kernels ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("k, n", [(640, 2048), (2048, 640), (640, 1536), (64, 192), (32, 16)])
-def test_blas_rows_of_whole_tiles_do_not_depend_on_the_batch(k, n):
-    """What `linear` relies on (models/layers.py): padded to whole tiles of ROW_TILE rows, every row of
-    x W^T is the same bits as that row alone, whatever the row count and the row's place. (Unpadded,
-    1-3 rows and the rows of a partial tile round differently: the second half checks that the padding
-    is what makes the difference, so this test fails where the BLAS has no such tiles.)"""
+def _fma32(a: float, b: float, c: float) -> float:
+    """fp32 a * b + c rounded once (to nearest, ties to even), computed exactly with fractions."""
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    if exact == 0:
+        return 0.0
+    sign, mag = (-1 if exact < 0 else 1), abs(exact)
+    e = math.floor(math.log2(mag.numerator) - math.log2(mag.denominator))
+    while Fraction(2) ** e > mag:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= mag:
+        e += 1
+    ulp = Fraction(2) ** (max(e, -126) - 23)   # normal numbers, and subnormals below 2^-126
+    q, r = divmod(mag, ulp)
+    if r > ulp / 2 or (r == ulp / 2 and q % 2):
+        q += 1
+    return sign * float(q * ulp)
+
+
+def _documented_dot(x: list[float], w: list[float]) -> float:
+    """cpu_products.py's order, step by step: 16 lanes of fused multiply-adds, the lanes' tree, the tail."""
+    k16 = len(x) - len(x) % 16
+    lanes = [0.0] * 16
+    for i in range(k16):
+        lanes[i % 16] = _fma32(x[i], w[i], lanes[i % 16])
+    h = 8
+    while h:
+        lanes[:h] = [float(torch.tensor(lanes[i], dtype=torch.float32) + torch.tensor(lanes[i + h], dtype=torch.float32))
+                     for i in range(h)]
+        h //= 2
+    s = lanes[0]
+    for i in range(k16, len(x)):
+        s = _fma32(x[i], w[i], s)
+    return s
+
+
+def test_products_sum_in_their_documented_order():
+    """cpu_products.py's promise, checked exactly (fused multiply-adds emulated with fractions): each output
+    is the documented sum, so it depends on its row and column only, on every host class (AVX-512, AVX2,
+    NEON and scalar code all round a fused multiply-add once). linear, int4 and int8 weights, rows_dot."""
+    assert cpu_kernels.load() is None
     gen = torch.Generator().manual_seed(fresh_seed())
+    for k in (37, 64):   # a tail past the lanes, and none
+        x, w = torch.randn(3, k, generator=gen), torch.randn(5, k, generator=gen)
+        got = torch.ops.gemmaserve.linear(x, w)
+        want = torch.tensor([[_documented_dot(xr.tolist(), wr.tolist()) for wr in w] for xr in x])
+        assert torch.equal(got, want), (k, (got - want).abs().max())
+    x = torch.randn(2, 64, generator=gen)
+    q = torch.randint(0, 16, (5, 64), generator=gen, dtype=torch.uint8)
+    scale, minus = torch.rand(5, 2, generator=gen) / 8, torch.rand(5, 2, generator=gen) / 4
+    w = cpu_products.int4_weight(q, scale, minus)
+    for r, c in ((0, 0), (3, 1)):   # the weight: one rounding of s * q - m
+        assert float(w[r, c * 32 + 5]) == _fma32(float(q[r, c * 32 + 5]), float(scale[r, c]), -float(minus[r, c]))
+    got = torch.ops.gemmaserve.int4_mm(x, cpu_products.pack_int4(q), scale, minus)
+    assert torch.equal(got, torch.tensor([[_documented_dot(xr.tolist(), wr.tolist()) for wr in w] for xr in x]))
+    q8, s8 = torch.randint(-127, 128, (5, 64), generator=gen, dtype=torch.int8), torch.rand(5, generator=gen).bfloat16()
+    got = torch.ops.gemmaserve.int8_mm(x, q8, s8)
+    w8 = q8.float() * s8.float()[:, None]   # exact
+    assert torch.equal(got, torch.tensor([[_documented_dot(xr.tolist(), wr.tolist()) for wr in w8] for xr in x]))
+    h, rows = torch.randn(2, 40, generator=gen), torch.randn(2, 3, 40, generator=gen)
+    got = torch.ops.gemmaserve.rows_dot(h, rows)
+    assert torch.equal(got, torch.tensor([[_documented_dot(h[i].tolist(), rows[i, j].tolist()) for j in range(3)]
+                                          for i in range(2)]))
+
+
+@pytest.mark.parametrize("k, n", [(640, 2048), (2048, 640), (640, 1536), (64, 192), (32, 16), (37, 5)])
+def test_products_rows_do_not_depend_on_the_batch(k, n):
+    """Every product of the CPU path gives a row the same bits alone, in batches of 2-70 rows (13: where MKL
+    broke on an AMX Xeon) and on 1 or 2 threads: linear, int4, int8 weight-only, the experts' grouped
+    product, and the quantised layers' fbgemm product."""
+    from gemmaserve.models.quant import FbgemmTensors, Int8Matmul, Rotation, int8_rows
+
+    assert cpu_kernels.load() is None
+    gen = torch.Generator().manual_seed(fresh_seed())
+    ops = torch.ops.gemmaserve
     w, x = torch.randn(n, k, generator=gen), torch.randn(70, k, generator=gen)
-    alone = torch.cat([linear(x[i:i + 1], w) for i in range(70)])
-    for m in (1, 2, 3, 5, 7, 8, 13, 64, 70):
-        assert torch.equal(linear(x[:m], w), alone[:m]), m
-    unpadded = [F.linear(x[:m], w) for m in (1, 7)]
-    assert not (torch.equal(unpadded[0], alone[:1]) and torch.equal(unpadded[1], alone[:7])), \
-        f"this BLAS computes partial tiles like whole ones: ROW_TILE = {ROW_TILE} is not needed"
+    kernels = {"linear": lambda v: ops.linear(v, w),
+               "grouped_linear": lambda v: ops.grouped_linear(v, w.expand(2, -1, -1),
+                                                              torch.tensor([0, len(v)], dtype=torch.int32))}
+    q8, s8 = int8_rows(w)
+    kernels["int8_mm"] = lambda v: ops.int8_mm(v, q8, s8)
+    if k % 32 == 0:
+        q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        scale, minus = torch.rand(n, k // 32, generator=gen) / 8, torch.rand(n, k // 32, generator=gen) / 4
+        packed = cpu_products.pack_int4(q4)
+        kernels["int4_mm"] = lambda v: ops.int4_mm(v, packed, scale, minus)
+        rot = Rotation.for_width(k)
+        kernels["fbgemm"] = Int8Matmul(*int8_rows(rot.apply(w)), Int8Kernel.FBGEMM_DYNAMIC, rot, keep_rows=False,
+                                       fbgemm_tensors=FbgemmTensors.available())
+    threads = torch.get_num_threads()
+    try:
+        for name, f in kernels.items():
+            torch.set_num_threads(1)
+            alone = torch.cat([f(x[i:i + 1]) for i in range(70)])
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for m in (1, 2, 3, 5, 7, 8, 13, 16, 64, 70):
+                    assert torch.equal(f(x[:m]), alone[:m]), (name, m, n_threads)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def test_cpp_kernels_make_their_python_kernels_calls():
-    """models/cpu_kernels.py: each op's C++ kernel gives its Python kernel's bits (the engine switches to
-    the C++ ones when the library is built, mid-run; a compiled graph calls the C++ ones)."""
+def test_the_start_up_check_names_a_kernel_whose_rows_follow_the_batch():
+    """cpu_invariance.py: the step's kernels pass on this host (the C++ library built), and a kernel whose
+    rows depend on the batch is named, with the row count: here one that scales by the row count, and the
+    BLAS's unpadded product where this host's BLAS rounds a lone row otherwise."""
+    from gemmaserve.models import cpu_invariance
+
+    assert cpu_kernels.load() is None
+    assert cpu_invariance.findings(fresh_seed()) == []
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(fresh_seed()))
+    found = cpu_invariance.findings(kernels={"ok": lambda v: torch.ops.gemmaserve.linear(v, w),
+                                             "scaled": lambda v: v * len(v),
+                                             "blas": lambda v: F.linear(v, w)})
+    assert [f.kernel for f in found if f.kernel != "blas"] == ["scaled"] * len({torch.get_num_threads(), 1})
+    assert found[0].rows == 2 and found[0].row == 0
+    x = torch.randn(8, 256)
+    if not torch.equal(F.linear(x, w)[:1], F.linear(x[:1], w)):   # this BLAS rounds one row alone otherwise
+        assert any(f.kernel == "blas" for f in found)
+
+
+def test_cpp_kernels_agree_with_their_python_kernels():
+    """models/cpu_kernels.py: the C++ kernels that make their Python kernels' ATen calls give the same bits
+    (the engine switches to the C++ ones when the library is built, mid-run; a compiled graph calls the C++
+    ones); the norms and the products (cpu_products.py) round their own way: close to their Python kernels
+    (the fallback), and row by row."""
     assert cpu_kernels.load() is None
     gen = torch.Generator().manual_seed(fresh_seed())
     x = torch.randn(7, 4, 32, generator=gen) * 3
     for w in (None, torch.randn(32, generator=gen)):
-        for offset in (0.0, 1.0):   # (the norms round their own way: close to ATen's, and row by row)
+        for offset in (0.0, 1.0):
             got = torch.ops.gemmaserve.rms_norm(x, w, 1e-6, offset)
             torch.testing.assert_close(got, fused_ops._norm_ref(x, w, NormKind(1e-6, offset)), rtol=2e-6, atol=2e-6)
             assert torch.equal(got[2:3], torch.ops.gemmaserve.rms_norm(x[2:3], w, 1e-6, offset))
@@ -70,7 +179,9 @@ def test_cpp_kernels_make_their_python_kernels_calls():
     assert all(map(torch.equal, torch.ops.gemmaserve.rope_tables(pos, inv), layers._rope_tables(pos, inv)))
     logits = torch.randn(3, 300, generator=gen) * 50
     assert torch.equal(torch.ops.gemmaserve.softcap(logits, 30.0), layers._softcap(logits, 30.0))
-    from gemmaserve.models.quant import FbgemmTensors, Int8Matmul, Rotation, _int8_linear_ref, int8_rows
+    from gemmaserve.models.moe import _grouped_linear
+    from gemmaserve.models.quant import (FbgemmTensors, Int8Matmul, Rotation, _int4_mm, _int8_linear_ref, _int8_mm,
+                                         _rows_dot, int8_rows)
 
     if FbgemmTensors.available():
         lin = Int8Matmul(*int8_rows(torch.randn(96, 640, generator=gen)), Int8Kernel.FBGEMM_DYNAMIC,
@@ -78,15 +189,28 @@ def test_cpp_kernels_make_their_python_kernels_calls():
         t, xs = lin._tensors, torch.randn(5, 640, generator=gen)
         args = (lin.rotation.a_t, lin.rotation.block, t.shape, t.packed, t.col_offsets, t.bias, t.scales, lin.row_sums)
         assert torch.equal(torch.ops.gemmaserve.int8_linear(xs, *args), _int8_linear_ref(xs, *args))
+    close = dict(rtol=1e-5, atol=1e-5)
     x, w = torch.randn(7, 64, generator=gen), torch.randn(96, 64, generator=gen)
-    assert torch.equal(torch.ops.gemmaserve.linear(x, w), layers._padded_linear(x, w))
+    torch.testing.assert_close(torch.ops.gemmaserve.linear(x, w), layers._padded_linear(x, w), **close)
+    ends = torch.tensor([2, 2, 7], dtype=torch.int32)
+    experts = torch.randn(3, 96, 64, generator=gen)
+    torch.testing.assert_close(torch.ops.gemmaserve.grouped_linear(x, experts, ends), _grouped_linear(x, experts, ends),
+                               **close)
+    q4 = torch.randint(0, 16, (96, 64), generator=gen, dtype=torch.uint8)
+    scale, minus = torch.rand(96, 2, generator=gen) / 8, torch.rand(96, 2, generator=gen) / 4
+    packed = cpu_products.pack_int4(q4)
+    torch.testing.assert_close(torch.ops.gemmaserve.int4_mm(x, packed, scale, minus), _int4_mm(x, packed, scale, minus),
+                               **close)
+    q8, s8 = int8_rows(w)
+    torch.testing.assert_close(torch.ops.gemmaserve.int8_mm(x, q8, s8), _int8_mm(x, q8, s8), rtol=1e-2, atol=5e-2)
     h, rows = torch.randn(3, 64, generator=gen), torch.randn(3, 40, 64, generator=gen)
-    assert torch.equal(torch.ops.gemmaserve.rows_dot(h, rows), torch.einsum("mh,mkh->mk", h, rows))
-    for t, n, hq, hkv, d, nk in [(3, 1, 4, 1, 32, 128), (1, 9, 4, 2, 16, 192), (2, 1, 2, 2, 16, 64)]:
+    torch.testing.assert_close(torch.ops.gemmaserve.rows_dot(h, rows), _rows_dot(h, rows), **close)
+    for t, n, hq, hkv, d, nk in [(3, 1, 4, 1, 32, 128), (1, 9, 4, 2, 16, 192), (2, 1, 2, 2, 16, 64), (1, 3, 2, 1, 20, 64)]:
         q = torch.randn(t, n, hq, d, generator=gen)
         k, v = torch.randn(2, t, nk, hkv, d, generator=gen)
         seen = torch.rand(t, n, nk, generator=gen) > 0.4
-        assert torch.equal(torch.ops.gemmaserve.attend(q, k, v, seen, 0.1), attend_reference(q, k, v, seen, 0.1))
+        torch.testing.assert_close(torch.ops.gemmaserve.attend(q, k, v, seen, 0.1), attend_reference(q, k, v, seen, 0.1),
+                                   **close)
 
 
 def test_gelu_mul_rows_do_not_depend_on_the_batch():

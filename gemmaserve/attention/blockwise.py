@@ -1,26 +1,21 @@
 """Attention arithmetic whose result for a query depends only on that query and the keys it sees.
 
 The same query must give the same bits alone or in a batch, as a decode row or inside a prefill
-chunk of any size, with its keys cached or computed in the same step. Fused kernels (SDPA's CPU
-flash kernel) and BLAS calls reduce in an order that follows the shapes of the call: padding a
-decode batch to its widest row, or computing the last prompt token inside its chunk rather than
-alone, changed results in the last bits (measured: up to 2e-7), and a last bit is enough to flip
-an int8 rounding downstream and then a greedy token. So keys are cut into blocks at absolute
-positions, and every reduction over keys has a shape that does not depend on the call:
+chunk of any size, with its keys cached or computed in the same step: a last bit is enough to flip
+an int8 rounding downstream and then a greedy token. On the CPU `attend` is an op whose C++ kernel
+(models/cpu_products.py) sums in an order of its own: per query row, the dot products with the keys
+it sees, the exact maximum, exp, then the weighted values and the weights summed over those keys in
+increasing position. Keys it does not see are skipped, so how keys are batched, padded or tiled
+moves nothing.
 
-    keys      [j*KEY_BLOCK, (j+1)*KEY_BLOCK) for absolute block index j (a query's key tensor starts
-              at a block boundary; keys it must not see are masked, whatever they hold)
-    scores    q . k per element: one bmm whose rows are the query's heads, padded to whole tiles of
-              ROW_TILE rows (BLAS computes a partial tile with another kernel, other roundings)
-    max       exact in any order
-    weights   exp(s - max): elementwise
-    blocks    [p | 1] @ [v | 1] per block: one bmm per block of exactly KEY_BLOCK keys gives each
-              block's weighted values and weight sum in the same fixed order
-    sum       over blocks, sequentially (a scan), so masked blocks before or after add exact zeros
-    output    weighted values / weight sum
+Callers hand keys from a block boundary (absolute positions [j*KEY_BLOCK, ...)), so that a prefill
+chunk's tiles and a decode row's keys line up the same way; keys a query must not see are masked,
+whatever they hold (finite values).
 
-On this machine's MKL every row of a product padded to whole tiles of 4 rows comes out the same
-whatever the row count, its place or the column count (tests/test_row_invariance.py).
+The op's Python kernel (`attend_reference`, the fallback where the C++ library cannot be built) keeps
+that layout for the BLAS: one bmm per product, rows padded to whole tiles of ROW_TILE, the value
+products per block of exactly KEY_BLOCK keys and a sequential sum over blocks; whether the BLAS then
+gives a row its own bits is what the start-up check tells (models/cpu_kernels.py).
 """
 
 from __future__ import annotations

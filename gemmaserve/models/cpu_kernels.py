@@ -51,15 +51,22 @@ SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 constexpr int64_t LORA_LOOP_RANK = @LORA_LOOP_RANK@;   // stacked ranks above this take the GEMM
 
 namespace {
-constexpr int64_t KEY_BLOCK = @KEY_BLOCK@, ROW_TILE = @ROW_TILE@;
+@PRODUCTS@
 
 at::Tensor fbgemm_int8_linear(const at::Tensor& x, const at::Tensor& shape, const at::Tensor& packed,
                               const at::Tensor& col_offsets, const at::Tensor& bias) {
@@ -226,31 +233,6 @@ at::Tensor softcap(const at::Tensor& x, double cap) {
   return at::tanh(x / cap) * cap;
 }
 
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& visible,
-                  double scale) {
-  const int64_t t = q.size(0), n = q.size(1), hq = q.size(2), d = q.size(3);
-  const int64_t nk = k.size(1), hkv = k.size(2);
-  TORCH_CHECK(nk % KEY_BLOCK == 0, nk, " keys: a multiple of ", KEY_BLOCK, " expected");
-  const int64_t g = hq / hkv, rows = n * g, m = (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE, nb = nk / KEY_BLOCK;
-  at::Tensor qh = (q.to(at::kFloat) * scale).view({t, n, hkv, g, d}).permute({0, 2, 1, 3, 4}).reshape({t * hkv, rows, d});
-  if (m > rows) qh = at::constant_pad_nd(qh, {0, 0, 0, m - rows}, 0);
-  at::Tensor kt = k.to(at::kFloat).permute({0, 2, 3, 1}).reshape({t * hkv, d, nk});
-  at::Tensor s = at::bmm(qh, kt).view({t, hkv, m, nk});
-  at::Tensor mask = visible.view({t, 1, n, 1, nk}).expand({t, 1, n, g, nk}).reshape({t, 1, rows, nk});
-  if (m > rows) mask = at::constant_pad_nd(mask, {0, 0, 0, m - rows}, 1);
-  s = s.masked_fill(mask.bitwise_not(), -std::numeric_limits<double>::infinity());
-  at::Tensor p = at::exp(s - s.amax(-1, true));
-  at::Tensor pb = p.view({t * hkv, m, nb, KEY_BLOCK}).transpose(1, 2).reshape({t * hkv * nb, m, KEY_BLOCK});
-  at::Tensor vb = at::empty({t, hkv, nb, KEY_BLOCK, d + 1}, v.options().dtype(at::kFloat));
-  vb.slice(-1, 0, d).copy_(v.view({t, nb, KEY_BLOCK, hkv, d}).permute({0, 3, 1, 2, 4}));
-  vb.select(-1, d).fill_(1.0);
-  at::Tensor ob = at::bmm(pb, vb.view({t * hkv * nb, KEY_BLOCK, d + 1})).view({t * hkv, nb, m, d + 1});
-  at::Tensor total = nb > 1 ? ob.cumsum(1).select(1, -1) : ob.select(1, 0);
-  at::Tensor out = total.slice(-1, 0, d) / total.slice(-1, d, d + 1);
-  out = out.slice(1, 0, rows).view({t, hkv, n, g, d}).permute({0, 2, 1, 3, 4}).reshape({t, n, hq, d});
-  return out.to(q.scalar_type());
-}
-
 // quant.py's _int8_linear_ref: row_affine, fbgemm's product, its rows' scales, the map back.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& a_t, int64_t block, const at::Tensor& shape,
                        const at::Tensor& packed, const at::Tensor& col_offsets, const at::Tensor& bias,
@@ -261,32 +243,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& a_t, int64_t block
   return y * span + lo * row_sums;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
-  const int64_t m = x.size(0);
-  if (m % ROW_TILE == 0) return at::linear(x, weight);
-  return at::linear(at::cat({x, at::zeros({ROW_TILE - m % ROW_TILE, x.size(1)}, x.options())}), weight).slice(0, 0, m);
-}
-
-// LoRA's per-row loop, explicitly vectorised (the build turns loop vectorisation off): GCC vector types of 16
-// floats, lane by lane the same IEEE operations whatever registers -march picks, so the ISA never changes a bit.
-typedef float vfloat __attribute__((vector_size(64)));
-typedef uint16_t vbf16 __attribute__((vector_size(32)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
-constexpr int64_t VL = 16;
-
-static inline vfloat load16(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-static inline vfloat load16(const at::BFloat16* p) {   // bf16 -> fp32 is exact: the bits shifted up
-  vbf16 h;
-  std::memcpy(&h, p, sizeof h);
-  return (vfloat)(__builtin_convertvector(h, vuint) << 16);
-}
-static inline float load1(const float* p) { return *p; }
-static inline float load1(const at::BFloat16* p) { return static_cast<float>(*p); }
-static inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+// LoRA's per-row loop, explicitly vectorised (the build turns loop vectorisation off) on the products'
+// vectors of 16 floats (cpu_products.py): lane by lane the same IEEE operations whatever registers -march
+// picks, so the ISA never changes a bit.
 
 // The line `d` bytes past p (in another adapter's weights: `lora_row`), asked for ahead of its use (into L2:
 // an adapter's share of a projection is tens of KB).
@@ -415,13 +374,6 @@ at::Tensor lora_add(const at::Tensor& y_in, const at::Tensor& x_in, at::TensorLi
   return y;
 }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros) {
-  return at::_weight_int4pack_mm_for_cpu(x, packed, @GROUP@, scales_zeros);
-}
-
-at::Tensor rows_dot(const at::Tensor& h, const at::Tensor& rows) {
-  return at::einsum("mh,mkh->mk", {h, rows});
-}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gemmaserve, CPU, m) {
@@ -436,7 +388,9 @@ TORCH_LIBRARY_IMPL(gemmaserve, CPU, m) {
   m.impl("attend", &attend);
   m.impl("rows_dot", &rows_dot);
   m.impl("int4_mm", &int4_mm);
+  m.impl("int8_mm", &int8_mm);
   m.impl("linear", &linear);
+  m.impl("grouped_linear", &grouped_linear);
   m.impl("lora_add", &lora_add);
 }
 """
@@ -481,7 +435,8 @@ def _(x: torch.Tensor, a_t: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     return x.new_empty(x.shape), x.new_empty(x.shape[0], 1), x.new_empty(x.shape[0], 1)
 
 
-OPS = ("fbgemm_int8_linear", "int8_linear", "row_affine", "rms_norm", "add_rms_norm", "gelu_mul", "rope_tables", "softcap", "attend", "rows_dot", "int4_mm", "linear", "lora_add")
+OPS = ("fbgemm_int8_linear", "int8_linear", "row_affine", "rms_norm", "add_rms_norm", "gelu_mul", "rope_tables",
+       "softcap", "attend", "rows_dot", "int4_mm", "int8_mm", "linear", "grouped_linear", "lora_add")
 
 
 @functools.cache   # once per process: the registration is the process's
@@ -489,9 +444,9 @@ def load() -> str | None:
     """Build (or find in inductor's cache) and load the kernels. None once they serve the ops' CPU
     calls, else why they do not (the Python kernels then serve, with the same results)."""
     from ..attention import blockwise   # defines gemmaserve::attend
-    from . import fused_ops, layers, lora, quant   # the others
+    from . import cpu_products, fused_ops, layers, lora, moe, quant   # the others
 
-    del fused_ops, layers, lora
+    del blockwise, fused_ops, layers, lora, moe, quant
     try:
         from torch._inductor.codecache import CppCodeCache
 
@@ -499,9 +454,7 @@ def load() -> str | None:
             cache: dict = {}
             cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
 
-        _Build.load(SOURCE.replace("@KEY_BLOCK@", str(blockwise.KEY_BLOCK)).replace("@ROW_TILE@", str(blockwise.ROW_TILE))
-                    .replace("@GROUP@", str(quant.GROUP))
-                    .replace("@LORA_LOOP_RANK@", str(LORA_LOOP_RANK)))
+        _Build.load(SOURCE.replace("@PRODUCTS@", cpu_products.SOURCE).replace("@LORA_LOOP_RANK@", str(LORA_LOOP_RANK)))
     except Exception as e:   # no compiler, no headers: the Python kernels stay
         return f"{type(e).__name__}: {e}"
     if not all(torch._C._dispatch_has_kernel_for_dispatch_key(f"gemmaserve::{op}", "CPU") for op in OPS):

@@ -33,6 +33,7 @@ from .base import CausalLM, ModelInputs, ModelPreferences
 from .fused_ops import rms_norm
 from .gemma4 import FULL, SLIDING, Gemma4Config, Gemma4DecoderLayer, LayerRopes, attention_params
 from .layers import Embedding, Linear, RMSNorm
+from .quant import _rows_dot  # noqa: F401  (defines gemmaserve::rows_dot)
 
 ARCHITECTURES = ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM")
 
@@ -192,7 +193,10 @@ class Gemma4Assistant(CausalLM):
         per = me.token_ordering.view(cfg.num_centroids, -1)                                # [C, V / C]
         tokens = per[top].flatten(1)                                                       # [B, k * V / C]
         rows = self.model.embed_tokens.weight[tokens]                                      # [B, n, H]
-        logits = torch.bmm(rows.to(hidden.dtype), hidden.unsqueeze(-1)).squeeze(-1)
+        if hidden.device.type == "cpu":   # each row's products in their own order (cpu_products.py)
+            logits = torch.ops.gemmaserve.rows_dot(hidden.float(), rows.float()).to(hidden.dtype)
+        else:
+            logits = torch.bmm(rows.to(hidden.dtype), hidden.unsqueeze(-1)).squeeze(-1)
         return tokens, logits
 
     # -- weights ------------------------------------------------------------------------------------

@@ -46,16 +46,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.kind)
 
 
-# MKL computes x @ W^T in tiles of 4 rows: a row of a full tile comes out the same whatever the row
-# count or its place, a row of a partial tile (and 1-3 rows alone) through other kernels with other
-# roundings (tests/test_row_invariance.py). So products are padded to whole tiles: a row's result is
-# then the same alone as in any batch.
+# The Python kernels' fallback (no C++ library): BLAS products padded to whole tiles of 4 rows. On some
+# BLAS builds (MKL on AVX2 and AVX-512 AMD hosts) a row of a full tile comes out the same whatever the
+# row count; on others (MKL on an AMX Xeon) it does not, which the start-up check reports
+# (cpu_kernels.check_batch_invariance).
 ROW_TILE = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T for x of shape [T, in]; on the CPU each row's result independent of the others (an op
-    that a compiled graph calls as it is: padding a batch size that may be symbolic would guard on it)."""
+    """x @ weight^T for x of shape [T, in]; on the CPU each row's result independent of the others, in
+    the products' own summation order (cpu_products.py; an op that a compiled graph calls as it is)."""
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight)
     return torch.ops.gemmaserve.linear(x, weight)

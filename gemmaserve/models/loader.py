@@ -90,6 +90,9 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
             log.info("CPU ops run their Python kernels: %s", why)
         elif time.perf_counter() - t > 1:
             log.info("CPU ops' C++ kernels built in %.0f s (once per machine and torch)", time.perf_counter() - t)
+        from . import cpu_invariance
+
+        cpu_invariance.check()   # logs a warning where this host's kernels make a row follow its batch
     return LoadedModel(model.eval(), tokenizer, source, time.perf_counter() - start, formats)
 
 

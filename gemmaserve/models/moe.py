@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .fused_ops import NormKind, gelu_mul, rms_norm
-from .layers import ROW_TILE, Linear
+from .layers import Linear
 
 if TYPE_CHECKING:
     from .lora import LoRABatch
@@ -42,25 +42,31 @@ def _grouped_mm_supported(x: torch.Tensor) -> bool:
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
     """Rows of x sorted by expert ([M, K]; expert e owns rows [offsets[e-1], offsets[e])) times that
     expert's w[e] ([E, K, N]) -> [M, N]."""
-    if _grouped_mm_supported(x) and x.device.type == "cpu":
-        return _row_tiled_grouped_mm(x, w, offsets, expert_of_row)
+    if x.device.type == "cpu" and x.dtype == torch.float32:   # each row in the products' own order (cpu_products.py)
+        return torch.ops.gemmaserve.grouped_linear(x, w.transpose(1, 2), offsets)
     if _grouped_mm_supported(x):
         return torch._grouped_mm(x, w, offs=offsets)
     # Fallback (fp32 on the GPU, old torch): each row against its expert's matrix, in one batched matmul.
     return torch.bmm(x.unsqueeze(1), w[expert_of_row]).squeeze(1)
 
 
-def _row_tiled_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                          expert_of_row: torch.Tensor) -> torch.Tensor:
-    """`torch._grouped_mm` with each expert's rows padded to whole tiles of ROW_TILE (layers.py): on
-    the CPU a group's product runs on MKL, whose partial tiles round differently, so a row's result
-    would follow how many other rows chose its expert."""
-    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
-    padded = (counts + ROW_TILE - 1) // ROW_TILE * ROW_TILE
-    start, padded_start = offsets.long() - counts, torch.cumsum(padded, 0) - padded
-    dest = torch.arange(x.shape[0], device=x.device) - start[expert_of_row] + padded_start[expert_of_row]
-    tiles = x.new_zeros(x.shape[0] + (ROW_TILE - 1) * w.shape[0], x.shape[1]).index_copy_(0, dest, x)
-    return torch._grouped_mm(tiles, w, offs=torch.cumsum(padded, 0).to(torch.int32))[dest]
+@torch.library.custom_op("gemmaserve::grouped_linear", mutates_args=())
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with expert e's rows at [ends[e-1], ends[e]), times w[e]^T (w [E, N, K]) -> [M, N]. The
+    C++ kernel (cpu_products.py) sums in its own order; this Python kernel, the fallback, runs each
+    expert's rows through `linear`'s (rows padded to whole tiles of the BLAS)."""
+    from .layers import _padded_linear
+
+    out, start = x.new_empty(x.shape[0], w.shape[1]), 0
+    for e, end in enumerate(ends.tolist()):
+        out[start:end] = _padded_linear(x[start:end], w[e])
+        start = end
+    return out
+
+
+@_grouped_linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
 
 
 def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:

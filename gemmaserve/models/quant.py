@@ -3,18 +3,18 @@
 Three weight formats (the rest of the model runs in fp32):
 
     INT8   per output row: w = q * s,               q int8 [N, K],     s [N]
-    INT4   per 32 inputs:  w = (q - 8) * s + z,      q 0..15 packed,    s, z [K/32, N]  (_weight_int4pack_mm_for_cpu)
+    INT4   per 32 inputs:  w = s * q - m,            q 0..15 packed,    s, m fp32 [N, K/32]  (cpu_products.py)
     INT8 blocks, tables:   w = q * s per 32 inputs,  q int8 [N, K],     s fp16 [N, K/32] (Q8_0 exactly; lookups only)
 
 Each GGUF tensor goes to the format nearest to it. Q4_K is exactly INT4: its sub-blocks of 32 are
-w = d*sc*q - dmin*m, so s = d*sc and z = 8s - dmin*m, read from the blocks (not re-fitted). Every other
+w = d*sc*q - dmin*m, so s = d*sc and m = dmin*m, read from the blocks (exact in fp32, not re-fitted). Every other
 type (Q8_0, Q5_0, Q6_K, F16, ...) has more than 4 bits of precision, so INT8 per row is nearer: its
 rounding step is max|w| / 127 of the row, a fraction of the source's own step. A fused weight (q/k/v,
-gate/up) is INT4 only when all its parts are Q4_K. Scales are bf16 (what the weight-only kernels take);
-INT8 picks scales that are bf16 values, so the stored q fit them exactly.
+gate/up) is INT4 only when all its parts are Q4_K. INT8 picks scales that are bf16 values, so q * s is
+exact in fp32.
 
-Kernels. PyTorch's weight-only kernels (`_weight_int8pack_mm`, bf16 activations; the int4 one) are
-made for one row: at 8 rows they run up to 3x slower than fbgemm's int8 x int8 linear, which
+Kernels. Weight-only kernels (fp32 activations times dequantised weights) are made for one row: at
+8 rows PyTorch's ran up to 3x slower than fbgemm's int8 x int8 linear, which
 quantises its input per call. Gemma's hidden states carry a few channels hundreds of times larger
 than the rest; quantised as they are, those set the step and the other channels drown (argmax
 agreement with fp32 over bench quality's text: 84% in 8-row chunks, against 95% rotated). So fbgemm's
@@ -29,7 +29,7 @@ shares it, and x W^T = span * (xn W^T) + lo * (the rows' sums of W). Every other
 computes each row by itself, with no choice that depends on the row count:
 
     MLP and attention (INT8)      rotated fbgemm at every row count, one pass
-    INT4 (Q4_K: o_proj, down)     the exact int4 kernel at every row count (bf16 activations)
+    INT4 (Q4_K: o_proj, down)     the int4 kernel of cpu_products.py (fp32 activations, its own order)
     tied output head              a per-row INT8 copy of the table on fbgemm (unrotated) ranks each
                                   row's logits; its 32 highest are recomputed exactly from the
                                   table's blocks
@@ -63,6 +63,7 @@ from torch import nn
 
 from .. import opaque
 from . import cpu_kernels  # noqa: F401  (defines gemmaserve::row_affine)
+from . import cpu_products
 from ..hostmem import release_freed_memory
 from ..rowops import row_topk_indices
 
@@ -87,9 +88,8 @@ class Int4Groups:
                           torch.cat([p.minus for p in parts]))
 
     def dequantize(self) -> torch.Tensor:
-        n, k = self.q.shape
-        w = self.q.view(n, k // GROUP, GROUP).float() * self.scale[..., None] - self.minus[..., None]
-        return w.view(n, k)
+        """The fp32 weight the int4 kernel multiplies by (s * q - m rounded once)."""
+        return cpu_products.int4_weight(self.q, self.scale, self.minus)
 
 
 def q4_k_groups(raw: np.ndarray, shape: tuple[int, int]) -> Int4Groups:
@@ -148,7 +148,7 @@ def int8_blocks(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch
 
 class Int8Kernel(enum.Enum):
     FBGEMM_DYNAMIC = "fbgemm"        # fbgemm's int8 x int8 linear: uint8 activations, quantised per call
-    WEIGHT_ONLY = "weight-only"      # aten::_weight_int8pack_mm: bf16 activations
+    WEIGHT_ONLY = "weight-only"      # cpu_products.py's int8_mm: fp32 activations (where fbgemm is missing)
 
 
 def default_int8_kernel() -> Int8Kernel:
@@ -410,7 +410,7 @@ class Int8Matmul:
             xn, lo, span = row_affine(x2.float(), self.rotation)
             y = self._fbgemm(xn) * span + lo * self.row_sums
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self._q, self._s)
+            y = torch.ops.gemmaserve.int8_mm(x2.float().contiguous(), self._q, self._s)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
 
@@ -440,20 +440,20 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_int4(cls, g: Int4Groups, parts: dict | None = None) -> "QuantLinear":
         """`parts`: gets what `from_parts` rebuilds it from."""
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(g.q.to(torch.int32), 1)
-        # [K/32, N, 2]: scale and the value at q = 8
-        scales = torch.stack([g.scale, 8 * g.scale - g.minus], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        packed = cpu_products.pack_int4(g.q)
         if parts is not None:
-            parts.update(q=g.q, scale=g.scale, minus=g.minus, qweight=packed, scales=scales)
-        return cls._int4(g, packed, scales)
+            parts.update(qweight=packed, scale=g.scale, minus=g.minus)
+        return cls._int4(packed, g.scale.contiguous(), g.minus.contiguous())
 
     @classmethod
-    def _int4(cls, g: Int4Groups, packed: torch.Tensor, scales: torch.Tensor) -> "QuantLinear":
-        n, k = g.q.shape
+    def _int4(cls, packed: torch.Tensor, scale: torch.Tensor, minus: torch.Tensor) -> "QuantLinear":
+        """The int4 kernel's layout (cpu_products.py): nibbles [N, K / 2], fp32 scale and minus [N, K / 32]
+        (exactly Q4_K's d * sc and dmin * m)."""
+        n, k = packed.shape[0], packed.shape[1] * 2
         mod = cls(k, n, WeightFormat.INT4)
-        mod.groups = g   # exact, for `dequantize` (the packed layout is the kernel's own)
         mod.register_buffer("qweight", packed)
-        mod.register_buffer("scales", scales)
+        mod.register_buffer("scale", scale)
+        mod.register_buffer("minus", minus)
         return mod
 
     @classmethod
@@ -461,20 +461,22 @@ class QuantLinear(nn.Module):
                    rotations: dict[int, Rotation] | None = None) -> "QuantLinear":
         """The module `from_float` (default kernel) or `from_int4` built, from what they recorded."""
         if fmt is WeightFormat.INT4:
-            return cls._int4(Int4Groups(parts["q"], parts["scale"], parts["minus"]), parts["qweight"], parts["scales"])
+            return cls._int4(parts["qweight"], parts["scale"], parts["minus"])
         mod = cls(parts["q"].shape[1], parts["q"].shape[0], WeightFormat.INT8)
         mod.int8 = Int8Matmul.from_parts(parts["q"], parts["s"], rotations)
         return mod
 
     def dequantize(self) -> torch.Tensor:
-        return self.int8.dequantize() if self.format is WeightFormat.INT8 else self.groups.dequantize()
+        if self.format is WeightFormat.INT8:
+            return self.int8.dequantize()
+        return cpu_products.int4_weight(cpu_products.unpack_int4(self.qweight), self.scale, self.minus)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.format is WeightFormat.INT8:
             return self.int8(x)
         shape = x.shape
-        y = torch.ops.gemmaserve.int4_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), self.qweight,
-                                         self.scales)
+        y = torch.ops.gemmaserve.int4_mm(x.reshape(-1, shape[-1]).float().contiguous(), self.qweight, self.scale,
+                                         self.minus)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -573,15 +575,29 @@ if hasattr(torch, "fbgemm_linear_int8_weight_fp32_activation"):
 
 
 @torch.library.custom_op("gemmaserve::int4_mm", mutates_args=())
-def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """PyTorch's int4 kernel in groups of GROUP, as an op: a compiled graph then passes the group size
-    as an argument, not as a tensor constant of its own (which an exported graph must be given)."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 times the int4 weight (cpu_products.py, whose C++ kernel serves it). This Python
+    kernel, the fallback, dequantises and takes the BLAS's product."""
+    from .layers import _padded_linear
+
+    return _padded_linear(x, cpu_products.int4_weight(cpu_products.unpack_int4(packed), scale, minus))
 
 
 @_int4_mm.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], scales_zeros.shape[1])
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+@torch.library.custom_op("gemmaserve::int8_mm", mutates_args=())
+def _int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 times int8 rows with one scale each (the weight-only kernel: cpu_products.py). The
+    fallback: PyTorch's weight-only kernel (bf16 activations)."""
+    return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), q, scale).float()
+
+
+@_int8_mm.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0])
 
 
 @torch.library.custom_op("gemmaserve::rows_dot", mutates_args=())
