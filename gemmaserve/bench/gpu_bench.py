@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from .gpu_check import copy_bandwidth, decode_bandwidth
-from .sections import exit_status, run_sections
+from .sections import exit_status, release_device_memory, run_sections
 from .synthetic import random_model
 
 GiB = 1 << 30
@@ -89,45 +89,48 @@ def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _roofline_row(name: str, hbm: float) -> dict:
+    """One shape's batch-1 decode step against its roofline. A function of its own: everything it made
+    (weights, KV, the captured graph and its memory pool) is garbage when it returns, before the next
+    shape loads (the 27B's graph, still referenced by a loop variable, left the next section out of memory)."""
+    from ..engine.sampling_params import SamplingParams
+
+    loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
+    llm = _engine(loaded, kv_cache_memory=8 * GiB)
+    eng = llm.engine
+    cfg = loaded.model.config
+    prompt = _prompts(1, 1024, cfg.vocab_size)[0]
+    _run_all(llm, [prompt], 8)   # warm-up: compiles kernels, captures the batch-1 graph
+    eng.add_request("", SamplingParams(max_tokens=200, ignore_eos=True), prompt_ids=prompt)
+    for _ in range(5):
+        eng.step()
+    torch.cuda.synchronize()
+    steps = 100
+    start = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    graph_ms = replay_ms(eng.runner.graphs.graph(1), steps)   # pure GPU time of the captured decode graph
+    while eng.has_unfinished_requests():
+        eng.step()
+    ctx = 1024 + 105
+    kv_bytes = sum(s.bytes_per_token() * (min(ctx, s.window) if s.window else ctx)
+                   for s in loaded.model.kv_layer_specs(torch.bfloat16))
+    weights = _param_bytes(loaded.model)
+    roof_ms = (weights + kv_bytes) / (hbm * 1e9) * 1e3
+    return {"shape": name, "weight_GB": round(weights / 1e9, 2), "kv_read_MB": round(kv_bytes / 1e6, 1),
+            "roofline_ms": round(roof_ms, 3), "graph_ms": round(graph_ms, 3),
+            "engine_step_ms": round(step_ms, 3), "graph_over_roofline": round(graph_ms / roof_ms, 2),
+            "step_over_roofline": round(step_ms / roof_ms, 2)}
+
+
 def section_roofline(res: dict, hbm: float) -> None:
     rows = []
     for name in ("gemma3-1b", "gemma3-4b", "gemma3-27b"):
-        loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
-        llm = _engine(loaded, kv_cache_memory=8 * GiB)
-        eng = llm.engine
-        cfg = loaded.model.config
-        prompt = _prompts(1, 1024, cfg.vocab_size)[0]
-        _run_all(llm, [prompt], 8)   # warm-up: compiles kernels, captures the batch-1 graph
-        from ..engine.sampling_params import SamplingParams
-
-        eng.add_request("", SamplingParams(max_tokens=200, ignore_eos=True), prompt_ids=prompt)
-        for _ in range(5):
-            eng.step()
-        torch.cuda.synchronize()
-        steps = 100
-        start = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
-        step_ms = (time.perf_counter() - start) / steps * 1e3
-        # Pure GPU time of the captured decode graph.
-        graph = eng.runner.graphs.graph(1)
-        graph_ms = replay_ms(graph, steps)
-        while eng.has_unfinished_requests():
-            eng.step()
-        ctx = 1024 + 105
-        kv_bytes = sum(s.bytes_per_token() * (min(ctx, s.window) if s.window else ctx)
-                       for s in loaded.model.kv_layer_specs(torch.bfloat16))
-        weights = _param_bytes(loaded.model)
-        roof_ms = (weights + kv_bytes) / (hbm * 1e9) * 1e3
-        rows.append({"shape": name, "weight_GB": round(weights / 1e9, 2), "kv_read_MB": round(kv_bytes / 1e6, 1),
-                     "roofline_ms": round(roof_ms, 3), "graph_ms": round(graph_ms, 3),
-                     "engine_step_ms": round(step_ms, 3), "graph_over_roofline": round(graph_ms / roof_ms, 2),
-                     "step_over_roofline": round(step_ms / roof_ms, 2)})
+        rows.append(_roofline_row(name, hbm))
         print("roofline", rows[-1], flush=True)
-        del llm, eng, loaded
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_device_memory()
     res["roofline"] = rows
 
 

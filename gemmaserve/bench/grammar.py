@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     from ..config.engine import EngineConfig
     from ..engine.llm import LLM
 
-    config = from_namespace(EngineConfig, args)
+    # compiled decode steps built (or loaded) before any timed run: a background build would compete with them
+    config = from_namespace(EngineConfig, args).steady_state()
     llm = LLM.from_config(config)
     tokenizer, vocab = llm.engine.tokenizer, llm.engine.model.vocab_size
     rng = random.Random(0)

@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
     counts = [int(x) for x in args.adapters.split(",")]
     ranks = [int(x) for x in args.ranks.split(",")]
-    config = from_namespace(EngineConfig, args)
+    # compiled decode steps built (or loaded) before any timed run: a background build would compete with them
+    config = from_namespace(EngineConfig, args).steady_state()
     config = config.replace(max_loras=max(max(counts), config.max_loras), max_lora_rank=max(max(ranks), 8),
                             max_num_seqs=max(config.max_num_seqs, args.batch))
     llm = LLM.from_config(config)

@@ -8,6 +8,7 @@ raised, 0 otherwise. Timings are figures, never failures."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 import traceback
@@ -28,7 +29,23 @@ def run_sections(res: dict, names: list[str], sections: Mapping[str, Callable[[]
             traceback.print_exc()
             res[f"{name}_error"] = repr(exc)
         res[f"{name}_seconds"] = round(time.perf_counter() - start, 1)
+        held = release_device_memory()
+        if held:   # what a section left allocated: the next one has that much less
+            res[f"{name}_left_allocated_GB"] = round(held / 1e9, 2)
         out.write_text(json.dumps(res, indent=2, default=str))
+
+
+def release_device_memory() -> int:
+    """Collect garbage and return the CUDA caching allocator's free blocks to the device (a section's models,
+    KV caches and graph pools are garbage once it returns); the bytes still allocated (0 without CUDA)."""
+    gc.collect()
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
 
 
 Check = Callable[[dict[str, Any]], bool]

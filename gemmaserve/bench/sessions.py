@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.sampling_params import SamplingParams
     from ..hostmem import available_host_memory
 
-    config = from_namespace(EngineConfig, args)
+    # compiled decode steps built (or loaded) before any timed run: a background build would compete with them
+    config = from_namespace(EngineConfig, args).steady_state()
     loaded = None
     if args.shape is not None:
         from .synthetic import random_model
