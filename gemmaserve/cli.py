@@ -42,6 +42,7 @@ BENCHMARKS = {
     "preprocess": ("host time to prepare an image or 30 s of audio, against transformers' processors", False),
     "lora": ("a batch's tokens/s with 1-16 LoRA adapters of rank 8 and 64, against the base alone", True),
     "sessions": ("multi-turn sessions returning after eviction: host KV tier against recomputation", True),
+    "batches": ("the 270M's tokens and logprobs alone vs in batches of 1-16 on every CPU step path", False),
 }
 
 

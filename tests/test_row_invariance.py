@@ -5,9 +5,9 @@ any way, with its prefix cached or not, on V1 or V2, eager or compiled.
 Kernel level: the properties the model code relies on (the products' own summation order, exactly as
 documented and the same for a row in any batch on 1 or 2 threads; the start-up check that names a kernel
 where it is not; the C++ kernels against their Python kernels; attention the same for a query however it
-is batched). Engine level: tiny random Gemma 3
-(fp32 and quantised) and Gemma 4 variants, every generated token's logprobs compared bit for bit (they
-are the logits' log-softmax: equal logits, equal logprobs). One real-model test: the embedded 270M."""
+is batched). Engine level: tiny random Gemma 3 (fp32 and quantised) and Gemma 4 variants, every generated
+token's logprobs compared bit for bit (they are the logits' log-softmax: equal logits, equal logprobs). The
+embedded 270M in batches of 1-16: test_embedded_batches.py."""
 
 from __future__ import annotations
 
@@ -371,21 +371,3 @@ def test_sampling_with_a_seed_does_not_depend_on_the_batch(tmp_path):
                             repetition_penalty=1.1, ignore_eos=True)
     alone = _generated(llm, [PROBE], params)[0]
     assert _generated(llm, OTHERS[:3] + [PROBE] + OTHERS[3:], params)[3] == alone
-
-
-@pytest.mark.slow
-def test_embedded_model_output_does_not_depend_on_the_batch():
-    """The issue's case: on the default path (quantised GGUF weights) the same prompt twice in one batch
-    gave "...named Mary..." for one copy and "...named Lily..." for the other. Now: the same tokens and
-    logprobs alone, twice, and at three places among 8 prompts, prefix cache cold and warm."""
-    llm = LLM(max_num_seqs=8, cpu_compile="off")
-    assert llm.engine.info.weights.startswith("int8")   # the default, quantised path
-    params = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
-    prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "In 1492, Columbus",
-               "The quick brown fox", "Water boils at", "My favourite food is", "Q: What is 2+2?\nA:"]
-    alone = _generated(llm, ["Once upon a time"], params)[0]
-    assert _generated(llm, ["Once upon a time"], params)[0] == alone   # its prompt from the prefix cache
-    assert _generated(llm, ["Once upon a time"] * 2, params) == [alone, alone]
-    for at in (0, 4, 7):
-        batch = prompts[1:at + 1] + ["Once upon a time"] + prompts[at + 1:]
-        assert _generated(llm, batch, params)[at] == alone, at
