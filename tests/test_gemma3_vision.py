@@ -258,26 +258,34 @@ def test_encoder_runs_once_per_image(setup):
     assert sum(calls) == 3, calls      # the same images in a new request: the content-keyed cache serves them
 
 
-def test_batch_invariant_engines_encode_each_image_alone(setup):
-    """--batch-invariant with batch-invariant kernels (CUDA): an image's soft tokens must not depend on what else a
-    step encodes, so each is encoded alone (otherwise a step's new images go together), with the same tokens. The
-    CPU's kernels are row-independent already, so here the backend's flag is set by hand."""
+def test_each_image_is_encoded_alone_and_its_request_keeps_its_bits_in_a_batch(setup):
+    """An image's soft tokens must not depend on what else a step encodes (the tower's products run on the
+    BLAS, whose rounding can follow the rows of a call): CPU engines (and --batch-invariant ones on CUDA)
+    encode each image alone, so a request's tokens and logprobs are the same bits alone and beside other
+    image requests whose images are new in the same step."""
     _, path, llm = setup
-    engines = {mode: LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
-                                                  enable_prefix_caching=False), llm) for mode in (False, True)}
-    engines[True].engine.runner.backend.batch_invariant = True
-    tokens, sizes = {}, {}
-    for mode, engine in engines.items():
-        calls = sizes[mode] = []
-        model = engine.engine.model
-        original = model.encode_images
-        model.encode_images = lambda px, pos=None, calls=calls, original=original: (calls.append(px.shape[0]),
-                                                                                    original(px, pos))[1]
-        try:
-            tokens[mode] = _run(engine, cases=[("x <start_of_image> y <start_of_image> z", 2)])
-        finally:
-            del model.encode_images
-    assert sizes == {False: [2], True: [1, 1]} and tokens[False] == tokens[True]
+    engines = [LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
+                                            enable_prefix_caching=False), llm) for _ in range(2)]
+    calls = []
+    model = llm.engine.model   # (the engines share it)
+    original = model.encode_images
+    model.encode_images = lambda px, pos=None: (calls.append(px.shape[0]), original(px, pos))[1]
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    prompts = ["x <start_of_image> y <start_of_image> z", "a picture: <start_of_image> of", "<start_of_image> b"]
+    images = [_images(2, 7), _images(1, 8), _images(1, 9)]
+
+    def bits(outs):
+        return [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
+                for o in outs]
+
+    try:
+        alone = [bits(engines[0].generate(p, params, images=im, use_tqdm=False))[0] for p, im in zip(prompts, images)]
+        assert calls == [1, 1, 1, 1]
+        calls.clear()   # the second engine's encoder cache is empty: all four images are new in its first step
+        assert bits(engines[1].generate(prompts, params, images=images, use_tqdm=False)) == alone
+    finally:
+        del model.encode_images
+    assert calls == [1, 1, 1, 1]   # four new images in one step, each in a call of its own
 
 
 def test_prefix_cache_keys_include_the_image(setup):

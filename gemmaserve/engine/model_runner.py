@@ -257,9 +257,11 @@ class ModelRunner:
         found = {(b, i): cache.get(seqs[b].req_id, i, im.key) for b, i, im in covered}
         todo = {im.key: im for b, i, im in covered if found[(b, i)] is None}
         fresh: dict[str, torch.Tensor] = {}
-        # Items of a modality are encoded together (a repeated one once); batch-invariant engines encode each
-        # alone, so an item's soft tokens never depend on what else a step encodes.
-        groups = [{k: im} for k, im in todo.items()] if self.backend.batch_invariant else \
+        # Items of a modality are encoded together (a repeated one once); batch-invariant engines (every CPU
+        # engine) encode each alone, so an item's soft tokens never depend on what else a step encodes (the
+        # towers' products run on the BLAS, whose rounding follows the rows of the call).
+        alone = self.backend.batch_invariant or self.device.type == "cpu"
+        groups = [{k: im} for k, im in todo.items()] if alone else \
             [{k: im for k, im in todo.items() if im.modality is m} for m in dict.fromkeys(im.modality for im in todo.values())]
         for items in groups:
             modality = next(iter(items.values())).modality
