@@ -327,6 +327,17 @@ def test_a_logprob_count_out_of_range_names_its_field_and_the_range(server, path
     assert data["error"]["message"] == f"{field} must be an integer in [0, {MAX_LOGPROBS}], got {body[field]}"
 
 
+def test_a_wrong_method_is_a_client_error_naming_the_allowed_ones(server):
+    """Found by schemathesis: a 405 said type server_error and had no Allow header (RFC 9110 requires it)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("PUT", "/v1/completions", body=json.dumps(GOOD), headers={"Authorization": f"Bearer {API_KEY}"})
+    resp = conn.getresponse()
+    err = json.loads(resp.read())["error"]
+    conn.close()
+    assert resp.status == 405 and resp.getheader("Allow") == "POST", resp.getheaders()
+    assert err["type"] == "invalid_request_error" and "PUT" in err["message"]
+
+
 def test_oversized_chunked_body_is_413(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     chunks = (b"x" * 65536 for _ in range(MAX_BODY // 65536 + 2))   # no Content-Length: chunked

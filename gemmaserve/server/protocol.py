@@ -33,7 +33,7 @@ class ApiError(Exception):
         self.code = code
         self.headers = headers
         self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                             408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                             405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
                              499: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
 
     def body(self) -> dict:
