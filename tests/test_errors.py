@@ -214,3 +214,35 @@ def test_internal_failure_of_one_request_spares_the_others(tmp_path, monkeypatch
     eng.kv.check_integrity()
     st = eng.kv.stats()
     assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
+
+
+@pytest.mark.parametrize("part, needle", [
+    ({"type": {}, "text": "hi"}, r"messages\[0\]\.content\[1\]\.type must be a string .* got \{\}"),
+    ({"type": ["text"], "text": "hi"}, r"messages\[0\]\.content\[1\]\.type must be a string .* got \['text'\]"),
+    ({"type": None, "text": "hi"}, r"messages\[0\]\.content\[1\]\.type must be a string"),
+    ("hi", r"messages\[0\]\.content\[1\] must be an object"),
+    ({"type": "text", "text": {}}, r"messages\[0\]\.content\[1\]: only text"),
+])
+def test_chat_content_parts_of_the_wrong_shape_are_user_errors(part, needle):
+    """LLM.chat's (and the server's) reading of content parts: a part whose `type` is a dict or a list was looked
+    up in a dict of kinds, a TypeError (unhashable type) rather than an error naming the field."""
+    from gemmaserve.models.chat_template import parse_chat
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "ok"}, part]}]
+    with pytest.raises(UserInputError, match=needle):
+        parse_chat(messages, {}, python_objects=True)
+
+
+def test_a_template_failing_on_chat_template_kwargs_is_a_user_error():
+    """chat_template_kwargs take any JSON value: one the checkpoint's template cannot use (a TypeError inside
+    Jinja, not a TemplateError) is the request's error, not an internal one."""
+    from types import SimpleNamespace
+
+    from gemmaserve.models.chat_template import ChatFormatter, ChatMessage
+
+    tok = SimpleNamespace(chat_template="{{ bos_token }}{% if budget > 3 %}long{% endif %}{{ messages[0].content }}",
+                          bos_token_id=1, eos_token_id=2, special_text=lambda i: {1: "<bos>", 2: "<eos>"}[i])
+    chat = ChatFormatter(tok)
+    assert chat.render([ChatMessage("user", "hi")], template_kwargs={"budget": 5}) == "<bos>longhi"
+    with pytest.raises(UserInputError, match="chat template: TypeError"):
+        chat.render([ChatMessage("user", "hi")], template_kwargs={"budget": {"a": 1}})

@@ -136,8 +136,20 @@ def _tensor_names():
         "model.embed_tokens_per_layer.weight": (T.PER_LAYER_TOKEN_EMBD, "weight"),
         "model.per_layer_model_projection.weight": (T.PER_LAYER_MODEL_PROJ, "weight"),
         "model.per_layer_projection_norm.weight": (T.PER_LAYER_PROJ_NORM, "weight"),
+        "lm_head.weight": (T.OUTPUT, "weight"),   # untied checkpoints only
     }
     return layer, top
+
+
+def add_gguf_tensor(w, name: str, value: np.ndarray, q8_0: bool) -> None:
+    """F32, or with `q8_0` a matrix whose rows are whole blocks of 32 as Q8_0 (GGUF's usual 8-bit type)."""
+    import gguf
+
+    if q8_0 and value.ndim == 2 and value.shape[-1] % 32 == 0:
+        qtype = gguf.GGMLQuantizationType.Q8_0
+        w.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    else:
+        w.add_tensor(name, value)
 
 
 def _gguf_name(kind, suffix: str, bid: int | None = None) -> str:
@@ -164,9 +176,10 @@ def _vocabulary(size: int):
     return tokens, types
 
 
-def _write_gguf(hf, path: Path, extra: dict[str, np.ndarray] | None = None) -> Path:
+def _write_gguf(hf, path: Path, extra: dict[str, np.ndarray] | None = None, q8_0: bool = False) -> Path:
     """The tiny HF model as llama.cpp's gemma4 GGUF (F32): norms as plain w, proportional RoPE as rope_freqs,
-    per-layer arrays where layers differ, K = V implied by full layers without attn_v."""
+    per-layer arrays where layers differ, K = V implied by full layers without attn_v; an untied head as
+    `output.weight`. `q8_0`: matrices whose rows are whole Q8_0 blocks stored Q8_0 (a quantised file)."""
     import gguf
 
     cfg = hf.config
@@ -219,14 +232,14 @@ def _write_gguf(hf, path: Path, extra: dict[str, np.ndarray] | None = None) -> P
                  np.where(np.arange(d_full // 2) < rotated, 1.0, 1e30).astype(np.float32))
     layer_names, top_names = _tensor_names()
     for name, t in hf.state_dict().items():
-        if name == "lm_head.weight":
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue   # tied to the embedding
         if name.startswith("model.layers."):
             _, _, bid, rest = name.split(".", 3)
             gname = _gguf_name(*layer_names[rest], int(bid))
         else:
             gname = _gguf_name(*top_names[name])
-        w.add_tensor(gname, t.detach().to(torch.float32).numpy().copy())
+        add_gguf_tensor(w, gname, t.detach().to(torch.float32).numpy().copy(), q8_0)
     for name, value in (extra or {}).items():
         w.add_tensor(name, value)
     w.write_header_to_file()
@@ -342,7 +355,7 @@ def test_bidirectional_all_is_refused(checkpoint):
         LLM(model=str(path))
 
 
-@pytest.mark.parametrize("name", ["blk.0.attn_bogus.weight", "output.weight", "blk.99.attn_q.weight"])
+@pytest.mark.parametrize("name", ["blk.0.attn_bogus.weight", "blk.99.attn_q.weight"])
 def test_gguf_unexpected_tensor_is_named(tmp_path, monkeypatch, name):
     monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf = tiny_gemma4_hf(fresh_seed(), "31b")

@@ -287,6 +287,11 @@ CHAT = {"model": "gemma3-270m", "messages": [{"role": "user", "content": "Hi"}],
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 7}]}, None, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": "x"}]}, None, 400, "messages"),
+    # Found by schemathesis: a content part's `type` that is no string was a 500 (unhashable type).
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": {}, "text": "hi"}]}]}, None,
+     400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": ["text"], "text": "hi"}]}]},
+     None, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, 400, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, None, 400, "tools"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "go " * 600}]}, None, 400,
@@ -320,6 +325,17 @@ def test_a_logprob_count_out_of_range_names_its_field_and_the_range(server, path
     code, data = _raw(server, "POST", path, body)
     assert code == 400 and data["error"]["param"] == field
     assert data["error"]["message"] == f"{field} must be an integer in [0, {MAX_LOGPROBS}], got {body[field]}"
+
+
+def test_a_wrong_method_is_a_client_error_naming_the_allowed_ones(server):
+    """Found by schemathesis: a 405 said type server_error and had no Allow header (RFC 9110 requires it)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("PUT", "/v1/completions", body=json.dumps(GOOD), headers={"Authorization": f"Bearer {API_KEY}"})
+    resp = conn.getresponse()
+    err = json.loads(resp.read())["error"]
+    conn.close()
+    assert resp.status == 405 and resp.getheader("Allow") == "POST", resp.getheaders()
+    assert err["type"] == "invalid_request_error" and "PUT" in err["message"]
 
 
 def test_oversized_chunked_body_is_413(server):

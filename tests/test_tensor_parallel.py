@@ -41,16 +41,17 @@ def _kv_heads(llm: LLM) -> set[int]:
     return {k.shape[2] for k, _ in runner.kv_cache}
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4_moe", "gemma4_e2b"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma3_untied", "gemma4_moe", "gemma4_e2b"])
 def test_two_ranks_give_the_tokens_of_one(tmp_path, family):
     """gemma3: one KV head (replicated on both ranks), vocabulary 301 (padded to 2 x 151), prompts
     several windows long in 8-token chunks. gemma4_moe (26B-A4B shape): MoE experts split, sliding
     layers' 2 KV heads split and the full layers' single one replicated, soft-capped logits.
     gemma4_e2b: per-layer embeddings, KV-shared layers, asynchronous scheduling (the next step's
-    input is each rank's own sampled token)."""
+    input is each rank's own sampled token). gemma3_untied: an output head apart from the embedding,
+    sharded over the vocabulary as the embedding is."""
     seed = fresh_seed()
-    if family == "gemma3":
-        hf, options = tiny_hf_model(seed, vocab_size=301), {}
+    if family.startswith("gemma3"):
+        hf, options = tiny_hf_model(seed, vocab_size=301, tie_word_embeddings=family == "gemma3"), {}
     elif family == "gemma4_moe":
         hf, options = tiny_gemma4_hf(seed, "26b_a4b"), {}
     else:

@@ -55,7 +55,7 @@ def build_hf_model(model: CausalLM, dtype: torch.dtype = torch.float32, attn_imp
             hf = cls(hf_cfg)
     hf.requires_grad_(False)   # assigned parameters keep this flag: ours may be inference tensors
     sd = hf_state_dict(model)
-    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])   # tied unless ours has a head of its own
     missing, unexpected = hf.load_state_dict(sd, strict=False, assign=share)
     missing = [m for m in missing if not m.endswith(("inv_freq", "embed_scale"))]
     if missing or unexpected:

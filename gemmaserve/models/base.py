@@ -99,9 +99,9 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def output_embedding_name(self) -> str:
-        """The embedding table `compute_logits` uses as the tied output head (quantisation packs a matmul
-        copy of that one table only)."""
-        return "model.embed_tokens"
+        """The table `compute_logits` projects onto (quantisation packs a matmul copy of that one table only):
+        the checkpoint's own `lm_head` where its config unties the head, else the token embedding."""
+        return "model.embed_tokens" if getattr(self.config, "tie_word_embeddings", True) else "lm_head"
 
     # -- weights ----------------------------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str | None:
@@ -165,5 +165,8 @@ class CausalLM(nn.Module, ABC):
             filled.add(name)
         incomplete = sorted(n for n, s in shards_seen.items() if len(s) != len(self.shard_sizes(n)))
         missing = sorted(set(params) - filled)
+        if "lm_head.weight" in missing:   # (transformers would leave the head random: we refuse)
+            raise UserInputError("checkpoint is missing lm_head.weight: its config says tie_word_embeddings: false "
+                                 "(an output head apart from the embedding), but it has no such tensor")
         if missing or incomplete:
             raise UserInputError(f"checkpoint is missing weights: {(missing + incomplete)[:5]}")

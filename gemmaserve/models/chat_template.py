@@ -69,8 +69,12 @@ def parse_chat(raw: object, placeholders: dict[Modality, str], python_objects: b
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
                 where = f"messages[{i}].content[{j}]"
+                if not isinstance(part, dict):
+                    raise UserInputError(f'{where} must be an object ({{"type": "text", "text": ...}} or a media part)')
+                kind = part.get("type")
+                if not isinstance(kind, str):   # (a dict or list here is no key of `kinds`: unhashable)
+                    raise UserInputError(f"{where}.type must be a string naming the part's kind, got {kind!r:.80}")
                 if kind in kinds:
                     modality, key, is_url = kinds[kind]
                     if modality not in placeholders:
@@ -85,7 +89,7 @@ def parse_chat(raw: object, placeholders: dict[Modality, str], python_objects: b
                     media.append((modality, value))
                     parts.append(placeholders[modality])
                     continue
-                if not isinstance(part, dict) or kind != "text" or not isinstance(part.get("text"), str):
+                if kind != "text" or not isinstance(part.get("text"), str):
                     raise UserInputError(f"{where}: only text, image_url, input_audio, audio_url and video_url parts "
                                          "are supported ({\"type\": \"text\", \"text\": ...})")
                 parts.append(part["text"])
@@ -166,8 +170,9 @@ class ChatFormatter:
             return self._template.render(**template_kwargs, messages=[m.template_dict() for m in messages],
                                          add_generation_prompt=True, bos_token=tok.special_text(tok.bos_token_id),
                                          eos_token=tok.special_text(tok.eos_token_id), **extra)
-        except TemplateError as exc:
-            raise UserInputError(f"chat template: {exc}") from None
+        except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
+            # the checkpoint's template failing on what the request gave it (chat_template_kwargs of any JSON type)
+            raise UserInputError(f"chat template: {type(exc).__name__}: {exc}") from None
 
     def encode(self, messages: list[ChatMessage], expand: Callable[[str], str] | None = None,
                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:

@@ -49,6 +49,7 @@ class Gemma3Config:
     final_logit_softcapping: float | None = None
     multimodal: bool = False   # the checkpoint has a vision tower
     image_bidirectional: bool = False   # an image's tokens see each other on every layer (multimodal model)
+    tie_word_embeddings: bool = True    # false: the output head is the checkpoint's lm_head.weight
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -74,6 +75,10 @@ class Gemma3Config:
     def from_hf(cls, cfg: dict[str, Any]) -> "Gemma3Config":
         """From a Hugging Face config.json (Gemma3ForCausalLM, or the text_config of the multimodal model)."""
         multimodal = "vision_config" in cfg
+        # the head's tie is the outer config's (transformers reads the model's own config, the composite one)
+        tie = cfg.get("tie_word_embeddings", True)
+        if not isinstance(tie, bool):
+            raise UserInputError(f"config tie_word_embeddings must be true or false, got {tie!r}")
         if "text_config" in cfg and isinstance(cfg["text_config"], dict):
             cfg = cfg["text_config"]
         if cfg.get("use_bidirectional_attention"):
@@ -106,6 +111,7 @@ class Gemma3Config:
             max_position_embeddings=cfg.get("max_position_embeddings", 131072),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             multimodal=multimodal,
+            tie_word_embeddings=tie,
         )
 
     @classmethod
@@ -150,6 +156,7 @@ class Gemma3Config:
             rope_local=RopeParams(10_000.0),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             max_position_embeddings=int(key("context_length", 131072)),
+            tie_word_embeddings="output.weight" not in gguf.tensors_by_name(),   # llama.cpp: else token_embd
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -163,7 +170,7 @@ class Gemma3Config:
             query_pre_attn_scalar=self.query_pre_attn_scalar, rope_parameters=rope,
             rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
             final_logit_softcapping=self.final_logit_softcapping, attn_logit_softcapping=None,
-            tie_word_embeddings=True,
+            tie_word_embeddings=self.tie_word_embeddings,
         )
 
 
@@ -245,6 +252,9 @@ class Gemma3ForCausalLM(CausalLM):
         # fp32 RoPE frequencies; the model is never cast with .to(dtype), so they stay fp32.
         self.register_buffer("_inv_freq_global", cfg.rope_global.inv_freq(cfg.head_dim), persistent=False)
         self.register_buffer("_inv_freq_local", cfg.rope_local.inv_freq(cfg.head_dim), persistent=False)
+        # An untied head: a table of the embedding's shape used only as the head, so that it is quantised
+        # (QuantEmbedding) and sharded over the vocabulary (tensor_parallel.py) as the tied one is.
+        self.lm_head = None if cfg.tie_word_embeddings else Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
 
     # -- engine hooks ---------------------------------------------------------------------
     def engine_preferences(self) -> ModelPreferences:
@@ -277,7 +287,7 @@ class Gemma3ForCausalLM(CausalLM):
         return h if inputs.sample_rows is None else h[inputs.sample_rows]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.embed_tokens.as_head(hidden)
+        logits = (self.model.embed_tokens if self.lm_head is None else self.lm_head).as_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = softcap(logits, cap)
@@ -293,7 +303,7 @@ class Gemma3ForCausalLM(CausalLM):
                             "model.multi_modal_projector.")):
             return None
         if name in ("lm_head.weight", "language_model.lm_head.weight"):
-            return None  # tied to the embedding
+            return None if self.lm_head is None else "lm_head.weight"   # tied: the embedding is the head
         return name
 
     def gguf_name(self, name: str) -> tuple[str, bool]:
@@ -302,6 +312,8 @@ class Gemma3ForCausalLM(CausalLM):
             return "model.embed_tokens.weight", False
         if name == "output_norm.weight":
             return "model.norm.weight", True
+        if name == "output.weight":   # an untied head (the config says so: from_gguf)
+            return "lm_head.weight", False
         if not name.startswith("blk."):
             raise UserInputError(f"unexpected tensor {name!r} in a gemma3 GGUF file")
         _, layer, rest = name.split(".", 2)

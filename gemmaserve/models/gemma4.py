@@ -51,14 +51,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6, sliding_window=512, final_logit_softcapping=None, use_bidirectional_attention=None,
         vocab_size_per_layer_input=262_144, hidden_size_per_layer_input=256, attention_k_eq_v=False,
         num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False, num_experts=None,
-        top_k_experts=None, moe_intermediate_size=None, attention_bias=False, tie_word_embeddings=True),
+        top_k_experts=None, moe_intermediate_size=None, attention_bias=False),
     "gemma4_unified_text": dict(
         vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
         num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=262_144,
         rms_norm_eps=1e-6, sliding_window=1024, final_logit_softcapping=None, use_bidirectional_attention="vision",
         vocab_size_per_layer_input=262_144, hidden_size_per_layer_input=0, attention_k_eq_v=False,
         num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False, num_experts=None,
-        top_k_experts=None, moe_intermediate_size=None, attention_bias=False, tie_word_embeddings=True),
+        top_k_experts=None, moe_intermediate_size=None, attention_bias=False),
 }
 _DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                  FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
@@ -89,6 +89,7 @@ class Gemma4Config:
     bidirectional_vision: bool = False      # images attend bidirectionally on sliding layers (vision issue)
     multimodal: bool = False                # the checkpoint has vision/audio towers (only the text tower runs)
     architecture: str = "Gemma4ForCausalLM"
+    tie_word_embeddings: bool = True        # false: the output head is the checkpoint's lm_head.weight
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -147,8 +148,10 @@ class Gemma4Config:
                                  "gelu_pytorch_tanh)")
         if c["attention_bias"]:
             raise UserInputError("attention_bias is not supported (Gemma 4 has no attention biases)")
-        if not c["tie_word_embeddings"]:
-            raise UserInputError("an untied output head is not supported (Gemma 4 ties lm_head to the embedding)")
+        # the head's tie is the outer config's (transformers reads the model's own config, the composite one)
+        tie = cfg.get("tie_word_embeddings", True)
+        if not isinstance(tie, bool):
+            raise UserInputError(f"config tie_word_embeddings must be true or false, got {tie!r}")
         if c["use_bidirectional_attention"] == "all":
             raise UserInputError("bidirectional (embedding) Gemma 4 models are not supported for generation")
         n = int(c["num_hidden_layers"])
@@ -205,7 +208,7 @@ class Gemma4Config:
             num_experts=int(c["num_experts"] or 0) if moe else 0, top_k_experts=int(c["top_k_experts"] or 0) if moe else 0,
             moe_intermediate_size=int(c["moe_intermediate_size"] or 0) if moe else 0,
             bidirectional_vision=c["use_bidirectional_attention"] == "vision", multimodal=multimodal,
-            architecture=architecture)
+            architecture=architecture, tie_word_embeddings=tie)
 
     @classmethod
     def from_gguf(cls, gguf) -> "Gemma4Config":
@@ -265,7 +268,8 @@ class Gemma4Config:
             hidden_size_per_layer_input=int(key("embedding_length_per_layer_input", 0, required=False) or 0),
             vocab_size_per_layer_input=ple.shape[0] if ple is not None else 262_144,
             num_experts=experts, top_k_experts=int(key("expert_used_count", 0, required=False) or 0),
-            moe_intermediate_size=int(key("expert_feed_forward_length", 0, required=False) or 0) if experts else 0)
+            moe_intermediate_size=int(key("expert_feed_forward_length", 0, required=False) or 0) if experts else 0,
+            tie_word_embeddings="output.weight" not in tensors)   # llama.cpp: else token_embd is the head
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The equivalent transformers Gemma4TextConfig arguments (hub format: global_head_dim and
@@ -289,7 +293,7 @@ class Gemma4Config:
             hidden_size_per_layer_input=self.hidden_size_per_layer_input,
             vocab_size_per_layer_input=self.vocab_size_per_layer_input,
             enable_moe_block=self.moe, num_experts=self.num_experts or None, top_k_experts=self.top_k_experts or None,
-            moe_intermediate_size=self.moe_intermediate_size or None, tie_word_embeddings=True,
+            moe_intermediate_size=self.moe_intermediate_size or None, tie_word_embeddings=self.tie_word_embeddings,
             bos_token_id=2, eos_token_id=1, pad_token_id=0)
 
 
@@ -429,6 +433,9 @@ class Gemma4ForCausalLM(CausalLM):
         super().__init__()
         self.config = cfg
         self.model = Gemma4TextModel(cfg, dtype)
+        # An untied head: a table of the embedding's shape used only as the head, so that it is quantised
+        # (QuantEmbedding) and sharded over the vocabulary (tensor_parallel.py) as the tied one is.
+        self.lm_head = None if cfg.tie_word_embeddings else Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         if cfg.multimodal and type(self) is Gemma4ForCausalLM:
             log.info("%s: serving the text tower only; image and audio inputs are not supported yet, their "
                      "tower weights are skipped", cfg.architecture)
@@ -485,7 +492,7 @@ class Gemma4ForCausalLM(CausalLM):
         return (proj + tok) * 2.0 ** -0.5
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.embed_tokens.as_head(hidden)
+        logits = (self.model.embed_tokens if self.lm_head is None else self.lm_head).as_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = softcap(logits, cap)
@@ -500,7 +507,7 @@ class Gemma4ForCausalLM(CausalLM):
         elif name.startswith(self._SKIPPED_TOWERS):
             return None   # served text-only (logged once when the model was built)
         if name == "lm_head.weight":
-            return None   # tied to the embedding
+            return None if self.lm_head is None else name   # tied: the embedding is the head
         parts = name.split(".")
         if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[3] == "self_attn" \
                 and parts[4] in ("k_proj", "v_proj", "k_norm", "v_norm"):
@@ -511,6 +518,7 @@ class Gemma4ForCausalLM(CausalLM):
 
     _GGUF_GLOBAL = {
         "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",   # an untied head (the config says so: from_gguf)
         "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
         "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
         "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",

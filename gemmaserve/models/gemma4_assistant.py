@@ -65,6 +65,10 @@ class AssistantConfig:
                 raise UserInputError(f"a Gemma 4 drafter has {key} = {value!r}, got {text[key]!r}")
         # Parsed as a plain stack (no layer of its own stores KV; `reads` below says whose it reads).
         layers = Gemma4Config.from_hf({**text, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0})
+        if cfg.get("tie_word_embeddings", True) is not True:   # the drafter's own config governs (transformers)
+            raise UserInputError("a Gemma 4 drafter with an untied output head (tie_word_embeddings: false) is not "
+                                 "supported: its head is its embedding table (lm_head.weight and "
+                                 "model.embed_tokens.weight fill the one table)")
         ordered = bool(cfg.get("use_ordered_embeddings", False))
         centroids, top_k = int(cfg.get("num_centroids", 2048)), int(cfg.get("centroid_intermediate_top_k", 32))
         if ordered and (centroids < 1 or layers.vocab_size % centroids or not 0 < top_k <= centroids):

@@ -192,7 +192,7 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
                                                                                             str(exc.detail))
         return self._error_response(ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404
-                                             else None))
+                                             else None, headers=exc.headers))   # 405: Allow (RFC 9110)
 
     async def _internal_error(self, request: Request, exc: Exception) -> JSONResponse:
         log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)

@@ -169,7 +169,7 @@ class DisaggServer(OpenAIServer):
         if tp is None:
             raise ApiError(400, f"this is a {self.role} engine: send requests through `gemmaserve router` "
                                 "(kv_transfer_params missing)", param="kv_transfer_params")
-        tid = tp.get("transfer_id")
+        tid = tp.transfer_id
         if not isinstance(tid, str) or not tid or len(tid) > 128:
             raise ApiError(400, "kv_transfer_params.transfer_id must be a non-empty string",
                            param="kv_transfer_params")
@@ -178,7 +178,7 @@ class DisaggServer(OpenAIServer):
         gid = f"{rid}-0"   # AsyncEngine's engine id for prompt 0
         if self.role == "prefill":
             return self._prefill(rid, gid, tid, prompts, params, deadline, admission, media, lora)
-        url = tp.get("prefill_url")
+        url = tp.prefill_url
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ApiError(400, "kv_transfer_params.prefill_url must be an http(s) URL", param="kv_transfer_params")
         return await self._decode(rid, gid, tid, url.rstrip("/"), prompts, params, deadline, admission, media, lora)

@@ -6,8 +6,9 @@ Unknown fields are ignored, as OpenAI-compatible servers do; known fields that w
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -32,7 +33,7 @@ class ApiError(Exception):
         self.code = code
         self.headers = headers
         self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                             408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                             405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
                              499: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
 
     def body(self) -> dict:
@@ -52,15 +53,110 @@ def _doc(default: Any = None, **schema: Any) -> Any:
 _STOP = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 256},
                    {"type": "array", "maxItems": MAX_STOP_STRINGS,
                     "items": {"type": "string", "minLength": 1, "maxLength": 256}}, {"type": "null"}]}
-_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-    "content": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {
-        "type": "object", "required": ["type", "text"],
-        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}
 
 
+# -- nested request objects: typed, so that a wrong type anywhere is a 400 naming its path (not a handler's
+# TypeError), and described in the OpenAPI schema, so that fuzzers and clients see every nested field.
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class URLRef(_Strict):
+    url: str
+    detail: str | None = None   # OpenAI's image detail level (ignored: the processor's resolution is fixed)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(_Strict):
+    type: Literal["image_url"]
+    image_url: URLRef | str
+
+
+class AudioURLPart(_Strict):
+    type: Literal["audio_url"]
+    audio_url: URLRef | str
+
+
+class VideoURLPart(_Strict):
+    type: Literal["video_url"]
+    video_url: URLRef | str
+
+
+class InputAudio(_Strict):
+    data: str             # base64 audio
+    format: str | None = None
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | AudioURLPart | VideoURLPart | InputAudioPart,
+                        Field(discriminator="type")]
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"   # OpenAI sends the JSON text; an object is taken too
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class Message(_Strict):
+    """One chat message. Which roles may carry what (content, tool_calls, name) is checked by parse_chat."""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(json_schema_extra={"pattern": "^[A-Za-z0-9_.-]{1,64}$"})   # checked by parse_tools
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema (compiled into the grammar)
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaSpec(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"] | None = None   # None: text
+    json_schema: JsonSchemaSpec | None = None
+
+
+class KVTransferParams(_Strict):
+    """Set by `gemmaserve router` only (server/disagg.py checks the values)."""
+    transfer_id: str | None = None
+    prefill_url: str | None = None
 
 
 class _Common(_Strict):
@@ -80,7 +176,7 @@ class _Common(_Strict):
     # vLLM-style extensions
     top_k: int | None = _doc(minimum=0)
     # disaggregated serving: set by `gemmaserve router` only (server/disagg.py)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     min_p: float | None = _doc(minimum=0, maximum=1)
     repetition_penalty: float | None = _doc(minimum=REPETITION_PENALTY_RANGE[0], maximum=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
@@ -88,7 +184,7 @@ class _Common(_Strict):
     skip_special_tokens: bool = True
     speculative: bool = True   # false: no drafts for this request (the server's --speculative-config)
     request_timeout: float | None = _doc(exclusiveMinimum=0)   # seconds from arrival; only shortens the server's
-    response_format: dict[str, Any] | None = None   # text, json_object or json_schema (also on completions, as vLLM)
+    response_format: ResponseFormat | None = None   # text, json_object or json_schema (also on completions, as vLLM)
 
 
 class CompletionRequest(_Common):
@@ -100,12 +196,12 @@ class CompletionRequest(_Common):
 
 
 class ChatRequest(_Common):
-    messages: list[Any] = Field(json_schema_extra={"minItems": 1, "items": _MESSAGE})
+    messages: list[Message] = Field(json_schema_extra={"minItems": 1})
     logprobs: bool = False
     top_logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS)
     max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None   # e.g. {"enable_thinking": true} (Gemma 4)
     include_reasoning: bool = True   # reasoning models: reasoning apart as reasoning_content (false: in content)
@@ -113,6 +209,16 @@ class ChatRequest(_Common):
     # chat_template_kwargs enable_thinking wins). A level above "none" on a model that cannot think is a 400, as
     # OpenAI answers.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def message_dicts(self) -> list[dict]:
+        """The messages as parse_chat reads them (OpenAI's shape, as validated; unknown fields dropped)."""
+        return [m.model_dump(exclude_none=True, by_alias=True) for m in self.messages]
+
+    def tool_dicts(self) -> tuple[list[dict] | None, str | dict | None]:
+        """(tools, tool_choice) as parse_tools reads them."""
+        tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+        choice = self.tool_choice
+        return tools, choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
 class LoadLoRARequest(BaseModel):
@@ -145,18 +251,58 @@ class TranscriptionRequest(BaseModel):
     kv_transfer_params: None = None   # (no disaggregated transcriptions)
 
 
+_OBJECT = re.compile(r"a valid dictionary or (instance of \w+|object to extract fields from)")
+
+
 def parse(cls: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "union"))]
-        where = ".".join(loc) or "body"
-        missing = err["type"] == "missing"
-        msg = f"{where}: field required" if missing else f"{where}: {err['msg']} (got {err.get('input')!r:.80})"
-        raise ApiError(400, msg, param=loc[0] if loc else None) from None
+        raise validation_error(exc, body) from None
+
+
+def validation_error(exc: ValidationError, body: dict) -> ApiError:
+    """Pydantic's errors as one 400 that names the path in the body (`messages[0].content[1].type`) and the
+    top-level field as its param. A value that fits no member of a union is reported once per member, each
+    location naming its member (`content.str`, `content.list[...]`): a location is read as the path into the
+    body itself, and the error kept is the one that reached deepest (the member the value was meant for);
+    members failing at the same depth are joined."""
+    found: list[tuple[list[str | int], str, object]] = []
+    for err in exc.errors():
+        path: list[str | int] = []
+        node: object = body
+        for key in err["loc"]:
+            if (isinstance(node, dict) and isinstance(key, str) and key in node) or (
+                    isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node)):
+                path.append(key)
+                node = node[key]
+        ctx = err.get("ctx") or {}
+        if err["type"] == "missing":
+            path.append(err["loc"][-1])
+            msg = "field required"
+        elif err["type"] == "union_tag_invalid":   # a discriminated union (content parts): name the tag's field
+            field = ctx["discriminator"].strip("'")
+            path.append(field)
+            msg, node = f"must be one of {ctx['expected_tags']}", node.get(field) if isinstance(node, dict) else node
+        elif err["type"] == "union_tag_not_found":
+            path.append(ctx["discriminator"].strip("'"))
+            msg = "field required"
+        else:   # pydantic's names for our classes mean nothing to a client
+            msg = _OBJECT.sub("an object", err["msg"])
+        found.append((path, msg, node if err["type"] not in ("missing", "union_tag_not_found") else ...))
+    depth = max(len(p) for p, _, _ in found)
+    deepest = [f for f in found if len(f[0]) == depth]
+    path, _, got = deepest[0]
+    msgs = list(dict.fromkeys(m for p, m, _ in deepest if p == path))
+    lead = "Input should be "
+    msg = (lead + " or ".join(m[len(lead):] for m in msgs) if all(m.startswith(lead) for m in msgs)
+           else "; ".join(msgs))
+    where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" if k.isidentifier() else f"[{k!r}]"
+                    for k in path).lstrip(".") or "body"
+    shown = "" if got is ... else f" (got {got!r:.80})"
+    return ApiError(400, f"{where}: {msg}{shown}", param=str(path[0]) if path else None)
 
 
 def reject_unsupported(req: CompletionRequest | ChatRequest) -> None:
@@ -204,25 +350,21 @@ def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> Sa
         raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
 
 
-def response_format(fmt: dict | None) -> StructuredOutput | None:
+def response_format(fmt: ResponseFormat | None) -> StructuredOutput | None:
     """OpenAI's response_format: text (no constraint), json_object, or json_schema (always enforced,
     whatever its `strict` says: a schema we were given is a schema we keep)."""
-    if fmt is None or fmt.get("type") in (None, "text"):
+    if fmt is None or fmt.type in (None, "text"):
         return None
-    kind = fmt.get("type")
     try:
-        if kind == "json_object":
+        if fmt.type == "json_object":
             return StructuredOutput(GrammarKind.JSON)
-        if kind == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema (an object)",
-                               param="response_format")
-            return StructuredOutput.json_schema(spec["schema"])
+        spec = fmt.json_schema
+        if spec is None or spec.schema_ is None:
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema (an object)",
+                           param="response_format")
+        return StructuredOutput.json_schema(spec.schema_)
     except UserInputError as exc:
         raise ApiError(400, f"response_format: {exc}", param="response_format") from None
-    raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                   param="response_format")
 
 
 def _param_of(message: str) -> str | None:

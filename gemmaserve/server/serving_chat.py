@@ -33,7 +33,7 @@ class ChatServing(Serving):
         lora = self._check_model(req.model)
         reject_unsupported(req)
         calling = self._tool_calling(req)
-        prompt, items = await asyncio.to_thread(self._chat_prompt, req.messages, calling, self._template_kwargs(req))
+        prompt, items = await asyncio.to_thread(self._chat_prompt, req.message_dicts(), calling, self._template_kwargs(req))
         ids = prompt.ids
         limit = self.engine.max_model_len
         if len(ids) >= limit:
@@ -163,10 +163,9 @@ class ChatServing(Serving):
                                              audio, videos, image_limits, audio_limits, video_limits)
 
     def _tool_calling(self, req: ChatRequest) -> ToolCalling | None:
-        calling = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer,
-                              self.chat.renders_tools)
-        if calling is not None and req.response_format is not None and req.response_format.get("type") not in (
-                None, "text"):
+        tools, choice = req.tool_dicts()
+        calling = parse_tools(tools, choice, req.parallel_tool_calls, self.tokenizer, self.chat.renders_tools)
+        if calling is not None and req.response_format is not None and req.response_format.type not in (None, "text"):
             raise ApiError(400, "response_format cannot be combined with tools", param="response_format")
         return calling
 

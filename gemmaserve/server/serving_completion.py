@@ -70,7 +70,7 @@ class CompletionServing(Serving):
 
     def _encode(self, text: str, param: str) -> Prompt:
         if not text.strip():
-            raise ApiError(400, f"{param} must not be empty", param=param)
+            raise ApiError(400, f"{param} must not be empty", param="prompt")
         return Prompt(text, self.tokenizer.encode(text))
 
     def _completion_prompts(self, prompt) -> list[Prompt]:
