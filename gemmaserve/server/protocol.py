@@ -162,7 +162,7 @@ class KVTransferParams(_Strict):
 class _Common(_Strict):
     model: str | None = None
     max_tokens: int | None = _doc(minimum=1)
-    temperature: float | None = _doc(minimum=0, maximum=2)
+    temperature: float | None = _doc(minimum=0)   # (any temperature >= 0, as vLLM takes: OpenAI stops at 2)
     top_p: float | None = _doc(minimum=MIN_TOP_P, maximum=1)
     n: int = _doc(1, minimum=1, maximum=MAX_N)
     stop: str | list[str] | None = Field(None, json_schema_extra=lambda s: s.update(_STOP))
@@ -241,7 +241,7 @@ class TranscriptionRequest(BaseModel):
     language: str | None = None
     prompt: str | None = None
     response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] = "json"
-    temperature: float = _doc(0.0, minimum=0, maximum=2)
+    temperature: float = _doc(0.0, minimum=0)   # (as the chat routes: any temperature >= 0)
     stream: bool = False
     timestamp_granularities: list[Literal["segment"]] = Field(default_factory=lambda: ["segment"],
                                                               alias="timestamp_granularities[]")
