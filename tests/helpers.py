@@ -274,25 +274,31 @@ GEMMA4_AUDIO_TOWER = dict(hidden_size=32, num_hidden_layers=2, num_attention_hea
                           subsampling_conv_channels=[128, 4], output_proj_dims=24)   # transformers sizes its projection from c0 // 4: c0 = the 128 mel bins
 
 
-def tiny_hf_gemma4_audio(seed: int, vision: bool = True):
+def tiny_hf_gemma4_audio(seed: int, vision: bool = True, text: dict | None = None, audio: dict | None = None,
+                         rescaled: bool = True, clip_bounds: float | None = 2.0):
     """A transformers E2B-like Gemma4ForConditionalGeneration with an audio tower (and, with `vision`, an image
-    tower), every weight random, clip bounds that bite."""
+    tower). `text`, `audio`: overrides of the text and audio configs. `rescaled`: every weight random (norms
+    around 1, matrices with rows of norm ~0.5), else transformers' own initialisation; `clip_bounds`: the
+    clamped linears' ranges (+-2 bite), None for transformers' +-inf."""
     import transformers
 
     cfg = transformers.Gemma4Config(
-        text_config={**GEMMA4_BASE, **GEMMA4_VARIANTS["e2b"]},
+        text_config={**GEMMA4_BASE, **GEMMA4_VARIANTS["e2b"], **(text or {})},
         vision_config={**GEMMA4_VISION_TOWER, "use_clipped_linears": True} if vision else None,
-        audio_config={**GEMMA4_AUDIO_TOWER, "use_clipped_linears": True},
+        audio_config={**GEMMA4_AUDIO_TOWER, "use_clipped_linears": True, **(audio or {})},
         image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI, audio_token_id=AUD, boa_token_id=BOA,
         eoa_token_index=EOA, video_token_id=VID)
     cfg.vision_soft_tokens_per_image = GEMMA4_SOFT_TOKENS
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = _gemma4_random(transformers.Gemma4ForConditionalGeneration(cfg).eval(), seed, 0.5)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith(("_min", "_max")):
-                b.fill_(2.0 if name.endswith("_max") else -2.0)
+    model = transformers.Gemma4ForConditionalGeneration(cfg).eval()
+    if rescaled:
+        model = _gemma4_random(model, seed, 0.5)
+    if clip_bounds is not None:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name.endswith(("_min", "_max")):
+                    b.fill_(clip_bounds if name.endswith("_max") else -clip_bounds)
     return model
 
 

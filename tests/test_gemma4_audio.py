@@ -59,6 +59,25 @@ def test_tower_equals_transformers_on_speech_features(samples, clipped):
         assert not m.all()
 
 
+def test_transformers_is_an_audio_reference():
+    """transformers' conformer under eager attention (the only one it has; the tiny models here ask for it) keeps
+    each frame to its causal window: features after a frame's receptive field (two stride-2 convolutions: feature
+    frames up to 4j + 3 for frame j) leave its output alone. Before 5.20 it read the float mask as a bool one and
+    attended to everything but the window; the audio comparisons with it then fail by ~1 in the logits."""
+    import transformers
+
+    hf = _hf_tower(5, clipped=False)
+    features = torch.randn(160, 128, generator=torch.Generator().manual_seed(5))
+    later = features.clone()
+    later[4 * 20 + 4:] += 1.0   # after frame 20's receptive field
+    mask = torch.ones(1, 160, dtype=torch.bool)
+    with torch.no_grad():
+        a, b = (hf(f[None], attention_mask=mask).last_hidden_state[0, :21] for f in (features, later))
+    assert torch.allclose(a, b, atol=1e-6, rtol=0), (
+        f"transformers {transformers.__version__} lets audio frames attend outside their window (an inverted "
+        f"mask, fixed in 5.20): not a reference for the audio tests")
+
+
 def test_embedder_and_config_checks():
     from transformers import Gemma4AudioConfig, Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
