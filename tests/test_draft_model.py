@@ -118,7 +118,9 @@ def test_sampling_with_seeds_and_stops_equal_without_drafts(models):
 def test_draft_models_that_cannot_draft_for_the_target_are_refused(models, tmp_path):
     path, _, base = models
     bigger = save_checkpoint(tiny_hf_model(3, vocab_size=320), tmp_path / "bigger")
-    for model, match in [(str(bigger), "more than the target's"), (str(tmp_path / "missing"), "")]:
+    for model, match in [(str(bigger), "more than the target's"),
+                         (str(tmp_path / "missing"), "^speculative config: draft model: model '.*missing' is neither a "
+                                                     "known alias")]:
         with pytest.raises(UserInputError, match=match):
             LLM.from_config(EngineConfig(model=path, page_size=4, speculative_config=_draft(model)), base)
     with pytest.raises(UserInputError, match='needs "model"'):
