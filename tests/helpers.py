@@ -546,17 +546,50 @@ def tiny_gemma4_assistant(seed: int, variant: str, ordered: bool = False, hidden
     return model
 
 
+def completion_rows(outs) -> list:
+    """Each completion's (token ids, finish reason, logprobs) of `LLM.generate`'s outputs."""
+    return [(c.token_ids, c.finish_reason, [(lp.token_id, lp.logprob) for lp in c.logprobs or []])
+            for o in outs for c in o.outputs]
+
+
+def run_rows(llm, prompts: list[str], params) -> list:
+    """`completion_rows` of `prompts` on `llm`, its KV integrity checked after."""
+    outs = llm.generate(prompts, params)
+    llm.engine.kv.check_integrity()
+    return completion_rows(outs)
+
+
 def generate_rows(path: str, base, options: dict, params, spec: dict | None, prompts: list[str]):
-    """An engine over `base`'s weights with `options` and `spec` (speculative config): each completion's
-    (token ids, finish reason, logprobs) for `prompts`, and the engine (its KV integrity checked)."""
+    """An engine over `base`'s weights with `options` and `spec` (speculative config): `run_rows` of `prompts`
+    on it, and the engine."""
     from gemmaserve import LLM
     from gemmaserve.config.engine import EngineConfig
 
     llm = LLM.from_config(EngineConfig(model=path, page_size=4, **options, speculative_config=spec), base)
+    return run_rows(llm, prompts, params), llm.engine
+
+
+def check_warm_rerun(llm, prompts: list[str], params, want: list, rows=completion_rows) -> None:
+    """`prompts` again on `llm`, whose one earlier run (of the same prompts, giving `rows` `want`) left its prefix
+    cache warm and its speculative counters: every prompt is served from the prefix cache up to its last token
+    (whole pages), the rows are `want` again, and the counters grow by exactly the first run's (the same drafts
+    made and accepted on the cached KV: a draft model's included)."""
+    import copy
+
+    engine = llm.engine
+    first, hits = copy.deepcopy(engine.scheduler.spec_stats), engine.kv.stats().prefix_hit_tokens
+    assert first.drafted > 0
     outs = llm.generate(prompts, params)
-    llm.engine.kv.check_integrity()
-    return [(c.token_ids, c.finish_reason, [(lp.token_id, lp.logprob) for lp in c.logprobs or []])
-            for o in outs for c in o.outputs], llm.engine
+    engine.kv.check_integrity()
+    assert rows(outs) == want
+    page = engine.kv.page_size
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached == [(len(o.prompt_token_ids) - 1) // page * page for o in outs], cached
+    assert engine.kv.stats().prefix_hit_tokens - hits == sum(cached)
+    st = engine.scheduler.spec_stats
+    assert ((st.steps, st.drafted, st.accepted, st.drafted_at, st.accepted_at)
+            == (2 * first.steps, 2 * first.drafted, 2 * first.accepted, [2 * n for n in first.drafted_at],
+                [2 * n for n in first.accepted_at])), (first, st)
 
 
 def paged_kv(model, backend: str, num_pages: int, page_size: int = 4):
