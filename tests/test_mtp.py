@@ -1,7 +1,7 @@
 """Gemma 4 MTP drafters (`--speculative-config '{"method": "mtp", "model": DIR, ...}'`): our drafter against
 transformers' Gemma4AssistantForCausalLM (logits) and the engine against transformers' assisted generation with it
-(tokens, every round's drafts), and the engine's output with drafts equal to one token per step in every cache
-mode."""
+(tokens, every round's drafts, with images, audio and video too), and the engine's output with drafts equal to one
+token per step in every cache mode."""
 
 from __future__ import annotations
 
@@ -292,6 +292,103 @@ def test_two_tensor_parallel_ranks_draft_what_transformers_drafts(pair, tmp_path
             assert o.outputs[0].token_ids == tokens and rounds[o.request_id] == theirs and len(theirs) > 8
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def media_pair(tmp_path_factory):
+    """An E2B-like target with image and audio towers whose text tower's post-norms (attention, feed-forward,
+    per-layer input) are scaled to 0.2, so that its next token leans on the current one, and a drafter that often
+    guesses it (twice the token's embedding passed through, the target's table as its head) while reading the
+    target's KV at full strength (the media's too: its drafts change with it); the engine over the target."""
+    from helpers import save_gemma4_audio_checkpoint, tiny_hf_gemma4_audio
+
+    target = tiny_hf_gemma4_audio(77)
+    text = target.model.language_model
+    h = text.config.hidden_size
+    drafter = tiny_gemma4_assistant(78, "e2b", hidden_size=h)
+    g = torch.Generator().manual_seed(77)
+    with torch.no_grad():
+        for name, p in text.named_parameters():
+            if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight",
+                              "post_per_layer_input_norm.weight")):
+                p.mul_(0.2)
+        mix = 0.3 * torch.randn(h, h, generator=g) / h ** 0.5
+        drafter.pre_projection.weight.copy_(torch.cat([2 * torch.eye(h), mix], 1))
+        drafter.model.embed_tokens.weight.copy_(text.embed_tokens.weight)
+        drafter.model.norm.weight.copy_(text.norm.weight)
+    drafter.tie_weights()
+    root = tmp_path_factory.mktemp("mtp_media")
+    path = save_gemma4_audio_checkpoint(target, root / "target")
+    drafter.save_pretrained(root / "drafter")
+    llm = LLM(str(path), dtype="float32", page_size=4, kv_cache_memory=16 << 20, max_num_batched_tokens=800)
+    return target, drafter, str(root / "drafter"), llm
+
+
+def _hf_media_inputs(ids: list[int], items) -> dict:
+    """transformers' Gemma4ForConditionalGeneration inputs for our prompt ids and media items (image patches and
+    positions, a video's frames, audio features and mask) and the token types that place them."""
+    import numpy as np
+
+    from helpers import AUD, IMG, VID
+
+    t = torch.tensor([ids])
+    types = torch.zeros_like(t)
+    inputs = {"input_ids": t, "mm_token_type_ids": types}
+
+    def stacked(kind: str, field: str) -> torch.Tensor:
+        return torch.from_numpy(np.stack([getattr(it, field) for it in items if it.modality.value == kind]))
+
+    kinds = {it.modality.value for it in items}
+    if "image" in kinds:
+        inputs.update(pixel_values=stacked("image", "data"), image_position_ids=stacked("image", "extra"))
+        types[t == IMG] = 1
+    if "video" in kinds:   # one video: its frames
+        frames = stacked("video", "data")
+        inputs.update(pixel_values_videos=frames, video_position_ids=stacked("video", "extra"),
+                      num_frames_per_video=torch.tensor([len(frames)]))
+        types[t == VID] = 2
+    if "audio" in kinds:
+        inputs.update(input_features=stacked("audio", "data"), input_features_mask=stacked("audio", "extra"))
+        types[t == AUD] = 3
+    return inputs
+
+
+def test_image_audio_and_video_requests_accept_the_drafts_transformers_makes(media_pair):
+    """Requests with an image, an audio clip and a video, beside a text one, in one batch with MTP drafts: each
+    one's greedy tokens equal the same request's without drafts and transformers' assisted generation given the
+    same prompt ids and media inputs (their preprocessing is checked against transformers' in test_gemma4_*), every
+    round drafts what transformers drafts after the same committed tokens (the drafter reads the target's KV over
+    the image, clip and frames), and each request accepts drafts."""
+    from pathlib import Path
+
+    import numpy as np
+    import soundfile
+    from PIL import Image
+
+    target, drafter, drafter_dir, llm = media_pair
+    rng = np.random.default_rng(4)
+    image = Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
+    frames = rng.integers(0, 256, (3, 30, 40, 3), dtype=np.uint8)
+    speech = soundfile.read(Path(__file__).parent / "data" / "speech_16k.wav", dtype="float32")[0][:16_000]
+    prompts = ["look <|image|> here", "hear <|audio|> again", "watch <|video|> now", "only text here"]
+    media = dict(images=[[image], None, None, None], audio=[None, [speech], None, None],
+                 videos=[None, None, [(frames, 4)], None])
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, **media)]
+    spec = LLM.from_config(llm.engine.config.replace(speculative_config=_mtp(drafter_dir)), llm)
+    spec.engine.scheduler.misses_before_pause = 1 << 30   # draft at every step, as transformers does
+    rounds = _verified_drafts(spec.engine)
+    outs = spec.generate(prompts, params, use_tqdm=False, **media)
+    spec.engine.kv.check_integrity()
+    for i, (o, tokens) in enumerate(zip(outs, want)):
+        ids, items = llm.engine.inputs.prepare(prompts[i], *(media[kind][i] for kind in ("images", "audio", "videos")))
+        assert ids == o.prompt_token_ids and {it.modality.value for it in items} == [{"image"}, {"audio"}, {"video"},
+                                                                                   set()][i]
+        theirs_tokens, theirs = _hf_assisted(target, drafter, _hf_media_inputs(ids, items), params.max_tokens)
+        c = o.outputs[0]
+        assert c.token_ids == tokens == theirs_tokens, prompts[i]
+        assert rounds[o.request_id] == theirs, prompts[i]
+        assert 0 < c.num_accepted_tokens == _accepted(theirs, tokens, len(ids)), (prompts[i], c.num_accepted_tokens)
 
 
 def test_config_and_checkpoint_errors_are_clear(pair, tmp_path):
