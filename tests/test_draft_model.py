@@ -11,7 +11,8 @@ from gemmaserve import LLM, SamplingParams
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.errors import UserInputError
 
-from helpers import check_grammar_cut, check_warm_rerun, generate_rows, run_rows, save_checkpoint, tiny_hf_model
+from helpers import (check_aborts_mid_speculation, check_grammar_cut, check_warm_rerun, generate_rows, run_rows,
+                     save_checkpoint, tiny_hf_model)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +104,19 @@ def test_a_preempted_request_rebuilds_the_draft_models_kv(models):
     st = engine.scheduler.spec_stats
     assert [done[i] for i in ids] == want and st.accepted == st.drafted > 0, st
     assert engine.scheduler.num_preemptions == 2
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_requests_aborted_with_drafts_in_flight_leave_the_others_and_the_counters_whole(models, async_scheduling):
+    """Requests aborted with drafts in flight (verified by the step just done, or in the step launched) and the
+    draft model's KV in their pages, beside requests that go on, with and without asynchronous scheduling:
+    check_aborts_mid_speculation."""
+    path, near, base = models
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in base.generate(PROMPTS, params)]
+    engine = LLM.from_config(EngineConfig(model=path, page_size=4, async_scheduling=async_scheduling,
+                                          speculative_config=_draft(near)), base).engine
+    check_aborts_mid_speculation(engine, PROMPTS, params, want)
 
 
 def test_sampling_with_seeds_and_stops_equal_without_drafts(models):

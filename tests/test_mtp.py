@@ -391,6 +391,20 @@ def test_image_audio_and_video_requests_accept_the_drafts_transformers_makes(med
         assert 0 < c.num_accepted_tokens == _accepted(theirs, tokens, len(ids)), (prompts[i], c.num_accepted_tokens)
 
 
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_requests_aborted_with_drafts_in_flight_leave_the_others_and_the_counters_whole(pair, async_scheduling):
+    """Requests aborted with MTP drafts in flight (made for their next step, or in the step launched), beside
+    requests that go on, with and without asynchronous scheduling: check_aborts_mid_speculation."""
+    from helpers import check_aborts_mid_speculation
+
+    _, _, path, drafter_dir, base = pair
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in base.generate(PROMPTS, params)]
+    engine = LLM.from_config(EngineConfig(model=path, page_size=4, async_scheduling=async_scheduling,
+                                          speculative_config=_mtp(drafter_dir)), base).engine
+    check_aborts_mid_speculation(engine, PROMPTS, params, want)
+
+
 def test_config_and_checkpoint_errors_are_clear(pair, tmp_path):
     _, _, path, drafter_dir, base = pair
     for bad, match in [({"method": "mtp", "num_speculative_tokens": 2}, 'needs "model"'),
