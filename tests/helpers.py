@@ -552,17 +552,50 @@ def tiny_gemma4_assistant(seed: int, variant: str, ordered: bool = False, hidden
     return model
 
 
+def completion_rows(outs) -> list:
+    """Each completion's (token ids, finish reason, logprobs) of `LLM.generate`'s outputs."""
+    return [(c.token_ids, c.finish_reason, [(lp.token_id, lp.logprob) for lp in c.logprobs or []])
+            for o in outs for c in o.outputs]
+
+
+def run_rows(llm, prompts: list[str], params) -> list:
+    """`completion_rows` of `prompts` on `llm`, its KV integrity checked after."""
+    outs = llm.generate(prompts, params)
+    llm.engine.kv.check_integrity()
+    return completion_rows(outs)
+
+
 def generate_rows(path: str, base, options: dict, params, spec: dict | None, prompts: list[str]):
-    """An engine over `base`'s weights with `options` and `spec` (speculative config): each completion's
-    (token ids, finish reason, logprobs) for `prompts`, and the engine (its KV integrity checked)."""
+    """An engine over `base`'s weights with `options` and `spec` (speculative config): `run_rows` of `prompts`
+    on it, and the engine."""
     from gemmaserve import LLM
     from gemmaserve.config.engine import EngineConfig
 
     llm = LLM.from_config(EngineConfig(model=path, page_size=4, **options, speculative_config=spec), base)
+    return run_rows(llm, prompts, params), llm.engine
+
+
+def check_warm_rerun(llm, prompts: list[str], params, want: list, rows=completion_rows) -> None:
+    """`prompts` again on `llm`, whose one earlier run (of the same prompts, giving `rows` `want`) left its prefix
+    cache warm and its speculative counters: every prompt is served from the prefix cache up to its last token
+    (whole pages), the rows are `want` again, and the counters grow by exactly the first run's (the same drafts
+    made and accepted on the cached KV: a draft model's included)."""
+    import copy
+
+    engine = llm.engine
+    first, hits = copy.deepcopy(engine.scheduler.spec_stats), engine.kv.stats().prefix_hit_tokens
+    assert first.drafted > 0
     outs = llm.generate(prompts, params)
-    llm.engine.kv.check_integrity()
-    return [(c.token_ids, c.finish_reason, [(lp.token_id, lp.logprob) for lp in c.logprobs or []])
-            for o in outs for c in o.outputs], llm.engine
+    engine.kv.check_integrity()
+    assert rows(outs) == want
+    page = engine.kv.page_size
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached == [(len(o.prompt_token_ids) - 1) // page * page for o in outs], cached
+    assert engine.kv.stats().prefix_hit_tokens - hits == sum(cached)
+    st = engine.scheduler.spec_stats
+    assert ((st.steps, st.drafted, st.accepted, st.drafted_at, st.accepted_at)
+            == (2 * first.steps, 2 * first.drafted, 2 * first.accepted, [2 * n for n in first.drafted_at],
+                [2 * n for n in first.accepted_at])), (first, st)
 
 
 def paged_kv(model, backend: str, num_pages: int, page_size: int = 4):
@@ -668,3 +701,78 @@ def scripted_logits(model, tokens: list[int]) -> list[int]:
     model.compute_logits = forced
     return calls
 
+
+
+def _pages_held(engine, seq_id: str, layers: range | None = None) -> set[int]:
+    """The KV pages a running request's block tables hold in `layers` (default: all of the pool's)."""
+    kv, out = engine.kv, set()
+    for g in range(len(kv.groups)):
+        _, rows = kv.block_table(seq_id, g)
+        cols = [c for layer, (group, c) in enumerate(kv.layer_slot)
+                if group == g and (layers is None or layer in layers)]
+        if rows and cols:
+            out.update(pages[c] for pages in kv.slot_rows(g, list(rows))[1] for c in cols)
+    return out
+
+
+def check_aborts_mid_speculation(engine, prompts: list[str], params, want: list[list[int]]) -> None:
+    """Aborts on a speculating `engine` (a draft model's or MTP's), in one batch with requests that go on: the first
+    and third of `prompts` each at the first step (from the 3rd, from the 6th) after which drafts are in flight for
+    it: in the step launched (asynchronous scheduling) or, a step at a time, verified by the step just done and, where
+    the drafter works after the step (MTP), made for the next one. At each abort its pages (its draft model's layers'
+    too) leave use at once and no running request holds them. At the end the others have their tokens of `want` (one
+    token per step), the aborted ones a prefix of theirs, every page is free or cached, the runner keeps nothing of
+    any request, and the speculative counters (/metrics) are the sum of the requests' own (usage, --json), the
+    aborted ones' included, with drafts accepted."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    victims = {ids[0]: 3, ids[2]: 6}   # request -> the first step after which it is aborted
+    drafter = engine.runner.drafter
+    first_draft_layer = getattr(drafter, "first_layer", None)   # a draft model's KV layers follow the target's
+    draft_layers = range(first_draft_layer, len(engine.kv.layer_slot)) if first_draft_layer is not None else None
+    last: dict[str, int] = {}   # request -> the drafts its last scheduled step carries
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        plan = schedule()
+        last.update((s.req_id, s.num_drafts) for s in plan.seqs)
+        return plan
+
+    engine.scheduler.schedule = recorded
+
+    def drafts_in_flight(rid: str) -> bool:
+        if engine._inflight is not None:
+            return any(s.req_id == rid and s.num_drafts for s in engine._inflight[0].seqs)
+        return last.get(rid, 0) > 0 and (not engine.scheduler.proposer.drafts_after_step
+                                         or bool(engine.request(rid).drafts))
+
+    final, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        steps += 1
+        for rid, at in victims.items():
+            if rid in final or steps < at or not drafts_in_flight(rid):
+                continue
+            held, used = _pages_held(engine, rid), engine.kv.stats().pages_used
+            assert len(held) == engine.kv.pages_held(rid)
+            assert draft_layers is None or _pages_held(engine, rid, draft_layers)   # it holds draft-model KV
+            for out in engine.abort_request(rid):
+                final[out.request_id] = out
+            engine.kv.check_integrity()
+            assert engine.kv.pages_held(rid) == 0 and engine.kv.stats().pages_used == used - len(held)
+            assert not held & set().union(*(_pages_held(engine, r.request_id) for r in engine.scheduler.running))
+    engine.step()   # an empty step: the runner hears of the last finished requests
+    assert [final[i].outputs[0].finish_reason for i in ids] == ["abort", "length", "abort", "length"]
+    for i, tokens in zip(ids, want):
+        got = final[i].outputs[0].token_ids
+        assert got == (tokens[:len(got)] if final[i].outputs[0].finish_reason == "abort" else tokens)
+    engine.kv.check_integrity()
+    st = engine.kv.stats()
+    assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
+    runner = engine.runner
+    assert not runner.sampling and not runner._last_sampled and not any(i in runner.tables for i in ids)
+    spec = engine.scheduler.spec_stats
+    assert spec.accepted > 0
+    assert sum(final[i].outputs[0].num_draft_tokens for i in ids) == spec.drafted == sum(spec.drafted_at)
+    assert sum(final[i].outputs[0].num_accepted_tokens for i in ids) == spec.accepted == sum(spec.accepted_at)

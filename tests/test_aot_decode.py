@@ -28,6 +28,24 @@ def _out(llm: LLM, prompts: list[str], params: SamplingParams = PARAMS) -> list:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
 
+def _package_runs(mp: pytest.MonkeyPatch, llm: LLM, key=lambda ids, md, graph: (len(ids), graph)) -> list:
+    """From now on (until `mp` undoes it), `key` of every decode step `llm`'s packages computed: its rows, its
+    metadata and the graph that took it (its static rows, None: the dynamic one). A step no package takes runs
+    eagerly (`run` gives None) and is not counted, so an engine that silently stays eager counts nothing."""
+    compiled = llm.engine.runner.compiled
+    assert isinstance(compiled, aot_decode.AotDecode), compiled
+    run, seen = compiled.run, []
+
+    def counted(ids, pos, md):
+        out = run(ids, pos, md)
+        if out is not None:
+            seen.append(key(ids, md, compiled._size_for(len(ids))))
+        return out
+
+    mp.setattr(compiled, "run", counted)
+    return seen
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """A tiny checkpoint whose packages a real background build made, the engine that switched to them
@@ -46,7 +64,7 @@ def built(tmp_path_factory):
         eager = LLM.from_config(llm.engine.config.replace(cpu_compile="off"), llm)
         engine = llm.engine
         assert engine.info.cpu_compile == "building" and engine.compiled_steps.build.process is not None
-        ran = []   # batch sizes the packages ran after the switch
+        ran, after = [], 0   # the packages' steps after the switch; engine steps after it
         long = SamplingParams(max_tokens=300, temperature=0, logprobs=1, ignore_eos=True)
         deadline = time.monotonic() + 900
         spanning = None
@@ -56,16 +74,16 @@ def built(tmp_path_factory):
             outputs, before = [], engine.info.cpu_compile
             while engine.has_unfinished_requests():
                 outputs += engine.step()
+                after += spanning is not None
                 if before == "building" and engine.info.cpu_compile == "ready" and spanning is None:
                     spanning = rid
-                    run = engine.runner.compiled.run
-                    engine.runner.compiled.run = lambda ids, pos, md: ran.append(len(ids)) or run(ids, pos, md)
+                    ran = _package_runs(mp, llm)
             assert engine.info.cpu_compile in ("building", "ready"), engine.info.cpu_compile
         final = [o for o in outputs if o.finished][-1].outputs[0]
         want = eager.generate(["the river valley is long " * 3], long)[0].outputs[0]
         store = engine.compiled_steps.store()
     # (the patches end here: no other engine of this module starts a build)
-    return dict(path=path, root=root, llm=llm, eager=eager, ran=ran, store=store,
+    return dict(path=path, root=root, llm=llm, eager=eager, ran=ran, after=after, store=store,
                 spanning=(final.token_ids, final.logprobs), want=(want.token_ids, want.logprobs))
 
 
@@ -73,17 +91,21 @@ def test_a_background_build_switches_between_steps_without_changing_tokens(built
     """The request running when the engine switched got the eager engine's tokens and logprobs, bit for
     bit, and its steps after the switch ran the packages."""
     assert built["spanning"] == built["want"]
-    assert built["ran"] and set(built["ran"]) == {1}
+    assert built["after"] > 0 and built["ran"] == [(1, 1)] * built["after"]   # every step after it: the 1-row graph
     manifest = json.loads((built["store"] / "manifest.json").read_text())
     assert set(manifest["graphs"]) == {"rows1", "rows8", "dynamic"}
     assert not built["store"].with_name(built["store"].name + ".lock").exists()   # the builder cleaned up
 
 
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 20])
-def test_packages_give_the_eager_steps_bits(built, n):
-    """The static graph of 1 row, the 8-row one and the dynamic one (every other batch)."""
+def test_packages_give_the_eager_steps_bits(built, n, monkeypatch):
+    """The static graph of 1 row, the 8-row one and the dynamic one (every other batch), for every decode step
+    (20 prompts: 16 at a time, max_num_seqs)."""
     prompts = [f"{w} " * (2 + i) for i, w in enumerate((WORDS * 2)[:n])]
+    runs = _package_runs(monkeypatch, built["llm"])
     assert _out(built["llm"], prompts) == _out(built["eager"], prompts)
+    assert sum(rows for rows, _ in runs) == (PARAMS.max_tokens - 1) * n, runs
+    assert {graph for _, graph in runs} == ({n} if n in (1, 8) else {None}), runs
 
 
 def test_a_later_engine_loads_the_packages_at_once(built, monkeypatch, caplog):
@@ -97,7 +119,9 @@ def test_a_later_engine_loads_the_packages_at_once(built, monkeypatch, caplog):
     assert llm.engine.info.cpu_compile == "ready" and llm.engine.runner.compiled.load_seconds < 5
     assert time.perf_counter() - start < 30
     assert "loaded from" in caplog.text
+    runs = _package_runs(monkeypatch, llm)
     assert _out(llm, ["hello world"]) == _out(built["eager"], ["hello world"])
+    assert runs == [(1, 1)] * (PARAMS.max_tokens - 1)
 
 
 def test_verification_steps_run_the_packages_and_keep_every_token(built, monkeypatch):
@@ -111,10 +135,7 @@ def test_verification_steps_run_the_packages_and_keep_every_token(built, monkeyp
     spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}
     llm = LLM.from_config(built["llm"].engine.config.replace(cpu_compile="on", speculative_config=spec), built["llm"])
     assert llm.engine.info.cpu_compile == "ready"
-    rows: list[tuple[int, int]] = []
-    run = llm.engine.runner.compiled.run
-    llm.engine.runner.compiled.run = lambda ids, pos, md: rows.append((len(ids), max(md.new_before or [0]))) or run(
-        ids, pos, md)
+    rows = _package_runs(monkeypatch, llm, lambda ids, md, graph: (len(ids), max(md.new_before or [0])))
     prompts = [f"{w} " * (3 + i) for i, w in enumerate(WORDS[:5])]
     params = SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True)
     want = built["eager"].generate(prompts, params)
@@ -153,6 +174,7 @@ def test_damaged_packages_are_dropped_and_said(built, monkeypatch, caplog, tmp_p
     llm = LLM.from_config(built["llm"].engine.config, built["llm"])   # (GEMMASERVE_BACKGROUND_COMPILE=0: no build)
     assert llm.engine.compiled_steps.store() == copy
     assert "do not load" in caplog.text and not copy.exists()
+    assert llm.engine.runner.compiled is None   # eager
     assert _out(llm, ["hello world"]) == _out(built["eager"], ["hello world"])
 
 

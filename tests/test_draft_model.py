@@ -11,7 +11,8 @@ from gemmaserve import LLM, SamplingParams
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.errors import UserInputError
 
-from helpers import generate_rows, save_checkpoint, tiny_hf_model, check_grammar_cut
+from helpers import (check_aborts_mid_speculation, check_grammar_cut, check_warm_rerun, generate_rows, run_rows,
+                     save_checkpoint, tiny_hf_model)
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +55,12 @@ def test_greedy_tokens_equal_without_drafts_in_every_cache_mode(models, mode):
     path, near, base = models
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref, _ = _generate(path, base, MODES[mode], params, None)
-    got, engine = _generate(path, base, MODES[mode], params, _draft(near))
-    assert got == ref
-    st = engine.scheduler.spec_stats
+    llm = LLM.from_config(EngineConfig(model=path, page_size=4, **MODES[mode], speculative_config=_draft(near)), base)
+    assert run_rows(llm, PROMPTS, params) == ref
+    st = llm.engine.scheduler.spec_stats
     assert 0 < st.accepted < st.drafted and st.accepted_at[2] > 0, st   # rejected, partly and wholly accepted
     if mode == "v2+scratch+prefix":   # warm: the draft model's KV comes back with the target's prefix hits
-        again, engine = _generate(path, base, MODES[mode], params, _draft(near))
-        assert again == ref and engine.scheduler.spec_stats.accepted == st.accepted
+        check_warm_rerun(llm, PROMPTS, params, ref)
 
 
 def test_the_target_as_its_own_draft_is_always_accepted(models):
@@ -106,6 +106,19 @@ def test_a_preempted_request_rebuilds_the_draft_models_kv(models):
     assert engine.scheduler.num_preemptions == 2
 
 
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_requests_aborted_with_drafts_in_flight_leave_the_others_and_the_counters_whole(models, async_scheduling):
+    """Requests aborted with drafts in flight (verified by the step just done, or in the step launched) and the
+    draft model's KV in their pages, beside requests that go on, with and without asynchronous scheduling:
+    check_aborts_mid_speculation."""
+    path, near, base = models
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in base.generate(PROMPTS, params)]
+    engine = LLM.from_config(EngineConfig(model=path, page_size=4, async_scheduling=async_scheduling,
+                                          speculative_config=_draft(near)), base).engine
+    check_aborts_mid_speculation(engine, PROMPTS, params, want)
+
+
 def test_sampling_with_seeds_and_stops_equal_without_drafts(models):
     path, near, base = models
     params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=3, logprobs=2, stop=["vu"],
@@ -118,7 +131,9 @@ def test_sampling_with_seeds_and_stops_equal_without_drafts(models):
 def test_draft_models_that_cannot_draft_for_the_target_are_refused(models, tmp_path):
     path, _, base = models
     bigger = save_checkpoint(tiny_hf_model(3, vocab_size=320), tmp_path / "bigger")
-    for model, match in [(str(bigger), "more than the target's"), (str(tmp_path / "missing"), "")]:
+    for model, match in [(str(bigger), "more than the target's"),
+                         (str(tmp_path / "missing"), "^speculative config: draft model: model '.*missing' is neither a "
+                                                     "known alias")]:
         with pytest.raises(UserInputError, match=match):
             LLM.from_config(EngineConfig(model=path, page_size=4, speculative_config=_draft(model)), base)
     with pytest.raises(UserInputError, match='needs "model"'):

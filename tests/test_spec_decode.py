@@ -18,7 +18,7 @@ from gemmaserve.engine.sampler import SamplingState
 from gemmaserve.engine.spec_decode import verify
 from gemmaserve.errors import UserInputError
 
-from helpers import fresh_seed, save_checkpoint, tiny_hf_model, check_grammar_cut
+from helpers import check_grammar_cut, check_warm_rerun, fresh_seed, save_checkpoint, tiny_hf_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "disable_by_batch_size": 64}
@@ -129,14 +129,18 @@ MODES = {
 }
 
 
+def _rows(outs) -> list:
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+             [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs or []]) for o in outs for c in o.outputs]
+
+
 def _run(path, base, opts, params, spec: bool, prompts=PROMPTS):
+    """The rows of `prompts` on a new engine with `opts` (KV integrity checked), and the LLM."""
     config = EngineConfig(model=path, page_size=4, **opts, speculative_config=dict(NGRAM) if spec else None)
     llm = LLM.from_config(config, base)
     outs = llm.generate(prompts, params)
     llm.engine.kv.check_integrity()
-    got = [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
-            [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs or []]) for o in outs for c in o.outputs]
-    return got, llm.engine
+    return _rows(outs), llm
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -144,8 +148,9 @@ def test_greedy_tokens_equal_without_speculation_in_every_cache_mode(tiny, mode)
     path, base = tiny
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref, _ = _run(path, base, MODES[mode], params, spec=False)
-    got, eng = _run(path, base, MODES[mode], params, spec=True)
+    got, llm = _run(path, base, MODES[mode], params, spec=True)
     assert got == ref
+    eng = llm.engine
     st = eng.scheduler.spec_stats
     assert st.accepted > 0 and st.accepted < st.drafted, st   # drafts both kept and rejected: both paths ran
     if mode == "preempting":
@@ -165,9 +170,8 @@ def test_greedy_tokens_equal_without_speculation_in_every_cache_mode(tiny, mode)
         assert f"gemmaserve_spec_decode_num_accepted_tokens_total {float(stats.accepted)}" in text
         assert (f'gemmaserve_spec_decode_num_draft_tokens_per_pos_total{{position="0"}} '
                 f"{float(stats.drafted_at[0])}") in text
-    if mode == "v2+scratch+prefix":   # warm: hits stay with speculation on
-        again, _ = _run(path, base, MODES[mode], params, spec=True)
-        assert again == ref
+    if mode == "v2+scratch+prefix":   # warm: the same tokens and drafts from prefix hits
+        check_warm_rerun(llm, PROMPTS, params, ref, _rows)
 
 
 SAMPLING = {
@@ -188,9 +192,9 @@ def test_sampling_stops_and_logprobs_equal_without_speculation(tiny, case):
         ref, _ = _run(path, base, {}, params.replace(ignore_eos=True), spec=False)
         params = params.replace(stop_token_ids=[ref[0][0][9]])
     ref, _ = _run(path, base, {}, params, spec=False)
-    got, eng = _run(path, base, {}, params, spec=True)
+    got, llm = _run(path, base, {}, params, spec=True)
     assert got == ref
-    assert eng.scheduler.spec_stats.drafted > 0
+    assert llm.engine.scheduler.spec_stats.drafted > 0
 
 
 def test_streams_structured_output_and_opt_out(tiny):

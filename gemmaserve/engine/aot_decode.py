@@ -225,14 +225,16 @@ def build(model: nn.Module, layout: DecodeLayout, key: dict, out: Path) -> None:
 class AotDecode:
     """The packages of one store directory, bound to a live model and KV layout."""
 
-    def __init__(self, model: nn.Module, layout: DecodeLayout, directory: Path, max_batch: int):
+    def __init__(self, model: nn.Module, layout: DecodeLayout, directory: Path, max_rows: int):
+        """`max_rows`: the most rows the engine's decode batches have (ModelRunner.max_decode_rows: verification
+        steps as decode rows included)."""
         from ..models import cpu_kernels   # the ops' C++ kernels (the packages call them by name)
 
         cpu_kernels.load()
         manifest = json.loads((directory / "manifest.json").read_text())
         live = tensor_paths(DecodeStep(model, layout))
         self.layout = layout
-        self.max_rows = min(MAX_ROWS, max_batch)
+        self.max_rows = min(MAX_ROWS, max_rows)
         self.graphs: dict[int | None, Any] = {}
         self.load_seconds = 0.0
         start = time.perf_counter()

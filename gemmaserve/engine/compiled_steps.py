@@ -107,7 +107,7 @@ class CompiledDecodeSteps:
         from . import aot_decode
 
         try:
-            compiled = aot_decode.AotDecode(self.model, layout, directory, self.config.max_num_seqs)
+            compiled = aot_decode.AotDecode(self.model, layout, directory, self.runner.max_decode_rows)
         except Exception as e:   # stale or damaged packages: build again
             log.warning("compiled decode steps in %s do not load (%s); building them again", directory, e)
             shutil.rmtree(directory, ignore_errors=True)

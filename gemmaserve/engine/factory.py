@@ -107,8 +107,11 @@ def draft_model(config: EngineConfig, target: LoadedModel, dtype: torch.dtype,
     from ..models.loader import load_model
 
     plan = getattr(target.model, "tensor_parallel_plan", None)
-    draft = load_model(spec.model, dtype, device, config.quantized_weights(device),
-                       shard=plan.shard if plan is not None else None)
+    try:
+        draft = load_model(spec.model, dtype, device, config.quantized_weights(device),
+                           shard=plan.shard if plan is not None else None)
+    except UserInputError as exc:   # the loader names the model, not which one of the two it is
+        raise UserInputError(f"speculative config: draft model: {exc}") from None
     ours, theirs = target.tokenizer, draft.tokenizer
     n = draft.model.vocab_size
     if n > target.model.vocab_size:

@@ -98,6 +98,9 @@ class ModelRunner:
         self._last_sampled: dict[str, tuple[torch.Tensor, int]] = {}   # request -> (ids of its last step, row)
         self._applied_step = -1
         self.media: dict[str, list[MediaItem]] = {}
+        # The most rows a decode batch given to graphs or compiled steps has: a verification step runs as one
+        # decode row per token.
+        self.max_decode_rows = max(max_batch, min(max_batch, speculative_batch) * (1 + speculative_tokens))
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.lora = RunnerLoRA(model, device, max_loras, max_lora_rank, max_cpu_loras) if max_loras else None
         self.graphs = None
@@ -105,14 +108,13 @@ class ModelRunner:
             from .cuda_graphs import DecodeGraphs
 
             extra = speculative_tokens + (drafter.lookback if drafter is not None else 0)
-            rows = max(max_batch, min(max_batch, speculative_batch) * (1 + speculative_tokens))
             self.graphs = DecodeGraphs(model, backend, self.kv_cache, layer_slot, groups, max_model_len,
-                                       layout.num_pages, rows, device, extra)
+                                       layout.num_pages, self.max_decode_rows, device, extra)
             self.graphs.capture_all()
         # Compiled decode steps (a CompiledDecode or an AotDecode: `run` gives a decode batch's logits, or
         # None to run it eagerly), set now or between steps by the engine (`use_compiled`).
         self.compiled = None
-        self._compile_args = (groups, layout.num_pages, max(1, max_batch), specs, layout.tokens_per_page)
+        self._compile_args = (groups, layout.num_pages, max(1, self.max_decode_rows), specs, layout.tokens_per_page)
         if cpu_compile != "off":
             self.compile_decode(required=cpu_compile == "required")
 
