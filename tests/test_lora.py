@@ -558,4 +558,5 @@ def test_bench_lora_runs_on_a_tiny_checkpoint(served, tmp_path, monkeypatch):
     assert [(r["adapters"], r["rank"]) for r in rows] == [(1, 4), (2, 4)]
     for r in rows:
         assert r["tok_s"] > 0 and r["base_tok_s"] > 0
-        assert abs(r["ratio"] - r["tok_s"] / r["base_tok_s"]) < 0.01
+        # (tok/s are rounded to 0.1: on a loaded machine a base of ~3 tok/s moves their quotient by up to ~0.05)
+        assert abs(r["ratio"] - r["tok_s"] / r["base_tok_s"]) <= 0.0005 + 0.05 * (1 + r["ratio"]) / r["base_tok_s"]
