@@ -5,7 +5,7 @@ The manager tests check what is kept (every block of full groups, only window ta
 KV-shared layers) and the copies each step carries. The engine tests run interleaved sessions whose prefixes do
 not all fit the device pool, on tiny random Gemma 3 and Gemma 4 (KV-shared) checkpoints: tokens, logprobs and top
 alternatives bit for bit with the tier on and off, more prompt tokens served from cache with it, and the KV
-manager's integrity after every step.
+manager's integrity after every step; and the tier beside n-gram speculation, a LoRA adapter and an fp8 KV cache.
 """
 
 import pytest
@@ -149,17 +149,18 @@ def _sessions(turns: int, sessions: int, prefix: int, vocab: int, seed: int) -> 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
 
 
-def _interleaved(llm: LLM, sessions, params: SamplingParams = PARAMS, check_every_step: bool = False
-                 ) -> tuple[list[tuple[list[int], list | None]], list[int]]:
-    """Turn t of every session, then turn t + 1 of every session (each continuing from its own answer); returns
-    every answer's tokens and logprobs, and the prompt tokens each was served from cache."""
+def _interleaved(llm: LLM, sessions, params: SamplingParams = PARAMS, check_every_step: bool = False,
+                 loras: list | None = None) -> tuple[list[tuple[list[int], list | None]], list[int]]:
+    """Turn t of every session, then turn t + 1 of every session (each continuing from its own answer, session s
+    under adapter loras[s]); returns every answer's tokens and logprobs, and the prompt tokens each was served
+    from cache."""
     history = [[] for _ in sessions]
     answers, cached = [], []
     for t in range(len(sessions[0])):
         for s, prompts in enumerate(sessions):
             prompt = prompts[t] if t == 0 else history[s] + prompts[t][len(prompts[t - 1]):]
             engine = llm.engine
-            rid = engine.add_request("", params, prompt_ids=prompt)
+            rid = engine.add_request("", params, prompt_ids=prompt, lora=loras[s] if loras else None)
             out = None
             while engine.has_unfinished_requests():
                 for o in engine.step():
@@ -185,12 +186,13 @@ def gemma3(tmp_path_factory):
     return hf, path, base, _sessions(turns=3, sessions=3, prefix=120, vocab=hf.config.vocab_size, seed=seed)
 
 
-def _tight(path: str, base: LLM) -> dict:
-    """Engine options whose device pool holds about one session (260 tokens' pages): the other sessions' prefixes
-    are evicted between their turns."""
-    per_token = base.engine.kv.pages_at(200) * base.engine.kv.page_bytes // 200
-    return dict(model=path, kv_cache_manager="v2", page_size=4, kv_cache_memory=per_token * 260,
-                max_num_batched_tokens=64)
+def _tight(path: str, base: LLM, **extra) -> dict:
+    """Engine options `extra` and a device pool that holds about one session (260 tokens' pages, in the KV dtype
+    they set): the other sessions' prefixes are evicted between their turns."""
+    common = dict(model=path, kv_cache_manager="v2", page_size=4, **extra)
+    kv = (LLM.from_config(EngineConfig(**common), base) if "kv_cache_dtype" in extra else base).engine.kv
+    per_token = kv.pages_at(200) * kv.page_bytes // 200
+    return dict(common, kv_cache_memory=per_token * 260, max_num_batched_tokens=64)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4-e2b"])
@@ -229,6 +231,33 @@ def test_interleaved_sessions_same_tokens_with_the_tier(request, tmp_path, famil
         assert tiered_llm.engine.info.kv_offload_bytes == st.num_pages * st.page_bytes > 0
     off = LLM.from_config(EngineConfig(**opts, enable_prefix_caching=False), base)
     assert _interleaved(off, sessions)[0] == plain
+
+
+def test_the_tier_with_speculation_an_adapter_and_fp8_kv(gemma3, tmp_path):
+    """The tier beside n-gram speculation, a LoRA adapter and an fp8 KV cache (its pages copied as bytes), all at
+    once: every token, logprob and top alternative is the same engine's without the tier, and every returning
+    turn loads its prefix from the tier (the same engine without it recomputes most of it). Sessions 0 and 1 run
+    under the adapter; session 2 repeats session 0's prompts without it, after session 0's blocks went to the
+    tier: it never reads them (their keys are salted with the adapter)."""
+    from test_lora import _adapter
+
+    hf, path, base, sessions = gemma3
+    _adapter(hf, tmp_path / "a", fresh_seed())
+    sessions = [sessions[0], sessions[1], [list(p) for p in sessions[0]]]
+    loras = ["a", "a", None]
+    opts = _tight(path, base, kv_cache_dtype="fp8", lora_modules={"a": str(tmp_path / "a")},
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    plain, plain_cached = _interleaved(LLM.from_config(EngineConfig(**opts), base), sessions, loras=loras)
+    tiered_llm = LLM.from_config(EngineConfig(**opts, kv_offload_memory=4 << 20), base)
+    tiered, tiered_cached = _interleaved(tiered_llm, sessions, check_every_step=True, loras=loras)
+    assert tiered == plain
+    engine = tiered_llm.engine
+    assert engine.info.kv_cache_dtype == "float8_e4m3fn" and engine.kv.tier.stats().loaded_blocks > 0
+    returning = range(len(sessions), len(tiered_cached))   # turns 2 and 3 of every session
+    assert all(tiered_cached[i] >= 100 > plain_cached[i] for i in returning), (tiered_cached, plain_cached)
+    assert tiered_cached[2] == 0 and tiered[2][0] != tiered[0][0]   # session 0's first prompt, not its blocks
+    st = engine.scheduler.spec_stats
+    assert st.accepted > 0 and st.drafted > st.accepted, st
 
 
 def test_two_ranks_keep_their_own_shards_in_the_tier(tmp_path):
