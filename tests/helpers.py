@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
@@ -378,15 +379,17 @@ def assert_image_prompt_matches(ids: list[int], items, ref, types_key: str) -> N
     np.testing.assert_allclose(np.stack([it.data for it in items]), ref["pixel_values"], atol=1e-6, rtol=0)
 
 
-def hf_vision_processor(path: Path, family: str):
+def hf_vision_processor(path: Path, family: str, monkeypatch=None, max_frames: int = 32):
     """transformers' own processor for a tiny vision checkpoint saved above (its tokenizer.json, the image
     specials named as Gemma's tokenizers name them), built offline: the reference for how a prompt's image
-    placeholders expand (begin/end tokens, soft-token counts, separators) and for the pixels."""
+    placeholders expand (begin/end tokens, soft-token counts, separators) and for the pixels. "gemma4_video": the
+    whole Gemma4Processor with its video processor (sampling at most `max_frames`), which needs `monkeypatch`
+    (`hf_gemma4_video_processor`)."""
     from transformers import PreTrainedTokenizerFast
 
     specials = GEMMA3_IMAGE_SPECIALS if family == "gemma3" else GEMMA4_IMAGE_SPECIALS
     extra = dict(zip(("boi_token", "eoi_token", "image_token"), specials))
-    if family == "gemma4":   # Gemma4Processor checks these exist even for images alone
+    if family in ("gemma4", "gemma4_video"):   # Gemma4Processor checks these exist even for images alone
         extra.update(boa_token="<|audio>", eoa_token="<audio|>")
     if family == "gemma4_audio":
         extra.update(zip(("boa_token", "eoa_token", "audio_token"), GEMMA4_AUDIO_SPECIALS))
@@ -419,9 +422,84 @@ def hf_vision_processor(path: Path, family: str):
     if family == "gemma4_audio":
         return _gemma4_audio_processor(tok)
     tower = GEMMA4_VISION_TOWER
+    if family == "gemma4_video":
+        from transformers import Gemma4AudioFeatureExtractor
+
+        images = Gemma4ImageProcessorPil(patch_size=tower["patch_size"], max_soft_tokens=GEMMA4_SOFT_TOKENS,
+                                         pooling_kernel_size=tower["pooling_kernel_size"])
+        videos = hf_gemma4_video_processor(monkeypatch)(patch_size=tower["patch_size"], max_soft_tokens=70,
+                                                        pooling_kernel_size=tower["pooling_kernel_size"],
+                                                        num_frames=max_frames)
+
+        class Gemma4ProcessorWithVideo(Gemma4Processor):
+            def check_argument_for_proper_class(self, name, argument):   # (the video class table needs torchvision)
+                return type(argument) if name == "video_processor" else super().check_argument_for_proper_class(
+                    name, argument)
+
+        return Gemma4ProcessorWithVideo(Gemma4AudioFeatureExtractor(), images, tok, videos,
+                                        image_seq_length=GEMMA4_SOFT_TOKENS)
     images = Gemma4ImageProcessorPil(patch_size=tower["patch_size"], max_soft_tokens=GEMMA4_SOFT_TOKENS,
                                      pooling_kernel_size=tower["pooling_kernel_size"])
     return Gemma4ImageProcessor(images, tok, GEMMA4_SOFT_TOKENS)
+
+
+class TorchvisionStandIn:
+    """What transformers' Gemma4VideoProcessor and its base classes call of torchvision.transforms.v2.functional
+    (`tvF`), as torchvision 0.28 computes it for their inputs, for a machine where torchvision does not import
+    (its PyPI wheels are CUDA builds, which do not load beside the CPU torch). resize: a uint8 tensor resized
+    bicubic with antialiasing by torch's own kernel on the bytes (torchvision's `resize_image` keeps uint8 for
+    bicubic on the CPU), a float one likewise; normalize: (x - mean) / std in x's dtype. Checked once against
+    torchvision 0.28's own functions (its C++ ops aside, which these do not use) on every clip of
+    test_gemma4_video.py: the same bytes."""
+
+    class InterpolationMode(enum.Enum):
+        NEAREST = "nearest"
+        BILINEAR = "bilinear"
+        BICUBIC = "bicubic"
+
+    @staticmethod
+    def resize(image: torch.Tensor, size: list[int], interpolation=None, max_size=None,
+               antialias: bool = True) -> torch.Tensor:
+        bicubic = TorchvisionStandIn.InterpolationMode.BICUBIC
+        if interpolation not in (bicubic, 3) or max_size is not None or len(size) != 2:   # 3: PIL's BICUBIC
+            raise NotImplementedError(f"the stand-in resizes bicubic to [height, width] only, not {interpolation}")
+        c, h, w = image.shape[-3:]
+        if (h, w) == tuple(size):
+            return image
+        out = torch.nn.functional.interpolate(image.reshape(-1, c, h, w), size=list(size), mode="bicubic",
+                                              align_corners=False, antialias=antialias)
+        return out.reshape(*image.shape[:-2], *size)
+
+    @staticmethod
+    def normalize(image: torch.Tensor, mean, std, inplace: bool = False) -> torch.Tensor:
+        mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
+        std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
+        return (image.sub_(mean) if inplace else image.sub(mean)).div_(std)
+
+    @staticmethod
+    def grayscale_to_rgb(image: torch.Tensor) -> torch.Tensor:
+        return image if image.shape[-3] >= 3 else image.repeat_interleave(3, dim=-3)
+
+
+def hf_gemma4_video_processor(monkeypatch):
+    """transformers' Gemma4VideoProcessor class, its module run with `tvF` bound to `TorchvisionStandIn` (and
+    the base classes' modules given it through `monkeypatch`): frame sampling, target sizes, rescaling,
+    patches, positions, padding and soft-token counts are transformers' own code; only torchvision's resize
+    and normalize kernels are the stand-in's."""
+    import importlib.util
+
+    import transformers.image_processing_backends as backends
+    import transformers.video_processing_utils as video_utils
+
+    for module in (backends, video_utils):
+        if not hasattr(module, "tvF"):   # (where torchvision imports, its own functions run)
+            monkeypatch.setattr(module, "tvF", TorchvisionStandIn, raising=False)
+    spec = importlib.util.find_spec("transformers.models.gemma4.video_processing_gemma4")
+    module = importlib.util.module_from_spec(spec)
+    module.tvF = TorchvisionStandIn   # (its own import of torchvision is skipped where torchvision is missing)
+    monkeypatch.setitem(sys.modules, spec.name, module)   # its docstring decorator looks its source file up
+    spec.loader.exec_module(module)
+    return module.Gemma4VideoProcessor
 
 
 def assert_server_kv_clean(background_server, timeout: float = 60.0) -> None:

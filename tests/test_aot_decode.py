@@ -3,6 +3,7 @@ while the engine steps eagerly, switched to between two steps without changing a
 tokens, kept in the cache directory and loaded in well under a second by later engines; a package
 gives the eager step's logits bit for bit at every batch size it takes."""
 
+import copy
 import json
 import logging
 import time
@@ -52,9 +53,9 @@ def built(tmp_path_factory):
     mid-request, and what that request generated (against an eager engine's)."""
     root = tmp_path_factory.mktemp("aot")
     # 3 layers (a sliding and a full kind): a smaller graph to compile, ~3x faster than the usual 7
-    path = save_checkpoint(tiny_hf_model(7, vocab_size=320, sliding_window=6, num_hidden_layers=3,
-                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-                           root / "tiny")
+    hf = tiny_hf_model(7, vocab_size=320, sliding_window=6, num_hidden_layers=3,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    path = save_checkpoint(hf, root / "tiny")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GEMMASERVE_CACHE_DIR", str(root / "cache"))
         mp.setenv("GEMMASERVE_BACKGROUND_COMPILE", "1")
@@ -83,7 +84,7 @@ def built(tmp_path_factory):
         want = eager.generate(["the river valley is long " * 3], long)[0].outputs[0]
         store = engine.compiled_steps.store()
     # (the patches end here: no other engine of this module starts a build)
-    return dict(path=path, root=root, llm=llm, eager=eager, ran=ran, after=after, store=store,
+    return dict(path=path, root=root, hf=hf, llm=llm, eager=eager, ran=ran, after=after, store=store,
                 spanning=(final.token_ids, final.logprobs), want=(want.token_ids, want.logprobs))
 
 
@@ -147,6 +148,66 @@ def test_verification_steps_run_the_packages_and_keep_every_token(built, monkeyp
     st = sched.spec_stats
     assert 0 < st.accepted < st.drafted and st.accepted_at[3] > 0, st
     assert (25, 4) in rows   # 5 sequences of 5 rows: the dynamic graph
+
+
+def test_adapter_rows_run_eagerly_beside_compiled_base_steps(built, monkeypatch, tmp_path):
+    """cpu_compile auto with the packages in the cache and a LoRA adapter (the packages hold the base model only):
+    requests with the adapter get PEFT's greedy tokens, not the base's, alone and in one batch with base requests;
+    base requests get the eager engine's tokens and logprobs; a step with adapter rows runs eagerly, and every
+    decode step of base rows alone runs the packages."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(built["root"] / "cache"))
+    monkeypatch.setattr(EngineConfig, "cpu_compile_mode", lambda self, device, quantized: "background")
+    monkeypatch.setattr(BuildJob, "start", lambda *a: pytest.fail("a background build started"))
+    hf = built["hf"]
+    torch.manual_seed(11)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(copy.deepcopy(hf), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                              init_lora_weights=False)).eval()
+    peft_model.save_pretrained(tmp_path / "a")
+    config = built["llm"].engine.config
+    assert config.cpu_compile == "auto"
+    llm = LLM.from_config(config.replace(lora_modules={"a": str(tmp_path / "a")}), built["llm"])
+    runner = llm.engine.runner
+    assert llm.engine.info.cpu_compile == "ready"
+    steps: list[tuple[bool, bool, bool]] = []   # per forward: adapter rows?, decode only?, ran the packages?
+    packaged = _package_runs(monkeypatch, llm)   # the decode steps the packages computed
+    run_model = runner.run_model
+
+    def watched(seqs, *args, **kwargs):
+        before = len(packaged)
+        out = run_model(seqs, *args, **kwargs)
+        steps.append((any(s.lora_slot >= 0 for s in seqs), all(s.num_new_tokens == 1 for s in seqs),
+                      len(packaged) > before))
+        return out
+
+    runner.run_model = watched
+    prompts = [f"{w} " * (3 + i) for i, w in enumerate(WORDS[:4])]
+    names = ["a", None, "a", None]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
+
+    def out(o):
+        return o.outputs[0].token_ids, o.outputs[0].logprobs
+
+    alone = [out(llm.generate([p], params, lora=n)[0]) for p, n in zip(prompts, names)]
+    mixed = [out(o) for o in llm.generate(prompts, params, lora=names)]
+    assert mixed == alone
+    base = [out(o) for o in built["eager"].generate(prompts, params)]
+    for p, n, (tokens, logprobs), want in zip(prompts, names, alone, base):
+        if n is None:
+            assert (tokens, logprobs) == want
+            continue
+        ids = llm.tokenizer.encode(p)
+        with torch.no_grad():
+            peft_tokens = peft_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                              eos_token_id=[])[0, len(ids):].tolist()
+        assert tokens == peft_tokens and tokens != want[0], (p, tokens, want[0])
+    assert not any(ran for lora, _, ran in steps if lora), steps
+    base_decode = [ran for lora, decode, ran in steps if decode and not lora]
+    assert base_decode and all(base_decode), steps
+    assert any(lora and decode for lora, decode, _ in steps)   # adapter decode steps were there to run eagerly
 
 
 def test_other_options_have_other_packages(built, monkeypatch):

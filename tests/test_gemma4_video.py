@@ -1,12 +1,13 @@
 """Gemma 4 video against transformers on tiny random checkpoints (31B-like: a frame's tokens see each other on
-sliding layers; E2B-like: causal): frames decoded by PyAV and sampled as transformers samples them, stamped
-"mm:ss" in transformers' prompt layout, logits at every prompt position and greedy tokens equal to its model
-given the same frames, through LLM, the CLI and the server."""
+sliding layers; E2B-like: causal): frames decoded by PyAV, sampled, resized, rescaled and stamped "mm:ss" as
+transformers' Gemma4Processor does it (its own PyAV loader, sampling and prompt layout, its video processor with
+torchvision's two kernels stood in for: helpers.py), for clips of 2 s to 65 s; logits at every prompt position
+and greedy tokens equal to its model given its processor's output, through LLM, the CLI and the server."""
 
 import base64
 import copy
 import io
-from types import SimpleNamespace
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.engine.video import VideoLimits, decode_video_bytes
 
-from helpers import (BOI, EOI, VID, GEMMA4_VISION_VARIANTS as VARIANTS, chunked_prompt_logits,
+from helpers import (BOI, EOI, GEMMA4_VISION_VARIANTS as VARIANTS, chunked_prompt_logits, hf_vision_processor,
                      save_gemma4_vision_checkpoint, tiny_hf_gemma4_vision)
 
 
@@ -48,82 +49,95 @@ def setup(request, tmp_path_factory):
     return request.param, hf, path, llm
 
 
-def _reference_prompt(prompt: str, frames: int, tokens: int, total: int, fps: float, max_frames: int) -> str:
-    """transformers' own sampling (default_sample_indices_fn) and prompt layout (Gemma4Processor.replace_video_token)."""
-    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
-    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
-
-    meta = VideoMetadata(total_num_frames=total, fps=fps)
-    meta.frames_indices = default_sample_indices_fn(meta, num_frames=min(max_frames, total))
-    assert len(meta.frames_indices) == frames
-    names = SimpleNamespace(boi_token="<|image>", eoi_token="<image|>", video_token="<|video|>")
-    text = Gemma4Processor.replace_video_token(names, {"num_soft_tokens_per_video": [tokens],
-                                                       "video_metadata": [meta]}, 0)
-    return prompt.replace("<|video|>", text, 1)
-
-
-def _hf_logits(hf, ids, items):
-    """transformers' logits in float64: the reference at higher precision (ours run in fp32; fp32 transformers
-    is as far from the float64 logits as ours are, 3e-4 here)."""
+def _hf_logits(hf, ref):
+    """transformers' logits in float64 for its processor's output `ref`: the reference at higher precision (ours run
+    in fp32; fp32 transformers is as far from the float64 logits as ours are, 3e-4 here)."""
     hf = copy.deepcopy(hf).double()
-    ids_t = torch.tensor([ids])
-    types = torch.zeros_like(ids_t)
-    types[ids_t == VID] = 2
     with torch.no_grad():
-        return hf(input_ids=ids_t, pixel_values_videos=torch.from_numpy(np.stack([it.data for it in items])).double(),
-                  video_position_ids=torch.from_numpy(np.stack([it.extra for it in items])),
-                  num_frames_per_video=torch.tensor([len(items)]), mm_token_type_ids=types).logits[0]
+        return hf(input_ids=torch.from_numpy(ref["input_ids"]),
+                  pixel_values_videos=torch.from_numpy(ref["pixel_values_videos"]).double(),
+                  video_position_ids=torch.from_numpy(ref["video_position_ids"]),
+                  num_frames_per_video=torch.from_numpy(ref["num_frames_per_video"]),
+                  mm_token_type_ids=torch.from_numpy(ref["mm_token_type_ids"])).logits[0]
 
 
-def test_frames_are_sampled_stamped_and_placed_as_transformers_does(setup):
-    """10 frames at 5 fps, 4 sampled: frames 0, 2, 5, 7 at 00:00, 00:00, 00:01, 00:01 (transformers' uniform
-    sampling and stamps), decoded exactly (lossless), each a frame of the video token in transformers' layout; a
-    frame already at its target size gives transformers' own patches and positions."""
-    _, _, _, llm = setup
-    data, pics = _video()
-    video = decode_video_bytes(data, VideoLimits(max_frames=4))
-    assert np.array_equal(video.frames, pics[[0, 2, 5, 7]]) and video.stamps() == ["00:00", "00:00", "00:01", "00:01"]
+def _hf_processed(path, monkeypatch, prompt: str, data: bytes, pics: np.ndarray, fps: float, codec: str,
+                  max_frames: int, tmp_path):
+    """transformers' Gemma4Processor on the clip: an MP4 read and sampled by its own PyAV loader, a Matroska (FFV1)
+    clip, whose header gives that loader no frame count, as all its (losslessly decoded) frames and their rate for
+    its video processor to sample. Its output, and the "mm:ss" stamps its prompt gives the frames."""
+    from functools import partial
+
+    from transformers.video_utils import VideoMetadata, load_video
+
+    n = min(max_frames, len(pics))   # (transformers refuses to sample more frames than a clip has; ours takes all)
+    proc = hf_vision_processor(path, "gemma4_video", monkeypatch, n)
+    if codec == "ffv1":
+        video, meta, sample = pics, VideoMetadata(total_num_frames=len(pics), fps=float(fps)), True
+    else:
+        (tmp_path / "clip.mp4").write_bytes(data)
+        video, meta = load_video(str(tmp_path / "clip.mp4"), backend="pyav",
+                                 sample_indices_fn=partial(proc.video_processor.sample_frames, num_frames=n))
+        sample = False
+    ref = proc(text=[prompt], videos=[video], video_metadata=[meta], do_sample_frames=sample, return_tensors="np")
+    ref["num_frames_per_video"] = np.asarray(ref["num_frames_per_video"])
+    return ref, re.findall(r"(\d\d:\d\d) <\|image>", proc.tokenizer.decode(ref["input_ids"][0]))
+
+
+# name: (frames, fps, size, codec, frames sampled, the last one's stamp): 2 s upscaled, 10 s downscaled from
+# 120 x 160, 65 s whose stamps pass a minute
+CLIPS = {"short": (10, 5, (48, 64), "ffv1", 4, "00:01"), "seconds": (40, 4, (120, 160), "mpeg4", 8, "00:08"),
+         "minute": (130, 2, (240, 320), "mpeg4", 32, "01:02")}
+
+
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+def test_frames_pixels_and_stamps_equal_transformers_processor(setup, clip, monkeypatch, tmp_path):
+    """transformers' Gemma4Processor and its video processor given the same clip (helpers.hf_gemma4_video_processor:
+    transformers' code throughout but torchvision's resize and normalize kernels): the same frames sampled, the
+    same pixel values bit for bit (resized to the target size, rescaled, patched, padded), positions and token
+    types, and the same prompt ids (each frame's "mm:ss" stamp, its begin, soft and end tokens)."""
+    name, _, path, llm = setup
+    if name != "e2b":
+        pytest.skip("the variants' processors are the same")
+    frames, fps, size, codec, sampled, last = CLIPS[clip]
+    data, pics = _video(frames, fps, size, seed=frames, codec=codec)
     prompt = "what happens in <|video|> here"
-    ids, items = llm.engine.inputs.prepare(prompt, videos=[data], video_limits=VideoLimits(max_frames=4))
-    n = items[0].length
-    assert [it.length for it in items] == [n] * 4 and all(it.modality.value == "video" for it in items)
-    assert ids == llm.tokenizer.encode(_reference_prompt(prompt, 4, n, 10, 5.0, 4))
-    assert all(ids[it.start - 1] == BOI and ids[it.end] == EOI for it in items)
-
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-    from PIL import Image
-
-    proc = llm.engine.inputs.layouts[items[0].modality].processor
-    frame = np.random.default_rng(1).integers(0, 256, (96, 96, 3), dtype=np.uint8)   # its target size: no resize
-    ours = proc(frame)
-    want = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)([Image.fromarray(frame)],
-                                                                                            return_tensors="np")
-    assert proc.target_size(96, 96) == (96, 96)
-    np.testing.assert_array_equal(ours.data, want["pixel_values"][0])
-    np.testing.assert_array_equal(ours.extra, want["image_position_ids"][0])
+    limits = VideoLimits(max_frames=sampled)
+    ids, items = llm.engine.inputs.prepare(prompt, videos=[data], video_limits=limits)
+    ref, stamps = _hf_processed(path, monkeypatch, prompt, data, pics, fps, codec, sampled, tmp_path)
+    assert len(items) == sampled and stamps[-1] == last and decode_video_bytes(data, limits).stamps() == stamps
+    assert ids == ref["input_ids"][0].tolist()
+    types = np.zeros(len(ids), dtype=np.int64)
+    for it in items:
+        assert ids[it.start - 1] == BOI and ids[it.end] == EOI
+        types[it.start:it.end] = 2
+    np.testing.assert_array_equal(ref["mm_token_type_ids"][0], types)
+    np.testing.assert_array_equal(np.stack([it.data for it in items]), ref["pixel_values_videos"])
+    np.testing.assert_array_equal(np.stack([it.extra for it in items]), ref["video_position_ids"])
+    if clip == "short":   # lossless: the frames decoded are the frames encoded, sampled as transformers samples
+        assert np.array_equal(decode_video_bytes(data, limits).frames, pics[[0, 2, 5, 7]])
 
 
-def test_logits_and_greedy_tokens_equal_transformers(setup):
+def test_logits_and_greedy_tokens_equal_transformers(setup, monkeypatch, tmp_path):
     """Logits at every position (one chunk, and chunks that stop before frames) and greedy tokens, alone and
-    batched with text and an image request, equal transformers' given the same frames."""
-    name, hf, _, llm = setup
-    data, _ = _video(frames=7, fps=2, seed=3)
+    batched with text and an image request, equal transformers' given its own processor's prompt and pixels."""
+    name, hf, path, llm = setup
+    data, pics = _video(frames=7, fps=2, seed=3)
     prompt = "clip: <|video|> say"
     ids, items = llm.engine.inputs.prepare(prompt, videos=[data])
     assert len(items) == 7
-    want = _hf_logits(hf, ids, items)
+    ref, _ = _hf_processed(path, monkeypatch, prompt, data, pics, 2, "ffv1", 32, tmp_path)
+    assert ids == ref["input_ids"][0].tolist()
+    want = _hf_logits(hf, ref)
     for chunk in (len(ids), items[0].length + 5):
         got = chunked_prompt_logits(llm.engine.model, ids, items, chunk)
         err = (got - want).abs().max().item()
         assert err < 2e-4 * max(1.0, want.abs().max().item()), (name, chunk, err)
-    ids_t = torch.tensor([ids])
-    types = torch.zeros_like(ids_t)
-    types[ids_t == VID] = 2
     with torch.no_grad():
-        ref = hf.generate(input_ids=ids_t, pixel_values_videos=torch.from_numpy(np.stack([it.data for it in items])),
-                          video_position_ids=torch.from_numpy(np.stack([it.extra for it in items])),
-                          num_frames_per_video=torch.tensor([7]), mm_token_type_ids=types,
-                          attention_mask=torch.ones_like(ids_t), max_new_tokens=5, do_sample=False, pad_token_id=0,
+        names = ("input_ids", "pixel_values_videos", "video_position_ids", "num_frames_per_video", "mm_token_type_ids",
+                 "attention_mask")
+        tensors = {k: torch.from_numpy(ref[k]) for k in names}
+        ref = hf.generate(**tensors, max_new_tokens=5, do_sample=False, pad_token_id=0,
                           eos_token_id=[])[0, len(ids):].tolist()
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     outs = llm.generate([prompt, "plain text", prompt], params, videos=[[data], None, [data]], use_tqdm=False)

@@ -1,11 +1,11 @@
 """The host-memory KV tier (`--kv-offload-memory`): what the device's prefix cache evicts is kept in host memory
-and copied back on a hit, through the step description (kv/connector.py), with the same greedy output as
-recomputing it.
+and copied back on a hit, through the step description (kv/connector.py), with the same output as recomputing it.
 
 The manager tests check what is kept (every block of full groups, only window tails of sliding groups, nothing of
 KV-shared layers) and the copies each step carries. The engine tests run interleaved sessions whose prefixes do
-not all fit the device pool, on tiny random Gemma 3 and Gemma 4 (KV-shared) checkpoints: tokens equal with the
-tier on and off, more prompt tokens served from cache with it, and the KV manager's integrity after every step.
+not all fit the device pool, on tiny random Gemma 3 and Gemma 4 (KV-shared) checkpoints: tokens, logprobs and top
+alternatives bit for bit with the tier on and off, more prompt tokens served from cache with it, and the KV
+manager's integrity after every step; and the tier beside n-gram speculation, a LoRA adapter and an fp8 KV cache.
 """
 
 import pytest
@@ -145,17 +145,22 @@ def _sessions(turns: int, sessions: int, prefix: int, vocab: int, seed: int) -> 
     return out
 
 
-def _interleaved(llm: LLM, sessions, max_tokens: int, check_every_step: bool = False) -> tuple[list[list[int]], int]:
-    """Turn t of every session, then turn t + 1 of every session (each continuing from its own answer);
-    returns the tokens of every answer and the prompt tokens served from cache."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+# 12 tokens an answer, each with its logprob and top 3 alternatives: compared bit for bit
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def _interleaved(llm: LLM, sessions, params: SamplingParams = PARAMS, check_every_step: bool = False,
+                 loras: list | None = None) -> tuple[list[tuple[list[int], list | None]], list[int]]:
+    """Turn t of every session, then turn t + 1 of every session (each continuing from its own answer, session s
+    under adapter loras[s]); returns every answer's tokens and logprobs, and the prompt tokens each was served
+    from cache."""
     history = [[] for _ in sessions]
-    answers, cached = [], 0
+    answers, cached = [], []
     for t in range(len(sessions[0])):
         for s, prompts in enumerate(sessions):
             prompt = prompts[t] if t == 0 else history[s] + prompts[t][len(prompts[t - 1]):]
             engine = llm.engine
-            rid = engine.add_request("", params, prompt_ids=prompt)
+            rid = engine.add_request("", params, prompt_ids=prompt, lora=loras[s] if loras else None)
             out = None
             while engine.has_unfinished_requests():
                 for o in engine.step():
@@ -163,33 +168,56 @@ def _interleaved(llm: LLM, sessions, max_tokens: int, check_every_step: bool = F
                 if check_every_step:
                     engine.kv.check_integrity()
             engine.kv.check_integrity()
-            history[s] = prompt + list(out.outputs[0].token_ids)
-            answers.append(list(out.outputs[0].token_ids))
-            cached += out.num_cached_tokens
+            completion = out.outputs[0]
+            assert len(completion.token_ids) == params.max_tokens
+            history[s] = prompt + list(completion.token_ids)
+            answers.append((list(completion.token_ids), completion.logprobs))
+            cached.append(out.num_cached_tokens)
     return answers, cached
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4-e2b"])
-def test_interleaved_sessions_same_tokens_with_the_tier(tmp_path, family):
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """A tiny random Gemma 3 checkpoint (window 6), an engine over it, and three sessions of three turns."""
     seed = fresh_seed()
-    hf = tiny_hf_model(seed, sliding_window=6) if family == "gemma3" else tiny_gemma4_hf(seed, "e2b")
-    path = str(save_checkpoint(hf, tmp_path / family))
+    hf = tiny_hf_model(seed, sliding_window=6)
+    path = str(save_checkpoint(hf, tmp_path_factory.mktemp("gemma3")))
     base = LLM(model=path, kv_cache_manager="v2", page_size=4)
-    sessions = _sessions(turns=3, sessions=3, prefix=120, vocab=hf.config.vocab_size, seed=seed)
-    # A pool that holds about one session: the others' prefixes are evicted between their turns.
-    per_token = base.engine.kv.pages_at(200) * base.engine.kv.page_bytes // 200
-    opts = dict(model=path, kv_cache_manager="v2", page_size=4, kv_cache_memory=per_token * 260,
-                max_num_batched_tokens=64)
-    plain, plain_cached = _interleaved(LLM.from_config(EngineConfig(**opts), base), sessions, 6)
+    return hf, path, base, _sessions(turns=3, sessions=3, prefix=120, vocab=hf.config.vocab_size, seed=seed)
+
+
+def _tight(path: str, base: LLM, **extra) -> dict:
+    """Engine options `extra` and a device pool that holds about one session (260 tokens' pages, in the KV dtype
+    they set): the other sessions' prefixes are evicted between their turns."""
+    common = dict(model=path, kv_cache_manager="v2", page_size=4, **extra)
+    kv = (LLM.from_config(EngineConfig(**common), base) if "kv_cache_dtype" in extra else base).engine.kv
+    per_token = kv.pages_at(200) * kv.page_bytes // 200
+    return dict(common, kv_cache_memory=per_token * 260, max_num_batched_tokens=64)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4-e2b"])
+def test_interleaved_sessions_same_tokens_with_the_tier(request, tmp_path, family):
+    """Tokens, logprobs and top alternatives bit for bit with the tier on and off (and with no prefix cache), more
+    prompt tokens from cache with it."""
+    if family == "gemma3":
+        hf, path, base, sessions = request.getfixturevalue("gemma3")
+    else:
+        seed = fresh_seed()
+        hf = tiny_gemma4_hf(seed, "e2b")
+        path = str(save_checkpoint(hf, tmp_path / family))
+        base = LLM(model=path, kv_cache_manager="v2", page_size=4)
+        sessions = _sessions(turns=3, sessions=3, prefix=120, vocab=hf.config.vocab_size, seed=seed)
+    opts = _tight(path, base)
+    plain, plain_cached = _interleaved(LLM.from_config(EngineConfig(**opts), base), sessions)
     # Gemma 4 plans ahead (asynchronous scheduling): copies must still run in plan order (a step in flight
     # holds scratch slots, so integrity is checked when idle there).
     tiered_llm = LLM.from_config(EngineConfig(**opts, kv_offload_memory=4 << 20,
                                               async_scheduling="on" if family != "gemma3" else "off"), base)
-    tiered, tiered_cached = _interleaved(tiered_llm, sessions, 6, check_every_step=family == "gemma3")
+    tiered, tiered_cached = _interleaved(tiered_llm, sessions, check_every_step=family == "gemma3")
     assert tiered == plain
     st = tiered_llm.engine.kv.tier.stats()
     assert st.loaded_blocks > 0 and st.saved_blocks > 0
-    assert tiered_cached > plain_cached + 2 * 100, (tiered_cached, plain_cached)
+    assert sum(tiered_cached) > sum(plain_cached) + 2 * 100, (tiered_cached, plain_cached)
     if family == "gemma3":   # what /metrics reads: the tier's counters, as the engine thread snapshots them
         from types import SimpleNamespace
 
@@ -202,7 +230,34 @@ def test_interleaved_sessions_same_tokens_with_the_tier(tmp_path, family):
         assert f"gemmaserve_kv_offload_bytes {float(st.bytes_used)}" in text
         assert tiered_llm.engine.info.kv_offload_bytes == st.num_pages * st.page_bytes > 0
     off = LLM.from_config(EngineConfig(**opts, enable_prefix_caching=False), base)
-    assert _interleaved(off, sessions, 6)[0] == plain
+    assert _interleaved(off, sessions)[0] == plain
+
+
+def test_the_tier_with_speculation_an_adapter_and_fp8_kv(gemma3, tmp_path):
+    """The tier beside n-gram speculation, a LoRA adapter and an fp8 KV cache (its pages copied as bytes), all at
+    once: every token, logprob and top alternative is the same engine's without the tier, and every returning
+    turn loads its prefix from the tier (the same engine without it recomputes most of it). Sessions 0 and 1 run
+    under the adapter; session 2 repeats session 0's prompts without it, after session 0's blocks went to the
+    tier: it never reads them (their keys are salted with the adapter)."""
+    from test_lora import _adapter
+
+    hf, path, base, sessions = gemma3
+    _adapter(hf, tmp_path / "a", fresh_seed())
+    sessions = [sessions[0], sessions[1], [list(p) for p in sessions[0]]]
+    loras = ["a", "a", None]
+    opts = _tight(path, base, kv_cache_dtype="fp8", lora_modules={"a": str(tmp_path / "a")},
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    plain, plain_cached = _interleaved(LLM.from_config(EngineConfig(**opts), base), sessions, loras=loras)
+    tiered_llm = LLM.from_config(EngineConfig(**opts, kv_offload_memory=4 << 20), base)
+    tiered, tiered_cached = _interleaved(tiered_llm, sessions, check_every_step=True, loras=loras)
+    assert tiered == plain
+    engine = tiered_llm.engine
+    assert engine.info.kv_cache_dtype == "float8_e4m3fn" and engine.kv.tier.stats().loaded_blocks > 0
+    returning = range(len(sessions), len(tiered_cached))   # turns 2 and 3 of every session
+    assert all(tiered_cached[i] >= 100 > plain_cached[i] for i in returning), (tiered_cached, plain_cached)
+    assert tiered_cached[2] == 0 and tiered[2][0] != tiered[0][0]   # session 0's first prompt, not its blocks
+    st = engine.scheduler.spec_stats
+    assert st.accepted > 0 and st.drafted > st.accepted, st
 
 
 def test_two_ranks_keep_their_own_shards_in_the_tier(tmp_path):
@@ -224,7 +279,7 @@ def test_two_ranks_keep_their_own_shards_in_the_tier(tmp_path):
                                            max_num_batched_tokens=32, kv_cache_memory=pool,
                                            kv_offload_memory=tier))
         try:
-            results.append(_interleaved(llm, sessions, 4))
+            results.append(_interleaved(llm, sessions, SamplingParams(max_tokens=4, ignore_eos=True)))
             assert llm.engine.kv.tier.stats().loaded_blocks > 0
             pages.append((llm.engine.kv.num_pages, llm.engine.kv.tier.num_pages))
         finally:
@@ -233,12 +288,20 @@ def test_two_ranks_keep_their_own_shards_in_the_tier(tmp_path):
     assert results[0][0] == results[1][0]
 
 
-def test_bad_offload_sizes_are_clear_errors(tmp_path):
+def test_bad_offload_sizes_are_clear_errors(tmp_path, capsys):
     with pytest.raises(UserInputError, match="exceeds the host's available memory"):
         EngineConfig(kv_offload_memory=1 << 60)
-    with pytest.raises(UserInputError, match="invalid size"):
-        EngineConfig.from_cli(["--kv-offload-memory", "lots"]) if hasattr(EngineConfig, "from_cli") else \
-            __import__("gemmaserve.units", fromlist=["parse_size"]).parse_size("lots")
+    # The command line's own parser: a size parses to bytes, anything else is an error naming the option
+    from gemmaserve.cli import build_parser
+    from gemmaserve.config.options import from_namespace
+
+    parser = build_parser(with_bench=False)
+    args = parser.parse_args(["serve", "--kv-offload-memory", "64MiB"])
+    assert from_namespace(EngineConfig, args).kv_offload_memory == 64 << 20
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["serve", "--kv-offload-memory", "lots"])
+    assert exited.value.code == 2
+    assert "argument --kv-offload-memory: invalid size 'lots'" in capsys.readouterr().err
     path = str(save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "tiny"))
     base = LLM(model=path, page_size=4)
     with pytest.raises(UserInputError, match="needs KV cache manager v2 with prefix caching"):

@@ -298,14 +298,27 @@ def test_speculation_and_preemption_keep_adapter_tokens_and_counts(served):
 
 
 def test_adapters_added_and_removed_at_run_time(served):
+    """An adapter added at run time serves; removing it while unfinished requests use it is a clear error that
+    leaves them to finish with its tokens, after which it is removed."""
     _, _, _, llm = served
     root = served[0]
     llm.add_lora("c", str(root / "a"))
     params = SamplingParams(max_tokens=5, ignore_eos=True)
-    assert llm.generate(["hello"], params, lora="c")[0].outputs[0].token_ids == \
-        llm.generate(["hello"], params, lora="a")[0].outputs[0].token_ids
+    prompts = ["hello", "the cat sat on the mat"]
+    want = [llm.generate([p], params, lora="a")[0].outputs[0].token_ids for p in prompts]
+    assert llm.generate([prompts[0]], params, lora="c")[0].outputs[0].token_ids == want[0]
     with pytest.raises(UserInputError, match="already loaded"):
         llm.add_lora("c", str(root / "b"))
+    eng = llm.engine
+    ids = [eng.add_request(p, params, lora="c") for p in prompts]
+    outputs = eng.step()
+    assert eng.scheduler.running and all(r.request_id in ids and r.lora.name == "c" for r in eng.scheduler.running)
+    with pytest.raises(UserInputError, match=r"LoRA adapter 'c' is in use by 2 unfinished request\(s\)"):
+        llm.remove_lora("c")
+    while eng.has_unfinished_requests():
+        outputs += eng.step()
+    done = {o.request_id: o.outputs[0].token_ids for o in outputs if o.finished}
+    assert [done[i] for i in ids] == want
     llm.remove_lora("c")
     with pytest.raises(UserInputError, match="no LoRA adapter named 'c' \\(loaded: a, b\\)"):
         llm.generate(["hello"], params, lora="c")
@@ -433,10 +446,14 @@ def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(served, tmp_
 def test_server_serves_adapters_by_model_name_and_loads_them_under_lora_root(served):
     """Through the official openai client: /v1/models lists the adapters with their parent; `model` picks one
     (the response names it) and gives LLM.generate's tokens; an unknown name is a 404 model_not_found; adapters
-    load and unload at run time behind the API key, only from under --lora-root."""
+    load and unload at run time behind the API key, only from under --lora-root; one in use is not unloaded (409)
+    until its requests finish."""
     openai = pytest.importorskip("openai")
+    import threading
+    import time
     import urllib.error
     import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
 
     from gemmaserve.config.engine import EngineConfig
     from gemmaserve.engine.llm_engine import LLMEngine
@@ -462,13 +479,15 @@ def test_server_serves_adapters_by_model_name_and_loads_them_under_lora_root(ser
         with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
             ask("b")
 
-        def post(path, body, key="k") -> int:
+        def post(path, body, key="k", errors: list | None = None) -> int:
             req = urllib.request.Request(f"{srv.base_url}/v1/{path}", json.dumps(body).encode(),
                                          {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=60) as r:
                     return r.status
             except urllib.error.HTTPError as exc:
+                if errors is not None:
+                    errors.append(json.loads(exc.read())["error"])
                 return exc.code
 
         assert post("load_lora_adapter", {"lora_name": "b", "lora_path": "b"}, key="wrong") == 401
@@ -483,6 +502,35 @@ def test_server_serves_adapters_by_model_name_and_loads_them_under_lora_root(ser
         assert post("unload_lora_adapter", {"lora_name": "b"}) == 404
         assert set(m.id for m in client.models.list().data) == {str(root / "base"), "a"}
         assert ask("a") == ("a", want["a"])
+
+        # Unloading an adapter a running request uses: 409 (and the engine's own call raises), the request finishes
+        # with the adapter's tokens, and the unload succeeds after it. The engine thread holds that request's
+        # steps (commands still run between them) from its second token until the refusals were seen.
+        hold, held = threading.Event(), threading.Event()
+        step = engine.step
+
+        def gated():
+            if hold.is_set() and any(len(r.output_token_ids) >= 2 for r in engine.scheduler.running):
+                held.set()
+                time.sleep(0.005)
+                return []
+            return step()
+
+        engine.step = gated
+        hold.set()
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(ask, "a")
+            assert held.wait(60)
+            errors: list = []
+            assert post("unload_lora_adapter", {"lora_name": "a"}, errors=errors) == 409
+            assert errors[0]["code"] == "lora_in_use" and "in use by 1 unfinished request(s)" in errors[0]["message"]
+            with pytest.raises(UserInputError, match="in use by 1 unfinished"):
+                srv.server.async_engine.call_blocking(lambda e: e.remove_lora("a"))
+            hold.clear()
+            assert running.result(timeout=60) == ("a", want["a"])
+        assert post("unload_lora_adapter", {"lora_name": "a"}) == 200
+        with pytest.raises(openai.NotFoundError):
+            ask("a")
 
 
 def test_cli_generate_with_an_adapter(served, capsys):
@@ -558,4 +606,5 @@ def test_bench_lora_runs_on_a_tiny_checkpoint(served, tmp_path, monkeypatch):
     assert [(r["adapters"], r["rank"]) for r in rows] == [(1, 4), (2, 4)]
     for r in rows:
         assert r["tok_s"] > 0 and r["base_tok_s"] > 0
-        assert abs(r["ratio"] - r["tok_s"] / r["base_tok_s"]) < 0.01
+        # (tok/s are rounded to 0.1: on a loaded machine a base of ~3 tok/s moves their quotient by up to ~0.05)
+        assert abs(r["ratio"] - r["tok_s"] / r["base_tok_s"]) <= 0.0005 + 0.05 * (1 + r["ratio"]) / r["base_tok_s"]
