@@ -17,7 +17,8 @@ whatever it finds named q_proj/k_proj/v_proj); `checkpoint_name` maps them.
 
 Frames the feature mask marks as padding are zeroed before each convolution, never attended to, and
 carry no token. transformers computes the attention in blocks of 12 queries over 24 keys with a relative
-shift; here it is the band itself (each query's 12 keys gathered), which gives the same logits.
+shift; here it is the band itself (each query's 12 keys gathered), which gives the same logits (with its shift of
+the relative positions where the chunk is not the window: `position_shift`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ class AudioTowerConfig:
     def window(self) -> int:
         """Keys a frame attends to: itself and the window - 1 before it."""
         return self.attention_context_left - 1
+
+    @property
+    def position_shift(self) -> int:
+        """What transformers adds to a key's distance before its relative encoding. Its blocks of `chunk` queries
+        read `chunk + window` keys and encodings of positions (chunk + window) // 2 .. 0, and its relative shift
+        lines position p up with distance p - (chunk + window) // 2 + window: 0 for the checkpoints' geometry
+        (chunk = window or window + 1), else every distance reads another's encoding (or none: zeros)."""
+        return (self.attention_chunk_size + self.window) // 2 - self.window
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -138,11 +147,14 @@ class LocalAttention(nn.Module):
         self.post = ClippedLinear(cfg, h, h)
         self.relative_k_proj = nn.Linear(h, h, bias=False)
         self.per_dim_scale = nn.Parameter(torch.zeros(cfg.head_dim), requires_grad=False)
-        # sinusoidal encodings of distances 0 .. window - 1 ([sin ; cos], timescales 1 .. 1e4)
+        # sinusoidal encodings by distance ([sin ; cos], timescales 1 .. 1e4): distance d reads position
+        # d + cfg.position_shift, none (zeros) where that is negative, as transformers' blocked layout has it
         n = h // 2
         inv = torch.exp(torch.arange(n) * -(math.log(1e4) / max(n - 1, 1)))
-        angles = torch.arange(cfg.window, dtype=torch.float32)[:, None] * inv[None, :]
-        self.register_buffer("distance_enc", torch.cat([angles.sin(), angles.cos()], -1), persistent=False)
+        positions = torch.arange(cfg.window) + cfg.position_shift
+        angles = positions.float()[:, None] * inv[None, :]
+        enc = torch.cat([angles.sin(), angles.cos()], -1) * (positions >= 0)[:, None]
+        self.register_buffer("distance_enc", enc, persistent=False)
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """x [T, H], valid [T] bool -> [T, H]: frame i attends to frames i - window + 1 .. i that are valid."""
