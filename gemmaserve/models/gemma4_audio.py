@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .audio_features import AudioFeatureConfig, AudioFeatureExtractor
+from .fp32_conv import exact_fp32_convs
 from .multimodal import EncoderInput
 
 
@@ -193,7 +194,8 @@ class LightConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.glu(self.linear_start(self.pre_layer_norm(x)), dim=-1)
-        h = self.depthwise_conv1d(F.pad(h.T[None], (self.cfg.conv_kernel_size - 1, 0)))[0].T   # causal
+        with exact_fp32_convs(h):
+            h = self.depthwise_conv1d(F.pad(h.T[None], (self.cfg.conv_kernel_size - 1, 0)))[0].T   # causal
         clip = min(self.cfg.gradient_clipping, torch.finfo(h.dtype).max)
         return x + self.linear_end(F.silu(self.conv_norm(torch.clamp(h, -clip, clip))))
 
@@ -237,7 +239,8 @@ class Subsample(nn.Module):
     def forward(self, features: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = features[None, None]                                         # [1, 1, T, bins]
         for layer in (self.layer0, self.layer1):
-            x = layer.conv(x * valid[None, None, :, None].to(x.dtype))
+            with exact_fp32_convs(x):
+                x = layer.conv(x * valid[None, None, :, None].to(x.dtype))
             x = F.relu(layer.norm(x.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
             valid = valid[::2]
         _, c, t, b = x.shape
