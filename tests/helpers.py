@@ -328,9 +328,11 @@ def save_gemma4_audio_checkpoint(hf, path: Path) -> Path:
     return path
 
 
-def chunked_prompt_logits(model, ids: list[int], items, chunk: int) -> torch.Tensor:
+def chunked_prompt_logits(model, ids: list[int], items, chunk: int,
+                          feats: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Our logits at every prompt position, the prompt run in chunks of at most `chunk` tokens (never splitting
-    an item) through our model, KV manager and attention backend, each item's soft tokens from its encoder."""
+    an item) through our model, KV manager and attention backend, each item's soft tokens from its encoder (or
+    `feats`, the caller's encoding of them)."""
     from types import SimpleNamespace
 
     from gemmaserve.attention.base import AttentionMetadata
@@ -338,7 +340,8 @@ def chunked_prompt_logits(model, ids: list[int], items, chunk: int) -> torch.Ten
     from gemmaserve.engine.scheduler import Scheduler
     from gemmaserve.models.base import ModelInputs
 
-    feats = [model.encode_media(it.modality, [it.data], [it.extra], torch.device("cpu"))[0] for it in items]
+    if feats is None:
+        feats = [model.encode_media(it.modality, [it.data], [it.extra], torch.device("cpu"))[0] for it in items]
     specs = model.kv_layer_specs(torch.float32)
     kv = make_manager("v2", specs, 4, 4096, enable_prefix_caching=False)   # a whole prompt's pages in every layer
     backend = TorchAttentionBackend()

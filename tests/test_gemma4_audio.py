@@ -20,13 +20,13 @@ AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, subsamp
              output_proj_dims=24)
 
 
-def _hf_tower(seed: int, clipped: bool):
+def _hf_tower(seed: int, clipped: bool, **overrides):
     from transformers import Gemma4AudioConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel
 
     from helpers import _gemma4_random
 
-    config = Gemma4AudioConfig(**AUDIO, use_clipped_linears=clipped)
+    config = Gemma4AudioConfig(**{**AUDIO, **overrides}, use_clipped_linears=clipped)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = _gemma4_random(Gemma4AudioModel(config).eval(), seed, 0.5)   # norms and scales around 1
@@ -57,6 +57,26 @@ def test_tower_equals_transformers_on_speech_features(samples, clipped):
     assert err <= 1e-5 * max(1.0, w.abs().max().item()), err
     if samples == 63_650:
         assert not m.all()
+
+
+@pytest.mark.parametrize("chunk,left", [(5, 13), (20, 9)])
+def test_tower_equals_transformers_with_other_attention_chunks(chunk, left):
+    """An attention chunk that is neither the window (attention_context_left - 1) nor one more shifts
+    transformers' relative positions: distance d reads the encoding of d + (chunk + window) // 2 - window (-4 and
+    +6 here), none where that is negative. Ours the same, within fp32 rounding (without the shift: 14% and 8%
+    apart)."""
+    hf = _hf_tower(chunk, False, attention_chunk_size=chunk, attention_context_left=left)
+    cfg = AudioTowerConfig.from_hf(hf.config.to_dict())
+    assert cfg.position_shift == {5: -4, 20: 6}[chunk]
+    ours = AudioTower(cfg).eval()
+    ours.load_state_dict({checkpoint_name(k): v for k, v in hf.state_dict().items()}, strict=True)
+    features, mask = AudioFeatureExtractor()(soundfile.read(SPEECH, dtype="float32")[0][:25_000])
+    f, m = torch.from_numpy(features), torch.from_numpy(mask)
+    with torch.no_grad():
+        want = hf(f[None], attention_mask=m[None]).last_hidden_state[0]
+        got, valid = ours(f, m)
+    err = (got[valid] - want[valid]).abs().max().item()
+    assert err <= 1e-5 * max(1.0, want.abs().max().item()), err
 
 
 def test_transformers_is_an_audio_reference():
@@ -260,6 +280,58 @@ def test_long_audio_is_split_into_clips_and_bad_audio_is_a_clear_error(served, s
     for fn, match in cases:
         with pytest.raises(UserInputError, match=match):
             fn()
+
+
+def test_audio_over_30_s_equals_transformers_clip_by_clip(served, speech):
+    """Over 30 s transformers' processor keeps the first 30 s (its feature extractor truncates at max_length,
+    480,000 samples) and drops the rest; we keep it all, as consecutive clips at the placeholder. transformers
+    given those clips as inputs at consecutive placeholders is the reference: 38 s of speech and pauses (cut in the
+    last pause before 30 s: clips of 750 and 200 tokens) gives its ids, its features and soft tokens for each
+    clip, and its logits at every position within fp32 rounding (in the engine's chunks of 800), and the engine's
+    first greedy token is its argmax. Exactly 30 s is one clip of 750 tokens, transformers' ids and features."""
+    from gemmaserve import SamplingParams
+    from gemmaserve.engine.audio import split_clips
+    from gemmaserve.models.multimodal import Modality
+
+    hf, processor, _, llm = served
+    rate, limit = 16_000, 480_000
+    period = np.concatenate([speech, np.zeros(5 * rate - len(speech), dtype=np.float32)])   # speech, silence to 5 s
+    long = np.resize(period, 38 * rate)
+    prompt = "hear <|audio|> now"
+    ids, items = llm.engine.inputs.prepare(prompt, audio=[long])
+    clips = split_clips(long, limit, 2 * rate)   # the engine's cuts
+    assert np.array_equal(np.concatenate(clips), long) and [it.length for it in items] == [750, 200]
+
+    ref = _hf_inputs(processor, prompt.replace("<|audio|>", "<|audio|>" * len(clips)), [], clips)
+    assert ids == ref["input_ids"][0].tolist()
+    for it, feats, mask in zip(items, ref["input_features"].numpy(), ref["input_features_mask"].numpy()):
+        t = len(it.extra)
+        np.testing.assert_allclose(it.data, feats[:t], atol=1e-5, rtol=0)
+        assert np.array_equal(it.extra, mask[:t]) and not mask[t:].any()
+    with torch.no_grad():
+        out = hf(**ref)
+    model = llm.engine.model
+    with torch.inference_mode():
+        soft = [model.encode_media(Modality.AUDIO, [it.data], [it.extra], torch.device("cpu"))[0] for it in items]
+    for ours, theirs, valid in zip(soft, out.audio_outputs.pooler_output, out.audio_outputs.attention_mask):
+        want = theirs[valid]
+        assert ours.shape == want.shape and (ours - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+    want = out.logits[0]
+    got = chunked_prompt_logits(model, ids, items, 800, soft)
+    err = (got - want).abs().max().item()
+    assert err < 2e-4 * max(1.0, want.abs().max().item()), err
+    first = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0), audio=[long])[0]
+    assert first.prompt_token_ids == ids and first.outputs[0].token_ids == [int(want[-1].argmax())]
+
+    # exactly 30 s: one clip; transformers' whole input over 30 s: the same 30 s, the rest dropped
+    exact = long[:limit]
+    ids30, items30 = llm.engine.inputs.prepare("<|audio|>", audio=[exact])
+    ref30 = processor(text="<|audio|>", audio=[exact], return_tensors="np")
+    assert [it.length for it in items30] == [750] and ids30 == ref30["input_ids"][0].tolist()
+    np.testing.assert_allclose(items30[0].data, ref30["input_features"][0], atol=1e-5, rtol=0)
+    truncated = processor(text="<|audio|>", audio=[long], return_tensors="np")
+    assert truncated["input_ids"][0].tolist() == ids30
+    assert np.array_equal(truncated["input_features"], ref30["input_features"])
 
 
 def test_audio_to_a_model_without_an_audio_tower_is_a_clear_error(tmp_path):

@@ -17,7 +17,8 @@ whatever it finds named q_proj/k_proj/v_proj); `checkpoint_name` maps them.
 
 Frames the feature mask marks as padding are zeroed before each convolution, never attended to, and
 carry no token. transformers computes the attention in blocks of 12 queries over 24 keys with a relative
-shift; here it is the band itself (each query's 12 keys gathered), which gives the same logits.
+shift; here it is the band itself (each query's 12 keys gathered), which gives the same logits (with its shift of
+the relative positions where the chunk is not the window: `position_shift`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .audio_features import AudioFeatureConfig, AudioFeatureExtractor
+from .fp32_conv import exact_fp32_convs
 from .multimodal import EncoderInput
 
 
@@ -76,6 +78,14 @@ class AudioTowerConfig:
     def window(self) -> int:
         """Keys a frame attends to: itself and the window - 1 before it."""
         return self.attention_context_left - 1
+
+    @property
+    def position_shift(self) -> int:
+        """What transformers adds to a key's distance before its relative encoding. Its blocks of `chunk` queries
+        read `chunk + window` keys and encodings of positions (chunk + window) // 2 .. 0, and its relative shift
+        lines position p up with distance p - (chunk + window) // 2 + window: 0 for the checkpoints' geometry
+        (chunk = window or window + 1), else every distance reads another's encoding (or none: zeros)."""
+        return (self.attention_chunk_size + self.window) // 2 - self.window
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -138,11 +148,14 @@ class LocalAttention(nn.Module):
         self.post = ClippedLinear(cfg, h, h)
         self.relative_k_proj = nn.Linear(h, h, bias=False)
         self.per_dim_scale = nn.Parameter(torch.zeros(cfg.head_dim), requires_grad=False)
-        # sinusoidal encodings of distances 0 .. window - 1 ([sin ; cos], timescales 1 .. 1e4)
+        # sinusoidal encodings by distance ([sin ; cos], timescales 1 .. 1e4): distance d reads position
+        # d + cfg.position_shift, none (zeros) where that is negative, as transformers' blocked layout has it
         n = h // 2
         inv = torch.exp(torch.arange(n) * -(math.log(1e4) / max(n - 1, 1)))
-        angles = torch.arange(cfg.window, dtype=torch.float32)[:, None] * inv[None, :]
-        self.register_buffer("distance_enc", torch.cat([angles.sin(), angles.cos()], -1), persistent=False)
+        positions = torch.arange(cfg.window) + cfg.position_shift
+        angles = positions.float()[:, None] * inv[None, :]
+        enc = torch.cat([angles.sin(), angles.cos()], -1) * (positions >= 0)[:, None]
+        self.register_buffer("distance_enc", enc, persistent=False)
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """x [T, H], valid [T] bool -> [T, H]: frame i attends to frames i - window + 1 .. i that are valid."""
@@ -181,7 +194,8 @@ class LightConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.glu(self.linear_start(self.pre_layer_norm(x)), dim=-1)
-        h = self.depthwise_conv1d(F.pad(h.T[None], (self.cfg.conv_kernel_size - 1, 0)))[0].T   # causal
+        with exact_fp32_convs(h):
+            h = self.depthwise_conv1d(F.pad(h.T[None], (self.cfg.conv_kernel_size - 1, 0)))[0].T   # causal
         clip = min(self.cfg.gradient_clipping, torch.finfo(h.dtype).max)
         return x + self.linear_end(F.silu(self.conv_norm(torch.clamp(h, -clip, clip))))
 
@@ -225,7 +239,8 @@ class Subsample(nn.Module):
     def forward(self, features: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = features[None, None]                                         # [1, 1, T, bins]
         for layer in (self.layer0, self.layer1):
-            x = layer.conv(x * valid[None, None, :, None].to(x.dtype))
+            with exact_fp32_convs(x):
+                x = layer.conv(x * valid[None, None, :, None].to(x.dtype))
             x = F.relu(layer.norm(x.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
             valid = valid[::2]
         _, c, t, b = x.shape

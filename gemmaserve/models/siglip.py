@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserInputError
+from .fp32_conv import exact_fp32_convs
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,9 @@ class SiglipEmbeddings(nn.Module):
                                                _freeze=True)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        patches = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))   # [N, Hv, g, g]
+        pixels = pixels.to(self.patch_embedding.weight.dtype)
+        with exact_fp32_convs(pixels):
+            patches = self.patch_embedding(pixels)   # [N, Hv, g, g]
         return patches.flatten(2).transpose(1, 2) + self.position_embedding.weight
 
 
