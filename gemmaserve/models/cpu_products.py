@@ -70,8 +70,7 @@ SOURCE = r"""
 typedef float vfloat __attribute__((vector_size(64)));
 typedef uint16_t vbf16 __attribute__((vector_size(32)));
 typedef uint32_t vuint __attribute__((vector_size(64)));
-typedef uint8_t vbyte __attribute__((vector_size(16)));
-typedef int8_t vsbyte __attribute__((vector_size(16)));
+typedef int32_t vint __attribute__((vector_size(64)));
 constexpr int64_t VL = 16;
 
 static inline vfloat load16(const float* p) {
@@ -87,7 +86,47 @@ static inline vfloat load16(const at::BFloat16* p) {   // bf16 -> fp32 is exact:
 static inline float load1(const float* p) { return *p; }
 static inline float load1(const at::BFloat16* p) { return static_cast<float>(*p); }
 static inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-static inline vfloat splat(float v) { return vfloat{} + v; }
+static inline vfloat splat(float v) {   // (not vfloat{} + v: that adds, and 0 + -0 is +0)
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_set1_ps(v);
+#else
+  vfloat r;
+  for (int i = 0; i < VL; ++i) r[i] = v;
+  return r;
+#endif
+}
+
+// 16 bytes widened to 32-bit lanes (GCC's generic byte-vector conversion goes through scalars on x86).
+static inline vint widen16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (vint)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  __m256i h[2] = {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+                  _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+  vint r;
+  std::memcpy(&r, h, sizeof r);
+  return r;
+#else
+  vint r;
+  for (int i = 0; i < VL; ++i) r[i] = p[i];
+  return r;
+#endif
+}
+static inline vint widen16(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vint)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  __m256i h[2] = {_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+                  _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+  vint r;
+  std::memcpy(&r, h, sizeof r);
+  return r;
+#else
+  vint r;
+  for (int i = 0; i < VL; ++i) r[i] = p[i];
+  return r;
+#endif
+}
 
 // a * b + c, rounded once, lane by lane: the same bits from every branch.
 static inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
@@ -119,13 +158,23 @@ static inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
 #endif
 }
 
-// The lanes added in the fixed tree: lane l takes l + 8, then l + 4, l + 2, l + 1.
+// The lanes added in the fixed tree: lane l takes l + 8, then l + 4, l + 2, l + 1 (the halves of a register
+// added, then the halves of that: the same pairs with shuffles as with scalars).
 static inline float lanes_sum(vfloat v) {
+#if defined(__AVX512F__) || defined(__AVX__)
+  __m256 h[2];
+  std::memcpy(h, &v, sizeof h);
+  const __m256 v8 = _mm256_add_ps(h[0], h[1]);                                            // l + 8
+  const __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));  // l + 4
+  const __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));                                 // l + 2
+  return _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));                        // l + 1
+#else
   float l[VL];
   std::memcpy(l, &v, sizeof l);
   for (int h = VL / 2; h > 0; h /= 2)
     for (int i = 0; i < h; ++i) l[i] = l[i] + l[i + h];
   return l[0];
+#endif
 }
 
 // Register tiles: rows x columns of accumulators that fit the vector registers (32 of 16 lanes with
@@ -248,11 +297,11 @@ static inline void int4_tile(const float* x, int64_t ldx, const uint8_t* q, cons
   for (int64_t g = 0; g < groups; ++g) {
     vfloat w0[C], w1[C];
     for (int c = 0; c < C; ++c) {
-      vbyte b;
-      std::memcpy(&b, q + c * groups * 16 + g * 16, sizeof b);
+      // the bytes widened first: shifts and masks of 32-bit lanes are single instructions (of bytes, not on x86)
+      const vint u = widen16(q + c * groups * 16 + g * 16);
       const vfloat sc = splat(s[c * groups + g]), neg = splat(-mn[c * groups + g]);
-      w0[c] = vfma(__builtin_convertvector(b & 0x0F, vfloat), sc, neg);
-      w1[c] = vfma(__builtin_convertvector(b >> 4, vfloat), sc, neg);
+      w0[c] = vfma(__builtin_convertvector(u & 0x0F, vfloat), sc, neg);
+      w1[c] = vfma(__builtin_convertvector(u >> 4, vfloat), sc, neg);
     }
     for (int r = 0; r < R; ++r) {
       const vfloat x0 = load16(x + r * ldx + g * 32), x1 = load16(x + r * ldx + g * 32 + 16);
@@ -274,9 +323,7 @@ static inline void int8_tile(const float* x, int64_t ldx, const int8_t* q, const
   for (int64_t i = 0; i < k16; i += VL) {
     vfloat wv[C];
     for (int c = 0; c < C; ++c) {
-      vsbyte b;
-      std::memcpy(&b, q + c * k + i, sizeof b);
-      wv[c] = __builtin_convertvector(b, vfloat) * splat(s[c]);
+      wv[c] = __builtin_convertvector(widen16(q + c * k + i), vfloat) * splat(s[c]);
     }
     for (int r = 0; r < R; ++r) {
       const vfloat xv = load16(x + r * ldx + i);
