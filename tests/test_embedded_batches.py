@@ -47,11 +47,11 @@ def test_enforce_eager_and_a_warm_prefix_cache_keep_every_bit(eager):
 
 
 def test_a_fresh_process_gives_the_same_bits(eager):
-    """Another process (its own threads, allocations and kernel library load): every batch gives each
+    """Another process (its own threads, allocations and kernel library load): batches of 16 and 7 give each
     prompt its bits from this process, alone."""
     _, alone = eager
-    got = batches.in_process("off", alone)
-    assert got.get("differ") == {str(n): [] for n in batches.BATCHES}, got
+    got = batches.in_process("off", alone, (16, 7))
+    assert got.get("differ") == {"16": [], "7": []}, got
 
 
 def test_the_check_fails_when_a_prompt_changes(eager):
@@ -61,3 +61,27 @@ def test_the_check_fails_when_a_prompt_changes(eager):
     value = float.fromhex(changed[3][1][2][1])
     changed[3][1][2][1] = float(value + abs(value) * 2 ** -23).hex()
     assert batches.differing(changed, llm, (5,)) == {"5": [3]}
+
+
+def test_bench_batches_reports_every_difference():
+    """`gemmaserve bench batches`' verdict: a prompt that differs in any batch of any path, a path whose steps
+    were not what it checks (compiled steps that never loaded, a switch that never came) or one that failed."""
+    same = {str(n): [] for n in batches.BATCHES}
+    good = {"eager": {"differ": same}, "enforce-eager": {"cpu_compile": "off", "differ": same},
+            "switch": {"rounds": [{"batch": 5, "spanned_switch": True, "differ": []}], "switched_in_batch": 5,
+                       "after": same},
+            "compiled": {"cpu_compile": "ready", "differ": same},
+            "process": {"off": {"cpu_compile": "off", "differ": same}, "on": {"cpu_compile": "ready", "differ": same}}}
+    assert batches._failures(good) == []
+    bad = json.loads(json.dumps(good))
+    bad["eager"]["differ"]["13"] = [4]
+    bad["switch"]["rounds"][0]["differ"] = [3]
+    bad["compiled"]["cpu_compile"] = "building"
+    bad["process"]["on"] = {"error": "Traceback ..."}
+    found = batches._failures(bad)
+    assert any("eager batch 13: prompts [4]" in f for f in found)
+    assert any("switch batch 5: prompts [3]" in f for f in found)
+    assert any("compiled: steps were building" in f for f in found)
+    assert any(f.startswith("process on:") for f in found)
+    assert batches._failures({"switch": {"rounds": [], "switched_in_batch": None}}) == [
+        "switch: no batch spanned the switch"]

@@ -120,14 +120,16 @@ from gemmaserve import LLM
 from gemmaserve.bench import batches
 llm = LLM(max_num_seqs=16, max_num_batched_tokens=batches.CHUNK, cpu_compile={mode!r})
 reference = json.loads(sys.stdin.read())
-print(json.dumps({{"cpu_compile": llm.engine.info.cpu_compile, "differ": batches.differing(reference, llm)}}))
+differ = batches.differing(reference, llm, {sizes!r})
+print(json.dumps({{"cpu_compile": llm.engine.info.cpu_compile, "differ": differ}}))
 """
 
 
-def in_process(mode: str, reference: list[Bits]) -> dict:
-    """A fresh Python process's batches on `--cpu-compile mode`."""
-    done = subprocess.run([sys.executable, "-c", _CHILD.format(mode=mode)], input=json.dumps(reference),
-                          capture_output=True, text=True, timeout=1800)
+def in_process(mode: str, reference: list[Bits], sizes=tuple(BATCHES)) -> dict:
+    """A fresh Python process's batches (of `sizes`) on `--cpu-compile mode`."""
+    script = _CHILD.format(mode=mode, sizes=tuple(sizes))
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(reference), capture_output=True, text=True,
+                          timeout=1800)
     if done.returncode:
         return {"error": done.stderr[-2000:]}
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -158,9 +158,20 @@ def section_throughput(res: dict) -> None:
         hf.generate(ids[:2, :64], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128,
-                        do_sample=False, pad_token_id=0)
+        fits = True
+        try:
+            with torch.no_grad():
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128,
+                            do_sample=False, pad_token_id=0)
+        except torch.OutOfMemoryError:   # its KV cache (~41 GB at 256 x 1152 tokens) and more, on an 80 GB card
+            fits = False
+        if not fits:   # (outside the handler: its traceback held generate's tensors)
+            card = torch.cuda.get_device_properties(0).total_memory / GiB
+            row["hf"] = f"out of memory on this card ({card:.0f} GiB)"
+            print("throughput hf", row, flush=True)
+            del ids
+            release_device_memory()
+            continue
         torch.cuda.synchronize()
         secs = time.perf_counter() - start
         row.update(hf_tok_s=round(batch * 128 / secs, 1), hf_s=round(secs, 2),

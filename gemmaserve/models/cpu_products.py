@@ -257,7 +257,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w_in) {
 }
 
 at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& ends_in) {
-  TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 3 && x_in.size(1) == w_in.size(2), "grouped_linear: x [M, K], w [E, N, K]");
+  TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 3 && x_in.size(1) == w_in.size(2),
+              "grouped_linear: x [M, K], w [E, N, K]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous(), w = w_in.to(at::kFloat).contiguous();
   const at::Tensor ends = ends_in.to(at::kLong).contiguous();
   const int64_t m = x.size(0), e = w.size(0), n = w.size(1), k = w.size(2);
@@ -346,16 +347,19 @@ static void quant_product(int64_t m, int64_t n, int64_t bytes, Tile tile) {
   at::parallel_for(0, (n + cb - 1) / cb, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t c0 = b * cb, c1 = std::min(n, (b + 1) * cb);
+      using R = std::integral_constant<int, TILE_R>;
+      using C = std::integral_constant<int, TILE_C>;
+      using one = std::integral_constant<int, 1>;
       int64_t r = 0;
       for (; r + TILE_R <= m; r += TILE_R) {
         int64_t c = c0;
-        for (; c + TILE_C <= c1; c += TILE_C) tile(std::integral_constant<int, TILE_R>{}, std::integral_constant<int, TILE_C>{}, r, c);
-        for (; c < c1; ++c) tile(std::integral_constant<int, TILE_R>{}, std::integral_constant<int, 1>{}, r, c);
+        for (; c + TILE_C <= c1; c += TILE_C) tile(R{}, C{}, r, c);
+        for (; c < c1; ++c) tile(R{}, one{}, r, c);
       }
       for (; r < m; ++r) {
         int64_t c = c0;
-        for (; c + TILE_C <= c1; c += TILE_C) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, TILE_C>{}, r, c);
-        for (; c < c1; ++c) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, r, c);
+        for (; c + TILE_C <= c1; c += TILE_C) tile(one{}, C{}, r, c);
+        for (; c < c1; ++c) tile(one{}, one{}, r, c);
       }
     }
   });
@@ -383,7 +387,8 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
 at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& s_in) {
   const at::Tensor x = x_in.to(at::kFloat).contiguous(), q = q_in.contiguous(), s = s_in.to(at::kFloat).contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
-  TORCH_CHECK(q.size(1) == k && q.scalar_type() == at::kChar && s.numel() == n, "int8_mm: x [M, K], q int8 [N, K], scales [N]");
+  TORCH_CHECK(q.size(1) == k && q.scalar_type() == at::kChar && s.numel() == n,
+              "int8_mm: x [M, K], q int8 [N, K], scales [N]");
   at::Tensor y = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
