@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         masks.append(ll)
     result = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "model": config.model, "vocab": vocab, "batch": args.batch,
-              "masks": masks}
+              "cpu_compile": llm.engine.info.cpu_compile, "masks": masks}
     if not args.no_engine:
         result["engine"] = _engine_rows(llm, args.batch, args.new_tokens)
     print(f"{'library':<44}{'fill ms':>9}{'apply ms':>10}{'accept ms':>11}{'step ms':>9}   (batch {args.batch})")
