@@ -57,9 +57,9 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def int4_weight(q: torch.Tensor, scale: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight `int4_mm` multiplies by: fma(q, scale, -minus) per group, rounded once. (In
-    float64 q * scale - minus is exact for these operands, so rounding it to fp32 is the fused
-    multiply-add's single rounding.)"""
+    """The fp32 weight `int4_mm` multiplies by: fma(q, scale, -minus) per group, rounded once. (float64
+    holds q * scale - minus exactly unless the two terms are over 2^25 apart, where the larger alone decides
+    the fp32 value: rounding it to fp32 is the fused multiply-add's single rounding.)"""
     n, k = q.shape
     w = q.view(n, k // GROUP, GROUP).double() * scale.double()[..., None] - minus.double()[..., None]
     return w.view(n, k).float()

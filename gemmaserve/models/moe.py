@@ -13,7 +13,8 @@ Nothing reads a count back to the host, so a CUDA graph can capture it.
 `batch_invariant` (`--batch-invariant`, set by the engine): the expert matmuls run on the batch-invariant
 grouped GEMM (invariant_kernels.py) instead of `torch._grouped_mm`, whose kernel choice depends on the
 rows per expert, and the two small sums (router weights, a token's k outputs) are written as additions in
-index order, since torch's reduction kernels pick their thread layout from the number of rows.
+index order, since torch's reduction kernels pick their thread layout from the number of rows. On the CPU
+both hold always: the experts' product is cpu_products.py's (an order of its own), the sums in index order.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class Router(nn.Module):
         z = rms_norm(residual, None, self.norm) * self.scale * self.root
         probs = torch.softmax(self.proj(z), dim=-1, dtype=torch.float32)
         weights, idx = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / (ordered_sum(weights, -1) if self.batch_invariant else weights.sum(dim=-1, keepdim=True))
+        ordered = self.batch_invariant or z.device.type == "cpu"   # (a reduction's order is the library's)
+        weights = weights / (ordered_sum(weights, -1) if ordered else weights.sum(dim=-1, keepdim=True))
         return weights * self.per_expert_scale[idx], idx
 
 
@@ -141,6 +143,6 @@ class Experts(nn.Module):
         y = y.float() * weights.reshape(-1)[order, None]
         # Unsort (each row has one destination, so this copy is deterministic), then sum over k.
         per_pair = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
-        if self.batch_invariant:
+        if self.batch_invariant or per_pair.device.type == "cpu":   # (a reduction's order is the library's)
             return ordered_sum(per_pair, 1).squeeze(1).to(x.dtype)
         return per_pair.sum(dim=1).to(x.dtype)
