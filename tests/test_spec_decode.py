@@ -232,36 +232,20 @@ def test_drafts_the_grammar_forbids_never_reach_the_forward(tiny):
     check_grammar_cut(path, base, dict(NGRAM), PROMPTS[:3], 24)
 
 
-def test_counters_agree_when_requests_are_aborted_mid_speculation(tiny):
-    """Aborts between steps, with asynchronous scheduling (a step may be in flight for the aborted request):
-    the totals /metrics reads equal the sum of every request's own counters in its final output (usage,
-    --json), aborted ones included; an aborted request's tokens are a prefix of what it would have made."""
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_counters_agree_when_requests_are_aborted_mid_speculation(tiny, async_scheduling):
+    """Aborts with drafts in flight (verified by the step just done, or in the step launched under asynchronous
+    scheduling), beside requests that go on: the survivors' tokens, the aborted ones' pages freed at once, and
+    the totals /metrics reads equal to the sum of every request's own counters (usage, --json), aborted ones
+    included: check_aborts_mid_speculation."""
+    from helpers import check_aborts_mid_speculation
+
     path, base = tiny
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    want = {o.prompt: o.outputs[0].token_ids for o in base.generate(PROMPTS, params)}
-    llm = LLM.from_config(EngineConfig(model=path, page_size=4, async_scheduling="on",
-                                       speculative_config=dict(NGRAM)), base)
-    eng = llm.engine
-    ids = [eng.add_request(p, params) for p in PROMPTS]
-    final, steps = {}, 0
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
-        steps += 1
-        for at, victim in ((4, ids[0]), (7, ids[2])):
-            if steps == at:
-                for out in eng.abort_request(victim):
-                    final[out.request_id] = out
-    eng.kv.check_integrity()
-    assert [final[i].outputs[0].finish_reason for i in ids] == ["abort", "length", "abort", "length"]
-    for i in ids:
-        got = final[i].outputs[0].token_ids
-        assert got == want[final[i].prompt][:len(got)]
-    st = eng.scheduler.spec_stats
-    assert st.accepted > 0
-    assert sum(final[i].outputs[0].num_draft_tokens for i in ids) == st.drafted == sum(st.drafted_at)
-    assert sum(final[i].outputs[0].num_accepted_tokens for i in ids) == st.accepted == sum(st.accepted_at)
+    want = [o.outputs[0].token_ids for o in base.generate(PROMPTS, params)]
+    engine = LLM.from_config(EngineConfig(model=path, page_size=4, async_scheduling=async_scheduling,
+                                          speculative_config=dict(NGRAM)), base).engine
+    check_aborts_mid_speculation(engine, PROMPTS, params, want)
 
 
 def test_drafting_requests_verify_together_under_asynchronous_scheduling(tiny):
