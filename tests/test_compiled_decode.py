@@ -144,6 +144,30 @@ def test_a_graph_that_cannot_be_called_directly_runs_through_dynamo(monkeypatch,
     assert through_dynamo and set(through_dynamo) <= {1, 2} and compiled.refused_recompiles == 0
 
 
+
+@needs_compile
+def test_a_cached_graph_for_fewer_rows_is_compiled_again(monkeypatch, tmp_path):
+    """Inductor's caches key a graph without its batch range: an engine whose dynamic graph was cached for
+    2-10 rows (as an older build traced it, for its own largest batch) must not make another engine's
+    compile fail. The second compile finds the narrow entry, compiles afresh, and its graph takes 40
+    rows; the engine's largest batch no longer changes the range (MAX_ROWS)."""
+    from gemmaserve.engine import compiled_decode
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    eager = LLM(str(_small_checkpoint(tmp_path)), dtype="float32", cpu_compile="off", max_num_seqs=10)
+    monkeypatch.setattr(compiled_decode, "MAX_ROWS", 10)
+    narrow = _compiled_in_process(eager)
+    assert narrow.engine.runner.compiled.max_rows == 10
+    monkeypatch.setattr(compiled_decode, "MAX_ROWS", 63)
+    wide = _compiled_in_process(eager, max_num_seqs=40)
+    compiled = wide.engine.runner.compiled
+    assert compiled.state is CompileState.READY and compiled.max_rows == 40
+    prompts = [f"{w} " * (2 + i % 5) for i, w in enumerate(("the cat sat on a mat by the door " * 4).split())]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in wide.generate(prompts, params)] == want
+    assert compiled.refused_recompiles == 0   # the 36-row steps ran the dynamic graph
+
 def test_without_a_graph_the_caller_runs_eagerly():
     """Before compiling, after a failed compile, and for more rows than the graphs take: None (eager)."""
     compiled = CompiledDecode.__new__(CompiledDecode)

@@ -35,6 +35,7 @@ import enum
 import logging
 import time
 import types
+import warnings
 from typing import Callable
 
 import torch
@@ -53,6 +54,9 @@ from .direct_graph import DirectGraph
 log = logging.getLogger(__name__)
 
 # Decode batches of more rows run eagerly (a graph for them would be one more compile: rare, large batches).
+# The dynamic graph is traced for 2..MAX_ROWS rows whatever the engine's largest batch: inductor's caches
+# key a graph without its dimensions' ranges, so an engine of another largest batch would load a graph
+# whose guards hold only to that batch (the exported packages of aot_decode.py use the same range).
 MAX_ROWS = 63
 # Graphs compiled for exactly this many rows; a batch of another size runs the graph whose batch
 # dimension is dynamic (padding up costs more than the static shapes save: BENCHMARKS.md, issue 30).
@@ -150,7 +154,7 @@ class CompiledDecode:
                     for size in self.sizes:
                         self._warm_up(size, dynamic=False)
                     if self.dynamic:
-                        self._warm_up(2, dynamic=True)
+                        self._warm_up_dynamic()
             except Exception as e:
                 self.error = f"{type(e).__name__}: {e}"
                 self.state = CompileState.FAILED
@@ -162,14 +166,33 @@ class CompiledDecode:
             raise RuntimeError(f"compiling the CPU decode step failed: {self.error}")
 
     def _warm_up(self, size: int, dynamic: bool) -> None:
-        """Trace and compile the graph for `size` rows (`dynamic`: for any from 2 to `max_rows`) on a
+        """Trace and compile the graph for `size` rows (`dynamic`: for any from 2 to MAX_ROWS) on a
         batch of the null page."""
         ids = torch.zeros(size, dtype=torch.long)
         pos = torch.zeros(size, dtype=torch.long)
         if dynamic:
             for t in (ids, pos):
-                torch._dynamo.mark_dynamic(t, 0, min=2, max=max(3, self.max_rows))
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=MAX_ROWS)
         self._run(ids, pos, self._null_batch(size), size, compiling=dynamic)
+
+    def _warm_up_dynamic(self) -> None:
+        """The dynamic graph's warm-up; once more without inductor's caches where a cached graph's guards
+        narrow the batch range (one that an older build of the step compiled for fewer rows: the caches'
+        keys hold no ranges)."""
+        guards = logging.getLogger("torch._guards")   # logs the violation at ERROR before raising it
+        level = guards.level
+        guards.setLevel(logging.CRITICAL)
+        try:
+            self._warm_up(2, dynamic=True)
+        except Exception as e:
+            if "ConstraintViolationError" not in f"{type(e).__name__}: {e}":
+                raise
+            log.info("inductor's cache holds this decode graph for a narrower batch range; compiling it afresh")
+            with torch._inductor.config.patch(force_disable_caches=True), warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # "dynamo_pgo force disabled": what was asked
+                self._warm_up(2, dynamic=True)
+        finally:
+            guards.setLevel(level)
 
     def _size_for(self, b: int) -> int | None:
         """The static graph a batch of `b` rows runs, or None: the dynamic one."""
@@ -226,8 +249,8 @@ class CompiledDecode:
                 torch._dynamo.mark_dynamic(t, 2, min=MIN_WIDTH, max=1 << 18)
                 torch._dynamo.mark_dynamic(at, 1, min=MIN_WIDTH, max=1 << 18)
                 if compiling:
-                    torch._dynamo.mark_dynamic(t, 1, min=2, max=max(3, self.max_rows))
-                    torch._dynamo.mark_dynamic(at, 0, min=2, max=max(3, self.max_rows))
+                    torch._dynamo.mark_dynamic(t, 1, min=2, max=MAX_ROWS)
+                    torch._dynamo.mark_dynamic(at, 0, min=2, max=MAX_ROWS)
         logits, hidden, new_kv = self._call(key, (input_ids, positions, self.layout.kv, *tables.keys, *tables.state))
         tables.commit(self.layout, new_kv)
         return logits, hidden
