@@ -13,11 +13,11 @@ if TYPE_CHECKING:
     from .engine.llm import LLM
     from .engine.request import CompletionOutput, RequestOutput
     from .engine.sampling_params import SamplingParams
-    from .engine.structured_output import GrammarKind, StructuredOutput
+    from .engine.structured.structured_output import GrammarKind, StructuredOutput
 
 _LAZY = {"LLM": ".engine.llm", "SamplingParams": ".engine.sampling_params", "RequestOutput": ".engine.request",
-         "CompletionOutput": ".engine.request", "StructuredOutput": ".engine.structured_output",
-         "GrammarKind": ".engine.structured_output"}
+         "CompletionOutput": ".engine.request", "StructuredOutput": ".engine.structured.structured_output",
+         "GrammarKind": ".engine.structured.structured_output"}
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StructuredOutput", "GrammarKind",
            "UserInputError"]

@@ -714,7 +714,7 @@ def watch_grammar_drafts(engine, so: dict) -> dict:
     the request's output so far (drafts it forbids are cut before the forward). Counts what it verified
     and what was cut."""
     from gemmaserve.engine.step import DRAFT_TOKEN
-    from gemmaserve.engine.structured_output import StructuredOutput
+    from gemmaserve.engine.structured.structured_output import StructuredOutput
 
     counts = {"verified": 0, "cut": 0}
     run_model = engine.runner.run_model

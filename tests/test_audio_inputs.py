@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from gemmaserve.engine.audio import (AudioLimits, decode_audio_bytes, decode_audio_data_url, decode_input_audio,
+from gemmaserve.engine.media.audio import (AudioLimits, decode_audio_bytes, decode_audio_data_url, decode_input_audio,
                                      load_audio, split_clips)
 from gemmaserve.errors import UserInputError
 from gemmaserve.models.audio_features import AudioFeatureConfig, AudioFeatureExtractor

@@ -1,4 +1,4 @@
-"""Decode steps compiled in the engine's process with torch.compile (engine/compiled_decode.py: what
+"""Decode steps compiled in the engine's process with torch.compile (engine/compile/compiled_decode.py: what
 `--cpu-compile on` runs where the steps cannot be exported as packages, tests/test_aot_decode.py): the
 same bits as the eager step, through the engine's real path, and eager whenever there is no graph (not
 yet compiled, failed, mixed steps)."""
@@ -12,8 +12,8 @@ import torch
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.bench.scoring import score
 from gemmaserve.config.engine import EngineConfig
-from gemmaserve.engine.compiled_decode import CompiledDecode, CompileState, unavailable
-from gemmaserve.engine.direct_graph import DirectGraph
+from gemmaserve.engine.compile.compiled_decode import CompiledDecode, CompileState, unavailable
+from gemmaserve.engine.compile.direct_graph import DirectGraph
 from gemmaserve.models.quant import Int8Kernel, Int8Matmul, int8_rows, quantize_model
 
 from helpers import fresh_seed, ours_from_hf, save_checkpoint, tiny_hf_model
@@ -151,7 +151,7 @@ def test_a_cached_graph_for_fewer_rows_is_compiled_again(monkeypatch, tmp_path):
     2-10 rows (as an older build traced it, for its own largest batch) must not make another engine's
     compile fail. The second compile finds the narrow entry, compiles afresh, and its graph takes 40
     rows; the engine's largest batch no longer changes the range (MAX_ROWS)."""
-    from gemmaserve.engine import compiled_decode
+    from gemmaserve.engine.compile import compiled_decode
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     eager = LLM(str(_small_checkpoint(tmp_path)), dtype="float32", cpu_compile="off", max_num_seqs=10)

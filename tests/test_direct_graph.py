@@ -1,12 +1,12 @@
-"""A compiled graph called without Dynamo (engine/direct_graph.py): its inputs laid out from the call's
+"""A compiled graph called without Dynamo (engine/compile/direct_graph.py): its inputs laid out from the call's
 tensors and the objects the trace held, and its shape guards enforced."""
 
 import pytest
 import torch
 from torch import nn
 
-from gemmaserve.engine.compiled_decode import unavailable
-from gemmaserve.engine.direct_graph import DirectGraph
+from gemmaserve.engine.compile.compiled_decode import unavailable
+from gemmaserve.engine.compile.direct_graph import DirectGraph
 
 from helpers import fresh_seed
 

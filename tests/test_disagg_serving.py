@@ -194,7 +194,7 @@ def test_grammars_penalties_and_seeds_continue_on_the_decode_engine(cluster, sin
     engine sampled."""
     pytest.importorskip("xgrammar")
     from gemmaserve.engine.sampling_params import SamplingParams
-    from gemmaserve.engine.structured_output import StructuredOutput
+    from gemmaserve.engine.structured.structured_output import StructuredOutput
 
     schema = {"type": "object", "properties": {"w": {"enum": ["w1", "w22"]}, "n": {"type": "integer"}},
               "required": ["w", "n"], "additionalProperties": False}

@@ -14,7 +14,7 @@ from gemmaserve import LLM, SamplingParams
 from gemmaserve.attention.base import AttentionMetadata
 from gemmaserve.attention.torch_backend import TorchAttentionBackend
 from gemmaserve.config.engine import EngineConfig
-from gemmaserve.engine.images import ImageLimits, load_image
+from gemmaserve.engine.media.images import ImageLimits, load_image
 from gemmaserve.engine.scheduler import Scheduler
 from gemmaserve.errors import UserInputError
 from gemmaserve.models.base import ModelInputs
@@ -92,7 +92,7 @@ def _hf_logits(hf, ids, pixels):
 
 def _our_logits(model, ids, pixels, chunk, backend=None):
     """Prefill `ids` in chunks of `chunk` tokens, cut by the scheduler's rule (never inside an image)."""
-    from gemmaserve.engine.media import MediaItem, token_spans
+    from gemmaserve.engine.media.items import MediaItem, token_spans
 
     layout = model.image_layout
     items = [MediaItem(s, n, "", p.numpy()) for (s, n), p in zip(token_spans(ids, layout.token_id), pixels)]

@@ -252,7 +252,7 @@ def test_long_audio_is_split_into_clips_and_bad_audio_is_a_clear_error(served, s
     import dataclasses
 
     from gemmaserve import SamplingParams
-    from gemmaserve.engine.audio import AudioLimits
+    from gemmaserve.engine.media.audio import AudioLimits
     from gemmaserve.errors import UserInputError
 
     _, _, _, llm = served
@@ -290,7 +290,7 @@ def test_audio_over_30_s_equals_transformers_clip_by_clip(served, speech):
     clip, and its logits at every position within fp32 rounding (in the engine's chunks of 800), and the engine's
     first greedy token is its argmax. Exactly 30 s is one clip of 750 tokens, transformers' ids and features."""
     from gemmaserve import SamplingParams
-    from gemmaserve.engine.audio import split_clips
+    from gemmaserve.engine.media.audio import split_clips
     from gemmaserve.models.multimodal import Modality
 
     hf, processor, _, llm = served

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gemmaserve import LLM, SamplingParams
-from gemmaserve.engine.video import VideoLimits, decode_video_bytes
+from gemmaserve.engine.media.video import VideoLimits, decode_video_bytes
 
 from helpers import (BOI, EOI, GEMMA4_VISION_VARIANTS as VARIANTS, chunked_prompt_logits, hf_vision_processor,
                      save_gemma4_vision_checkpoint, tiny_hf_gemma4_vision)

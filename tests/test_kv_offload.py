@@ -103,8 +103,8 @@ def test_copy_runs_keep_order_and_never_write_a_page_twice():
 def test_store_copies_in_runs_equal_page_by_page(monkeypatch):
     """The runner's batched copies (a gather per run of store pages) move the same bytes as a copy per page,
     with scattered device pages, broken store runs and runs cut at the staging limit."""
-    from gemmaserve.engine import host_kv_store
-    from gemmaserve.engine.host_kv_store import HostKVStore, _store_runs
+    from gemmaserve.engine.connectors import host_kv_store
+    from gemmaserve.engine.connectors.host_kv_store import HostKVStore, _store_runs
 
     assert _store_runs([5, 2, 9, 4], [0, 1, 3, 4], 2) == [([5, 2], 0, 2), ([9, 4], 3, 2)]
     assert _store_runs([5, 2, 9], [0, 1, 2], 2) == [([5, 2], 0, 2), ([9], 2, 1)]

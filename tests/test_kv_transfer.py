@@ -138,7 +138,7 @@ def _hand_over(prefill, decode, prompt, params, prefill_id, decode_id, transfer_
     """Prefill `prompt` on `prefill` (one token), stage its KV and adopt it on `decode` as `decode_id` (under
     adapter `lora` on both): (staging, the decode handoff, the staged description, the outputs the adoption
     gave)."""
-    from gemmaserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
+    from gemmaserve.engine.connectors.kv_handoff import DecodeHandoff, PrefillHandoff
     from gemmaserve.transfer.torch_runtime import TorchSource
 
     source = TorchSource(torch.device("cpu"))
@@ -157,7 +157,7 @@ def _hand_over(prefill, decode, prompt, params, prefill_id, decode_id, transfer_
 def test_handoff_to_another_manager_and_page_size_gives_the_single_engine_tokens(engines):
     """V2 with scratch (page 4) hands to V1 (page 8): tokens equal a single engine's; no page leaks;
     a reservation whose transfer fails is freed."""
-    from gemmaserve.engine.kv_handoff import NoKVRoom
+    from gemmaserve.engine.connectors.kv_handoff import NoKVRoom
     from gemmaserve.engine.sampling_params import SamplingParams
 
     single, prefill, decode = engines
@@ -240,7 +240,7 @@ def test_a_draft_model_on_both_roles_travels_with_the_target(engines):
 def test_staged_kv_nobody_fetches_is_freed_after_the_timeout(engines):
     import time
 
-    from gemmaserve.engine.kv_handoff import PrefillHandoff
+    from gemmaserve.engine.connectors.kv_handoff import PrefillHandoff
     from gemmaserve.engine.sampling_params import SamplingParams
     from gemmaserve.transfer.torch_runtime import TorchSource
 

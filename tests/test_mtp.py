@@ -445,7 +445,7 @@ def test_config_and_checkpoint_errors_are_clear(pair, tmp_path):
 def test_drafts_the_grammar_forbids_are_cut_before_verification(pair):
     """Structured output: a request carries only drafts its grammar allows after what it has emitted (so
     the target never verifies a forbidden one), and its text is what it is without drafts."""
-    from gemmaserve.engine.structured_output import StructuredOutput
+    from gemmaserve.engine.structured.structured_output import StructuredOutput
 
     _, _, path, drafter_dir, base = pair
     so = {"kind": "regex", "spec": "(ab|cd|aa|bb)+x"}

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from gemmaserve.engine.structured_output import Grammars, StructuredOutput
+from gemmaserve.engine.structured.structured_output import Grammars, StructuredOutput
 from gemmaserve.server.reasoning import ReasoningFormat, ReasoningStream
 
 from helpers import CHANNEL_BEGIN, CHANNEL_END, add_special_tokens, scripted_logits, tiny_gemma4_hf, write_tokenizer

@@ -12,7 +12,7 @@ import pytest
 
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.engine.llm_engine import LLMEngine
-from gemmaserve.engine.structured_output import GrammarKind, StructuredOutput
+from gemmaserve.engine.structured.structured_output import GrammarKind, StructuredOutput
 from gemmaserve.server.background import BackgroundServer
 from gemmaserve.server.config import ServerConfig
 from gemmaserve.server.tools import gemma_arguments

@@ -13,9 +13,9 @@ import torch
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.config.speculative import SpeculativeConfig
-from gemmaserve.engine.proposers import NgramProposer
+from gemmaserve.engine.spec_decode.proposers import NgramProposer
 from gemmaserve.engine.sampler import SamplingState
-from gemmaserve.engine.spec_decode import verify
+from gemmaserve.engine.spec_decode.verify import verify
 from gemmaserve.errors import UserInputError
 
 from helpers import check_grammar_cut, check_warm_rerun, fresh_seed, save_checkpoint, tiny_hf_model

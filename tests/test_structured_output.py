@@ -14,8 +14,8 @@ import pytest
 
 from gemmaserve import LLM
 from gemmaserve.engine.sampling_params import SamplingParams
-from gemmaserve.engine.json_grammar import I_JSON_MAX, bound_numbers
-from gemmaserve.engine.structured_output import GrammarKind, Grammars, StructuredOutput, parse_cli_structured
+from gemmaserve.engine.structured.json_grammar import I_JSON_MAX, bound_numbers
+from gemmaserve.engine.structured.structured_output import GrammarKind, Grammars, StructuredOutput, parse_cli_structured
 from gemmaserve.errors import UserInputError
 
 from helpers import fresh_seed, save_checkpoint, tiny_hf_model

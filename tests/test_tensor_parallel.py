@@ -14,10 +14,10 @@ import torch
 
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.cli import main
-from gemmaserve.engine.media import MediaItem
+from gemmaserve.engine.media.items import MediaItem
 from gemmaserve.models.multimodal import Modality
 from gemmaserve.engine.step import NewRequest, SeqStep, SlotUpdate, StepPlan, TableDelta
-from gemmaserve.engine.structured_output import GrammarKind, StructuredOutput
+from gemmaserve.engine.structured.structured_output import GrammarKind, StructuredOutput
 from gemmaserve.errors import UserInputError
 from gemmaserve.kv.connector import BlockCopy, Direction, KVTransfers
 

@@ -1,6 +1,6 @@
 """A batch's attention behind one custom op, so that a compiled model graph can call it.
 
-A compiled decode step (engine/compiled_decode.py) traces the model once and runs the graph every
+A compiled decode step (engine/compile/compiled_decode.py) traces the model once and runs the graph every
 step, but each step's attention is a different `BatchAttention` with Python plans (pages, masks)
 that must not be traced. The graph instead calls `gemmaserve::batch_attention` with an
 `AttentionHandle`, an opaque reference the runner points at the step's batch before each run:

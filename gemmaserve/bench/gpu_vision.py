@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from PIL.Image import Image
     from transformers import PretrainedConfig
 
-    from ..engine.media import MediaItem
+    from ..engine.media.items import MediaItem
     from ..engine.llm import LLM
 
 GiB = 1 << 30

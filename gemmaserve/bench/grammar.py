@@ -87,7 +87,7 @@ def _xgrammar(tokenizer, vocab: int, rows: list[list[int]]) -> list[dict]:
     import torch
     import xgrammar as xgr
 
-    from ..engine.structured_output import Grammars, StructuredOutput
+    from ..engine.structured.structured_output import Grammars, StructuredOutput
 
     grammars = Grammars(tokenizer, vocab)
     grammars.warm_up(cpu_kernel=True)   # the engine path's CPU kernel is built before anything is timed
@@ -148,7 +148,7 @@ def _llguidance(tokenizer, vocab: int, rows: list[list[int]]) -> dict | None:
 def _engine_rows(llm, batch: int, new_tokens: int) -> dict:
     """Decode tokens/s of `batch` schema-constrained requests against the same number unconstrained."""
     from ..engine.sampling_params import SamplingParams
-    from ..engine.structured_output import StructuredOutput
+    from ..engine.structured.structured_output import StructuredOutput
 
     prompts = [f"Record {i} of the staff directory, as JSON: " for i in range(batch)]
     out = {}

@@ -48,7 +48,7 @@ def _greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 def run(args: argparse.Namespace) -> int:
     from ..config.engine import EngineConfig
-    from ..engine.compiled_decode import unavailable
+    from ..engine.compile.compiled_decode import unavailable
     from ..engine.llm import LLM
     from ..models.loader import load_model, resolve_model
     from .llama_cpp_ref import LlamaCppReference

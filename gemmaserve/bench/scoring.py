@@ -45,14 +45,14 @@ class Scorer:
     """Scores sequences of up to `max_len` tokens through one KV pool (and, `compiled`, one compiled
     decode step, compiled once for every sequence). `chunk`: rows per forward (1 runs the decode
     kernels). `compiled` (chunk 1 only): every step through the compiled decode graph
-    (engine/compiled_decode.py), as the engine runs batch-1 decode once it is compiled; with
+    (engine/compile/compiled_decode.py), as the engine runs batch-1 decode once it is compiled; with
     `kv_manager` "v2" (the engine's for Gemma) its attention is traced into the graph, with "v1" the
     graph calls it through an op."""
 
     def __init__(self, model, max_len: int, chunk: int = 256, page_size: int = 16, compiled: bool = False,
                  kv_manager: str = "v1"):
         from ..attention.torch_backend import TorchAttentionBackend
-        from ..engine.compiled_decode import CompiledDecode
+        from ..engine.compile.compiled_decode import CompiledDecode
         from ..kv.manager_v1 import KVCacheManagerV1
         from ..kv.manager_v2 import KVCacheManagerV2
 

@@ -10,9 +10,9 @@ last n tokens (n from prompt_lookup_max down to prompt_lookup_min), no model nee
 a Gemma 4 target's MTP drafter (a Hugging Face directory of `Gemma4AssistantForCausalLM` or its unified
 twin), which reads the target's KV and last hidden state (models/gemma4_assistant.py). `draft_model`
 drafts with any smaller Gemma whose vocabulary the target's contains (a model name, directory or GGUF
-file), its KV in the target's pool and budget (engine/draft_model.py). The target checks
+file), its KV in the target's pool and budget (engine/spec_decode/draft_model.py). The target checks
 every draft in the same forward and keeps the longest run it agrees with, plus its own next token, so
-the output is what one token per step would give (engine/spec_decode.py).
+the output is what one token per step would give (engine/spec_decode/verify.py).
 
 A step with more running decodes than `disable_by_batch_size` drafts nothing: a bigger batch already
 uses the compute that verification would. The default is the device's, where it was measured to stop

@@ -26,16 +26,16 @@ from ..models.layers import set_batch_invariant
 from ..models.loader import LoadedModel
 from ..models.tensor_parallel import shard_attention_heads
 from ..transfer.runtime import probe as probe_transfer
-from .draft_model import DraftModelDrafter, offset_specs
-from .executor import create_executor
+from .spec_decode.draft_model import DraftModelDrafter, offset_specs
+from .executor.base import create_executor
 from .input_processor import InputProcessor
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
 from .lora import LoRARegistry, LoRASlots, stacked_bytes
-from .mtp import MtpDrafter
+from .spec_decode.mtp import MtpDrafter
 from .output_processor import OutputProcessor
-from .proposers import create_proposer
+from .spec_decode.proposers import create_proposer
 from .scheduler import Scheduler
-from .structured_output import Grammars
+from .structured.structured_output import Grammars
 
 log = logging.getLogger(__name__)
 

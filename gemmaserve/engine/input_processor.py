@@ -15,12 +15,12 @@ from ..errors import UserInputError
 from ..kv.base import KVCacheManager
 from ..models.multimodal import EncoderInput, MediaLayout, Modality
 from ..units import format_bytes
-from .audio import AudioLimits, load_audio, split_clips
-from .images import ImageLimits, load_image
-from .media import MediaInput, MediaItem, expand_prompt, place_media
+from .media.audio import AudioLimits, load_audio, split_clips
+from .media.images import ImageLimits, load_image
+from .media.items import MediaInput, MediaItem, expand_prompt, place_media
 from .sampling_params import SamplingParams
-from .structured_output import Grammars
-from .video import VideoLimits, load_video
+from .structured.structured_output import Grammars
+from .media.video import VideoLimits, load_video
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ import torch
 from ..config.engine import EngineConfig
 from ..errors import UserInputError
 from ..models.loader import LoadedModel
-from .compiled_steps import CompiledDecodeSteps
+from .compile.compiled_steps import CompiledDecodeSteps
 from .factory import EngineInfo, assemble
-from .media import MediaItem
+from .media.items import MediaItem
 from .model_runner import PendingStep
 from .request import FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
@@ -61,7 +61,7 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}    # user id -> its n completions (until all finish)
         self._ids = itertools.count()
         # Called with each computed step before it is committed (its requests' pages still held):
-        # a disaggregated prefill engine copies a finished prompt's KV out here (engine/kv_handoff.py).
+        # a disaggregated prefill engine copies a finished prompt's KV out here (engine/connectors/kv_handoff.py).
         self.step_observers: list[Callable[[StepPlan, StepResult], None]] = []
         self.compiled_steps = CompiledDecodeSteps(config, parts)
         self.compiled_steps.set_up(config.cpu_compile_mode(self.device, bool(self.loaded.weight_formats)))

@@ -39,14 +39,14 @@ from ..models.tensor_parallel import first_kv_head
 from ..transfer.kv_io import assemble, gather_rows, scatter_rows
 from .block_tables import BlockTables
 from ..device import to_device
-from .drafters import Drafter
-from .encoder_cache import EncoderCache
-from .host_kv_store import HostKVStore
+from .spec_decode.drafters import Drafter
+from .media.encoder_cache import EncoderCache
+from .connectors.host_kv_store import HostKVStore
 from .lora import RunnerLoRA
-from .media import MediaItem
+from .media.items import MediaItem
 from .sampler import Sampled, SamplingState, sample
-from .spec_decode import verify
-from .structured_output import Grammars
+from .spec_decode.verify import verify
+from .structured.structured_output import Grammars
 from .step import DEVICE_TOKEN, SeqStep, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class ModelRunner:
         self.lora = RunnerLoRA(model, device, max_loras, max_lora_rank, max_cpu_loras) if max_loras else None
         self.graphs = None
         if cuda_graphs:
-            from .cuda_graphs import DecodeGraphs
+            from .compile.cuda_graphs import DecodeGraphs
 
             extra = speculative_tokens + (drafter.lookback if drafter is not None else 0)
             self.graphs = DecodeGraphs(model, backend, self.kv_cache, layer_slot, groups, max_model_len,
@@ -121,7 +121,7 @@ class ModelRunner:
     def compile_decode(self, required: bool) -> None:
         """Compile decode steps in this process with torch.compile (compiled_decode.py), now. A failure
         raises where `required`, else leaves the steps eager with a warning."""
-        from .compiled_decode import CompiledDecode
+        from .compile.compiled_decode import CompiledDecode
 
         groups, num_pages, max_batch, specs, tokens_per_page = self._compile_args
         self.compiled = CompiledDecode(self.model, self.backend, self.kv_cache, self.layer_slot, groups, num_pages,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..kv.block_hash import HashChain, chain_root
-from .media import MediaItem, hash_token_ids
+from .media.items import MediaItem, hash_token_ids
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:

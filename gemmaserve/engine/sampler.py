@@ -28,7 +28,7 @@ from ..device import to_device
 from ..rowops import row_argmax
 from .request import TokenLogprob
 from .sampling_params import SamplingParams
-from .structured_output import Grammars, GrammarState
+from .structured.structured_output import Grammars, GrammarState
 
 
 @dataclass(eq=False)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..config.options import any_int, number, option, positive_int
 from ..errors import UserInputError
-from .structured_output import StructuredOutput, parse_cli_structured
+from .structured.structured_output import StructuredOutput, parse_cli_structured
 
 MAX_N = 64                # completions per prompt
 MAX_STOP_STRINGS = 16

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from ..kv.base import KVCacheManager
-from .proposers import Proposer
+from .spec_decode.proposers import Proposer
 from .request import FinishReason, Request, RequestStatus
 from .step import DEVICE_TOKEN, NewRequest, SeqStep, SlotUpdate, StepPlan, StepResult, TableDelta
 

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..kv.connector import KVTransfers
-from .media import MediaItem
+from .media.items import MediaItem
 from .request import TokenLogprob
 from .sampling_params import SamplingParams
 

@@ -50,7 +50,7 @@ class HostTier:
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         # A min-heap: the lowest free pages first, so a block's pages and blocks saved together lie in runs
-        # the runner copies at once (engine/host_kv_store.py).
+        # the runner copies at once (engine/connectors/host_kv_store.py).
         self._free = list(range(num_pages))
         self._blocks: OrderedDict[tuple[int, bytes], HostBlock] = OrderedDict()   # least recently used first
         self._pinned: set[tuple[int, bytes]] = set()

@@ -14,7 +14,7 @@ Samples, window, FFT, filters and log in float32: transformers' `Gemma4AudioFeat
 numpy FFT (float32 in, float32 out) and applies the filters and the log in float64; the features differ from its
 by under 1e-6 (its float64 product costs twice ours). The FFT must stay numpy's: torch's, or a float64 one,
 differs by up to 5e-4 where speech is quiet, as the log magnifies the smallest bins.
-A clip longer than `max_samples` (30 s) is not cut here: the caller splits or refuses it (engine/audio.py).
+A clip longer than `max_samples` (30 s) is not cut here: the caller splits or refuses it (engine/media/audio.py).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ fp32 path and llama.cpp: BENCHMARKS.md.) Without VNNI fbgemm's AVX2 kernel can s
 
 fbgemm is entered through plain tensors where it can be (`FbgemmTensors`: VNNI CPUs) and through
 `quantized::linear_dynamic`'s quantized tensors elsewhere (7-bit activations); same products.
-In a compiled decode step (engine/compiled_decode.py) the same kernels run, through custom ops
+In a compiled decode step (engine/compile/compiled_decode.py) the same kernels run, through custom ops
 (`gemmaserve::row_affine`, `gemmaserve::fbgemm_int8_linear` with tensor inputs, or
 `gemmaserve::fbgemm_linear` with the packed object as an opaque reference): the same bits as eager.
 """

@@ -32,7 +32,7 @@ FORMAT = 1
 # What a model computes is in these parts of the package (the model code and its kernels, the KV layout
 # and attention a compiled step reads, the export itself); a change anywhere else (the server, the
 # benchmarks) keeps cached weights and compiled steps valid.
-_COMPUTE_CODE = ("models", "attention", "kv", "rowops.py", "opaque.py", "engine/aot_decode.py")
+_COMPUTE_CODE = ("models", "attention", "kv", "rowops.py", "opaque.py", "engine/compile/aot_decode.py")
 
 
 def code_fingerprint() -> str:

@@ -42,7 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm_engine import LLMEngine
-from ..engine.structured_output import import_libraries
+from ..engine.structured.structured_output import import_libraries
 from ..models.chat_template import ChatFormatter
 from .async_engine import AsyncEngine
 from .config import ServerConfig

@@ -65,19 +65,19 @@ class ServerConfig:
 
     @property
     def audio_limits(self):
-        from ..engine.audio import AudioLimits
+        from ..engine.media.audio import AudioLimits
 
         return AudioLimits(self.max_audio_per_request, self.max_audio_bytes, self.max_audio_seconds)
 
     @property
     def video_limits(self):
-        from ..engine.video import VideoLimits
+        from ..engine.media.video import VideoLimits
 
         return VideoLimits(self.max_videos_per_request, self.max_video_bytes, self.max_video_frames)
 
     @property
     def image_limits(self):
-        from ..engine.images import ImageLimits
+        from ..engine.media.images import ImageLimits
 
         return ImageLimits(self.max_images_per_request, self.max_image_pixels, self.max_image_bytes)
 

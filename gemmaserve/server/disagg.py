@@ -47,7 +47,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
 from ..config.kv_transfer import KVTransferConfig
-from ..engine.kv_handoff import DecodeHandoff, NoKVRoom, PrefillHandoff
+from ..engine.connectors.kv_handoff import DecodeHandoff, NoKVRoom, PrefillHandoff
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import TokenLogprob
 from ..engine.sampling_params import SamplingParams

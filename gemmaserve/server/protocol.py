@@ -16,7 +16,7 @@ from ..engine.request import TokenLogprob
 from ..engine.sampling_params import (
     MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MIN_TOP_P, REPETITION_PENALTY_RANGE, SamplingParams,
 )
-from ..engine.structured_output import GrammarKind, StructuredOutput
+from ..engine.structured.structured_output import GrammarKind, StructuredOutput
 from ..errors import UserInputError
 from ..models.tokenizer import Tokenizer
 

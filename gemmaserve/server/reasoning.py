@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..engine.structured_output import TOOL_CALL_BEGIN
+from ..engine.structured.structured_output import TOOL_CALL_BEGIN
 
 BEGIN, END, LABEL = "<|channel>", "<channel|>", "thought"
 

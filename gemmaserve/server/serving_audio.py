@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from ..engine.audio import decode_audio_bytes, split_clips
+from ..engine.media.audio import decode_audio_bytes, split_clips
 from ..engine.input_processor import LoadedMedia
-from ..engine.media import MediaInput
+from ..engine.media.items import MediaInput
 from ..engine.request import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from ..errors import UserInputError

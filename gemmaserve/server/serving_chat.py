@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..engine.images import decode_data_url, require_data_url
+from ..engine.media.images import decode_data_url, require_data_url
 from ..engine.input_processor import LoadedMedia
 from ..engine.sampling_params import SamplingParams
-from ..engine.structured_output import INSTALL_HINT, TOOL_RESPONSE
+from ..engine.structured.structured_output import INSTALL_HINT, TOOL_RESPONSE
 from ..errors import UserInputError
 from ..models.chat_template import ChatMessage, parse_chat
 from ..models.multimodal import Modality

@@ -24,7 +24,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from ..engine.structured_output import (
+from ..engine.structured.structured_output import (
     TOOL_CALL_BEGIN as CALL_BEGIN, TOOL_CALL_END as CALL_END, TOOL_RESPONSE as RESPONSE_BEGIN,
     TOOL_STRING as STRING_DELIM, GrammarKind, StructuredOutput,
 )

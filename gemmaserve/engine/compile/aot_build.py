@@ -2,7 +2,7 @@
 handle on it.
 
 An engine that finds no packages for its key starts this module as a separate process (`python -m
-gemmaserve.engine.aot_build`), at a lower priority, and keeps serving with eager steps: tracing and
+gemmaserve.engine.compile.aot_build`), at a lower priority, and keeps serving with eager steps: tracing and
 compiling in the engine's own process would stall its steps (tracing holds the GIL). The process
 loads the same model with the same KV options (a small pool: the graphs take the pool's size as an
 input), checks that it computes the same key, builds into the key's directory and exits; the engine
@@ -71,7 +71,7 @@ class BuildJob:
                 continue
             with open(log_path, "w") as out:
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "gemmaserve.engine.aot_build", "--config", json.dumps(config_fields),
+                    [sys.executable, "-m", "gemmaserve.engine.compile.aot_build", "--config", json.dumps(config_fields),
                      "--into", str(directory), "--lock", str(lock)],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             os.write(fd, str(process.pid).encode())
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     os.nice(10)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        from ..config.engine import EngineConfig
-        from .llm_engine import LLMEngine
+        from ...config.engine import EngineConfig
+        from ..llm_engine import LLMEngine
 
         fields = json.loads(args.config) | {"cpu_compile": "off", "kv_cache_memory": BUILD_KV_MEMORY}
         engine = LLMEngine(EngineConfig(**fields))

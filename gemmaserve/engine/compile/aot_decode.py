@@ -38,12 +38,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.base import AttentionMetadata
-from ..attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDecodeAttention
-from ..kv.base import GroupTables
-from ..models.base import ModelInputs
-from ..models.embedded import cache_dir
-from ..models.quant_cache import code_fingerprint
+from ...attention.base import AttentionMetadata
+from ...attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDecodeAttention
+from ...kv.base import GroupTables
+from ...models.base import ModelInputs
+from ...models.embedded import cache_dir
+from ...models.quant_cache import code_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class AotDecode:
     def __init__(self, model: nn.Module, layout: DecodeLayout, directory: Path, max_rows: int):
         """`max_rows`: the most rows the engine's decode batches have (ModelRunner.max_decode_rows: verification
         steps as decode rows included)."""
-        from ..models import cpu_kernels   # the ops' C++ kernels (the packages call them by name)
+        from ...models import cpu_kernels   # the ops' C++ kernels (the packages call them by name)
 
         cpu_kernels.load()
         manifest = json.loads((directory / "manifest.json").read_text())

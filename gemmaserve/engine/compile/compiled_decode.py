@@ -41,14 +41,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .. import opaque
-from ..attention.base import AttentionBackend, AttentionMetadata
-from ..attention.handle import AttentionHandle, HandleAttention
-from ..attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDecodeAttention
-from ..kv.base import GroupTables
-from ..kv.spec import LayerSpec
-from ..models import cpu_kernels
-from ..models.base import ModelInputs
+from ... import opaque
+from ...attention.base import AttentionBackend, AttentionMetadata
+from ...attention.handle import AttentionHandle, HandleAttention
+from ...attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDecodeAttention
+from ...kv.base import GroupTables
+from ...kv.spec import LayerSpec
+from ...models import cpu_kernels
+from ...models.base import ModelInputs
 from .direct_graph import DirectGraph
 
 log = logging.getLogger(__name__)

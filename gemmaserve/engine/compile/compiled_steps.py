@@ -12,10 +12,10 @@ import shutil
 import time
 from pathlib import Path
 
-from ..config.engine import EngineConfig
-from ..errors import UserInputError
+from ...config.engine import EngineConfig
+from ...errors import UserInputError
 from .aot_build import BuildJob
-from .factory import EngineParts
+from ..factory import EngineParts
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ class CompiledDecodeSteps:
     def layout_and_key(self) -> "tuple[object, dict] | str":
         """The KV layout a compiled decode step reads (a DecodeLayout) and the key of its packages
         (aot_decode.py), or why this engine's steps cannot be exported."""
-        from ..attention.traced import DecodeLayout
-        from ..models.quant import Int8Matmul
+        from ...attention.traced import DecodeLayout
+        from ...models.quant import Int8Matmul
         from . import aot_decode
 
         if self.device.type != "cpu" or self.config.tensor_parallel_size > 1:

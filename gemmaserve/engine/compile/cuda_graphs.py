@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..attention.base import AttentionBackend
-from ..models.base import ModelInputs
-from ..models.lora import LoRABatch, LoRAWeights
+from ...attention.base import AttentionBackend
+from ...models.base import ModelInputs
+from ...models.lora import LoRABatch, LoRAWeights
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 

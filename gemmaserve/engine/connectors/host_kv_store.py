@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv.connector import Direction, KVTransfers
+from ...kv.connector import Direction, KVTransfers
 
 
 def arena_pages(kv_cache: list[tuple[torch.Tensor, torch.Tensor]], page_bytes: int) -> torch.Tensor:

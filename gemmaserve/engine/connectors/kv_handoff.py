@@ -31,14 +31,14 @@ import torch
 
 from collections.abc import Callable
 
-from ..errors import UserInputError
-from ..kv.connector import StagedRows
-from ..transfer.kv_io import row_spans, wire_bytes
-from ..transfer.plan import TransferPlan, check_plan, plan_transfer, spec_signature
-from ..transfer.runtime import TransferSource
-from .llm_engine import LLMEngine
-from .request import RequestOutput, TokenLogprob
-from .step import SeqStep, StepPlan, StepResult
+from ...errors import UserInputError
+from ...kv.connector import StagedRows
+from ...transfer.kv_io import row_spans, wire_bytes
+from ...transfer.plan import TransferPlan, check_plan, plan_transfer, spec_signature
+from ...transfer.runtime import TransferSource
+from ..llm_engine import LLMEngine
+from ..request import RequestOutput, TokenLogprob
+from ..step import SeqStep, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 

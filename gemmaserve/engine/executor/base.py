@@ -3,7 +3,7 @@
     LLMEngine --StepPlan--> runner = executor.create_runner(...)
         InProcessExecutor   one ModelRunner in this process                   (tensor_parallel_size 1)
         MultiprocExecutor   rank 0's ModelRunner here + one worker process     (tensor_parallel_size N)
-                            per other rank, each running every plan too         engine/multiproc_executor.py
+                            per other rank, each running every plan too         engine/executor/multiproc.py
 
 The engine asks its executor to load the model (a rank loads its shard), to say what one device's
 KV cache holds per layer (`local_kv_specs`: a rank stores only its KV heads, so pages and budgets are
@@ -18,11 +18,11 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config.engine import EngineConfig
-from ..kv.spec import LayerSpec
-from ..models.loader import LoadedModel, load_model
-from .model_runner import ModelRunner, PendingStep
-from .step import StepPlan, StepResult
+from ...config.engine import EngineConfig
+from ...kv.spec import LayerSpec
+from ...models.loader import LoadedModel, load_model
+from ..model_runner import ModelRunner, PendingStep
+from ..step import StepPlan, StepResult
 
 
 class StepRunner(Protocol):
@@ -70,6 +70,6 @@ def create_executor(config: EngineConfig) -> Executor:
     rank 0's)."""
     if config.tensor_parallel_size == 1:
         return InProcessExecutor(config)
-    from .multiproc_executor import MultiprocExecutor
+    from .multiproc import MultiprocExecutor
 
     return MultiprocExecutor.start(config)

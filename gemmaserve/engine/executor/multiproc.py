@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from ..config.engine import EngineConfig
-from ..errors import UserInputError
-from ..kv.spec import LayerSpec
-from ..models.loader import LoadedModel, check_tensor_parallel, load_model
-from ..models.tensor_parallel import TensorParallelShard, local_kv_heads
-from .model_runner import ModelRunner, PendingStep
-from .step import StepPlan, StepResult
+from ...config.engine import EngineConfig
+from ...errors import UserInputError
+from ...kv.spec import LayerSpec
+from ...models.loader import LoadedModel, check_tensor_parallel, load_model
+from ...models.tensor_parallel import TensorParallelShard, local_kv_heads
+from ..model_runner import ModelRunner, PendingStep
+from ..step import StepPlan, StepResult
 from .tp_worker import COLLECTIVE_TIMEOUT_S, HOST, RunnerSpec, WorkerArgs, join_group, worker_main
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class MultiprocExecutor:
     def shutdown(self) -> None:
         self._finalizer()
 
-    # -- the runner interface (engine/executor.py StepRunner) -----------------------------------------
+    # -- the runner interface (engine/executor/base.py StepRunner) -----------------------------------------
     @property
     def graphs(self):
         return self.runner.graphs

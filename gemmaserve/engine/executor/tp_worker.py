@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from ..config.engine import EngineConfig
-from ..kv.base import KVLayout
-from ..kv.groups import KVGroup
-from ..kv.spec import LayerSpec
-from ..models.tensor_parallel import DistributedCommunicator, TensorParallelShard
+from ...config.engine import EngineConfig
+from ...kv.base import KVLayout
+from ...kv.groups import KVGroup
+from ...kv.spec import LayerSpec
+from ...models.tensor_parallel import DistributedCommunicator, TensorParallelShard
 
 HOST = "127.0.0.1"
 # Collectives run only while every rank computes the same step, so a rank waits on another for at
@@ -103,13 +103,13 @@ def worker_main(args: WorkerArgs, conn) -> None:
 
 
 def _serve(args: WorkerArgs, device: torch.device, comm: DistributedCommunicator, conn) -> None:
-    from ..attention import select_backend
-    from ..models.loader import load_model
-    from .draft_model import DraftModelDrafter
-    from .factory import draft_model, mtp_drafter
-    from .model_runner import ModelRunner
-    from .structured_output import Grammars
-    from .step import StepPlan
+    from ...attention import select_backend
+    from ...models.loader import load_model
+    from ..spec_decode.draft_model import DraftModelDrafter
+    from ..factory import draft_model, mtp_drafter
+    from ..model_runner import ModelRunner
+    from ..structured.structured_output import Grammars
+    from ..step import StepPlan
 
     config = args.config
     dtype = config.torch_dtype(device)

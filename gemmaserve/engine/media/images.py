@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserInputError
+from ...errors import UserInputError
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import UserInputError
-from ..models.multimodal import EncoderInput, MediaLayout, Modality
+from ...errors import UserInputError
+from ...models.multimodal import EncoderInput, MediaLayout, Modality
 
 
 @dataclass

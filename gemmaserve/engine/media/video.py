@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserInputError
+from ...errors import UserInputError
 from .images import base64_bytes, data_url_bytes
 
 

@@ -23,11 +23,11 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..attention.base import AttentionBackend, AttentionMetadata, BatchAttention
-from ..device import to_device
-from ..kv.spec import LayerSpec
-from ..models.base import ModelInputs
-from .step import DRAFT_TOKEN, SeqStep
+from ...attention.base import AttentionBackend, AttentionMetadata, BatchAttention
+from ...device import to_device
+from ...kv.spec import LayerSpec
+from ...models.base import ModelInputs
+from ..step import DRAFT_TOKEN, SeqStep
 
 
 def offset_specs(specs: list[LayerSpec], offset: int) -> list[LayerSpec]:

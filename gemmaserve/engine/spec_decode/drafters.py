@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .step import SeqStep
+from ..step import SeqStep
 
 if TYPE_CHECKING:
-    from .model_runner import ModelRunner
+    from ..model_runner import ModelRunner
 
 
 class Drafter(Protocol):

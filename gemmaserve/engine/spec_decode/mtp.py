@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.base import AttentionBackend, AttentionMetadata
-from ..device import to_device
-from ..kv.base import GroupTables
-from ..models.base import ModelInputs
-from ..models.gemma4_assistant import Gemma4Assistant
-from .step import SeqStep
+from ...attention.base import AttentionBackend, AttentionMetadata
+from ...device import to_device
+from ...kv.base import GroupTables
+from ...models.base import ModelInputs
+from ...models.gemma4_assistant import Gemma4Assistant
+from ..step import SeqStep
 
 
 class MtpDrafter:

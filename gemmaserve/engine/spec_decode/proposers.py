@@ -19,9 +19,9 @@ from typing import Protocol
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..config.speculative import SpeculativeConfig
-from .request import Request
-from .step import DRAFT_TOKEN
+from ...config.speculative import SpeculativeConfig
+from ..request import Request
+from ..step import DRAFT_TOKEN
 
 
 class Proposer(Protocol):

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..device import to_device
-from .request import TokenLogprob
-from .sampler import SamplingState, sample
-from .structured_output import Grammars
+from ...device import to_device
+from ..request import TokenLogprob
+from ..sampler import SamplingState, sample
+from ..structured.structured_output import Grammars
 
 
 @dataclass

@@ -46,14 +46,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UserInputError
+from ...errors import UserInputError
 from .json_grammar import json_ebnf
 
 if TYPE_CHECKING:
     import torch
 
-    from ..models.tokenizer import Tokenizer
-    from .sampler import Sampled
+    from ...models.tokenizer import Tokenizer
+    from ..sampler import Sampled
 
 log = logging.getLogger(__name__)
 
