@@ -16,9 +16,9 @@ os.environ.setdefault("GEMMASERVE_BACKGROUND_COMPILE", "0")
 def pytest_sessionstart(session):
     """The CPU ops' C++ kernels before any test (models/cpu_kernels.py: the norms round their own way;
     every test then sees the one set of kernels a real process runs, whatever the order)."""
-    from gemmaserve.models import cpu_kernels
+    from gemmaserve.models import cpu_library
 
-    cpu_kernels.load()
+    cpu_library.load()
 # Without a GPU, Triton kernels run in its interpreter (numpy): set before any kernel is defined.
 try:
     import torch

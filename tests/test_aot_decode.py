@@ -1,4 +1,4 @@
-"""Decode steps compiled ahead of time (engine/compile/aot_decode.py, aot_build.py): built by a background process
+"""Decode steps compiled ahead of time (engine/compile/aot_decode.py, build_job.py; engine/aot_builder.py): built by a background process
 while the engine steps eagerly, switched to between two steps without changing a running request's
 tokens, kept in the cache directory and loaded in well under a second by later engines; a package
 gives the eager step's logits bit for bit at every batch size it takes."""
@@ -14,7 +14,7 @@ import torch
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.engine.compile import aot_decode
-from gemmaserve.engine.compile.aot_build import BuildJob
+from gemmaserve.engine.compile.build_job import BuildJob
 from gemmaserve.engine.compile.compiled_decode import unavailable
 
 from helpers import save_checkpoint, tiny_hf_model

@@ -44,3 +44,96 @@ def test_the_check_sees_a_violation():
     probe = ROOT / "kv" / "probe.py"
     assert _imports(probe, "from ..models import base\nfrom .spec import LayerSpec\n") == ["models", "kv"]
     assert _imports(probe, "def f():\n    from gemmaserve.engine import llm\n") == ["engine"]
+
+
+# -- modules: no import cycle at run time, counting imports inside functions -------------------------
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.ImportFrom | ast.Import]:
+    """Every import statement at any depth, except those under `if TYPE_CHECKING:` (never run)."""
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for stmt in node.body for n in ast.walk(stmt)}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only]
+
+
+def _module_imports(name: str, path: Path, source: str, modules: set[str]) -> set[str]:
+    """The gemmaserve modules `name` imports (a name imported from a package counts as its module if it is one)."""
+    own = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out = set()
+    for node in _runtime_imports(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            base = ".".join(own[:len(own) - node.level + 1] + (node.module.split(".") if node.module else [])) \
+                if node.level else (node.module or "")
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for t in targets:
+            while t not in modules and "." in t:
+                t = t.rsplit(".", 1)[0]
+            if t in modules and t != name:
+                out.add(t)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan's, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _import_graph(overrides: dict[str, str] | None = None) -> dict[str, set[str]]:
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    sources = {name: path.read_text() for name, path in paths.items()} | (overrides or {})
+    return {name: _module_imports(name, paths.get(name, ROOT / "probe.py"), src, set(paths)) for name, src in sources.items()}
+
+
+def test_no_module_import_cycle_even_through_function_level_imports():
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_cycle_check_sees_one_hidden_in_a_function():
+    """kv/base.py importing, inside a function, a module that imports kv.base makes a cycle."""
+    probe = "def f():\n    from ..engine import scheduler\n"
+    cycles = _cycles(_import_graph({"gemmaserve.kv.base": (ROOT / "kv" / "base.py").read_text() + probe}))
+    assert any({"gemmaserve.kv.base", "gemmaserve.engine.scheduler"} <= set(c) for c in cycles), cycles
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..engine import scheduler\n"
+    assert _cycles(_import_graph({"gemmaserve.kv.base": (ROOT / "kv" / "base.py").read_text() + typing_only})) == []

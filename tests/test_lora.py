@@ -96,10 +96,10 @@ def test_the_cpu_op_keeps_every_row_independent_of_its_batch(rank, dtype):
     other adapters' rows and whatever the threads, and within 1e-5 of the Python kernel's MKL products (rank 13:
     the row loop, its groups of 8, 4 and 1 ranks and its vectors' tails; 40: MKL), with A and B held in fp32 or
     bf16 (engine/lora.py)."""
-    from gemmaserve.models import cpu_kernels
+    from gemmaserve.models import cpu_library
     from gemmaserve.models.lora import LoRABatch, LoRAWeights, SlotWeights, _lora_add
 
-    cpu_kernels.load()
+    cpu_library.load()
     gen = torch.Generator().manual_seed(fresh_seed())
     module = torch.nn.Linear(53, 96)
     weights = LoRAWeights(4)

@@ -150,11 +150,11 @@ def test_a_tiny_models_logits_through_the_stacked_slots_equal_the_host_layouts(t
     from gemmaserve.bench.lora import write_random_adapter
     from gemmaserve.engine.lora import RunnerLoRA, stacked_bytes
     from gemmaserve.engine.step import LoRALoad
-    from gemmaserve.models import cpu_kernels
+    from gemmaserve.models import cpu_library
 
     from helpers import ours_from_hf, paged_logits, tiny_hf_model
 
-    cpu_kernels.load()
+    cpu_library.load()
     seed = fresh_seed()
     model = ours_from_hf(tiny_hf_model(seed, num_hidden_layers=2))
     cpu = torch.device("cpu")

@@ -167,10 +167,10 @@ def test_cpp_kernels_equal_the_python_ones():
     kernels' results exactly: `row_affine` at every width the models use (rotated or not, a constant
     row, a loud one), and the fbgemm op at one row and several. (The Python kernels serve where the
     library cannot be built: the results must not depend on which one ran.)"""
-    from gemmaserve.models import cpu_kernels
+    from gemmaserve.models import cpu_kernels, cpu_library
     from gemmaserve.models.quant import _fbgemm_int8_product
 
-    assert cpu_kernels.load() is None   # built with inductor's toolchain (compiled decode needs it too)
+    assert cpu_library.load() is None   # built with inductor's toolchain (compiled decode needs it too)
     for op in ("row_affine", "fbgemm_int8_linear"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gemmaserve::{op}", "CPU"), op
     gen = torch.Generator().manual_seed(fresh_seed())

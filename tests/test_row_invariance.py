@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.attention.blockwise import KEY_BLOCK, attend, attend_reference, block_span
 from gemmaserve.config.engine import EngineConfig
-from gemmaserve.models import cpu_kernels, cpu_products, fused_ops, layers
+from gemmaserve.models import cpu_library, cpu_products, fused_ops, layers
 from gemmaserve.models.fused_ops import NormKind
 from gemmaserve.models.quant import Int8Kernel
 
@@ -69,7 +69,7 @@ def test_products_sum_in_their_documented_order():
     """cpu_products.py's promise, checked exactly (fused multiply-adds emulated with fractions): each output
     is the documented sum, so it depends on its row and column only, on every host class (AVX-512, AVX2,
     NEON and scalar code all round a fused multiply-add once). linear, int4 and int8 weights, rows_dot."""
-    assert cpu_kernels.load() is None
+    assert cpu_library.load() is None
     gen = torch.Generator().manual_seed(fresh_seed())
     for k in (37, 64):   # a tail past the lanes, and none
         x, w = torch.randn(3, k, generator=gen), torch.randn(5, k, generator=gen)
@@ -101,7 +101,7 @@ def test_products_rows_do_not_depend_on_the_batch(k, n):
     product, and the quantised layers' fbgemm product."""
     from gemmaserve.models.quant import FbgemmTensors, Int8Matmul, Rotation, int8_rows
 
-    assert cpu_kernels.load() is None
+    assert cpu_library.load() is None
     gen = torch.Generator().manual_seed(fresh_seed())
     ops = torch.ops.gemmaserve
     w, x = torch.randn(n, k, generator=gen), torch.randn(70, k, generator=gen)
@@ -137,7 +137,7 @@ def test_the_start_up_check_names_a_kernel_whose_rows_follow_the_batch():
     BLAS's unpadded product where this host's BLAS rounds a lone row otherwise."""
     from gemmaserve.models import cpu_invariance
 
-    assert cpu_kernels.load() is None
+    assert cpu_library.load() is None
     assert cpu_invariance.findings(fresh_seed()) == []
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(fresh_seed()))
     found = cpu_invariance.findings(kernels={"ok": lambda v: torch.ops.gemmaserve.linear(v, w),
@@ -155,7 +155,7 @@ def test_cpp_kernels_agree_with_their_python_kernels():
     (the engine switches to the C++ ones when the library is built, mid-run; a compiled graph calls the C++
     ones); the norms and the products (cpu_products.py) round their own way: close to their Python kernels
     (the fallback), and row by row."""
-    assert cpu_kernels.load() is None
+    assert cpu_library.load() is None
     gen = torch.Generator().manual_seed(fresh_seed())
     x = torch.randn(7, 4, 32, generator=gen) * 3
     for w in (None, torch.randn(32, generator=gen)):

@@ -23,7 +23,7 @@ a C++ kernel here, registered for the CPU dispatch key, which the dispatcher pre
   argument, not a tensor constant).
 * `rms_norm`, `add_rms_norm` (fused_ops.py): one pass per row in C++, with roundings of their own (a
   sum in 16 lanes); the Python kernels are ATen's composite norm, ~17 us a call. A process runs one or
-  the other for every step: `load()` comes before the first.
+  the other for every step: `cpu_library.load()` comes before the first.
 * `gelu_mul`, `rope_tables`, `softcap`, `attend`, `rows_dot` (fused_ops.py, layers.py,
   attention/blockwise.py, quant.py): the C++ kernel makes its Python kernel's ATen calls in the same
   order, so the same bits.
@@ -38,7 +38,6 @@ kernels serve: the same results but for the norms' last bits.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -437,26 +436,3 @@ def _(x: torch.Tensor, a_t: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
 
 OPS = ("fbgemm_int8_linear", "int8_linear", "row_affine", "rms_norm", "add_rms_norm", "gelu_mul", "rope_tables",
        "softcap", "attend", "rows_dot", "int4_mm", "int8_mm", "linear", "grouped_linear", "lora_add")
-
-
-@functools.cache   # once per process: the registration is the process's
-def load() -> str | None:
-    """Build (or find in inductor's cache) and load the kernels. None once they serve the ops' CPU
-    calls, else why they do not (the Python kernels then serve, with the same results)."""
-    from ..attention import blockwise   # defines gemmaserve::attend
-    from . import cpu_products, fused_ops, layers, lora, moe, quant   # the others
-
-    del blockwise, fused_ops, layers, lora, moe, quant
-    try:
-        from torch._inductor.codecache import CppCodeCache
-
-        class _Build(CppCodeCache):   # a shared library that links PyTorch
-            cache: dict = {}
-            cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
-
-        _Build.load(SOURCE.replace("@PRODUCTS@", cpu_products.SOURCE).replace("@LORA_LOOP_RANK@", str(LORA_LOOP_RANK)))
-    except Exception as e:   # no compiler, no headers: the Python kernels stay
-        return f"{type(e).__name__}: {e}"
-    if not all(torch._C._dispatch_has_kernel_for_dispatch_key(f"gemmaserve::{op}", "CPU") for op in OPS):
-        return "the library loaded without registering its kernels"
-    return None

@@ -82,10 +82,10 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
     if shard is not None:
         parallelize(model, model.tensor_parallel_plan)
     if device.type == "cpu":   # before any step: a process computes its norms one way only (cpu_kernels.py)
-        from . import cpu_kernels
+        from . import cpu_library
 
         t = time.perf_counter()
-        why = cpu_kernels.load()
+        why = cpu_library.load()
         if why is not None:
             log.info("CPU ops run their Python kernels: %s", why)
         elif time.perf_counter() - t > 1:

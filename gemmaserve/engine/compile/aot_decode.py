@@ -3,7 +3,7 @@
 compiled_decode.py compiles the decode step in the engine's own process with torch.compile: minutes
 the first time on a small CPU, and ~25 s of tracing on every later start, during which the engine
 cannot step (tracing holds the GIL). Here the same step is exported and compiled once per model,
-weights format, KV layout and machine, by a separate process (aot_build.py), into AOTInductor
+weights format, KV layout and machine, by a separate process (engine/aot_builder.py), into AOTInductor
 packages that hold code and no weights:
 
     build   torch.export the step (DecodeStep: the model with the traced decode attention of
@@ -228,9 +228,9 @@ class AotDecode:
     def __init__(self, model: nn.Module, layout: DecodeLayout, directory: Path, max_rows: int):
         """`max_rows`: the most rows the engine's decode batches have (ModelRunner.max_decode_rows: verification
         steps as decode rows included)."""
-        from ...models import cpu_kernels   # the ops' C++ kernels (the packages call them by name)
+        from ...models import cpu_library   # the ops' C++ kernels (the packages call them by name)
 
-        cpu_kernels.load()
+        cpu_library.load()
         manifest = json.loads((directory / "manifest.json").read_text())
         live = tensor_paths(DecodeStep(model, layout))
         self.layout = layout

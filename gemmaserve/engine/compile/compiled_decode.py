@@ -47,7 +47,7 @@ from ...attention.handle import AttentionHandle, HandleAttention
 from ...attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDecodeAttention
 from ...kv.base import GroupTables
 from ...kv.spec import LayerSpec
-from ...models import cpu_kernels
+from ...models import cpu_library
 from ...models.base import ModelInputs
 from .direct_graph import DirectGraph
 
@@ -146,7 +146,7 @@ class CompiledDecode:
                      "seconds once inductor's cache holds them; --cpu-compile off skips it",
                      len(self.sizes) + self.dynamic, self.attention_path)
             start = time.perf_counter()
-            why = cpu_kernels.load()   # before tracing: the graphs then call the ops' C++ kernels
+            why = cpu_library.load()   # before tracing: the graphs then call the ops' C++ kernels
             if why is not None:
                 log.info("compiled steps call the CPU ops' Python kernels: %s", why)
             try:

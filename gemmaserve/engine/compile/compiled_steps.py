@@ -1,5 +1,5 @@
 """Compiled CPU decode steps over an engine's life: loaded from the cache directory if they are there,
-else built by a background process (aot_build.py) while the engine steps eagerly, and switched to
+else built by a background process (build_job.py, aot_builder.py) while the engine steps eagerly, and switched to
 between two steps once built (`poll`). `state` is what `EngineInfo.cpu_compile` reports: off,
 unavailable, building, ready or failed (eager).
 """
@@ -14,12 +14,12 @@ from pathlib import Path
 
 from ...config.engine import EngineConfig
 from ...errors import UserInputError
-from .aot_build import BuildJob
+from .build_job import BuildJob
 from ..factory import EngineParts
 
 log = logging.getLogger(__name__)
 
-# The options a compiled decode step depends on, which a background build is given (aot_build.py).
+# The options a compiled decode step depends on, which a background build is given (build_job.py, aot_builder.py).
 _BUILD_FIELDS = ("model", "dtype", "kv_cache_dtype", "kv_cache_manager", "page_size", "swa_scratch_reuse",
                  "attention_backend", "max_model_len")
 

@@ -106,7 +106,7 @@ def _serve(args: WorkerArgs, device: torch.device, comm: DistributedCommunicator
     from ...attention import select_backend
     from ...models.loader import load_model
     from ..spec_decode.draft_model import DraftModelDrafter
-    from ..factory import draft_model, mtp_drafter
+    from ..spec_decode.build import draft_model, mtp_drafter
     from ..model_runner import ModelRunner
     from ..structured.structured_output import Grammars
     from ..step import StepPlan

@@ -1,19 +1,16 @@
-"""The process that builds the ahead-of-time compiled decode steps (aot_decode.py), and the engine's
-handle on it.
+"""An engine's handle on the process that builds its ahead-of-time compiled decode steps (aot_decode.py).
 
-An engine that finds no packages for its key starts this module as a separate process (`python -m
-gemmaserve.engine.compile.aot_build`), at a lower priority, and keeps serving with eager steps: tracing and
-compiling in the engine's own process would stall its steps (tracing holds the GIL). The process
-loads the same model with the same KV options (a small pool: the graphs take the pool's size as an
-input), checks that it computes the same key, builds into the key's directory and exits; the engine
-sees that between two steps (`BuildJob.poll`) and switches. A lock file keeps two engines of one key
-(a server and a `generate`) from building twice; the later one waits for the first one's build. The
-process outlives a one-shot `generate` that started it, so the next start finds the packages.
+An engine that finds no packages for its key starts the builder as a separate process (`python -m
+gemmaserve.engine.aot_builder`, which assembles an engine of its own), at a lower priority, and keeps
+serving with eager steps: tracing and compiling in the engine's own process would stall its steps
+(tracing holds the GIL). The engine sees the build end between two steps (`BuildJob.poll`) and
+switches. A lock file keeps two engines of one key (a server and a `generate`) from building twice;
+the later one waits for the first one's build. The process outlives a one-shot `generate` that
+started it, so the next start finds the packages.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -25,7 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-BUILD_KV_MEMORY = 64 << 20   # the builder's KV pool: any size serves (it is a graph input)
+BUILDER = "gemmaserve.engine.aot_builder"   # the builder process's module (it imports the engine: this does not)
 
 
 def _alive(pid: int) -> bool:
@@ -71,7 +68,7 @@ class BuildJob:
                 continue
             with open(log_path, "w") as out:
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "gemmaserve.engine.compile.aot_build", "--config", json.dumps(config_fields),
+                    [sys.executable, "-m", BUILDER, "--config", json.dumps(config_fields),
                      "--into", str(directory), "--lock", str(lock)],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             os.write(fd, str(process.pid).encode())
@@ -104,40 +101,3 @@ class BuildJob:
         except OSError:
             return ""
         return lines[-1] if lines else ""
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="build the compiled CPU decode steps of one engine configuration")
-    parser.add_argument("--config", required=True, help="the engine's options (JSON)")
-    parser.add_argument("--into", required=True, help="the store directory its key names")
-    parser.add_argument("--lock", help="the lock file to remove when done")
-    args = parser.parse_args(argv)
-    # Lower priority here rather than in a preexec_fn: that would make the engine fork (copying its page tables,
-    # ENOMEM for a large engine process under the kernel's overcommit heuristic) instead of vfork and exec.
-    os.nice(10)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        from ...config.engine import EngineConfig
-        from ..llm_engine import LLMEngine
-
-        fields = json.loads(args.config) | {"cpu_compile": "off", "kv_cache_memory": BUILD_KV_MEMORY}
-        engine = LLMEngine(EngineConfig(**fields))
-        directory = engine.compiled_steps.store()
-        if directory is None or directory != Path(args.into):
-            raise RuntimeError(f"this configuration's packages belong in {directory}, not {args.into}")
-        from . import aot_decode
-
-        layout, key = engine.compiled_steps.layout_and_key()
-        aot_decode.build(engine.model, layout, key, directory)
-        log.info("built the compiled decode steps into %s", directory)
-        return 0
-    except Exception:
-        log.exception("building the compiled decode steps failed")
-        return 1
-    finally:
-        if args.lock:
-            Path(args.lock).unlink(missing_ok=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

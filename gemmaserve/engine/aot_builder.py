@@ -1,0 +1,57 @@
+"""The process that builds an engine configuration's ahead-of-time compiled decode steps:
+`python -m gemmaserve.engine.aot_builder --config JSON --into DIR [--lock FILE]`.
+
+Started by an engine that found no packages for its key (compile/build_job.py holds the engine's handle
+on it). It assembles an engine of the same model and KV options (a small pool: the graphs take the pool's
+size as an input), checks that it computes the same key, builds into the key's directory
+(compile/aot_decode.py) and exits. It sits beside llm_engine.py, above the compile/ room it drives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ..config.engine import EngineConfig
+from .compile import aot_decode
+from .llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+BUILD_KV_MEMORY = 64 << 20   # the builder's KV pool: any size serves (it is a graph input)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="build the compiled CPU decode steps of one engine configuration")
+    parser.add_argument("--config", required=True, help="the engine's options (JSON)")
+    parser.add_argument("--into", required=True, help="the store directory its key names")
+    parser.add_argument("--lock", help="the lock file to remove when done")
+    args = parser.parse_args(argv)
+    # Lower priority here rather than in a preexec_fn: that would make the engine fork (copying its page tables,
+    # ENOMEM for a large engine process under the kernel's overcommit heuristic) instead of vfork and exec.
+    os.nice(10)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        fields = json.loads(args.config) | {"cpu_compile": "off", "kv_cache_memory": BUILD_KV_MEMORY}
+        engine = LLMEngine(EngineConfig(**fields))
+        directory = engine.compiled_steps.store()
+        if directory is None or directory != Path(args.into):
+            raise RuntimeError(f"this configuration's packages belong in {directory}, not {args.into}")
+        layout, key = engine.compiled_steps.layout_and_key()
+        aot_decode.build(engine.model, layout, key, directory)
+        log.info("built the compiled decode steps into %s", directory)
+        return 0
+    except Exception:
+        log.exception("building the compiled decode steps failed")
+        return 1
+    finally:
+        if args.lock:
+            Path(args.lock).unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
