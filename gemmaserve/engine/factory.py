@@ -26,6 +26,7 @@ from .executor.base import create_executor
 from .input_processor import InputProcessor
 from .kv_calibration import calibrate_kv_scales, calibration_tokens
 from .lora import LoRARegistry, LoRASlots, stacked_bytes
+from .model_runner import RunnerKV, RunnerOptions
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler
 from .spec_decode.build import draft_model, mtp_drafter
@@ -160,16 +161,16 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     suppressed = sorted(t for t in tokenizer.media_token_ids if t < model.vocab_size) if suppress else []
     grammars = Grammars(tokenizer, model.vocab_size)   # built on first use
     spec = config.speculative_config.for_device(device.type) if config.speculative_config else None
-    runner = executor.create_runner(model, backend, kv.layout, kv.groups, kv.layer_slot, specs, device,
-                                    cuda_graphs=use_graphs, max_model_len=max_model_len,
-                                    max_batch=config.max_num_seqs, encoder_cache_bytes=config.encoder_cache_memory,
-                                    suppress_token_ids=suppressed, grammars=grammars, drafter=drafter,
-                                    speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                                    speculative_batch=spec.disable_by_batch_size if spec else 0,
-                                    max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                                    max_cpu_loras=config.max_cpu_loras or max(config.max_loras,
-                                                                              len(config.lora_modules or {})),
-                                    host_kv_pages=kv.tier.num_pages if kv.tier is not None else 0)
+    runner_kv = RunnerKV(kv.layout, kv.groups, kv.layer_slot, specs,
+                         host_kv_pages=kv.tier.num_pages if kv.tier is not None else 0)
+    options = RunnerOptions(
+        max_model_len=max_model_len, max_batch=config.max_num_seqs, cuda_graphs=use_graphs,
+        encoder_cache_bytes=config.encoder_cache_memory, suppress_token_ids=tuple(suppressed),
+        speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        speculative_batch=spec.disable_by_batch_size if spec else 0, max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras or max(config.max_loras, len(config.lora_modules or {})))
+    runner = executor.create_runner(model, backend, device, runner_kv, options, grammars, drafter)
     async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
     info = EngineInfo(
         model=config.model, device=str(device), dtype=str(dtype).removeprefix("torch."),

@@ -58,22 +58,49 @@ class Forward(NamedTuple):
     seqs: list[SeqStep]           # the sequences as they ran (drafts a grammar forbids cut)
 
 
+@dataclass(frozen=True)
+class RunnerKV:
+    """The KV cache the scheduler's manager laid out, which every rank's runner allocates the same way."""
+
+    layout: KVLayout
+    groups: tuple[KVGroup, ...]
+    layer_slot: tuple[tuple[int, int], ...]   # layer -> (group, slot in the group's pages)
+    specs: list[LayerSpec]
+    host_kv_pages: int = 0   # pages of a host-memory tier that plans copy to and from (host_kv_store.py)
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How a runner runs its steps: plain values, the same on every tensor-parallel rank.
+
+    `suppress_token_ids`: never sampled (their logits become -inf before the sampler). `cpu_compile`:
+    decode steps through torch.compile (compiled_decode.py), compiled at construction: "required" raises
+    if that fails, "try" warns and stays eager, "off" never compiles. `speculative_tokens`: drafts a step
+    may verify for each of up to `speculative_batch` sequences (CUDA graphs replay such steps as decode
+    rows: that many more rows, and keys per sliding table). `max_loras`: device slots for LoRA adapters,
+    filled as plans say (`max_cpu_loras` kept read on the host)."""
+
+    max_model_len: int = 0
+    max_batch: int = 0
+    cuda_graphs: bool = False
+    cpu_compile: str = "off"
+    encoder_cache_bytes: int = 256 * 2**20
+    suppress_token_ids: tuple[int, ...] = ()
+    speculative_tokens: int = 0
+    speculative_batch: int = 0
+    max_loras: int = 0
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 1
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, backend: AttentionBackend, layout: KVLayout, groups: tuple[KVGroup, ...],
-                 layer_slot: tuple[tuple[int, int], ...], specs: list[LayerSpec], device: torch.device,
-                 cuda_graphs: bool = False, max_model_len: int = 0, max_batch: int = 0,
-                 encoder_cache_bytes: int = 256 * 2**20, suppress_token_ids: list[int] | None = None,
-                 grammars: Grammars | None = None, cpu_compile: str = "off", drafter: "Drafter | None" = None,
-                 speculative_tokens: int = 0, speculative_batch: int = 0, max_loras: int = 0,
-                 max_lora_rank: int = 64, max_cpu_loras: int = 1, host_kv_pages: int = 0):
-        """`suppress_token_ids`: never sampled (their logits become -inf before the sampler).
-        `grammars`: matchers for requests with structured output. `cpu_compile`: decode steps through
-        torch.compile (compiled_decode.py), compiled here: "required" raises if that fails, "try" warns
-        and stays eager, "off" never compiles. `drafter`: drafts for speculative steps (drafters.py);
-        `speculative_tokens`: drafts a step may verify for each of up to `speculative_batch` sequences (CUDA
-        graphs replay such steps as decode rows: that many more rows, and keys per sliding table).
-        `max_loras`: device slots for LoRA adapters, filled as plans say (`max_cpu_loras` kept read on the host).
-        `host_kv_pages`: pages of a host-memory KV tier that plans copy to and from (host_kv_store.py)."""
+    def __init__(self, model: nn.Module, backend: AttentionBackend, device: torch.device, kv: RunnerKV,
+                 options: RunnerOptions = RunnerOptions(), grammars: Grammars | None = None,
+                 drafter: "Drafter | None" = None):
+        """`grammars`: matchers for requests with structured output (each rank builds its own from its
+        tokenizer). `drafter`: drafts for speculative steps (drafters.py; each rank's reads its own KV heads)."""
+        layout, groups, layer_slot, specs = kv.layout, kv.groups, kv.layer_slot, kv.specs
+        max_batch, max_model_len = options.max_batch, options.max_model_len
         self.model = model
         self.drafter = drafter
         self.backend = backend
@@ -82,7 +109,7 @@ class ModelRunner:
         # One page more than the manager hands out: the null page that CUDA-graph padding rows use.
         self.kv_cache = backend.allocate_kv_cache(specs, dataclasses.replace(layout, num_pages=layout.num_pages + 1),
                                                   device)
-        self.host_kv = HostKVStore(self.kv_cache, layout.page_bytes, host_kv_pages) if host_kv_pages else None
+        self.host_kv = HostKVStore(self.kv_cache, layout.page_bytes, kv.host_kv_pages) if kv.host_kv_pages else None
         tp_plan = getattr(model, "tensor_parallel_plan", None)
         self.shard = tp_plan.shard if tp_plan is not None and tp_plan.shard.world_size > 1 else None
         # Disaggregated handoffs (transfer/kv_io.py), on rank 0: wire buffers the next plan loads (decode), and
@@ -92,7 +119,8 @@ class ModelRunner:
         self._saved_step = -1
         self.tables = BlockTables(groups, max(1, max_batch), max_model_len or 1,
                                   layout.num_pages + 1 if layout.identity_slots else None, device)
-        self.suppressed = to_device(suppress_token_ids, torch.long, device) if suppress_token_ids else None
+        suppressed = list(options.suppress_token_ids)
+        self.suppressed = to_device(suppressed, torch.long, device) if suppressed else None
         self.grammars = grammars
         self.sampling: dict[str, SamplingState] = {}
         self._last_sampled: dict[str, tuple[torch.Tensor, int]] = {}   # request -> (ids of its last step, row)
@@ -100,32 +128,35 @@ class ModelRunner:
         self.media: dict[str, list[MediaItem]] = {}
         # The most rows a decode batch given to graphs or compiled steps has: a verification step runs as one
         # decode row per token.
-        self.max_decode_rows = max(max_batch, min(max_batch, speculative_batch) * (1 + speculative_tokens))
-        self.encoder_cache = EncoderCache(encoder_cache_bytes)
-        self.lora = RunnerLoRA(model, device, max_loras, max_lora_rank, max_cpu_loras) if max_loras else None
+        verified = min(max_batch, options.speculative_batch) * (1 + options.speculative_tokens)
+        self.max_decode_rows = max(max_batch, verified)
+        self.encoder_cache = EncoderCache(options.encoder_cache_bytes)
+        self.lora = (RunnerLoRA(model, device, options.max_loras, options.max_lora_rank, options.max_cpu_loras)
+                     if options.max_loras else None)
         self.graphs = None
-        if cuda_graphs:
+        if options.cuda_graphs:
             from .compile.cuda_graphs import DecodeGraphs
 
-            extra = speculative_tokens + (drafter.lookback if drafter is not None else 0)
+            extra = options.speculative_tokens + (drafter.lookback if drafter is not None else 0)
             self.graphs = DecodeGraphs(model, backend, self.kv_cache, layer_slot, groups, max_model_len,
                                        layout.num_pages, self.max_decode_rows, device, extra)
             self.graphs.capture_all()
         # Compiled decode steps (a CompiledDecode or an AotDecode: `run` gives a decode batch's logits, or
         # None to run it eagerly), set now or between steps by the engine (`use_compiled`).
         self.compiled = None
-        self._compile_args = (groups, layout.num_pages, max(1, self.max_decode_rows), specs, layout.tokens_per_page)
-        if cpu_compile != "off":
-            self.compile_decode(required=cpu_compile == "required")
+        self._kv = kv
+        if options.cpu_compile != "off":
+            self.compile_decode(required=options.cpu_compile == "required")
 
     def compile_decode(self, required: bool) -> None:
         """Compile decode steps in this process with torch.compile (compiled_decode.py), now. A failure
         raises where `required`, else leaves the steps eager with a warning."""
         from .compile.compiled_decode import CompiledDecode
 
-        groups, num_pages, max_batch, specs, tokens_per_page = self._compile_args
-        self.compiled = CompiledDecode(self.model, self.backend, self.kv_cache, self.layer_slot, groups, num_pages,
-                                       max_batch, specs, tokens_per_page)
+        kv = self._kv
+        self.compiled = CompiledDecode(self.model, self.backend, self.kv_cache, self.layer_slot, kv.groups,
+                                       kv.layout.num_pages, max(1, self.max_decode_rows), kv.specs,
+                                       kv.layout.tokens_per_page)
         try:
             self.compiled.compile()
         except RuntimeError as e:

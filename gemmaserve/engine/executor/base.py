@@ -17,12 +17,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
+from ...attention.base import AttentionBackend
 from ...config.engine import EngineConfig
 from ...kv.spec import LayerSpec
 from ...models.loader import LoadedModel, load_model
-from ..model_runner import ModelRunner, PendingStep
+from ..model_runner import ModelRunner, PendingStep, RunnerKV, RunnerOptions
+from ..spec_decode.drafters import Drafter
 from ..step import StepPlan, StepResult
+from ..structured.structured_output import Grammars
 
 
 class StepRunner(Protocol):
@@ -42,8 +46,10 @@ class Executor(Protocol):
 
     def local_kv_specs(self, specs: list[LayerSpec]) -> list[LayerSpec]: ...
 
-    def create_runner(self, *args: Any, **kwargs: Any) -> StepRunner:
-        """ModelRunner's arguments."""
+    def create_runner(self, model: nn.Module, backend: AttentionBackend, device: torch.device, kv: RunnerKV,
+                      options: RunnerOptions, grammars: Grammars | None, drafter: Drafter | None) -> StepRunner:
+        """ModelRunner's arguments (the rank's own model shard, backend, grammars and drafter; the KV layout
+        and options are every rank's)."""
 
     def shutdown(self) -> None: ...
 
@@ -58,8 +64,9 @@ class InProcessExecutor:
     def local_kv_specs(self, specs: list[LayerSpec]) -> list[LayerSpec]:
         return specs
 
-    def create_runner(self, *args: Any, **kwargs: Any) -> ModelRunner:
-        return ModelRunner(*args, **kwargs)
+    def create_runner(self, model: nn.Module, backend: AttentionBackend, device: torch.device, kv: RunnerKV,
+                      options: RunnerOptions, grammars: Grammars | None, drafter: Drafter | None) -> ModelRunner:
+        return ModelRunner(model, backend, device, kv, options, grammars, drafter)
 
     def shutdown(self) -> None:
         pass

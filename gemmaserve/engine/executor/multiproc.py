@@ -25,17 +25,20 @@ import pickle
 import time
 import weakref
 from datetime import timedelta
-from typing import Any
 
 import torch
+from torch import nn
 
+from ...attention.base import AttentionBackend
 from ...config.engine import EngineConfig
 from ...errors import UserInputError
 from ...kv.spec import LayerSpec
 from ...models.loader import LoadedModel, check_tensor_parallel, load_model
 from ...models.tensor_parallel import TensorParallelShard, local_kv_heads
-from ..model_runner import ModelRunner, PendingStep
+from ..model_runner import ModelRunner, PendingStep, RunnerKV, RunnerOptions
+from ..spec_decode.drafters import Drafter
 from ..step import StepPlan, StepResult
+from ..structured.structured_output import Grammars
 from .tp_worker import COLLECTIVE_TIMEOUT_S, HOST, RunnerSpec, WorkerArgs, join_group, worker_main
 
 log = logging.getLogger(__name__)
@@ -109,10 +112,11 @@ class MultiprocExecutor:
     def local_kv_specs(self, specs: list[LayerSpec]) -> list[LayerSpec]:
         return [dataclasses.replace(s, num_kv_heads=local_kv_heads(s.num_kv_heads, self.world_size)) for s in specs]
 
-    def create_runner(self, model, backend, layout, groups, layer_slot, specs, device, **options: Any
+    def create_runner(self, model: nn.Module, backend: AttentionBackend, device: torch.device, kv: RunnerKV,
+                      options: RunnerOptions, grammars: Grammars | None, drafter: Drafter | None
                       ) -> "MultiprocExecutor":
-        """Rank 0's runner here, every worker's from the same layout; returns the runner the engine
-        drives (this executor: each call goes to every rank)."""
+        """Rank 0's runner here, every worker's from the same layout and options; returns the runner the
+        engine drives (this executor: each call goes to every rank)."""
         plan = getattr(model, "tensor_parallel_plan", None)
         if plan is None or plan.shard.world_size != self.world_size:
             raise UserInputError("tensor parallelism needs weights loaded by its own executor (reusing another "
@@ -120,12 +124,10 @@ class MultiprocExecutor:
         self._expect("loaded")
         # Each worker builds its own grammars from its own tokenizer (every rank samples the same way), and
         # its own drafter (an MTP drafter's attention reads that rank's KV heads).
-        spec = RunnerSpec(backend.capabilities.name, layout, groups, layer_slot, specs,
-                          {k: v for k, v in options.items() if k not in ("grammars", "drafter")})
+        spec = RunnerSpec(backend.capabilities.name, kv, options)
         for conn in self.conns:
             conn.send(spec)
-        self.runner = self._guard(lambda: ModelRunner(model, backend, layout, groups, layer_slot, specs, device,
-                                                      **options))
+        self.runner = self._guard(lambda: ModelRunner(model, backend, device, kv, options, grammars, drafter))
         self._expect("ready")
         return self
 

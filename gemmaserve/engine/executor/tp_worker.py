@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import pickle
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 
 from ...config.engine import EngineConfig
-from ...kv.base import KVLayout
-from ...kv.groups import KVGroup
-from ...kv.spec import LayerSpec
 from ...models.tensor_parallel import DistributedCommunicator, TensorParallelShard
+from ..model_runner import RunnerKV, RunnerOptions
 
 HOST = "127.0.0.1"
 # Collectives run only while every rank computes the same step, so a rank waits on another for at
@@ -50,14 +47,12 @@ class WorkerArgs:
 
 @dataclass(frozen=True)
 class RunnerSpec:
-    """What rank 0 decided that every rank's runner needs: the KV layout of the shared schedule."""
+    """What rank 0 decided that every rank's runner needs: the KV layout of the shared schedule and the
+    runner's options."""
 
     backend: str
-    layout: KVLayout
-    groups: tuple[KVGroup, ...]
-    layer_slot: tuple[tuple[int, int], ...]
-    specs: list[LayerSpec]
-    options: dict[str, Any] = field(default_factory=dict)   # ModelRunner keyword arguments
+    kv: RunnerKV
+    options: RunnerOptions
 
 
 def join_group(rank: int, world_size: int, store, device: torch.device) -> DistributedCommunicator:
@@ -119,15 +114,14 @@ def _serve(args: WorkerArgs, device: torch.device, comm: DistributedCommunicator
     spec: RunnerSpec | tuple = conn.recv()
     if spec == ("stop",):   # rank 0 gave up while this rank was loading
         return
-    backend = select_backend(spec.backend, device, spec.specs)
+    backend = select_backend(spec.backend, device, spec.kv.specs)
     drafter = mtp_drafter(config, loaded.model, backend, dtype, device)   # None unless MTP drafts
     draft = draft_model(config, loaded, dtype, device)   # this rank's shard of a draft model, if one drafts
     if draft is not None:   # its layers follow the target's in the pool, as on rank 0
         first = len(loaded.model.kv_layer_specs(config.torch_kv_dtype(dtype)))
         drafter = DraftModelDrafter(draft.model, backend, first, loaded.tokenizer.pad_token_id or 0)
-    runner = ModelRunner(loaded.model, backend, spec.layout, spec.groups, spec.layer_slot, spec.specs, device,
-                         grammars=Grammars(loaded.tokenizer, loaded.model.vocab_size), drafter=drafter,
-                         **spec.options)
+    runner = ModelRunner(loaded.model, backend, device, spec.kv, spec.options,
+                         Grammars(loaded.tokenizer, loaded.model.vocab_size), drafter)
     conn.send(("ready",))
     while True:
         msg = pickle.loads(conn.recv_bytes())
