@@ -253,7 +253,7 @@ def test_encoder_runs_once_per_image(setup):
     finally:
         del model.encode_images
     assert sum(calls) == 3, calls      # however many 7-token chunks cover the prompt
-    assert small.engine.runner.encoder_cache.encoded == 3
+    assert small.engine.runner.media.cache.encoded == 3
     _run(small, cases=[("again <start_of_image> and <start_of_image> x <start_of_image> w", 3)])
     assert sum(calls) == 3, calls      # the same images in a new request: the content-keyed cache serves them
 

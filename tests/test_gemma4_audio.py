@@ -554,5 +554,5 @@ def test_tensor_parallel_ranks_and_preemption_keep_media_tokens(served, speech):
                                          kv_cache_memory=int(1.2 * kv.peak_pages(longest, 80)) * kv.page_bytes), llm)
     assert run(tight) == want
     assert tight.engine.scheduler.num_preemptions > 0
-    assert not tight.engine.runner.encoder_cache._held and not tight.engine.runner.media
+    assert not tight.engine.runner.media.cache._held and not tight.engine.runner.media
     tight.engine.kv.check_integrity()

@@ -670,7 +670,7 @@ def _throughput_row(loaded: LoadedModel, name: str, mode: str, cache_bytes: int,
     warm_prompts, warm_images = mixed_workload(shape, placeholder, work, seed=100)
     llm.generate(warm_prompts, params, images=warm_images, use_tqdm=False)
     prompts, images = mixed_workload(shape, placeholder, work, seed=1)
-    cache = llm.engine.runner.encoder_cache
+    cache = llm.engine.runner.media.cache
     encoded, hits = cache.encoded, cache.shared_hits
     outs: list = []
     with EncoderCalls(llm.engine.model) as counter:

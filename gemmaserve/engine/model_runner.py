@@ -13,9 +13,8 @@ logits only).
 The runner sees only plans: it keeps its own block tables (updated by the plan's deltas) and a
 sampling state per request (from its `NewRequest` until it is `finished`), never a live Request.
 
-Images and audio: a request's items arrive with its `NewRequest`. A step whose chunk covers an item's
-tokens embeds the tokens itself and overwrites those rows with the item's soft tokens, encoded the first
-time a chunk covers the item and kept (EncoderCache) for every later chunk.
+Images and audio: a request's items arrive with its `NewRequest`; media/embedder.py puts their soft
+tokens into the rows of the step's embeddings that their tokens take.
 """
 
 from __future__ import annotations
@@ -40,12 +39,12 @@ from ..transfer.kv_io import assemble, gather_rows, scatter_rows
 from .block_tables import BlockTables
 from ..device import to_device
 from .spec_decode.drafters import Drafter
-from .media.encoder_cache import EncoderCache
 from .connectors.host_kv_store import HostKVStore
 from .lora import RunnerLoRA
-from .media.items import MediaItem
+from .media.embedder import RunnerMedia
 from .sampler import Sampled, SamplingState, sample
-from .spec_decode.verify import verify
+from .spec_decode.grammar_cut import allowed_drafts, cut_to_grammars
+from .spec_decode.verify import verify_step
 from .structured.structured_output import Grammars
 from .step import DEVICE_TOKEN, SeqStep, StepPlan, StepResult
 
@@ -125,12 +124,12 @@ class ModelRunner:
         self.sampling: dict[str, SamplingState] = {}
         self._last_sampled: dict[str, tuple[torch.Tensor, int]] = {}   # request -> (ids of its last step, row)
         self._applied_step = -1
-        self.media: dict[str, list[MediaItem]] = {}
         # The most rows a decode batch given to graphs or compiled steps has: a verification step runs as one
         # decode row per token.
         verified = min(max_batch, options.speculative_batch) * (1 + options.speculative_tokens)
         self.max_decode_rows = max(max_batch, verified)
-        self.encoder_cache = EncoderCache(options.encoder_cache_bytes)
+        self.media = RunnerMedia(options.encoder_cache_bytes, device,
+                                 alone=backend.batch_invariant or device.type == "cpu")
         self.lora = (RunnerLoRA(model, device, options.max_loras, options.max_lora_rank, options.max_cpu_loras)
                      if options.max_loras else None)
         self.graphs = None
@@ -190,13 +189,11 @@ class ModelRunner:
         for req_id in plan.finished:
             self.sampling.pop(req_id, None)
             self._last_sampled.pop(req_id, None)
-            self.media.pop(req_id, None)
-            self.encoder_cache.release(req_id)
+            self.media.release(req_id)
         for new in plan.new_requests:
             self.sampling[new.req_id] = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.device,
                                                              self.grammars, new.output_token_ids)
-            if new.media:
-                self.media[new.req_id] = new.media
+            self.media.add(new.req_id, new.media)
         self.tables.update_slots(plan.slot_updates)
         for s in plan.seqs:
             self.tables.apply(s.req_id, s.deltas, s.new_table)
@@ -260,7 +257,7 @@ class ModelRunner:
             layer_slot=self.layer_slot,
         )
         if self.media:
-            spans = [[(it.start, it.end) for it in self._covered(s) if it.bidirectional] for s in seqs]
+            spans = [[(it.start, it.end) for it in self.media.covered(s) if it.bidirectional] for s in seqs]
             md.image_spans = spans if any(spans) else None
         input_ids = to_device(ids, torch.long, self.device)
         if from_device:   # sampled ids never went to the host: gather them on the device
@@ -273,52 +270,6 @@ class ModelRunner:
             for tokens, rows, idx in by_tensor.values():
                 input_ids[to_device(rows, torch.long, self.device)] = tokens[to_device(idx, torch.long, self.device)]
         return input_ids, to_device(positions, torch.long, self.device), md
-
-    def _covered(self, s: SeqStep) -> list[MediaItem]:
-        """The images and clips of `s`'s request that its chunk covers (in part)."""
-        end = s.start + s.num_new_tokens
-        return [it for it in self.media.get(s.req_id, ()) if it.start < end and it.end > s.start]
-
-    def _media_embeds(self, seqs: list[SeqStep], input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Token embeddings with the rows of images and clips replaced by soft tokens, or None if no chunk
-        covers one. Items not seen before are encoded once, those of a modality in one encoder call."""
-        covered = [(b, i, im) for b, s in enumerate(seqs) for i, im in enumerate(self.media.get(s.req_id, ()))
-                   if im.start < s.start + s.num_new_tokens and im.end > s.start]
-        if not covered:
-            return None
-        cache = self.encoder_cache
-        found = {(b, i): cache.get(seqs[b].req_id, i, im.key) for b, i, im in covered}
-        todo = {im.key: im for b, i, im in covered if found[(b, i)] is None}
-        fresh: dict[str, torch.Tensor] = {}
-        # Items of a modality are encoded together (a repeated one once); batch-invariant engines (every CPU
-        # engine) encode each alone, so an item's soft tokens never depend on what else a step encodes (the
-        # towers' products run on the BLAS, whose rounding follows the rows of the call).
-        alone = self.backend.batch_invariant or self.device.type == "cpu"
-        groups = [{k: im} for k, im in todo.items()] if alone else \
-            [{k: im for k, im in todo.items() if im.modality is m} for m in dict.fromkeys(im.modality for im in todo.values())]
-        for items in groups:
-            modality = next(iter(items.values())).modality
-            out = self.model.encode_media(modality, [im.data for im in items.values()],
-                                          [im.extra for im in items.values()], self.device)
-            fresh.update(zip(items, out))
-        cache.encoded += len(todo)
-        for (b, i), tokens in found.items():
-            if tokens is None:
-                key = self.media[seqs[b].req_id][i].key
-                found[(b, i)] = fresh[key]
-                cache.put(seqs[b].req_id, i, key, fresh[key])
-        embeds = self.model.embed(input_ids)
-        rows, parts, first = [], [], 0
-        for b, s in enumerate(seqs):
-            for bb, i, im in covered:
-                if bb != b:
-                    continue
-                lo, hi = max(im.start, s.start), min(im.end, s.start + s.num_new_tokens)
-                rows.append(torch.arange(first + lo - s.start, first + hi - s.start))
-                parts.append(found[(b, i)][lo - im.start:hi - im.start])
-            first += s.num_new_tokens
-        embeds[to_device(torch.cat(rows), torch.long, self.device)] = torch.cat(parts).to(embeds.dtype)
-        return embeds
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqStep]) -> torch.Tensor | None:
@@ -333,7 +284,7 @@ class ModelRunner:
         input_ids, positions, md = self.build_inputs(seqs)
         filled = self.drafter.in_step(self, seqs, input_ids, positions) if self.drafter is not None else None
         if self.grammars is not None and any(s.num_drafts for s in seqs):
-            cut = self._within_grammars(seqs, filled or {})
+            cut = cut_to_grammars(seqs, filled or {}, self.sampling)
             if cut is not None:
                 seqs, filled = cut
                 input_ids, positions, md = self.build_inputs(seqs)
@@ -345,7 +296,7 @@ class ModelRunner:
             if s.sample:
                 rows.extend(range(end - 1 - s.num_drafts, end))
                 sampled.extend([b] * (s.num_drafts + 1))
-        embeds = self._media_embeds(seqs, input_ids) if self.media else None
+        embeds = self.media.embeds(self.model, seqs, input_ids) if self.media else None
         lora = self.lora.batch(seqs) if self.lora is not None else None
         # Decode batches, and verification steps as one decode row per token, run through CUDA graphs (steps with
         # LoRA rows too, through the stacked slots' kernels, unless an adapter adapts MoE experts) or compiled CPU
@@ -384,33 +335,6 @@ class ModelRunner:
             hidden = hidden[to_device(rows, torch.long, self.device)]
         return Forward(self.model.compute_logits(hidden), hidden if want_hidden else None, seqs)
 
-    def _within_grammars(self, seqs: list[SeqStep], filled: dict[str, list[int]]
-                         ) -> tuple[list[SeqStep], dict[str, list[int]]] | None:
-        """`seqs` with each one's drafts up to the first its grammar forbids (a forbidden draft and those after
-        it are never worth a row), and the drafter's filled drafts likewise; None if nothing is cut."""
-        def drafts_of(s: SeqStep) -> list[int]:
-            return filled.get(s.req_id) or s.token_ids[len(s.token_ids) - s.num_drafts:]
-
-        allowed: dict[str, int] = {}
-        for s in seqs:
-            state = self.sampling.get(s.req_id) if s.num_drafts and s.sample else None
-            if state is not None and state.grammar is not None:
-                n = state.grammar.allowed_prefix(drafts_of(s))
-                if n < s.num_drafts:
-                    allowed[s.req_id] = n
-        if not allowed:
-            return None
-        out, kept = [], dict(filled)
-        for s in seqs:
-            if s.num_drafts:   # the drafter's slots as the ids it filled in: the inputs are built again
-                drafts, n = drafts_of(s), allowed.get(s.req_id, s.num_drafts)
-                s = dataclasses.replace(s, token_ids=s.token_ids[:len(s.token_ids) - s.num_drafts] + drafts[:n],
-                                        num_drafts=n)
-                if s.req_id in kept:
-                    kept[s.req_id] = drafts[:n]
-            out.append(s)
-        return out, kept
-
     @torch.inference_mode()
     def launch(self, plan: StepPlan, only: list[int] | None = None) -> "PendingStep":
         """Queue the plan (or the sequences `only` of it) and its sampling on the device; nothing
@@ -447,32 +371,17 @@ class ModelRunner:
             pending, counts, tokens = PendingStep(ids, sampled), [1] * len(ids), sampled.tokens
         if proposing:
             pending.drafts = self.drafter.after_step(self, sampling, counts, hidden, tokens)
-            pending.cut = self._allowed_drafts
+            pending.cut = lambda req_id, drafts: allowed_drafts(self.sampling.get(req_id), drafts)
         if planned is not None:
             pending.verified_drafts = {s.req_id: s.num_drafts for s in seqs if s.num_drafts != planned[s.req_id]}
         return pending
 
-    def _allowed_drafts(self, req_id: str, drafts: list[int]) -> list[int]:
-        """`drafts` up to the first one the request's grammar forbids (structured output)."""
-        state = self.sampling.get(req_id)
-        if state is None or state.grammar is None:
-            return drafts
-        return drafts[:state.grammar.allowed_prefix(drafts)]
-
     def _verify(self, logits: torch.Tensor, seqs: list[SeqStep], row_by_row: bool,
                 filled: dict[str, list[int]]) -> "PendingStep":
-        """A step with drafts: each sequence's emitted tokens, read back now (spec_decode.py). `filled`:
-        the drafts the drafter put in draft slots."""
-        drafts = [filled.get(s.req_id) or s.token_ids[len(s.token_ids) - s.num_drafts:] for s in seqs]
-        got = verify(logits, [s.num_drafts + 1 for s in seqs], drafts, [self.sampling[s.req_id] for s in seqs],
-                     self.grammars, row_by_row=row_by_row)
-        result = StepResult()
-        for s, tokens, logprobs in zip(seqs, got.tokens, got.logprobs):
-            result.req_ids += [s.req_id] * len(tokens)
-            result.token_ids += tokens
-            result.logprobs += logprobs
-            # The next step may read the last one on the device (asynchronous scheduling).
-            self._last_sampled[s.req_id] = (to_device(tokens[-1:], torch.long, self.device), 0)
+        """A step with drafts: each sequence's emitted tokens, read back now (spec_decode/verify.py)."""
+        result = verify_step(logits, seqs, filled, self.sampling, self.grammars, row_by_row)
+        for req_id, tokens in result.by_request().items():   # the next step may read the last one on the device
+            self._last_sampled[req_id] = (to_device([tokens[-1][0]], torch.long, self.device), 0)
         return PendingStep([], None, result)
 
     def execute(self, plan: StepPlan, only: list[int] | None = None) -> StepResult:

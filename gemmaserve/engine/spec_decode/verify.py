@@ -25,7 +25,9 @@ import torch
 from ...device import to_device
 from ..request import TokenLogprob
 from ..sampler import SamplingState, sample
+from ..step import SeqStep, StepResult
 from ..structured.structured_output import Grammars
+from .grammar_cut import drafts_of
 
 
 @dataclass
@@ -56,3 +58,17 @@ def verify(logits: torch.Tensor, num_rows: list[int], drafts: list[list[int]], s
                 still.append(b)   # the draft was right: its successor's position is valid too
         active = still
     return out
+
+
+def verify_step(logits: torch.Tensor, seqs: list[SeqStep], filled: dict[str, list[int]],
+                sampling: dict[str, SamplingState], grammars: Grammars | None, row_by_row: bool) -> StepResult:
+    """A step's result where sequences carry drafts: each one's emitted tokens (`filled`: the drafts a
+    drafter put in draft slots; the others are the plan's)."""
+    got = verify(logits, [s.num_drafts + 1 for s in seqs], [drafts_of(s, filled) for s in seqs],
+                 [sampling[s.req_id] for s in seqs], grammars, row_by_row=row_by_row)
+    result = StepResult()
+    for s, tokens, logprobs in zip(seqs, got.tokens, got.logprobs):
+        result.req_ids += [s.req_id] * len(tokens)
+        result.token_ids += tokens
+        result.logprobs += logprobs
+    return result
