@@ -4,8 +4,8 @@
     input  [a0 a1 a2 a3 a4 | b7 | c3]        positions [0..4 | 7 | 3]
     sample rows: last token of every sequence the plan marks `sample`
 
-Speculative sequences (`num_drafts` k) sample their last k + 1 rows, and spec_decode.py keeps the
-drafts the target agrees with. A drafter (drafters.py) fills a step's draft slots before the target's
+Speculative sequences (`num_drafts` k) sample their last k + 1 rows, and spec_decode/verify.py keeps the
+drafts the target agrees with. A drafter (spec_decode/drafters.py) fills a step's draft slots before the target's
 forward (draft_model.py), or drafts after sampling for sequences that ask (`propose`; mtp.py, from the
 hidden state of the row that chose their last token: eager steps, as graphs and compiled steps give
 logits only).
