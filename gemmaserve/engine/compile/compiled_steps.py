@@ -11,11 +11,14 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...config.engine import EngineConfig
 from ...errors import UserInputError
 from .build_job import BuildJob
-from ..factory import EngineParts
+
+if TYPE_CHECKING:   # the parts the engine assembled (factory.py, above this room)
+    from ..factory import EngineParts
 
 log = logging.getLogger(__name__)
 
