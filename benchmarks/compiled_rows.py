@@ -1,5 +1,5 @@
 """Compiled CPU decode steps of 5-8 rows: the 8-row static graph (the batch padded up) against the dynamic one
-(`python -m gemmaserve.bench.compiled_rows [--rows 5,6,7,8]`).
+(`python -m benchmarks.compiled_rows [--rows 5,6,7,8]`).
 
 A batch of b rows may run the graph compiled for exactly 8 rows, padded, or the graph whose batch dimension
 is dynamic. On the embedded 270M this times each way on real decode batches (greedy, the input-grounded
@@ -20,10 +20,10 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
-    from ..engine.sampling_params import SamplingParams
-    from .spec_texts import PROMPTS
+    from gemmaserve.bench.spec_texts import PROMPTS
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     ap = argparse.ArgumentParser(prog="compiled_rows")
     ap.add_argument("--rows", default="5,6,7,8")

@@ -1,4 +1,4 @@
-"""GPU benchmark (`python -m gemmaserve.bench.gpu_bench [sections]`), random weights at real Gemma 3
+"""GPU benchmark (`python -m benchmarks.gpu_bench [sections]`), random weights at real Gemma 3
 sizes, bf16. Sections (default: all):
 
   roofline    decode step time at batch 1 for gemma3-1b/4b/27b shapes, against the roofline: bytes of
@@ -36,16 +36,16 @@ from pathlib import Path
 
 import torch
 
-from .gpu_check import copy_bandwidth, decode_bandwidth
-from .sections import exit_status, release_device_memory, run_sections
-from .synthetic import random_model
+from gemmaserve.bench.gpu_check import copy_bandwidth, decode_bandwidth
+from gemmaserve.bench.sections import exit_status, release_device_memory, run_sections
+from gemmaserve.testing.synthetic import random_model
 
 GiB = 1 << 30
 
 
 def _engine(loaded, **opts):
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
 
     opts.setdefault("kv_cache_memory", 24 * GiB)
     opts.setdefault("max_num_seqs", 256)
@@ -60,7 +60,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def _run_all(llm, prompts: list[list[int]], new_tokens: int) -> float:
     """Wall seconds to complete every prompt (prefill included)."""
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     eng = llm.engine
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
@@ -93,7 +93,7 @@ def _roofline_row(name: str, hbm: float) -> dict:
     """One shape's batch-1 decode step against its roofline. A function of its own: everything it made
     (weights, KV, the captured graph and its memory pool) is garbage when it returns, before the next
     shape loads (the 27B's graph, still referenced by a loop variable, left the next section out of memory)."""
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
     llm = _engine(loaded, kv_cache_memory=8 * GiB)
@@ -135,7 +135,7 @@ def section_roofline(res: dict, hbm: float) -> None:
 
 
 def section_throughput(res: dict) -> None:
-    from .hf_reference import build_hf_model
+    from gemmaserve.testing.hf_reference import build_hf_model
 
     loaded = random_model("gemma3-4b", torch.bfloat16, torch.device("cuda"))
     vocab = loaded.model.config.vocab_size
@@ -229,7 +229,7 @@ def section_pressure(res: dict) -> None:
 def section_profile(res: dict) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     out = {}
     for name in ("gemma3-1b", "gemma3-4b"):
@@ -269,7 +269,7 @@ def _host_overhead(batch: int) -> dict:
     import io
     import pstats
 
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     loaded = random_model("gemma3-4b", torch.bfloat16, torch.device("cuda"))
     llm = _engine(loaded, kv_cache_memory=24 * GiB)
@@ -309,7 +309,7 @@ def _host_overhead(batch: int) -> dict:
 def _decode_rows(eng, prompts: list[list[int]], steps: int = 50):
     """Fill the batch, then time decode steps (whole engine step) and the graph replay alone; also
     the host time of scheduling and launching (what async scheduling hides behind the device)."""
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     ids = [eng.add_request("", SamplingParams(max_tokens=10_000, ignore_eos=True), prompt_ids=p) for p in prompts]
     while eng.scheduler.waiting or not all(r.prompt_computed for r in eng.scheduler.running):
@@ -396,7 +396,7 @@ def section_engine(res: dict, hbm: float) -> None:
 def section_invariant(res: dict, hbm: float, key: str, shapes: tuple[str, ...]) -> None:
     """`--batch-invariant` off and on, same weights, same run. Raises (the section's error, exit 1) when
     the invariant engine's probe is not bitwise the same alone, duplicated and in a mixed batch."""
-    from .invariance import probe_checks
+    from gemmaserve.testing.invariance import probe_checks
 
     out = res[key] = {"decode": [], "prefill": [], "throughput": [], "check": []}
     failures = []
@@ -461,8 +461,8 @@ def compiled_variants() -> dict[str, int]:
     """Kernel variants Triton has compiled in this process, per kernel of ours."""
     import triton
 
-    from ..attention import triton_kernels
-    from ..models import fused_kernels
+    from gemmaserve.attention import triton_kernels
+    from gemmaserve.models import fused_kernels
 
     out = {}
     for mod in (triton_kernels, fused_kernels):

@@ -1,5 +1,5 @@
-"""FP8 KV cache on the GPU (`python -m gemmaserve.bench.gpu_fp8 [sections]`), random bf16 weights at real
-shapes (bench/synthetic.py). Sections (default: all; about 3 minutes on one H200):
+"""FP8 KV cache on the GPU (`python -m benchmarks.gpu_fp8 [sections]`), random bf16 weights at real
+shapes (testing/synthetic.py). Sections (default: all; about 3 minutes on one H200):
 
   kernels     Triton store + decode + prefill attention at real head geometries (Gemma 3 4B: 8/4 heads x 256;
               Gemma 4 global: 8/2 x 512), bf16 model: the fp8 cache's bytes equal torch's quantize(); its
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from .gpu_bench import GiB, _engine, _prompts
-from .scoring import first_divergence
-from .sections import exit_status, run_sections
-from .synthetic import random_model
+from benchmarks.gpu_bench import GiB, _engine, _prompts
+from gemmaserve.bench.sections import exit_status, run_sections
+from gemmaserve.testing.scoring import first_divergence
+from gemmaserve.testing.synthetic import random_model
 
 FP8 = torch.float8_e4m3fn
 SHAPES = ("gemma3-4b", "gemma4-e4b")
@@ -51,7 +51,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # -- kernels -------------------------------------------------------------------------------------------
 def _dense(q, k, v, q_pos, window, scale):
     """fp32 dense attention, q [n, Hq, D] over k/v [L, Hkv, D] at positions 0..L-1."""
-    from ..attention.torch_backend import visible
+    from gemmaserve.attention.torch_backend import visible
 
     rep = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
@@ -65,9 +65,9 @@ def _kernel_parity(hq: int, hkv: int, d: int, device: torch.device, n: int = 300
     """One sequence of n keys: decode of its last token and prefill of its last m, full and windowed.
     `dtype` is the model's (q, and the "native" cache the fp8 one is compared with); the CPU check
     uses float32, as Triton's interpreter mis-computes bf16 attention (outputs ~1e8 on the CPU)."""
-    from ..attention import triton_kernels as K
-    from ..attention.kv_quant import dequantize, quantize
-    from ..engine.kv_calibration import power_of_two_scale
+    from gemmaserve.attention import triton_kernels as K
+    from gemmaserve.attention.kv_quant import dequantize, quantize
+    from gemmaserve.engine.kv_calibration import power_of_two_scale
 
     gen = torch.Generator(device=device).manual_seed(0)
     t, scale = 16, d ** -0.5
@@ -114,8 +114,8 @@ def _kernel_parity(hq: int, hkv: int, d: int, device: torch.device, n: int = 300
 
 def _decode_ms(hq: int, hkv: int, d: int, dtype: torch.dtype, batch: int = 64, ctx: int = 8192) -> float:
     """GPU time of one decode attention launch (captured graph), batch x ctx keys, one layer."""
-    from ..attention import triton_kernels as K
-    from .gpu_check import _bench_ms
+    from gemmaserve.attention import triton_kernels as K
+    from gemmaserve.bench.gpu_check import _bench_ms
 
     t = 16
     blocks = ctx // t
@@ -153,7 +153,7 @@ def section_kernels(res: dict) -> None:
 
 # -- agreement ---------------------------------------------------------------------------------------
 def _first_step_logits(llm, ids: list[int]) -> torch.Tensor:
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     eng = llm.engine
     rid = eng.add_request("", SamplingParams(max_tokens=1), prompt_ids=ids)
@@ -165,7 +165,7 @@ def _first_step_logits(llm, ids: list[int]) -> torch.Tensor:
 
 
 def _greedy(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     eng = llm.engine
     ids = [eng.add_request("", SamplingParams(max_tokens=new_tokens, ignore_eos=True), prompt_ids=p) for p in prompts]
@@ -234,7 +234,7 @@ def section_sensitivity(res: dict, shapes, num_prompts: int = 2, prompt_len: int
 # -- capacity ----------------------------------------------------------------------------------------
 def capacity_rows(shapes, tokens: int = 8192, budget: int = 16 * GiB) -> list[dict]:
     """Sequences of `tokens` that fit `budget`, bf16 vs fp8, from the KV managers themselves (CPU only)."""
-    from .memory import measure
+    from gemmaserve.bench.memory import measure
 
     rows = []
     for name in shapes:
@@ -250,9 +250,9 @@ def capacity_rows(shapes, tokens: int = 8192, budget: int = 16 * GiB) -> list[di
 
 def _decode_step_ms(loaded, kv_dtype: str, batch: int, ctx: int, steps: int = 20) -> dict:
     """Engine step and captured-graph replay at batch `batch` once every sequence holds `ctx` tokens."""
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     llm = LLM.from_config(EngineConfig(model=loaded.source.name, device="cuda", dtype="bfloat16", max_num_seqs=batch,
                                        max_num_batched_tokens=16384, kv_cache_memory=24 * GiB,

@@ -1,5 +1,5 @@
-"""Gemma 4 on the GPU (`python -m gemmaserve.bench.gpu_gemma4 [sections] [--shapes a,b]`): random bf16
-weights at the real shapes (E2B, E4B, 12B, 26B-A4B, 31B; bench/synthetic.py). Sections (default: all):
+"""Gemma 4 on the GPU (`python -m benchmarks.gpu_gemma4 [sections] [--shapes a,b]`): random bf16
+weights at the real shapes (E2B, E4B, 12B, 26B-A4B, 31B; testing/synthetic.py). Sections (default: all):
 
   check       tiny random Gemma 4 variants through the engine on CUDA: fp32 greedy tokens of the Triton
               backend (graphs and eager) equal the torch reference; bf16 graphs equal bf16 eager (MoE
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from .gpu_bench import GiB, _engine, _prompts, _run_all, replay_ms
-from .gpu_check import copy_bandwidth
-from .sections import exit_status, run_sections
-from .synthetic import GEMMA4_CONFIGS, random_model
+from benchmarks.gpu_bench import GiB, _engine, _prompts, _run_all, replay_ms
+from gemmaserve.bench.gpu_check import copy_bandwidth
+from gemmaserve.bench.sections import exit_status, run_sections
+from gemmaserve.testing.synthetic import GEMMA4_CONFIGS, random_model
 
 SHAPES = tuple(GEMMA4_CONFIGS)
 
@@ -63,12 +63,12 @@ def decode_weight_bytes(model) -> int:
 def section_check(res: dict, variants=("31b", "26b_a4b", "e2b", "12b_unified")) -> None:
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from helpers import save_checkpoint, tiny_gemma4_hf
 
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     rows = res["check"] = []   # filled as it goes: an error keeps what finished
     prompts = ["abcdefghij klmnop qrstuv " * 6, "zyxw vuts " * 3, "hello"]
@@ -107,8 +107,8 @@ def section_check(res: dict, variants=("31b", "26b_a4b", "e2b", "12b_unified")) 
 
 def _bf16_backend_gap(llm, common) -> float:
     """Relative difference of the first-step logits, bf16: Triton kernels against the torch backend."""
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
 
     ids = _prompts(1, 200, 280, seed=9)[0]
     out = {}
@@ -116,7 +116,7 @@ def _bf16_backend_gap(llm, common) -> float:
         other = llm if backend == "triton" else LLM.from_config(
             EngineConfig(**common, dtype="bfloat16", attention_backend="torch"), llm)
         eng = other.engine
-        from ..engine.sampling_params import SamplingParams
+        from gemmaserve.engine.sampling_params import SamplingParams
 
         rid = eng.add_request("", SamplingParams(max_tokens=1), prompt_ids=ids)
         plan = eng.scheduler.schedule()
@@ -128,7 +128,7 @@ def _bf16_backend_gap(llm, common) -> float:
 
 # -- roofline ------------------------------------------------------------------------------------------
 def section_roofline(res: dict, hbm: float, shapes) -> None:
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     rows = res["roofline"] = []
     for name in shapes:
@@ -168,7 +168,7 @@ def section_roofline(res: dict, hbm: float, shapes) -> None:
 
 # -- throughput -----------------------------------------------------------------------------------------
 def section_throughput(res: dict, shapes, batch: int = 64) -> None:
-    from .hf_reference import build_hf_model
+    from gemmaserve.testing.hf_reference import build_hf_model
 
     rows = res["throughput"] = []
     for name in shapes:
@@ -218,9 +218,9 @@ def pressure_budget(specs, tokens: int, seqs: int) -> int:
 
 
 def section_pressure(res: dict, shapes, num_prompts: int = 8, new_tokens: int = 32, repeats: int = 1) -> None:
-    from ..engine.sampling_params import SamplingParams
-    from ..errors import UserInputError
-    from ..kv.pinned_split import pinned_pool_split
+    from gemmaserve.engine.sampling_params import SamplingParams
+    from gemmaserve.errors import UserInputError
+    from gemmaserve.kv.pinned_split import pinned_pool_split
 
     out = res["pressure"] = {}
     for name in shapes:

@@ -1,4 +1,4 @@
-"""The host KV tier on the GPU (`python -m gemmaserve.bench.gpu_kv_offload`), issue 34 item 6.
+"""The host KV tier on the GPU (`python -m benchmarks.gpu_kv_offload`), issue 34 item 6.
 
 1. PCIe: pinned host <-> device copy bandwidth of one 1 GiB buffer each way (the reference).
 2. The tier's copies: `HostKVStore.execute` saving then loading N pages of the engine's own arena (the pages of
@@ -54,8 +54,8 @@ def pcie(device: torch.device, nbytes: int) -> dict:
 
 
 def _engine(loaded, device: torch.device, pool: int, tier: int | None, chunk: int):
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
 
     return LLM.from_config(EngineConfig(model=loaded.source.name, device=device.type,
                                         dtype="bfloat16" if device.type == "cuda" else "float32",
@@ -65,7 +65,7 @@ def _engine(loaded, device: torch.device, pool: int, tier: int | None, chunk: in
 
 def _request(engine, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
     """(time to first token, tokens, cached prompt tokens) of one request alone."""
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     device = engine.device
     _sync(device)
@@ -83,7 +83,7 @@ def _request(engine, prompt: list[int], max_tokens: int) -> tuple[float, list[in
 
 def store_copies(llm, device: torch.device, context: int) -> dict:
     """Save then load the pages a `context`-token session holds, through the runner's store."""
-    from ..kv.connector import BlockCopy, Direction, KVTransfers
+    from gemmaserve.kv.connector import BlockCopy, Direction, KVTransfers
 
     runner = llm.engine.runner
     runner = getattr(runner, "runner", runner)
@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--context", type=int, default=32768, help="session prompt tokens")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    from .synthetic import random_model
+    from gemmaserve.testing.synthetic import random_model
 
     out_dir = Path(os.environ.get("OUT", "bench-out"))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""LoRA on the GPU (`python -m gemmaserve.bench.gpu_lora [sections] [--shapes a,b]`): what serving adapters
+"""LoRA on the GPU (`python -m benchmarks.gpu_lora [sections] [--shapes a,b]`): what serving adapters
 through the segment kernels (models/lora_triton.py) costs against the base model alone. Sections (default: all):
 
   check       tiny random Gemma 3 (fused 3-part qkv) and Gemma 4 E2B-like (KV-shared layers: rows narrowed
@@ -39,8 +39,8 @@ from typing import Callable
 
 import torch
 
-from .lora import write_random_adapter
-from .sections import exit_status, run_sections
+from gemmaserve.bench.lora import write_random_adapter
+from gemmaserve.bench.sections import exit_status, run_sections
 
 GiB = 1 << 30
 SHAPES = ("gemma3-4b", "gemma4-31b")
@@ -66,7 +66,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def _run(llm, prompts: list[list[int]], new_tokens: int, loras: list[str | None]) -> float:
     """Wall seconds to complete every prompt (prefill included), each with its adapter."""
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     eng = llm.engine
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0)
@@ -82,13 +82,13 @@ def _run(llm, prompts: list[list[int]], new_tokens: int, loras: list[str | None]
 
 # -- check -------------------------------------------------------------------------------------------------
 def section_check(res: dict, save: Callable[[], None]) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from helpers import save_checkpoint, tiny_gemma4_hf, tiny_hf_model
 
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
-    from ..engine.lora import RunnerLoRA
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.engine.lora import RunnerLoRA
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     rows = res["check"] = []
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
@@ -134,8 +134,8 @@ def section_kernels(res: dict, save: Callable[[], None], rank: int) -> None:
     prefill chunk (8192 rows, one segment per adapter). GPU milliseconds (triton.testing.do_bench)."""
     from triton.testing import do_bench
 
-    from ..models import lora_triton
-    from ..models.lora import _lora_add
+    from gemmaserve.models import lora_triton
+    from gemmaserve.models.lora import _lora_add
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows_out = res["kernels"] = []
@@ -167,9 +167,9 @@ def section_kernels(res: dict, save: Callable[[], None], rank: int) -> None:
 # -- throughput --------------------------------------------------------------------------------------------
 def _tiny_loaded(device: torch.device):
     """A tiny random Gemma 3 (2 layers, fused 3-part qkv) for the CPU mode."""
-    from ..models.gemma3 import Gemma3Config
-    from ..models.layers import RopeParams
-    from .synthetic import random_model
+    from gemmaserve.models.gemma3 import Gemma3Config
+    from gemmaserve.models.layers import RopeParams
+    from gemmaserve.testing.synthetic import random_model
 
     cfg = Gemma3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=1, head_dim=16,
@@ -181,7 +181,7 @@ def _tiny_loaded(device: torch.device):
 
 def _shape_loaded(name: str, device: torch.device):
     """`name` at its real shape with random bf16 weights, and the layers kept (the 31B cut where it cannot fit)."""
-    from .synthetic import model_config, random_model
+    from gemmaserve.testing.synthetic import model_config, random_model
 
     layers = model_config(name).num_hidden_layers
     if name == "gemma4-31b" and torch.cuda.get_device_properties(device).total_memory < 120 * GiB:
@@ -190,9 +190,9 @@ def _shape_loaded(name: str, device: torch.device):
 
 
 def section_throughput(res: dict, save: Callable[[], None], args: argparse.Namespace) -> None:
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
-    from .synthetic import model_config
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.testing.synthetic import model_config
 
     device = torch.device(args.device)
     counts = [int(c) for c in args.adapters.split(",") if c]

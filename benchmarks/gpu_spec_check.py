@@ -1,4 +1,4 @@
-"""Speculative decoding on CUDA, correctness only (`python -m gemmaserve.bench.gpu_spec_check`): random
+"""Speculative decoding on CUDA, correctness only (`python -m benchmarks.gpu_spec_check`): random
 bf16 weights at the Gemma 3 1B shape (Triton attention; CUDA graphs and asynchronous scheduling on, then each
 off) give the same greedy and seeded tokens with prompt-lookup drafts as without; then tiny random checkpoints
 (written by transformers, as `bench spec-drafters` does) with a draft model and with a Gemma 4 MTP drafter,
@@ -33,9 +33,9 @@ def _drafters(prompts: list[list[int]]) -> list[dict]:
     """draft_model and mtp on tiny checkpoints (bench/spec_drafters.py), CUDA graphs and async on."""
     import tempfile
 
-    from ..engine.llm import LLM
-    from ..engine.sampling_params import SamplingParams
-    from .spec_drafters import VOCAB, _checkpoints
+    from gemmaserve.bench.spec_drafters import VOCAB, _checkpoints
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,10 +71,10 @@ def _drafters(prompts: list[list[int]]) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
-    from ..engine.sampling_params import SamplingParams
-    from .synthetic import random_model
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.engine.sampling_params import SamplingParams
+    from gemmaserve.testing.synthetic import random_model
 
     out = Path(os.environ.get("OUT", "bench-out")) / "gpu_spec_check.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """What verification costs against k, and the speedup it buys at a given acceptance rate
-(`python -m gemmaserve.bench.gpu_spec_cost [--shapes gemma4-31b:1,8 gemma4-e4b:1,8,64]`).
+(`python -m benchmarks.gpu_spec_cost [--shapes gemma4-31b:1,8 gemma4-e4b:1,8,64]`).
 
 Random weights accept nothing a real drafter would, so acceptance is not measured but set: per shape and
 batch, the engine decodes with k = 0 (plain steps: CUDA graphs) and with k = 1..4 drafts per sequence that
@@ -42,7 +42,7 @@ class FixedDrafts:
 
 
 def _step_times(engine, prompts: list[list[int]], k: int, steps: int, warmup: int) -> list[float]:
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     sched = engine.scheduler
     sched.proposer = FixedDrafts(k, engine.model.vocab_size) if k else None
@@ -77,10 +77,10 @@ def _weight_bytes(model) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
-    from .gpu_check import copy_bandwidth
-    from .synthetic import random_model
+    from gemmaserve.bench.gpu_check import copy_bandwidth
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.testing.synthetic import random_model
 
     ap = argparse.ArgumentParser(prog="gpu_spec_cost")
     ap.add_argument("--shapes", nargs="+", default=["gemma4-31b:1,8", "gemma4-e4b:1,8,64"],

@@ -1,8 +1,8 @@
 """Speculative decoding end to end at set acceptance rates
-(`python -m gemmaserve.bench.gpu_spec_replay [--shapes gemma4-31b:1,8,64] [--k 3]`).
+(`python -m benchmarks.gpu_spec_replay [--shapes gemma4-31b:1,8,64] [--k 3]`).
 
 Random weights accept nothing a real drafter would, so the drafts come from a replay proposer
-(bench/replay_drafts.py): per shape and batch, the engine first decodes greedily without drafts (the
+(testing/replay_drafts.py): per shape and batch, the engine first decodes greedily without drafts (the
 reference, timed), then again with k drafts per step taken from that reference continuation, each right
 with probability a. Every step then runs the engine's whole speculative path (scheduling, the verification
 step in CUDA graphs, rollback) and emits what the target emits. Reported per a: decode tokens per second
@@ -33,7 +33,7 @@ ACCEPTANCE = (0.5, 0.7, 0.9, 1.0)
 def _decode(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, int, float]:
     """(each prompt's greedy continuation, decode seconds after prefill, forwards, seconds in the runner's
     launch: the forward and, for a verification step, the readback of each position's choice)."""
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
     ids = [engine.add_request("", params, prompt_ids=p) for p in prompts]
@@ -73,11 +73,11 @@ def _decode(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[lis
 
 
 def main(argv: list[str]) -> int:
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
-    from .gpu_spec_cost import _kv_bytes_per_token
-    from .replay_drafts import ReplayDrafts
-    from .synthetic import random_model
+    from benchmarks.gpu_spec_cost import _kv_bytes_per_token
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.testing.replay_drafts import ReplayDrafts
+    from gemmaserve.testing.synthetic import random_model
 
     ap = argparse.ArgumentParser(prog="gpu_spec_replay")
     ap.add_argument("--shapes", nargs="+", default=["gemma4-31b:1,8,64"],

@@ -1,4 +1,4 @@
-"""Vision on the GPU (`python -m gemmaserve.bench.gpu_vision [sections] [--shapes a,b]`), issue 12 item 7:
+"""Vision on the GPU (`python -m benchmarks.gpu_vision [sections] [--shapes a,b]`), issue 12 item 7:
 random weights at the real sizes of one Gemma 3 vision checkpoint (gemma3-4b: SigLIP 896 px, 256 tokens per
 image) and one Gemma 4 (gemma4-e4b: ViT, up to 280 tokens per image), bf16. Sections (default: all):
 
@@ -56,19 +56,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..models.base import CausalLM
-from ..models.loader import LoadedModel, ModelSource, SourceKind, build_model
-from ..models.registry import model_class_for_hf
-from ..models.tokenizer import Tokenizer
-from .sections import exit_status, run_sections
-from .synthetic import GEMMA4_CONFIGS, gemma3_config
+from gemmaserve.bench.sections import exit_status, run_sections
+from gemmaserve.models.base import CausalLM
+from gemmaserve.models.loader import LoadedModel, ModelSource, SourceKind, build_model
+from gemmaserve.models.registry import model_class_for_hf
+from gemmaserve.models.tokenizer import Tokenizer
+from gemmaserve.testing.synthetic import GEMMA4_CONFIGS, gemma3_config
 
 if TYPE_CHECKING:
     from PIL.Image import Image
     from transformers import PretrainedConfig
 
-    from ..engine.media.items import MediaItem
-    from ..engine.llm import LLM
+    from gemmaserve.engine.media.items import MediaItem
+    from gemmaserve.engine.llm import LLM
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -249,7 +249,7 @@ def hf_model(cfg: PretrainedConfig, dtype: torch.dtype, device: torch.device) ->
     """Transformers' model for `cfg` on `device` in `dtype`, weights not initialised (`_randomize` fills them)."""
     import transformers
 
-    from .hf_reference import _no_init
+    from gemmaserve.testing.hf_reference import _no_init
 
     with _default_dtype(dtype), torch.device(device), _no_init():
         hf = getattr(transformers, cfg.architectures[0])(cfg)
@@ -283,8 +283,8 @@ def build_models(name: str, dtype: torch.dtype, device: torch.device, keep_hf: b
 
 
 def _engine(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, **opts):
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
 
     return LLM.from_config(EngineConfig(model=loaded.source.name, device=device.type,
                                         dtype=str(dtype).removeprefix("torch."), **opts), loaded)
@@ -385,7 +385,7 @@ def _no_tf32() -> Iterator[None]:
 
 def _prompt_logits(llm: LLM, ids: list[int], items: list[MediaItem]) -> torch.Tensor:
     """Our logits at the last prompt position (the whole prompt in one step)."""
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     eng = llm.engine
     rid = eng.add_request("", SamplingParams(max_tokens=1), prompt_ids=ids, media=items)
@@ -399,7 +399,7 @@ def _prompt_logits(llm: LLM, ids: list[int], items: list[MediaItem]) -> torch.Te
 
 
 def section_check(res: dict, device: torch.device) -> None:
-    tests = str(Path(__file__).resolve().parents[2] / "tests")
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
     from helpers import save_gemma4_vision_checkpoint, save_vision_checkpoint, tiny_hf_gemma4_vision, tiny_hf_vision
@@ -423,9 +423,9 @@ def _check_variant(rows: list[dict], variant: str, hf: nn.Module, path: Path, de
     against `hf`, fp32: 1- and 2-image prompts."""
     from helpers import IMG
 
-    from ..config.engine import EngineConfig
-    from ..engine.llm import LLM
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     family = "gemma3" if variant.startswith("gemma3") else "gemma4"
     mark = SPECIAL_TEXTS[family][0 if family == "gemma3" else 2]   # the prompt's image placeholder
@@ -485,7 +485,7 @@ def _ttft_times(ours: Callable[[], None], ours_e2e: Callable[[], None], referenc
 
 
 def _ttft_shape(rows: list[dict], name: str, device: torch.device, dtype: torch.dtype, work: Workload) -> None:
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     shape = SHAPES[name]
     params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -573,8 +573,8 @@ def hf_media_inputs(ids: list[int], items: list[MediaItem], specials: Mapping[st
 
 
 def _media_shape(rows: list[dict], name: str, device: torch.device, dtype: torch.dtype, work: Workload) -> None:
-    from ..engine.sampling_params import SamplingParams
-    from ..models.multimodal import Modality
+    from gemmaserve.engine.sampling_params import SamplingParams
+    from gemmaserve.models.multimodal import Modality
 
     shape = SHAPES[name]
     params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -641,7 +641,7 @@ def mixed_workload(shape: VisionShape, placeholder: str, work: Workload,
 
 def section_throughput(res: dict, shapes: list[str], device: torch.device, dtype: torch.dtype,
                        work: Workload) -> None:
-    from ..config.engine import EngineConfig
+    from gemmaserve.config.engine import EngineConfig
 
     rows = res["throughput"] = []
     default_cache = EngineConfig.__dataclass_fields__["encoder_cache_memory"].default
@@ -659,7 +659,7 @@ def section_throughput(res: dict, shapes: list[str], device: torch.device, dtype
 
 def _throughput_row(loaded: LoadedModel, name: str, mode: str, cache_bytes: int, device: torch.device,
                     dtype: torch.dtype, work: Workload) -> dict:
-    from ..engine.sampling_params import SamplingParams
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     shape = SHAPES[name]
     params = SamplingParams(max_tokens=work.new_tokens, ignore_eos=True)

@@ -1,5 +1,5 @@
 """What the output processor costs the engine thread per step
-(`python -m gemmaserve.bench.output_cost [--batches 1,16,64]`).
+(`python -m benchmarks.output_cost [--batches 1,16,64]`).
 
 The engine commits token ids in the scheduler and turns them into text, stop-string matches and
 logprob records in the output processor (engine/output_processor.py), on the engine thread. Moving that
@@ -23,9 +23,9 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    from ..engine.llm import LLM
-    from ..engine.sampling_params import SamplingParams
-    from .throughput import workload
+    from gemmaserve.bench.throughput import workload
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.engine.sampling_params import SamplingParams
 
     ap = argparse.ArgumentParser(prog="output_cost")
     ap.add_argument("--model", default="gemma3-270m")

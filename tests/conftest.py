@@ -61,7 +61,7 @@ def gguf_read_once():
 
 @pytest.fixture(scope="session")
 def hf_270m(llm_270m):
-    from gemmaserve.bench.hf_reference import build_hf_model
+    from gemmaserve.testing.hf_reference import build_hf_model
 
     return build_hf_model(llm_270m.engine.model)
 

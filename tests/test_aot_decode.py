@@ -129,7 +129,7 @@ def test_verification_steps_run_the_packages_and_keep_every_token(built, monkeyp
     """A speculating engine loads the same packages (speculation is not in their key) and runs its
     verification steps through them as one decode row per token: tokens and logprobs are the eager
     non-speculative engine's, with drafts accepted and rejected."""
-    from gemmaserve.bench.replay_drafts import ReplayDrafts
+    from gemmaserve.testing.replay_drafts import ReplayDrafts
 
     monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(built["root"] / "cache"))
     monkeypatch.setattr(BuildJob, "start", lambda *a: pytest.fail("a background build started"))

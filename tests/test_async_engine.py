@@ -16,7 +16,7 @@ from helpers import fresh_seed, save_checkpoint, tiny_hf_model
 
 
 def test_v2_check_comes_in_slices_and_still_catches_corruption():
-    from gemmaserve.bench.shapes import SHAPES
+    from gemmaserve.testing.shapes import SHAPES
 
     kv = KVCacheManagerV2(SHAPES["gemma3-1b"].layer_specs(), 16, 200_000, enable_prefix_caching=True)
     tokens = list(range(3, 5003))

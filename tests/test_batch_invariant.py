@@ -257,7 +257,7 @@ def _gemma3_tiny(tmp_path):
 
 def test_gemma3_logits_have_the_same_bits_alone_duplicated_and_in_a_mixed_batch(tmp_path):
     from gemmaserve import LLM
-    from gemmaserve.bench.invariance import probe_checks, record_logits, run_recorded, same_bits
+    from gemmaserve.testing.invariance import probe_checks, record_logits, run_recorded, same_bits
 
     llm = LLM(model=str(_gemma3_tiny(tmp_path)), batch_invariant=True, **ENGINE)
     assert llm.engine.info.batch_invariant and llm.engine.info.swa_scratch_reuse
@@ -315,7 +315,7 @@ def test_gemma4_logits_have_the_same_bits_alone_duplicated_and_in_a_mixed_batch(
     from helpers import save_checkpoint, tiny_gemma4_hf
 
     from gemmaserve import LLM
-    from gemmaserve.bench.invariance import probe_checks
+    from gemmaserve.testing.invariance import probe_checks
 
     sliding, full = "sliding_attention", "full_attention"
     hf = tiny_gemma4_hf(fresh_seed(), "26b_a4b", num_hidden_layers=4, layer_types=[sliding, full, sliding, full],

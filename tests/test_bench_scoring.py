@@ -1,4 +1,4 @@
-"""The figures `bench quality` and the GPU benches report (bench/scoring.py): greedy agreement,
+"""The figures `bench quality` and the GPU benches report (testing/scoring.py): greedy agreement,
 perplexity over several passages, and the paired log-likelihood difference."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gemmaserve.bench.scoring import Scorer, Scores, first_divergence, greedy_totals, paired_nll_difference
+from gemmaserve.testing.scoring import Scorer, Scores, first_divergence, greedy_totals, paired_nll_difference
 from helpers import fresh_seed, ours_from_hf, tiny_hf_model
 
 

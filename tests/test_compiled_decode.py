@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from gemmaserve import LLM, SamplingParams
-from gemmaserve.bench.scoring import score
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.engine.compile.compiled_decode import CompiledDecode, CompileState, unavailable
 from gemmaserve.engine.compile.direct_graph import DirectGraph
 from gemmaserve.models.quant import Int8Kernel, Int8Matmul, int8_rows, quantize_model
+from gemmaserve.testing.scoring import score
 
 from helpers import fresh_seed, ours_from_hf, save_checkpoint, tiny_hf_model
 
@@ -67,7 +67,7 @@ def test_engine_runs_decode_and_verification_batches_through_the_graphs_and_keep
     and so do speculative verification steps (one decode row per token: a row sees its sequence's
     earlier rows through the step's new K/V, never the cache they are not in yet); prefill and mixed
     steps stay eager; every token and logprob is the eager non-speculative engine's, bit for bit."""
-    from gemmaserve.bench.replay_drafts import ReplayDrafts
+    from gemmaserve.testing.replay_drafts import ReplayDrafts
 
     eager = LLM(str(_small_checkpoint(tmp_path)), dtype="float32", cpu_compile="off", max_num_seqs=10)
     assert eager.engine.runner.compiled is None and eager.engine.info.cpu_compile == "off"

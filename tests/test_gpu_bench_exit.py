@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemmaserve.bench import gpu_bench, gpu_check, gpu_fp8, gpu_gemma4, gpu_vision
+from benchmarks import gpu_bench, gpu_fp8, gpu_gemma4, gpu_vision
+from gemmaserve.bench import gpu_check
 from gemmaserve.bench.sections import check_failures, exit_status
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

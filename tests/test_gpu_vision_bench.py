@@ -1,4 +1,4 @@
-"""The GPU vision benchmark (gemmaserve/bench/gpu_vision.py) without a GPU: every section on tiny configs on
+"""The GPU vision benchmark (benchmarks/gpu_vision.py) without a GPU: every section on tiny configs on
 the CPU writes sane figures, and the real-size configs line up with our models (built on the meta device)."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from gemmaserve.bench import gpu_vision
+from benchmarks import gpu_vision
 
 
 def test_tiny_cpu_run_writes_every_section(tmp_path, monkeypatch):

@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from gemmaserve.bench.shapes import SHAPES
 from gemmaserve.engine.llm import LLM
 from gemmaserve.engine.sampling_params import SamplingParams
 from gemmaserve.errors import UserInputError
@@ -19,6 +18,7 @@ from gemmaserve.kv import create_kv_manager
 from gemmaserve.kv.manager_v2 import KVCacheManagerV2
 from gemmaserve.kv.pinned_split import PinnedSplitKVManager, pinned_pool_split
 from gemmaserve.kv.spec import AttentionKind, LayerSpec
+from gemmaserve.testing.shapes import SHAPES
 
 from helpers import fresh_seed, save_checkpoint, tiny_hf_model
 
@@ -229,7 +229,7 @@ def test_admission_looks_ahead_instead_of_thrashing(shape):
     on that alone filled the pool with half-done prompts that then preempted each other (3.7x the
     prompt tokens computed on the 31B shape, 8.7x on 12B). Admission now reserves what admitted
     prompts still need, so every token is computed once."""
-    from gemmaserve.bench.gpu_gemma4 import pressure_budget
+    from benchmarks.gpu_gemma4 import pressure_budget
     from gemmaserve.kv import create_kv_manager
 
     specs = SHAPES[shape].layer_specs()

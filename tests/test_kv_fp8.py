@@ -100,7 +100,7 @@ def test_kv_cache_dtype_option_resolves_and_rejects_bad_values():
 @pytest.mark.parametrize("shape", ["gemma3-4b", "gemma4-e4b", "gemma4-31b"])
 @pytest.mark.parametrize("manager", ["v1", "v2"])
 def test_fp8_halves_page_bytes_and_doubles_capacity(shape, manager):
-    from gemmaserve.bench.shapes import SHAPES
+    from gemmaserve.testing.shapes import SHAPES
 
     specs = {d: SHAPES[shape].layer_specs(d) for d in (torch.float32, torch.bfloat16, FP8_DTYPE)}
     pages = {d: page_bytes_for(manager, s, 16) for d, s in specs.items()}
@@ -399,10 +399,10 @@ def test_engine_fp8_every_cache_feature(checkpoint):
 
 
 def test_gpu_fp8_script_runs_its_cpu_parts():
-    """bench/gpu_fp8.py: kernel parity at a tiny geometry (Triton interpreted), capacity from the
+    """benchmarks/gpu_fp8.py: kernel parity at a tiny geometry (Triton interpreted), capacity from the
     managers, and the summary table; the GPU-only timings run on the H200."""
     pytest.importorskip("triton")
-    from gemmaserve.bench import gpu_fp8
+    from benchmarks import gpu_fp8
 
     par = gpu_fp8._kernel_parity(4, 2, 16, torch.device("cpu"), n=70, m=9, window=20, dtype=torch.float32)
     assert par["store_bytes_differing_from_torch"] == 0

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from gemmaserve.attention.base import BackendCapabilities
-from gemmaserve.bench.shapes import SHAPES
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.config.kv_transfer import KVTransferConfig
 from gemmaserve.config.resolve import resolve_cache_options
 from gemmaserve.errors import UserInputError
 from gemmaserve.kv import KVCacheManagerV1, KVCacheManagerV2
 from gemmaserve.models.base import ModelPreferences
+from gemmaserve.testing.shapes import SHAPES
 from gemmaserve.transfer.plan import TransferPlan, check_plan, plan_transfer
 from gemmaserve.transfer.runtime import RuntimeInfo, TransferTimeout
 

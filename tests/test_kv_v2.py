@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from gemmaserve.bench.shapes import SHAPES
 from gemmaserve.kv import create_kv_manager
 from gemmaserve.kv.groups import derive_groups
 from gemmaserve.kv.manager_v2 import KVCacheManagerV2
 from gemmaserve.kv.spec import AttentionKind
+from gemmaserve.testing.shapes import SHAPES
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:

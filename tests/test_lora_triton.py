@@ -143,7 +143,7 @@ def test_stacked_slots_are_written_in_place_and_cleared_to_zero():
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="paged_logits runs on the CPU (the kernels in the interpreter); "
-                    "on a GPU the engine check of bench/gpu_lora.py covers this")
+                    "on a GPU the engine check of benchmarks/gpu_lora.py covers this")
 def test_a_tiny_models_logits_through_the_stacked_slots_equal_the_host_layouts(tmp_path):
     """The runner's stacked slots (lazily allocated, written from a PEFT adapter) and the kernels, through a
     whole Gemma 3 forward with a fused 3-part qkv: logits equal the host layout's (the C++ op)."""
@@ -179,11 +179,11 @@ def test_a_tiny_models_logits_through_the_stacked_slots_equal_the_host_layouts(t
 
 
 def test_gpu_lora_bench_runs_on_a_tiny_model_on_the_cpu(tmp_path, monkeypatch):
-    """`python -m gemmaserve.bench.gpu_lora --device cpu --tiny`: the base row and one row per adapter count,
+    """`python -m benchmarks.gpu_lora --device cpu --tiny`: the base row and one row per adapter count,
     each ratio against the base of the same run, the JSON written."""
     import json
 
-    from gemmaserve.bench import gpu_lora
+    from benchmarks import gpu_lora
 
     monkeypatch.setenv("OUT", str(tmp_path))
     assert gpu_lora.main(["throughput", "--device", "cpu", "--tiny", "--batch", "3", "--prompt", "8", "--new", "2",

@@ -300,8 +300,8 @@ def test_embedded_model_quantised_path_agrees_with_fp32(llm_270m):
 
 
 def test_scoring_equals_paged_logits():
-    """bench/scoring.py (perplexity and agreement figures) reads the same logits as the engine path."""
-    from gemmaserve.bench.scoring import score
+    """testing/scoring.py (perplexity and agreement figures) reads the same logits as the engine path."""
+    from gemmaserve.testing.scoring import score
 
     hf = tiny_hf_model(fresh_seed())
     ours = ours_from_hf(hf)

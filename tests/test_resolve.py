@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from gemmaserve.attention.base import BackendCapabilities
-from gemmaserve.bench.shapes import SHAPES
 from gemmaserve.config.engine import EngineConfig
 from gemmaserve.config.resolve import resolve_cache_options
 from gemmaserve.models.base import ModelPreferences
 from gemmaserve.errors import UserInputError
 from gemmaserve.kv.spec import AttentionKind, LayerSpec
+from gemmaserve.testing.shapes import SHAPES
 
 FULL_CAPS = BackendCapabilities("full", frozenset({"cpu"}), None, scratch_pages=True, shared_arena=True)
 NO_SCRATCH = BackendCapabilities("noscratch", frozenset({"cpu"}), None, scratch_pages=False, shared_arena=True)
@@ -117,8 +117,8 @@ def test_engine_reports_resolution(tmp_path):
 
 
 def _gemma4_prefs(multimodal: bool):
-    from gemmaserve.bench.synthetic import GEMMA4_CONFIGS
     from gemmaserve.models.gemma4 import Gemma4Config, Gemma4ForCausalLM
+    from gemmaserve.testing.synthetic import GEMMA4_CONFIGS
 
     raw = GEMMA4_CONFIGS["gemma4-e2b"]
     if multimodal:

@@ -229,8 +229,8 @@ def test_any_chunking_gives_every_position_the_same_logits(model):
     """A prompt scored one token at a time (decode rows), in chunks of 7, 64 or 87, or whole: every
     position's log-probabilities are the same bits (the prefill/decode split and a chunk boundary move
     nothing)."""
-    from gemmaserve.bench.scoring import score
     from gemmaserve.models.quant import quantize_model
+    from gemmaserve.testing.scoring import score
 
     from helpers import ours_from_hf
 

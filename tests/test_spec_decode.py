@@ -252,7 +252,7 @@ def test_drafting_requests_verify_together_under_asynchronous_scheduling(tiny):
     """With a step in flight, the drafting requests wait for it together: prompts that finish prefilling in
     different steps do not leave them split into groups verifying in alternate steps (each group at half
     the tokens per forward). Drafts are each request's own greedy continuation, so every one is right."""
-    from gemmaserve.bench.replay_drafts import ReplayDrafts
+    from gemmaserve.testing.replay_drafts import ReplayDrafts
 
     path, base = tiny
     params = SamplingParams(max_tokens=21, ignore_eos=True)

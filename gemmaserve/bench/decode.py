@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     result["peak_rss_mb_before_references"] = _peak_rss_mb()
     hf = None
     if not args.no_hf:
-        from .hf_reference import build_hf_model
+        from ..testing.hf_reference import build_hf_model
 
         hf = build_hf_model(_float_model(engine), dtype=engine.dtype, device=engine.device)
     llama = None

@@ -274,7 +274,7 @@ def invariance_checks() -> list[dict]:
 
     from ..config.engine import EngineConfig
     from ..engine.llm import LLM
-    from .invariance import probe_checks, same_bits
+    from ..testing.invariance import probe_checks, same_bits
 
     path = save_checkpoint(tiny_hf_model(int(time.time()) % 10000, sliding_window=64, num_key_value_heads=2,
                                          head_dim=128, num_attention_heads=4, hidden_size=256, vocab_size=4096),

@@ -30,8 +30,8 @@ import torch
 from ..config.options import format_bytes, positive_int
 from ..kv import KVCacheManagerV1, KVCacheManagerV2
 from ..models.embedded import DEFAULT_MODEL
+from ..testing.shapes import SHAPES, parse_shapes_and_lengths
 from ..transfer.plan import plan_transfer
-from .shapes import SHAPES, parse_shapes_and_lengths
 
 DEFAULT_SHAPES = "gemma3-27b,gemma4-31b"
 

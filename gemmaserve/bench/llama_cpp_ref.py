@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .scoring import Scores, kl_from
+from ..testing.scoring import Scores, kl_from
 
 
 class LlamaCppReference:

@@ -23,7 +23,7 @@ import torch
 from ..config.options import format_bytes, parse_size, positive_int
 from ..kv import KVCacheManagerV1, KVCacheManagerV2
 from ..kv.groups import derive_groups
-from .shapes import SHAPES, parse_shapes_and_lengths
+from ..testing.shapes import SHAPES, parse_shapes_and_lengths
 
 DEFAULT_SHAPES = "gemma3-4b,gemma3-27b,gemma4-e2b,gemma4-31b"
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}

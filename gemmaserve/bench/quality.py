@@ -51,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.compile.compiled_decode import unavailable
     from ..engine.llm import LLM
     from ..models.loader import load_model, resolve_model
+    from ..testing.scoring import Scorer, Scores, first_divergence, greedy_totals, paired_nll_difference
     from .llama_cpp_ref import LlamaCppReference
     from .quality_texts import PASSAGES, PROMPTS
-    from .scoring import Scorer, Scores, first_divergence, greedy_totals, paired_nll_difference
 
     from ..errors import UserInputError
     from ..models.loader import SourceKind

@@ -32,7 +32,7 @@ import torch
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shape", default=None,
-                    help="a random-weight model shape (e.g. gemma4-tiny) instead of --model (bench/synthetic.py)")
+                    help="a random-weight model shape (e.g. gemma4-tiny) instead of --model (testing/synthetic.py)")
     ap.add_argument("--sessions", type=int, default=4, help="sessions, interleaved turn by turn")
     ap.add_argument("--turns", type=int, default=3, help="turns per session (all but the first return)")
     ap.add_argument("--prefixes", default="1024,4096", help="prefix lengths to run, tokens (comma separated)")
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     config = from_namespace(EngineConfig, args).steady_state()
     loaded = None
     if args.shape is not None:
-        from .synthetic import random_model
+        from ..testing.synthetic import random_model
 
         loaded = random_model(args.shape, torch.float32, torch.device(config.torch_device()))
         config = config.replace(model=loaded.source.name)

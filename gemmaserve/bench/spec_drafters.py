@@ -48,7 +48,7 @@ GEMMA4 = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=2048, num_hid
 
 
 def _save(model, path: Path) -> str:
-    from .synthetic import synthetic_tokenizer
+    from ..testing.synthetic import synthetic_tokenizer
 
     model.save_pretrained(path, safe_serialization=True)
     synthetic_tokenizer(VOCAB).backend.save(str(path / "tokenizer.json"))

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     result["runs"]["gemmaserve_tight"] = {**_ours(tight, prompts, params), "kv_cache_bytes": tight_bytes,
                                           "kv_fraction_of_need": args.tight_fraction}
     if not args.no_hf:
-        from .hf_reference import build_hf_model
+        from ..testing.hf_reference import build_hf_model
 
         hf = build_hf_model(_float_model(llm.engine), dtype=llm.engine.dtype, device=llm.engine.device)
         hf.generate(torch.tensor([prompt_ids[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up

@@ -126,7 +126,7 @@ class EngineConfig:
              "CUDA graph or compiled. The CPU always is (row-independent kernels; nothing to turn on). CUDA: "
              "every matmul on a Triton GEMM with one tile configuration per shape and no split-K, decode "
              "attention on the prefill kernel (no split-K), sampling filters row by row; slower "
-             "(`python -m gemmaserve.bench.gpu_bench invariant` measures the cost); not with "
+             "(`python -m benchmarks.gpu_bench invariant` in a clone measures the cost); not with "
              "--tensor-parallel-size > 1")
     tensor_parallel_size: int = option(1, parse=positive_int,
                                        help="split the model over this many devices, one worker process each "

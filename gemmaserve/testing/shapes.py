@@ -1,5 +1,5 @@
 """KV layer specs of public Gemma 3 / Gemma 4 checkpoints, from the model code itself: each shape is a
-real config (bench/synthetic.py) and its specs are what our model derives from that config (window,
+real config (testing/synthetic.py) and its specs are what our model derives from that config (window,
 KV heads and head dim per layer, KV-shared layers), so the memory benchmark and the KV tests measure
 exactly the geometry the engine serves."""
 
