@@ -4,8 +4,8 @@ Three models over the same file: ours with every weight expanded to fp32 (the re
 quantised weights (`--dtype auto`), and llama.cpp on the same file when `llama-cpp-python` is installed.
 Ours decodes the greedy prompts as one batch, and (compiled) one at a time as llama.cpp does.
 Figures: perplexity over fixed passages (`quality_texts.py`; teacher-forced, each passage from its
-start; ours through the real paged path, `scoring.py`; the quantised model in prefill chunks, one token
-at a time and in 8-row chunks, since each runs different kernels), the KL divergence of each from our
+start; ours through the real paged path, `testing/scoring.py`; the quantised model in prefill chunks, one
+token at a time and in 8-row chunks, since each runs different kernels), the KL divergence of each from our
 fp32 path's next-token distribution there, the per-token difference of our negative log-likelihood from
 llama.cpp's with its standard error (whether a perplexity gap is more than the text's noise), and greedy
 agreement with the fp32 reference over fixed completion prompts: tokens until the first divergence,
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from ..models.loader import load_model, resolve_model
     from ..testing.scoring import Scorer, Scores, first_divergence, greedy_totals, paired_nll_difference
     from .llama_cpp_ref import LlamaCppReference
-    from .quality_texts import PASSAGES, PROMPTS
+    from .quality_texts import load as load_texts
 
     from ..errors import UserInputError
     from ..models.loader import SourceKind
@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     ref = load_model(args.model, torch.float32, cpu)
     quant = load_model(args.model, torch.float32, cpu, quantized=True)
     tok = ref.tokenizer
-    texts = [tok.encode(t) for t in PASSAGES]
+    fixed = load_texts()
+    texts = [tok.encode(t) for t in fixed.passages]
     longest = max(len(t) for t in texts)
     result: dict = {"benchmark": "quality", "date": date.today().isoformat(), "model": args.model,
                     "weights": quant.weight_formats, "passages": len(texts),
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         result["nll_difference_vs_llama_cpp"] = {
             k: dict(zip(("mean", "standard_error"), (round(x, 5) for x in paired_nll_difference(v, engines["llama_cpp"]))))
             for k, v in engines.items() if k != "llama_cpp"}
-    prompts = [tok.encode(p) for p in PROMPTS]
+    prompts = [tok.encode(p) for p in fixed.prompts]
     gold = _greedy(LLM.from_config(EngineConfig(model=args.model, dtype="float32"), ref), prompts, args.new_tokens)
     others = {"ours_quantized": _greedy(LLM.from_config(EngineConfig(model=args.model, dtype="auto",
                                                                      cpu_compile="off"), quant),
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         others["llama_cpp"] = [llama.greedy(p, args.new_tokens) for p in prompts]
     rows = []
     margin_scorer = Scorer(ref.model, max(len(p) for p in prompts) + args.new_tokens)
-    for i, (text, p, g) in enumerate(zip(PROMPTS, prompts, gold)):
+    for i, (text, p, g) in enumerate(zip(fixed.prompts, prompts, gold)):
         margins = margin_scorer.score(p + g).margin[len(p) - 1:]
         row = {"prompt": text[:40]}
         for name, toks in others.items():
