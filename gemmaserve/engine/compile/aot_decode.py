@@ -263,7 +263,7 @@ class AotDecode:
         if size is None and (b < 2 or None not in self.graphs):
             return None
         rows = size or b
-        if rows > b:   # a larger static graph (bench compiled_rows compares): padding rows read and write the null page
+        if rows > b:   # a larger static graph (benchmarks/compiled_rows.py compares): padding rows read and write the null page
             input_ids = torch.cat([input_ids, input_ids.new_zeros(rows - b)])
             positions = torch.cat([positions, positions.new_zeros(rows - b)])
         tables = DecodeTables.build(self.layout, metadata, rows)

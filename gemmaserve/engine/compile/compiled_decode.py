@@ -14,7 +14,7 @@ once compiled a graph is called without Dynamo's frame evaluation (direct_graph.
     decode step, B = 8     a graph for 8 rows (static)
     decode step, other B   one graph whose batch dimension is dynamic (2-63; padding a batch of 5-7
                            up to the 8-row graph cost 9-20% more on the 270M:
-                           bench/compiled_rows.py)
+                           benchmarks/compiled_rows.py)
     every other step       eager (prefill chunks, mixed steps, images, B >= 64)
 
 Compiling the three graphs took 4-8 min on 2 cores the first time, 26-31 s with inductor's cache warm,
