@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -68,13 +69,29 @@ class StagedTransfer:
                 "plan": self.plan.to_dict(), "nbytes": self.nbytes, "source": {**self.source, **engine_info}}
 
 
-class PrefillHandoff:
+class _EngineConnector:
+    """A connector of one engine. The engine holds it (its scheduler's connectors, its step observers), so it
+    holds the engine weakly: a strong reference back would make a cycle that keeps a dropped engine, its model
+    and KV cache, alive until the garbage collector happens to run."""
+
+    def __init__(self, engine: LLMEngine):
+        self._engine = weakref.ref(engine)
+
+    @property
+    def engine(self) -> LLMEngine:
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError(f"the engine of this {type(self).__name__} is gone")
+        return engine
+
+
+class PrefillHandoff(_EngineConnector):
     """Stages the KV of requests marked for transfer; thread-safe (the engine thread stages, HTTP
     handlers describe and release). `post(fn)`: run fn on the engine thread (default: at once)."""
 
     def __init__(self, engine: LLMEngine, source: TransferSource, timeout: float, engine_id: str,
                  post: Callable[[Callable[[], None]], None] | None = None):
-        self.engine = engine
+        super().__init__(engine)
         self.source = source
         self.timeout = timeout
         self.engine_id = engine_id
@@ -181,11 +198,11 @@ class PrefillHandoff:
             return len(self._staged)
 
 
-class DecodeHandoff:
+class DecodeHandoff(_EngineConnector):
     """Reservations of pages for incoming transfers. Every method runs on the engine thread."""
 
     def __init__(self, engine: LLMEngine):
-        self.engine = engine
+        super().__init__(engine)
         self.signature = spec_signature(engine.kv.specs)
         self._reserved: dict[str, float] = {}   # request id -> when its pages were reserved
         self._loads: list[StagedRows] = []      # adopted, for the next plan
