@@ -36,6 +36,8 @@ import logging
 import time
 import types
 import warnings
+import weakref
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -91,6 +93,37 @@ def _own_code(method):
     return types.MethodType(own, method.__self__)
 
 
+@dataclass(eq=False)
+class _DecodeStep:
+    """The traced function's object: what a step reads (the attention op's handle's, or the traced layout). Its
+    names are those the traced method of CompiledDecode had: graph inputs are named after them (inductor's cache keys)."""
+
+    model: nn.Module
+    _attention: HandleAttention
+    layout: DecodeLayout | None
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor | None = None,
+              keys: list[torch.Tensor] | None = None, state: list[torch.Tensor] | None = None):
+        """Logits, hidden states (a drafter reads them), and the new K/V to commit when attention is
+        traced (where it runs through the op, the op wrote them)."""
+        if kv is None:
+            hidden = self.model(ModelInputs(input_ids, positions, self._attention))
+            return self.model.compute_logits(hidden), hidden
+        attention = TracedDecodeAttention(self.layout, kv, keys, state)
+        hidden = self.model(ModelInputs(input_ids, positions, attention))
+        return self.model.compute_logits(hidden), hidden, attention.new_kv()
+
+
+def _weak_backend(compiled: "CompiledDecode") -> Callable:
+    """Dynamo's backend for `compiled`'s graphs, holding it weakly (see CompiledDecode.__init__)."""
+    backend = weakref.WeakMethod(compiled._backend)
+
+    def call(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        return backend()(gm, example_inputs)
+
+    return call
+
+
 class CompiledDecode:
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv_cache, layer_slot, groups,
                  null_page: int, max_batch: int, specs: list[LayerSpec] | None = None,
@@ -117,26 +150,18 @@ class CompiledDecode:
         dynamo = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         # Static shapes where they matter most: inductor's kernels for a symbolic batch ran an 8-row
         # step ~25% slower than the same graph compiled for 8 rows.
-        self._static = torch.compile(_own_code(self._step), dynamic=False, backend=self._backend, options=dict(dynamo))
-        self._dynamic = torch.compile(_own_code(self._step), backend=self._backend, options=dict(dynamo))
+        # Neither the traced step nor the backend is a method of this object: the compiled functions (held here)
+        # hold both, and Dynamo keeps every backend for the process's life (torch._dynamo.eval_frame.cached_backends),
+        # which would keep the model and KV cache after the engine is gone.
+        step, backend = _DecodeStep(model, self._attention, self.layout), _weak_backend(self)
+        self._static = torch.compile(_own_code(step._step), dynamic=False, backend=backend, options=dict(dynamo))
+        self._dynamic = torch.compile(_own_code(step._step), backend=backend, options=dict(dynamo))
         self._direct: dict[int | None, DirectGraph | str] = {}   # by static size (None: dynamic), or why not
         self._tracing: tuple[int | None, tuple[torch.Tensor, ...]] | None = None   # the call being traced
         self.state = CompileState.WAITING
         self.error: str | None = None
         self.compile_seconds = 0.0
         self.refused_recompiles = 0   # decode steps run eagerly because their batch needed a new graph
-
-    # -- the traced function --------------------------------------------------------------------
-    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor | None = None,
-              keys: list[torch.Tensor] | None = None, state: list[torch.Tensor] | None = None):
-        """Logits, hidden states (a drafter reads them), and the new K/V to commit when attention is
-        traced (where it runs through the op, the op wrote them)."""
-        if kv is None:
-            hidden = self.model(ModelInputs(input_ids, positions, self._attention))
-            return self.model.compute_logits(hidden), hidden
-        attention = TracedDecodeAttention(self.layout, kv, keys, state)
-        hidden = self.model(ModelInputs(input_ids, positions, attention))
-        return self.model.compute_logits(hidden), hidden, attention.new_kv()
 
     # -- compiling ------------------------------------------------------------------------------
     def compile(self) -> None:
