@@ -18,6 +18,12 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import torch
+# Imported here, while no engine is being built: torch.fx.wrap(), which modules of torch._dynamo call as they are
+# imported, leaves its frame in a reference cycle (a local holds inspect.currentframe()), and a frame holds its
+# callers' frames. Imported first inside an engine's construction (the CPU kernels and compiled steps import
+# inductor), it would keep that engine, KV cache and weights included, alive after `del` until the garbage collector
+# runs.
+import torch._dynamo  # noqa: F401
 
 from ..config.engine import EngineConfig
 from ..errors import UserInputError
