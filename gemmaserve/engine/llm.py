@@ -13,6 +13,8 @@
         print(delta.outputs[0].delta_text, end="", flush=True)
 
     async for delta in llm.astream(["Hi"]): ...               # the same from asyncio
+
+    with LLM() as llm: ...            # memory and threads back at the end of the block (llm.close(); `del llm` too)
 """
 
 from __future__ import annotations
@@ -54,6 +56,18 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Free the engine's memory (KV cache, weights unless another LLM shares them, compiled steps, CUDA graphs)
+        and stop its threads and workers now, whoever still refers to this LLM; later calls raise
+        EngineClosedError. Idempotent. `with LLM(...) as llm:` closes it at the end of the block."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def add_lora(self, name: str, path: str) -> None:
         """Serve the PEFT LoRA adapter directory `path` as `name` (`generate(..., lora=name)`)."""

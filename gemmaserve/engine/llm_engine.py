@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 # Imported here, while no engine is being built: torch.fx.wrap(), which modules of torch._dynamo call as they are
@@ -40,6 +41,13 @@ log = logging.getLogger(__name__)
 
 # How long a step with nothing to run but requests whose grammars compile waits for one of them.
 GRAMMAR_POLL_S = 0.01
+# What `close()` lets go of: every part that holds device or host memory, threads or processes.
+_RELEASED = ("executor", "loaded", "model", "tokenizer", "backend", "kv", "grammars", "runner", "scheduler", "loras",
+             "inputs", "outputs", "compiled_steps")
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed (`close()`, or the end of its `with` block): it serves nothing more."""
 
 
 class LLMEngine:
@@ -66,6 +74,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}        # engine id -> unfinished request
         self._groups: dict[str, list[Request]] = {}    # user id -> its n completions (until all finish)
         self._ids = itertools.count()
+        self._closed = False
         # Called with each computed step before it is committed (its requests' pages still held):
         # a disaggregated prefill engine copies a finished prompt's KV out here (engine/connectors/kv_handoff.py).
         self.step_observers: list[Callable[[StepPlan, StepResult], None]] = []
@@ -77,6 +86,8 @@ class LLMEngine:
 
     @property
     def info(self) -> EngineInfo:
+        if self._closed:
+            return self._info   # as it was when closed
         return dataclasses.replace(self._info, cpu_compile=self.compiled_steps.state)
 
     def _warm_up(self) -> float:
@@ -164,9 +175,55 @@ class LLMEngine:
         """An unfinished engine request by its engine id (a group of n > 1 has ids "<id>#<index>")."""
         return self._requests[request_id]
 
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let go of everything the engine holds, now, even if something still refers to the engine: stop the
+        executor's workers (tensor parallelism) and the grammar compile threads, drop unfinished requests, the KV
+        cache, compiled steps, CUDA graphs and the model (its weights are freed unless another engine shares
+        them). A closed engine raises EngineClosedError for anything it would need them for. Idempotent; `with
+        LLMEngine(...) as engine:` closes it at the end of the block. A background build of compiled CPU steps
+        runs on: its packages are for whichever engine starts next (aot_build.py)."""
+        if self._closed:
+            return
+        self._info = self.info
+        self._closed = True
+        try:
+            self.executor.shutdown()
+            self.grammars.close()
+        finally:
+            for name in _RELEASED:
+                self.__dict__.pop(name, None)
+            self._inflight, self._requests, self._groups, self.step_observers = None, {}, {}, []
+            if self.device.type == "cuda":
+                # A later engine sizes its KV cache from the driver's free memory (EngineConfig.kv_budget_bytes),
+                # which counts the blocks PyTorch's allocator keeps cached as used: hand them back. Cheap (it
+                # frees only blocks no tensor uses) and safe for other engines here (they allocate again if
+                # they need more); the device finishes what was launched first.
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+
     def shutdown(self) -> None:
-        """Stop what the executor started (tensor-parallel workers); also runs at interpreter exit."""
-        self.executor.shutdown()
+        """Stop what the executor started (tensor-parallel workers); also runs at interpreter exit. `close()` does
+        this and lets go of the rest."""
+        if not self._closed:
+            self.executor.shutdown()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> NoReturn:
+        """Only for attributes not found: those `close()` released say so."""
+        if name in _RELEASED and self.__dict__.get("_closed"):
+            raise EngineClosedError(f"the engine is closed (close(), or the end of its `with` block): its {name} is "
+                                    "gone; create another engine")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort every unfinished completion of a request, wherever it is (queued, prefilling,
@@ -185,7 +242,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return not self._closed and (self.scheduler.has_unfinished() or self._inflight is not None)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

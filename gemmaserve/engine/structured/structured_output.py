@@ -194,6 +194,15 @@ class Grammars:
         self.submit(StructuredOutput(GrammarKind.JSON))
         return backend
 
+    def close(self) -> None:
+        """Stop the compile threads (a compile under way finishes first, queued ones are cancelled) and drop the
+        compiled grammars: the engine is closing. A warm-up thread still running ends by itself."""
+        with self._lock:
+            pool = self._pool
+            self._cache.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
     def is_ready(self) -> bool:
         """Whether the per-tokenizer state is built (a structured request then waits only for its spec)."""
         backend = self._backend
