@@ -283,6 +283,9 @@ class EngineConfig:
         if device.type == "cuda":
             import torch
 
+            # Blocks PyTorch's allocator keeps cached (an engine dropped in this process: its KV cache) are free
+            # for this one, but the driver counts them as used until they are handed back.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
             budget = int(total * self.gpu_memory_utilization) - (total - free) - _GPU_ACTIVATION_RESERVE
             if budget <= 0:
