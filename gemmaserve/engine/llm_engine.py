@@ -182,7 +182,7 @@ class LLMEngine:
         cache, compiled steps, CUDA graphs and the model (its weights are freed unless another engine shares
         them). A closed engine raises EngineClosedError for anything it would need them for. Idempotent; `with
         LLMEngine(...) as engine:` closes it at the end of the block. A background build of compiled CPU steps
-        runs on: its packages are for whichever engine starts next (aot_build.py)."""
+        runs on: its packages are for whichever engine starts next (compile/build_job.py)."""
         if self._closed:
             return
         self._info = self.info
