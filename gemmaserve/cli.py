@@ -109,9 +109,9 @@ def _generate(args: argparse.Namespace) -> int:
     engine_config = from_namespace(EngineConfig, args)
     params = from_namespace(SamplingParams, args)
     llm = LLM.from_config(engine_config)
-    build = llm.engine.compiled_steps.build
+    build = llm.engine.info.cpu_compile_build
     if build is not None and not args.verbose:   # (-v logs it): say what keeps running after this command
-        who = f"pid {build.process.pid}" if build.process else "another process"
+        who = f"pid {build.pid}" if build.pid is not None else "another process"
         print(f"gemmaserve: compiled CPU decode steps are being built in the background for later runs ({who}, "
               f"a few minutes the first time; log: {build.log_path}); --cpu-compile off skips it", file=sys.stderr)
     images = [list(args.image) for _ in args.prompts] if args.image else None
@@ -142,17 +142,17 @@ def _generate(args: argparse.Namespace) -> int:
                 if c.logprobs is not None:
                     _print_logprobs(llm.tokenizer, c.logprobs, params.logprobs)
     if args.verbose:
-        st = llm.engine.kv.stats()
+        st = llm.engine.snapshot()
         info = llm.engine.info
         print(f"kv: {info.kv_cache_dtype}, manager {info.kv_manager}, "
               f"scratch {'on' if info.swa_scratch_reuse else 'off'}, "
               f"prefix caching {'on' if info.prefix_caching else 'off'}; pages {st.pages_used} used / {st.pages_cached} cached / "
-              f"{st.pages_free} free of {st.num_pages}; prefix hit rate {st.prefix_hit_rate:.1%}; "
-              f"preemptions {llm.engine.scheduler.num_preemptions}", file=sys.stderr)
-        spec = llm.engine.scheduler.spec_stats
-        if spec.drafted:
-            print(f"speculative ({info.speculative}): {spec.accepted} of {spec.drafted} drafted tokens accepted "
-                  f"({spec.acceptance_rate:.1%}), {spec.mean_accepted_length:.2f} tokens per step", file=sys.stderr)
+              f"{st.pages_free} free of {st.pages_total}; prefix hit rate {st.prefix_hit_rate:.1%}; "
+              f"preemptions {st.preemptions}", file=sys.stderr)
+        if st.spec_draft_tokens:
+            print(f"speculative ({info.speculative}): {st.spec_accepted_tokens} of {st.spec_draft_tokens} drafted tokens "
+                  f"accepted ({st.spec_acceptance_rate:.1%}), {st.spec_mean_accepted_length:.2f} tokens per step",
+                  file=sys.stderr)
     return 0
 
 

@@ -63,7 +63,7 @@ def gguf_read_once():
 def hf_270m(llm_270m):
     from gemmaserve.testing.hf_reference import build_hf_model
 
-    return build_hf_model(llm_270m.engine.model)
+    return build_hf_model(llm_270m.engine._model)
 
 
 @pytest.fixture

@@ -642,7 +642,7 @@ def completion_rows(outs) -> list:
 def run_rows(llm, prompts: list[str], params) -> list:
     """`completion_rows` of `prompts` on `llm`, its KV integrity checked after."""
     outs = llm.generate(prompts, params)
-    llm.engine.kv.check_integrity()
+    llm.engine._kv.check_integrity()
     return completion_rows(outs)
 
 
@@ -664,16 +664,16 @@ def check_warm_rerun(llm, prompts: list[str], params, want: list, rows=completio
     import copy
 
     engine = llm.engine
-    first, hits = copy.deepcopy(engine.scheduler.spec_stats), engine.kv.stats().prefix_hit_tokens
+    first, hits = copy.deepcopy(engine._scheduler.spec_stats), engine._kv.stats().prefix_hit_tokens
     assert first.drafted > 0
     outs = llm.generate(prompts, params)
-    engine.kv.check_integrity()
+    engine._kv.check_integrity()
     assert rows(outs) == want
-    page = engine.kv.page_size
+    page = engine._kv.page_size
     cached = [o.num_cached_tokens for o in outs]
     assert cached == [(len(o.prompt_token_ids) - 1) // page * page for o in outs], cached
-    assert engine.kv.stats().prefix_hit_tokens - hits == sum(cached)
-    st = engine.scheduler.spec_stats
+    assert engine._kv.stats().prefix_hit_tokens - hits == sum(cached)
+    st = engine._scheduler.spec_stats
     assert ((st.steps, st.drafted, st.accepted, st.drafted_at, st.accepted_at)
             == (2 * first.steps, 2 * first.drafted, 2 * first.accepted, [2 * n for n in first.drafted_at],
                 [2 * n for n in first.accepted_at])), (first, st)
@@ -706,7 +706,7 @@ def check_grammar_cut(path: str, base, speculative_config: dict, prompts: list[s
     want = [o.outputs[0].text for o in base.generate(prompts, params)]
     assert [o.outputs[0].text for o in spec.generate(prompts, params)] == want
     assert counts["verified"] > 0 and counts["cut"] > 0, counts
-    assert spec.engine.scheduler.spec_stats.drafted == counts["verified"]
+    assert spec.engine._scheduler.spec_stats.drafted == counts["verified"]
 
 
 def watch_grammar_drafts(engine, so: dict) -> dict:
@@ -717,7 +717,7 @@ def watch_grammar_drafts(engine, so: dict) -> dict:
     from gemmaserve.engine.structured.structured_output import StructuredOutput
 
     counts = {"verified": 0, "cut": 0}
-    run_model = engine.runner.run_model
+    run_model = engine._runner.run_model
 
     def checked(seqs, want_hidden=False, drafts=None):
         out = run_model(seqs, want_hidden, drafts)
@@ -727,15 +727,15 @@ def watch_grammar_drafts(engine, so: dict) -> dict:
             verified = ran.token_ids[len(ran.token_ids) - ran.num_drafts:]
             if DRAFT_TOKEN in verified:   # a drafter's slots: what it filled in
                 verified = (drafts or {})[ran.req_id]
-            matcher = engine.grammars.matcher(StructuredOutput.parse(so))
-            for t in engine.request(ran.req_id).output_token_ids:
+            matcher = engine._grammars.matcher(StructuredOutput.parse(so))
+            for t in engine._request(ran.req_id).output_token_ids:
                 matcher.accept(t)
             assert matcher.allowed_prefix(verified) == len(verified), (ran.req_id, verified)
             counts["verified"] += len(verified)
             counts["cut"] += planned.num_drafts - ran.num_drafts
         return out
 
-    engine.runner.run_model = checked
+    engine._runner.run_model = checked
     return counts
 
 
@@ -786,7 +786,7 @@ def scripted_logits(model, tokens: list[int]) -> list[int]:
 
 def _pages_held(engine, seq_id: str, layers: range | None = None) -> set[int]:
     """The KV pages a running request's block tables hold in `layers` (default: all of the pool's)."""
-    kv, out = engine.kv, set()
+    kv, out = engine._kv, set()
     for g in range(len(kv.groups)):
         _, rows = kv.block_table(seq_id, g)
         cols = [c for layer, (group, c) in enumerate(kv.layer_slot)
@@ -807,24 +807,24 @@ def check_aborts_mid_speculation(engine, prompts: list[str], params, want: list[
     aborted ones' included, with drafts accepted."""
     ids = [engine.add_request(p, params) for p in prompts]
     victims = {ids[0]: 3, ids[2]: 6}   # request -> the first step after which it is aborted
-    drafter = engine.runner.drafter
+    drafter = engine._runner.drafter
     first_draft_layer = getattr(drafter, "first_layer", None)   # a draft model's KV layers follow the target's
-    draft_layers = range(first_draft_layer, len(engine.kv.layer_slot)) if first_draft_layer is not None else None
+    draft_layers = range(first_draft_layer, len(engine._kv.layer_slot)) if first_draft_layer is not None else None
     last: dict[str, int] = {}   # request -> the drafts its last scheduled step carries
-    schedule = engine.scheduler.schedule
+    schedule = engine._scheduler.schedule
 
     def recorded():
         plan = schedule()
         last.update((s.req_id, s.num_drafts) for s in plan.seqs)
         return plan
 
-    engine.scheduler.schedule = recorded
+    engine._scheduler.schedule = recorded
 
     def drafts_in_flight(rid: str) -> bool:
         if engine._inflight is not None:
             return any(s.req_id == rid and s.num_drafts for s in engine._inflight[0].seqs)
-        return last.get(rid, 0) > 0 and (not engine.scheduler.proposer.drafts_after_step
-                                         or bool(engine.request(rid).drafts))
+        return last.get(rid, 0) > 0 and (not engine._scheduler.proposer.drafts_after_step
+                                         or bool(engine._request(rid).drafts))
 
     final, steps = {}, 0
     while engine.has_unfinished_requests():
@@ -835,25 +835,25 @@ def check_aborts_mid_speculation(engine, prompts: list[str], params, want: list[
         for rid, at in victims.items():
             if rid in final or steps < at or not drafts_in_flight(rid):
                 continue
-            held, used = _pages_held(engine, rid), engine.kv.stats().pages_used
-            assert len(held) == engine.kv.pages_held(rid)
+            held, used = _pages_held(engine, rid), engine._kv.stats().pages_used
+            assert len(held) == engine._kv.pages_held(rid)
             assert draft_layers is None or _pages_held(engine, rid, draft_layers)   # it holds draft-model KV
             for out in engine.abort_request(rid):
                 final[out.request_id] = out
-            engine.kv.check_integrity()
-            assert engine.kv.pages_held(rid) == 0 and engine.kv.stats().pages_used == used - len(held)
-            assert not held & set().union(*(_pages_held(engine, r.request_id) for r in engine.scheduler.running))
+            engine._kv.check_integrity()
+            assert engine._kv.pages_held(rid) == 0 and engine._kv.stats().pages_used == used - len(held)
+            assert not held & set().union(*(_pages_held(engine, r.request_id) for r in engine._scheduler.running))
     engine.step()   # an empty step: the runner hears of the last finished requests
     assert [final[i].outputs[0].finish_reason for i in ids] == ["abort", "length", "abort", "length"]
     for i, tokens in zip(ids, want):
         got = final[i].outputs[0].token_ids
         assert got == (tokens[:len(got)] if final[i].outputs[0].finish_reason == "abort" else tokens)
-    engine.kv.check_integrity()
-    st = engine.kv.stats()
+    engine._kv.check_integrity()
+    st = engine._kv.stats()
     assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
-    runner = engine.runner
+    runner = engine._runner
     assert not runner.sampling and not runner._last_sampled and not any(i in runner.tables for i in ids)
-    spec = engine.scheduler.spec_stats
+    spec = engine._scheduler.spec_stats
     assert spec.accepted > 0
     assert sum(final[i].outputs[0].num_draft_tokens for i in ids) == spec.drafted == sum(spec.drafted_at)
     assert sum(final[i].outputs[0].num_accepted_tokens for i in ids) == spec.accepted == sum(spec.accepted_at)

@@ -33,7 +33,7 @@ def _package_runs(mp: pytest.MonkeyPatch, llm: LLM, key=lambda ids, md, graph: (
     """From now on (until `mp` undoes it), `key` of every decode step `llm`'s packages computed: its rows, its
     metadata and the graph that took it (its static rows, None: the dynamic one). A step no package takes runs
     eagerly (`run` gives None) and is not counted, so an engine that silently stays eager counts nothing."""
-    compiled = llm.engine.runner.compiled
+    compiled = llm.engine._runner.compiled
     assert isinstance(compiled, aot_decode.AotDecode), compiled
     run, seen = compiled.run, []
 
@@ -64,7 +64,7 @@ def built(tmp_path_factory):
         llm = LLM(model=str(path), max_num_seqs=16)
         eager = LLM.from_config(llm.engine.config.replace(cpu_compile="off"), llm)
         engine = llm.engine
-        assert engine.info.cpu_compile == "building" and engine.compiled_steps.build.process is not None
+        assert engine.info.cpu_compile == "building" and engine._compiled_steps.build.process is not None
         ran, after = [], 0   # the packages' steps after the switch; engine steps after it
         long = SamplingParams(max_tokens=300, temperature=0, logprobs=1, ignore_eos=True)
         deadline = time.monotonic() + 900
@@ -82,7 +82,7 @@ def built(tmp_path_factory):
             assert engine.info.cpu_compile in ("building", "ready"), engine.info.cpu_compile
         final = [o for o in outputs if o.finished][-1].outputs[0]
         want = eager.generate(["the river valley is long " * 3], long)[0].outputs[0]
-        store = engine.compiled_steps.store()
+        store = engine._compiled_steps.store()
     # (the patches end here: no other engine of this module starts a build)
     return dict(path=path, root=root, hf=hf, llm=llm, eager=eager, ran=ran, after=after, store=store,
                 spanning=(final.token_ids, final.logprobs), want=(want.token_ids, want.logprobs))
@@ -117,7 +117,7 @@ def test_a_later_engine_loads_the_packages_at_once(built, monkeypatch, caplog):
     monkeypatch.setattr(BuildJob, "start", lambda *a: pytest.fail("a background build started"))
     start = time.perf_counter()
     llm = LLM.from_config(built["llm"].engine.config.replace(cpu_compile="on"), built["llm"])
-    assert llm.engine.info.cpu_compile == "ready" and llm.engine.runner.compiled.load_seconds < 5
+    assert llm.engine.info.cpu_compile == "ready" and llm.engine._runner.compiled.load_seconds < 5
     assert time.perf_counter() - start < 30
     assert "loaded from" in caplog.text
     runs = _package_runs(monkeypatch, llm)
@@ -140,9 +140,9 @@ def test_verification_steps_run_the_packages_and_keep_every_token(built, monkeyp
     prompts = [f"{w} " * (3 + i) for i, w in enumerate(WORDS[:5])]
     params = SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True)
     want = built["eager"].generate(prompts, params)
-    sched = llm.engine.scheduler
+    sched = llm.engine._scheduler
     sched.proposer = ReplayDrafts(4, {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in want}, 0.6,
-                                  llm.engine.model.vocab_size)
+                                  llm.engine._model.vocab_size)
     sched.misses_before_pause = 1 << 30
     assert _out(llm, prompts, params) == [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in want]
     st = sched.spec_stats
@@ -170,7 +170,7 @@ def test_adapter_rows_run_eagerly_beside_compiled_base_steps(built, monkeypatch,
     config = built["llm"].engine.config
     assert config.cpu_compile == "auto"
     llm = LLM.from_config(config.replace(lora_modules={"a": str(tmp_path / "a")}), built["llm"])
-    runner = llm.engine.runner
+    runner = llm.engine._runner
     assert llm.engine.info.cpu_compile == "ready"
     steps: list[tuple[bool, bool, bool]] = []   # per forward: adapter rows?, decode only?, ran the packages?
     packaged = _package_runs(monkeypatch, llm)   # the decode steps the packages computed
@@ -214,9 +214,9 @@ def test_other_options_have_other_packages(built, monkeypatch):
     """The key covers the KV layout: another page size is another store (built anew, never misread)."""
     monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(built["root"] / "cache"))
     other = LLM.from_config(built["llm"].engine.config.replace(cpu_compile="off", page_size=8), built["llm"])
-    assert other.engine.compiled_steps.store() != built["store"]
+    assert other.engine._compiled_steps.store() != built["store"]
     same = LLM.from_config(built["llm"].engine.config.replace(cpu_compile="off", max_num_seqs=3), built["llm"])
-    assert same.engine.compiled_steps.store() == built["store"]   # the batch limit is not in the graphs
+    assert same.engine._compiled_steps.store() == built["store"]   # the batch limit is not in the graphs
 
 
 def test_damaged_packages_are_dropped_and_said(built, monkeypatch, caplog, tmp_path):
@@ -233,9 +233,9 @@ def test_damaged_packages_are_dropped_and_said(built, monkeypatch, caplog, tmp_p
     (copy / "manifest.json").write_text(json.dumps(manifest))
     monkeypatch.setattr(EngineConfig, "cpu_compile_mode", lambda self, device, quantized: "background")
     llm = LLM.from_config(built["llm"].engine.config, built["llm"])   # (GEMMASERVE_BACKGROUND_COMPILE=0: no build)
-    assert llm.engine.compiled_steps.store() == copy
+    assert llm.engine._compiled_steps.store() == copy
     assert "do not load" in caplog.text and not copy.exists()
-    assert llm.engine.runner.compiled is None   # eager
+    assert llm.engine._runner.compiled is None   # eager
     assert _out(llm, ["hello world"]) == _out(built["eager"], ["hello world"])
 
 

@@ -51,7 +51,7 @@ def test_arriving_work_does_not_wait_for_the_idle_check(tmp_path):
             yield
         runs["finished"] += 1
 
-    llm.engine.kv.integrity_steps = endless_check
+    llm.engine._kv.integrity_steps = endless_check
     engine = AsyncEngine(llm.engine, ServerMetrics())
     engine._checked_idle = False   # as after a request: the next idle runs the check
     engine.start()
@@ -63,7 +63,7 @@ def test_arriving_work_does_not_wait_for_the_idle_check(tmp_path):
         assert runs["finished"] == 0
         release.set()
         _wait_for(lambda: runs["finished"] == 1, "the check to pass")
-        assert runs["started"] == 2 and engine._integrity_ok
+        assert runs["started"] == 2 and engine.integrity_ok
     finally:
         release.set()
         engine.shutdown()

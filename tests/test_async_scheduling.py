@@ -65,18 +65,18 @@ def test_async_equals_sync(tiny_dir, cache, preempts):
     sync = LLM(**common, async_scheduling="off")
     ref = sync.generate(prompts, params)
     eng = LLM(**common, async_scheduling="on")
-    assert eng.engine.async_scheduling and not sync.engine.async_scheduling
+    assert eng.engine._async_scheduling and not sync.engine._async_scheduling
     _assert_same(eng.generate(prompts, params), ref)
     # A budget that preempts: every request decodes long, the largest fits with 30% to spare. In-flight samples
     # survive preemption.
     params = [dataclasses.replace(p, max_tokens=64, ignore_eos=True, stop=None) for p in params]
     ref = sync.generate(prompts, params)
-    kv = sync.engine.kv
+    kv = sync.engine._kv
     longest = max(len(sync.engine.inputs.tokenize(p)) + sp.max_tokens for p, sp in zip(prompts, params))
     tight = LLM(**common, async_scheduling="on", kv_cache_memory=int(1.3 * kv.peak_pages(longest, 32) + 2) * kv.page_bytes)
     _assert_same(tight.generate(prompts, params), ref, cached=False)
     if preempts is not None:   # lengths are fixed (ignore_eos): so is the schedule
-        assert (tight.engine.scheduler.num_preemptions > 0) == preempts
+        assert (tight.engine._scheduler.num_preemptions > 0) == preempts
     for e in (eng.engine, tight.engine):
         assert not e.has_unfinished_requests() and e.kv.num_used_pages == 0
         e.kv.check_integrity()
@@ -105,5 +105,5 @@ def test_async_gemma4_and_aborts(tmp_path):
     assert rid not in final and final[keep].finished
     assert final[keep].outputs[0].token_ids == LLM(model=str(path), page_size=4, async_scheduling="off").generate(
         [prompts[1]], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
-    assert eng.kv.num_used_pages == 0
-    eng.kv.check_integrity()
+    assert eng._kv.num_used_pages == 0
+    eng._kv.check_integrity()

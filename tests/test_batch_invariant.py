@@ -263,14 +263,14 @@ def test_gemma3_logits_have_the_same_bits_alone_duplicated_and_in_a_mixed_batch(
     assert llm.engine.info.batch_invariant and llm.engine.info.swa_scratch_reuse
     got = probe_checks(llm.engine, PROBE, OTHERS, max_tokens=3)
     assert got["steps"] == 3 and got["duplicate_equal"] and got["mixed_equal"], got["mixed_max_abs_diff"]
-    llm.engine.kv.check_integrity()
+    llm.engine._kv.check_integrity()
     # The check can fail: the same engine with the attention's default path (matmuls still invariant).
     # A prompt of 140 tokens alone decodes with its keys split three ways; twice in a batch, two ways
     # (`decode_splits`: a small SM count stands for a long context on a GPU, where the count follows the
     # batch), so the copies get other bits than the prompt alone.
     eng = llm.engine
-    eng.backend.batch_invariant = False
-    eng.backend.sm_count = 1
+    eng._backend.batch_invariant = False
+    eng._backend.sm_count = 1
     seen = record_logits(eng)
     long_probe = [2] + [(5 * j) % 290 + 5 for j in range(139)]
     alone = run_recorded(eng, seen, [long_probe], 2, "base-alone")[0]
@@ -289,16 +289,16 @@ def test_gemma3_decode_graph_buffers_give_the_eager_bits(tmp_path):
     for p in (PROBE[:30], OTHERS[1]):
         eng.add_request("", SamplingParams(max_tokens=8, ignore_eos=True), prompt_ids=p)
     while True:
-        plan = eng.scheduler.schedule()
+        plan = eng._scheduler.schedule()
         if all(s.num_new_tokens == 1 for s in plan.seqs):
             break
-        eng._update(plan, eng.runner.execute(plan))
-    runner, model = eng.runner, eng.model
+        eng._update(plan, eng._runner.execute(plan))
+    runner, model = eng._runner, eng._model
     runner.apply(plan)
     ids, pos, md = runner.build_inputs(plan.seqs)
     with torch.inference_mode():
         ref = model.compute_logits(model(ModelInputs(ids, pos, runner.backend.begin_batch(md, runner.kv_cache))))
-        inputs = runner.backend.graph_inputs(8, eng.kv.groups, 256, eng.kv.num_pages, torch.device("cpu"))
+        inputs = runner.backend.graph_inputs(8, eng._kv.groups, 256, eng._kv.num_pages, torch.device("cpu"))
         inputs.fill(md, 4)
         pad = lambda t: torch.cat([t, torch.zeros(2, dtype=t.dtype)])   # noqa: E731
         got = model.compute_logits(model(ModelInputs(pad(ids), pad(pos), inputs.attention(4, md.layer_slot,
@@ -321,8 +321,8 @@ def test_gemma4_logits_have_the_same_bits_alone_duplicated_and_in_a_mixed_batch(
     hf = tiny_gemma4_hf(fresh_seed(), "26b_a4b", num_hidden_layers=4, layer_types=[sliding, full, sliding, full],
                         num_kv_shared_layers=2, hidden_size_per_layer_input=32)
     llm = LLM(model=str(save_checkpoint(hf, tmp_path / "g4")), batch_invariant=True, **ENGINE)
-    cfg = llm.engine.model.config
+    cfg = llm.engine._model.config
     assert cfg.moe and cfg.hidden_size_per_layer_input and cfg.kv_sources[-1] is not None
-    assert llm.engine.model.model.layers[0].experts.batch_invariant
+    assert llm.engine._model.model.layers[0].experts.batch_invariant
     got = probe_checks(llm.engine, PROBE[:30], [OTHERS[0][:40], *OTHERS[1:]], max_tokens=2)
     assert got["steps"] == 2 and got["duplicate_equal"] and got["mixed_equal"], got["mixed_max_abs_diff"]

@@ -25,11 +25,11 @@ CHUNKS = [16, 64, 512, None]  # None: the whole prompt in one step
 
 
 def _outputs(llm, prompts, params, chunk):
-    llm.engine.scheduler.max_num_batched_tokens = chunk or 1 << 20
+    llm.engine._scheduler.max_num_batched_tokens = chunk or 1 << 20
     try:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     finally:
-        llm.engine.kv.check_integrity()
+        llm.engine._kv.check_integrity()
 
 
 def _check_all(base: LLM, prompts: list[str], params: SamplingParams, model: str, **extra):
@@ -40,10 +40,10 @@ def _check_all(base: LLM, prompts: list[str], params: SamplingParams, model: str
             cold = _outputs(llm, prompts, params, chunk)
             assert cold == ref, f"{name} chunk={chunk} (cold)"
             if opts.get("enable_prefix_caching"):
-                hits_before = llm.engine.kv.stats().prefix_hit_tokens
+                hits_before = llm.engine._kv.stats().prefix_hit_tokens
                 warm = _outputs(llm, prompts, params, chunk)
                 assert warm == ref, f"{name} chunk={chunk} (warm)"
-                assert llm.engine.kv.stats().prefix_hit_tokens > hits_before, f"{name} chunk={chunk}: no hit"
+                assert llm.engine._kv.stats().prefix_hit_tokens > hits_before, f"{name} chunk={chunk}: no hit"
 
 
 def _long_prompts(n_words: int) -> list[str]:
@@ -62,9 +62,9 @@ def test_270m_cache_features_do_not_change_greedy_output(llm_270m):
     # Every feature at once, chunked across window boundaries, cold then warm (prefix hits).
     llm = LLM.from_config(EngineConfig(model=model, **CONFIGS["v2+scratch+prefix"]), llm_270m)
     assert _outputs(llm, prompts, params, 64) == ref, "v2+scratch+prefix chunk=64 (cold)"
-    hits_before = llm.engine.kv.stats().prefix_hit_tokens
+    hits_before = llm.engine._kv.stats().prefix_hit_tokens
     assert _outputs(llm, prompts, params, 64) == ref, "v2+scratch+prefix chunk=64 (warm)"
-    assert llm.engine.kv.stats().prefix_hit_tokens > hits_before, "no prefix hit"
+    assert llm.engine._kv.stats().prefix_hit_tokens > hits_before, "no prefix hit"
     # V2 alone, whole prompts in one step (no scratch, no prefix cache).
     llm = LLM.from_config(EngineConfig(model=model, **CONFIGS["v2"]), llm_270m)
     assert _outputs(llm, prompts, params, None) == ref, "v2 whole prompt"

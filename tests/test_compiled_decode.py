@@ -52,7 +52,7 @@ def test_compiled_quantised_decode_matches_the_eager_step(kv_manager):
 def _compiled_in_process(eager: LLM, **changes) -> LLM:
     """An engine on the same weights (options `changes`) whose runner compiled its decode steps with torch.compile."""
     comp = LLM.from_config(eager.engine.config.replace(**changes), eager)
-    comp.engine.runner.compile_decode(required=True)
+    comp.engine._runner.compile_decode(required=True)
     return comp
 
 
@@ -70,10 +70,10 @@ def test_engine_runs_decode_and_verification_batches_through_the_graphs_and_keep
     from gemmaserve.testing.replay_drafts import ReplayDrafts
 
     eager = LLM(str(_small_checkpoint(tmp_path)), dtype="float32", cpu_compile="off", max_num_seqs=10)
-    assert eager.engine.runner.compiled is None and eager.engine.info.cpu_compile == "off"
+    assert eager.engine._runner.compiled is None and eager.engine.info.cpu_compile == "off"
     comp = _compiled_in_process(eager, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                            "disable_by_batch_size": 10})
-    runner, sched = comp.engine.runner, comp.engine.scheduler
+    runner, sched = comp.engine._runner, comp.engine._scheduler
     assert runner.compiled.attention_path == "traced"   # Gemma's default V2 arena: attention in the graph
     calls: list[tuple[int, int]] = []   # steps the graphs computed: (rows, most rows of one sequence before a row)
     run = runner.compiled.run
@@ -112,7 +112,7 @@ def test_engine_runs_decode_and_verification_batches_through_the_graphs_and_keep
         prompts = [f"{w} " * (3 + i) for i, w in enumerate(words[:n])]
         want = eager.generate(prompts, long)
         sched.proposer = ReplayDrafts(3, {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in want}, 0.6,
-                                      eager.engine.model.vocab_size)
+                                      eager.engine._model.vocab_size)
         assert tokens(comp.generate(prompts, long)) == tokens(want)
     st = sched.spec_stats
     assert 0 < st.accepted < st.drafted and st.accepted_at[2] > 0, st
@@ -131,7 +131,7 @@ def test_a_graph_that_cannot_be_called_directly_runs_through_dynamo(monkeypatch,
     monkeypatch.setattr(DirectGraph, "capture", classmethod(unforeseen))
     eager = LLM(str(_small_checkpoint(tmp_path)), dtype="float32", cpu_compile="off", max_num_seqs=2)
     comp = _compiled_in_process(eager)
-    compiled = comp.engine.runner.compiled
+    compiled = comp.engine._runner.compiled
     assert compiled.state is CompileState.READY and compiled._direct
     assert all(isinstance(d, str) and "unforeseen layout" in d for d in compiled._direct.values())
     through_dynamo: list[int] = []
@@ -157,10 +157,10 @@ def test_a_cached_graph_for_fewer_rows_is_compiled_again(monkeypatch, tmp_path):
     eager = LLM(str(_small_checkpoint(tmp_path)), dtype="float32", cpu_compile="off", max_num_seqs=10)
     monkeypatch.setattr(compiled_decode, "MAX_ROWS", 10)
     narrow = _compiled_in_process(eager)
-    assert narrow.engine.runner.compiled.max_rows == 10
+    assert narrow.engine._runner.compiled.max_rows == 10
     monkeypatch.setattr(compiled_decode, "MAX_ROWS", 63)
     wide = _compiled_in_process(eager, max_num_seqs=40)
-    compiled = wide.engine.runner.compiled
+    compiled = wide.engine._runner.compiled
     assert compiled.state is CompileState.READY and compiled.max_rows == 40
     prompts = [f"{w} " * (2 + i % 5) for i, w in enumerate(("the cat sat on a mat by the door " * 4).split())]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -187,12 +187,12 @@ def test_a_failed_compile_leaves_the_steps_eager_and_says_why(monkeypatch, caplo
     monkeypatch.setattr(CompiledDecode, "_warm_up", broken)
     path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "tiny")
     llm = LLM(str(path), dtype="float32", max_num_seqs=2, cpu_compile="off")
-    llm.engine.runner.compile_decode(required=False)
-    assert llm.engine.runner.compiled.state is CompileState.FAILED and "no C++ compiler" in caplog.text
+    llm.engine._runner.compile_decode(required=False)
+    assert llm.engine._runner.compiled.state is CompileState.FAILED and "no C++ compiler" in caplog.text
     out = llm.generate(["hello world"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-        llm.engine.runner.compile_decode(required=True)
+        llm.engine._runner.compile_decode(required=True)
 
 
 def test_cpu_compile_mode_resolution():

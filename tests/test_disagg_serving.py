@@ -214,7 +214,7 @@ def test_grammars_penalties_and_seeds_continue_on_the_decode_engine(cluster, sin
 
 def test_bytes_per_request_follow_the_window(cluster, single):
     """Full layers send every prompt token, sliding layers the W - 1 tokens the first decode step reads."""
-    specs = single.engine.model.kv_layer_specs(torch.float32)
+    specs = single.engine._model.kv_layer_specs(torch.float32)
     n = len(single.engine.inputs.tokenize(PROMPTS[1]))
     expected = sum((n if s.window is None else min(n, s.window - 1)) * s.bytes_per_token() for s in specs if s.owns_kv)
     assert expected < n * sum(s.bytes_per_token() for s in specs) / 3   # what V1 would send
@@ -312,7 +312,7 @@ def test_nixl_runtime_moves_the_same_bytes(model_dir, single):
         wants = [o.outputs[0].text for o in single.generate(PROMPTS, SamplingParams(max_tokens=12), use_tqdm=False)]
         for prompt, want in zip(PROMPTS, wants):   # a second transfer reads a region registered after the first
             assert _completion(rport, prompt, stream=True) == want
-        specs = single.engine.model.kv_layer_specs(torch.float32)
+        specs = single.engine._model.kv_layer_specs(torch.float32)
         expected = 0
         for prompt in PROMPTS:
             n = len(single.engine.inputs.tokenize(prompt))

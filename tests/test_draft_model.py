@@ -57,7 +57,7 @@ def test_greedy_tokens_equal_without_drafts_in_every_cache_mode(models, mode):
     ref, _ = _generate(path, base, MODES[mode], params, None)
     llm = LLM.from_config(EngineConfig(model=path, page_size=4, **MODES[mode], speculative_config=_draft(near)), base)
     assert run_rows(llm, PROMPTS, params) == ref
-    st = llm.engine.scheduler.spec_stats
+    st = llm.engine._scheduler.spec_stats
     assert 0 < st.accepted < st.drafted and st.accepted_at[2] > 0, st   # rejected, partly and wholly accepted
     if mode == "v2+scratch+prefix":   # warm: the draft model's KV comes back with the target's prefix hits
         check_warm_rerun(llm, PROMPTS, params, ref)
@@ -70,7 +70,7 @@ def test_the_target_as_its_own_draft_is_always_accepted(models):
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ref, _ = _generate(path, base, dict(max_num_batched_tokens=16), params, None)
     got, engine = _generate(path, base, dict(max_num_batched_tokens=16), params, _draft(path, 4))
-    st = engine.scheduler.spec_stats
+    st = engine._scheduler.spec_stats
     assert got == ref and st.drafted > 50 and st.accepted == st.drafted, st
 
 
@@ -99,11 +99,11 @@ def test_a_preempted_request_rebuilds_the_draft_models_kv(models):
                 done[out.request_id] = out.outputs[0].token_ids
         steps += 1
         if steps in (3, 5):
-            engine.scheduler._preempt(engine.scheduler.running[-1], _Decision())
-    engine.kv.check_integrity()
-    st = engine.scheduler.spec_stats
+            engine._scheduler._preempt(engine._scheduler.running[-1], _Decision())
+    engine._kv.check_integrity()
+    st = engine._scheduler.spec_stats
     assert [done[i] for i in ids] == want and st.accepted == st.drafted > 0, st
-    assert engine.scheduler.num_preemptions == 2
+    assert engine._scheduler.num_preemptions == 2
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
@@ -125,7 +125,7 @@ def test_sampling_with_seeds_and_stops_equal_without_drafts(models):
                             ignore_eos=True)
     ref, _ = _generate(path, base, {}, params, None)
     got, engine = _generate(path, base, {}, params, _draft(near, 4))
-    assert got == ref and engine.scheduler.spec_stats.accepted > 0
+    assert got == ref and engine._scheduler.spec_stats.accepted > 0
 
 
 def test_draft_models_that_cannot_draft_for_the_target_are_refused(models, tmp_path):
@@ -149,7 +149,7 @@ def test_270m_drafts_for_itself(llm_270m_q):
     want = [o.outputs[0].token_ids for o in llm_270m_q.generate(prompts, params)]
     llm = LLM.from_config(llm_270m_q.engine.config.replace(speculative_config=_draft("gemma3-270m", 4)), llm_270m_q)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
-    st = llm.engine.scheduler.spec_stats
+    st = llm.engine._scheduler.spec_stats
     assert st.drafted > 0 and st.accepted == st.drafted, st
 
 
@@ -164,7 +164,7 @@ def test_two_tensor_parallel_ranks_split_the_draft_model_like_the_target(models)
     two = LLM(path, page_size=4, tensor_parallel_size=2, speculative_config=_draft(near))
     try:
         assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == [row[0] for row in want]
-        st, one = two.engine.scheduler.spec_stats, single.scheduler.spec_stats
+        st, one = two.engine._scheduler.spec_stats, single.scheduler.spec_stats
         assert 0 < st.accepted < st.drafted and abs(st.accepted - one.accepted) <= one.drafted // 20, (st, one)
     finally:
         two.engine.shutdown()

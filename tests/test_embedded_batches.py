@@ -41,9 +41,9 @@ def test_enforce_eager_and_a_warm_prefix_cache_keep_every_bit(eager):
     llm, alone = eager
     forced = LLM.from_config(llm.engine.config.replace(enforce_eager=True, cpu_compile="on"), llm)
     assert forced.engine.info.cpu_compile == "off"
-    hits = forced.engine.kv.stats().prefix_hit_tokens
+    hits = forced.engine._kv.stats().prefix_hit_tokens
     assert batches.differing(alone, forced, (13, 13)) == {"13": []}
-    assert forced.engine.kv.stats().prefix_hit_tokens > hits
+    assert forced.engine._kv.stats().prefix_hit_tokens > hits
 
 
 def test_a_fresh_process_gives_the_same_bits(eager):

@@ -96,7 +96,7 @@ def test_generate_rejects_bad_prompts_before_running(llm_270m):
         llm_270m.generate([123])
     with pytest.raises(UserInputError, match="2 SamplingParams for 1 prompts"):
         llm_270m.generate(["a"], [SamplingParams(), SamplingParams()])
-    long_prompt = "word " * (llm_270m.engine.max_model_len + 10)
+    long_prompt = "word " * (llm_270m.engine._max_model_len + 10)
     with pytest.raises(UserInputError, match="prompt 1: prompt is .* tokens long; max_model_len is"):
         llm_270m.generate(["ok", long_prompt])
     assert not llm_270m.engine.has_unfinished_requests()  # nothing half-submitted
@@ -189,7 +189,7 @@ def test_internal_failure_of_one_request_spares_the_others(tmp_path, monkeypatch
     prompts = ["abc def", "poison runner", "ghi", "poison detok"]
     expected = {p: llm.generate([p], params)[0].outputs[0].token_ids for p in prompts}
     eng = llm.engine
-    launch = eng.runner.launch
+    launch = eng._runner.launch
 
     def flaky_launch(plan, only=None):
         seqs = plan.seqs if only is None else [plan.seqs[i] for i in only]
@@ -197,10 +197,10 @@ def test_internal_failure_of_one_request_spares_the_others(tmp_path, monkeypatch
             raise RuntimeError("injected forward failure")
         return launch(plan, only)
 
-    monkeypatch.setattr(eng.runner, "launch", flaky_launch)
+    monkeypatch.setattr(eng._runner, "launch", flaky_launch)
     for p in prompts:
         eng.add_request(p, params, request_id=p)
-    det = eng.outputs.state("poison detok").detokenizer
+    det = eng._outputs.state("poison detok").detokenizer
     monkeypatch.setattr(det, "step", lambda ids: (_ for _ in ()).throw(ValueError("injected detokenizer failure")))
     final = {}
     while eng.has_unfinished_requests():
@@ -211,8 +211,8 @@ def test_internal_failure_of_one_request_spares_the_others(tmp_path, monkeypatch
     assert final["poison detok"].finish_reason == "error" and "injected detokenizer" in final["poison detok"].error
     for p in ("abc def", "ghi"):
         assert final[p].finish_reason == "length" and final[p].token_ids == expected[p]
-    eng.kv.check_integrity()
-    st = eng.kv.stats()
+    eng._kv.check_integrity()
+    st = eng._kv.stats()
     assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
 
 

@@ -73,12 +73,12 @@ def test_chunked_prefill_gives_same_tokens(llm_270m_q, max_num_batched_tokens):
     prompt = _long_prompt(llm_270m_q.tokenizer)
     ref = llm_270m_q.generate([prompt], SamplingParams(max_tokens=8))[0].outputs[0].token_ids
     engine = llm_270m_q.engine
-    old = engine.scheduler.max_num_batched_tokens
-    engine.scheduler.max_num_batched_tokens = max_num_batched_tokens
+    old = engine._scheduler.max_num_batched_tokens
+    engine._scheduler.max_num_batched_tokens = max_num_batched_tokens
     try:
         got = llm_270m_q.generate([prompt], SamplingParams(max_tokens=8))[0].outputs[0].token_ids
     finally:
-        engine.scheduler.max_num_batched_tokens = old
+        engine._scheduler.max_num_batched_tokens = old
     assert got == ref
 
 
@@ -129,7 +129,7 @@ def _config_mismatches(cfg, expected: dict) -> list[str]:
 def test_reference_config_is_the_published_270m(llm_270m, hf_270m):
     """The transformers reference and our model run with google/gemma-3-270m's published values."""
     assert _config_mismatches(hf_270m.config, PUBLISHED_270M) == []
-    ours = llm_270m.engine.model.config
+    ours = llm_270m.engine._model.config
     assert (ours.rope_global.theta, ours.rope_global.factor, ours.rope_local.theta, ours.rope_local.factor) \
         == (1e6, 1.0, 1e4, 1.0)
     assert ours.to_hf_dict()["layer_types"] == PUBLISHED_270M["layer_types"]

@@ -129,7 +129,7 @@ def _our_logits(model, ids, pixels, chunk, backend=None):
 @pytest.mark.parametrize("chunk", [5, 9, 64])
 def test_logits_match_transformers(setup, layout, chunk):
     hf, _, llm = setup
-    model = llm.engine.model
+    model = llm.engine._model
     ids, n = _prompt(layout, seed=len(layout) * 7 + chunk)
     pixels = torch.randn(n, 3, 28, 28, generator=torch.Generator().manual_seed(chunk))
     ref = _hf_logits(hf, ids, pixels)
@@ -159,7 +159,7 @@ def test_triton_kernel_honours_the_image_mask(setup):
     ids, n = _prompt("TITIT", 5)
     pixels = torch.randn(n, 3, 28, 28, generator=torch.Generator().manual_seed(5))
     ref = _hf_logits(hf, ids, pixels)
-    got = _our_logits(llm.engine.model, ids, pixels, 9, backend=TritonAttentionBackend())
+    got = _our_logits(llm.engine._model, ids, pixels, 9, backend=TritonAttentionBackend())
     assert (got - ref).abs().max().item() < TOL
 
 
@@ -223,7 +223,7 @@ def test_greedy_tokens_equal_across_cache_modes_and_mixed_batches(setup, options
     assert other.engine.info.swa_scratch_reuse == (options.get("swa_scratch_reuse") == "on")
     for _ in range(2):   # cold, then warm prefix cache
         assert _run(other, extra_text=["just text here", "more text"]) == expected
-    other.engine.kv.check_integrity()
+    other.engine._kv.check_integrity()
 
 
 def test_drafted_tokens_leave_image_requests_unchanged(setup):
@@ -236,8 +236,8 @@ def test_drafted_tokens_leave_image_requests_unchanged(setup):
                                          max_num_batched_tokens=64, speculative_config=spec), llm)
     for _ in range(2):
         assert _run(other, extra_text=["just text here", "more text"]) == expected
-    assert other.engine.scheduler.spec_stats.drafted > 0
-    other.engine.kv.check_integrity()
+    assert other.engine._scheduler.spec_stats.drafted > 0
+    other.engine._kv.check_integrity()
 
 
 def test_encoder_runs_once_per_image(setup):
@@ -245,7 +245,7 @@ def test_encoder_runs_once_per_image(setup):
     small = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
                                          max_num_batched_tokens=7, enable_prefix_caching=False), llm)
     calls = []
-    model = small.engine.model
+    model = small.engine._model
     original = model.encode_images
     model.encode_images = lambda px, pos=None: (calls.append(px.shape[0]), original(px, pos))[1]
     try:
@@ -253,7 +253,7 @@ def test_encoder_runs_once_per_image(setup):
     finally:
         del model.encode_images
     assert sum(calls) == 3, calls      # however many 7-token chunks cover the prompt
-    assert small.engine.runner.media.cache.encoded == 3
+    assert small.engine._runner.media.cache.encoded == 3
     _run(small, cases=[("again <start_of_image> and <start_of_image> x <start_of_image> w", 3)])
     assert sum(calls) == 3, calls      # the same images in a new request: the content-keyed cache serves them
 
@@ -267,7 +267,7 @@ def test_each_image_is_encoded_alone_and_its_request_keeps_its_bits_in_a_batch(s
     engines = [LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
                                             enable_prefix_caching=False), llm) for _ in range(2)]
     calls = []
-    model = llm.engine.model   # (the engines share it)
+    model = llm.engine._model   # (the engines share it)
     original = model.encode_images
     model.encode_images = lambda px, pos=None: (calls.append(px.shape[0]), original(px, pos))[1]
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
@@ -300,7 +300,7 @@ def test_prefix_cache_keys_include_the_image(setup):
     assert same.num_cached_tokens > items[0].end           # the same image: hits past it
     assert other.num_cached_tokens <= items[0].start       # another image: never its KV
     assert same.outputs[0].token_ids == first.outputs[0].token_ids
-    fresh.engine.kv.check_integrity()
+    fresh.engine._kv.check_integrity()
 
 
 def test_image_inputs_and_errors(setup, tmp_path):
@@ -337,7 +337,7 @@ def test_chat_api_takes_data_url_images(setup):
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    engine = LLMEngine(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20), llm.engine.loaded)
+    engine = LLMEngine(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20), llm.engine._loaded)
     content = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}},
                {"type": "text", "text": "what"}]
     with BackgroundServer(engine, ServerConfig(max_images_per_request=2)) as srv:

@@ -188,7 +188,7 @@ def test_audio_prompts_equal_transformers_ids_features_and_logits(served, speech
     with torch.no_grad():
         want = hf(**ref).logits[0]
     for chunk in (len(ids), max(it.length for it in items) + 3):   # the second: chunks end before clips
-        got = chunked_prompt_logits(llm.engine.model, ids, items, chunk)
+        got = chunked_prompt_logits(llm.engine._model, ids, items, chunk)
         err = (got - want).abs().max().item()
         assert err < 2e-4 * max(1.0, want.abs().max().item()), (chunk, err)
 
@@ -225,7 +225,7 @@ def test_greedy_tokens_equal_transformers_through_llm_chat_and_cache_modes(serve
         other = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=16 << 20,
                                              **{"max_num_batched_tokens": 800, **options}), llm)
         assert run(other, ["plain text"])[:3] == want, options
-        other.engine.kv.check_integrity()
+        other.engine._kv.check_integrity()
     # chat parts: a clip as base64 WAV (input_audio) and as a data URL, and samples: the prompt and tokens of the
     # rendered conversation with the same audio
     from gemmaserve.models.chat_template import ChatFormatter, ChatMessage
@@ -265,9 +265,9 @@ def test_long_audio_is_split_into_clips_and_bad_audio_is_a_clear_error(served, s
     assert items[0].key != items[1].key and items[1].end + 2 == items[2].start   # consecutive, in place
     _, tail = inputs.prepare("x", audio=[np.resize(speech, 30 * 16_000 + 40)])   # 2.5 ms past 30 s: cut in a pause
     assert len(tail) == 2 and tail[1].length >= 25
-    small = dataclasses.replace(inputs, max_num_batched_tokens=100)   # a clip is never split across chunks
+    small = dataclasses.replace(llm.engine._validator, max_num_batched_tokens=100)   # a clip is never split across chunks
     cases = [
-        (lambda: small.check_request(ids, SamplingParams(max_tokens=1), items), r"an input \(audio\) takes 750 tokens"),
+        (lambda: small.check(ids, SamplingParams(max_tokens=1), items), r"an input \(audio\) takes 750 tokens"),
         (lambda: inputs.prepare("x", audio=[b"RIFF not audio" * 20]), "could not be decoded"),
         (lambda: inputs.prepare("x", audio=[speech], audio_limits=AudioLimits(max_seconds=1.0)), "s long; the limit"),
         (lambda: inputs.prepare("x", audio=[speech] * 3, audio_limits=AudioLimits(max_clips=2)), "at most 2 per request"),
@@ -310,7 +310,7 @@ def test_audio_over_30_s_equals_transformers_clip_by_clip(served, speech):
         assert np.array_equal(it.extra, mask[:t]) and not mask[t:].any()
     with torch.no_grad():
         out = hf(**ref)
-    model = llm.engine.model
+    model = llm.engine._model
     with torch.inference_mode():
         soft = [model.encode_media(Modality.AUDIO, [it.data], [it.extra], torch.device("cpu"))[0] for it in items]
     for ours, theirs, valid in zip(soft, out.audio_outputs.pooler_output, out.audio_outputs.attention_mask):
@@ -377,7 +377,7 @@ def test_server_chat_audio_and_transcriptions_through_the_openai_client(served, 
     clip = speech[:24_000]
     wav = _wav(clip)
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", page_size=4, kv_cache_memory=16 << 20,
-                                    max_num_batched_tokens=800, cpu_compile="off"), llm.engine.loaded)
+                                    max_num_batched_tokens=800, cpu_compile="off"), llm.engine._loaded)
     greedy = SamplingParams(max_tokens=6, temperature=0)
     chat = [{"type": "text", "text": "listen"},
             {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}]
@@ -459,12 +459,12 @@ def test_server_chat_audio_and_transcriptions_through_the_openai_client(served, 
         from helpers import CHANNEL_BEGIN, CHANNEL_END, scripted_logits
 
         tok = llm.tokenizer
-        scripted_logits(engine.model, [CHANNEL_BEGIN, *tok.encode("thought\nhmm", add_special_tokens=False),
+        scripted_logits(engine._model, [CHANNEL_BEGIN, *tok.encode("thought\nhmm", add_special_tokens=False),
                                        CHANNEL_END, *tok.encode("hello there", add_special_tokens=False)])
         try:
             said = client.audio.transcriptions.create(model=str(path), file=("a.wav", wav), extra_body={"max_tokens": 40})
         finally:
-            del engine.model.compute_logits
+            del engine._model.compute_logits
         assert said.text.startswith("hello there") and "hmm" not in said.text and "thought" not in said.text
         srv.server.async_engine.call_blocking(lambda e: e.kv.check_integrity())
 
@@ -514,8 +514,8 @@ def test_drafts_leave_audio_and_video_requests_unchanged(served, speech, tmp_pat
                                              max_num_batched_tokens=800, cpu_compile="off",
                                              speculative_config={**spec, "disable_by_batch_size": 64}), llm)
         assert run(other) == want, spec["method"]
-        assert other.engine.scheduler.spec_stats.drafted > 0, spec["method"]
-        other.engine.kv.check_integrity()
+        assert other.engine._scheduler.spec_stats.drafted > 0, spec["method"]
+        other.engine._kv.check_integrity()
 
 
 def test_tensor_parallel_ranks_and_preemption_keep_media_tokens(served, speech):
@@ -547,12 +547,12 @@ def test_tensor_parallel_ranks_and_preemption_keep_media_tokens(served, speech):
         assert run(two) == want
     finally:
         two.engine.shutdown()
-    kv = llm.engine.kv
+    kv = llm.engine._kv
     longest = max(len(ids) for ids, _, _ in want) + params.max_tokens
     # 80-token chunks (the frames' and the image's 70 fit; the clips are shorter): decodes growing together preempt
     tight = LLM.from_config(EngineConfig(model=str(path), dtype="float32", page_size=4, max_num_batched_tokens=80,
                                          kv_cache_memory=int(1.2 * kv.peak_pages(longest, 80)) * kv.page_bytes), llm)
     assert run(tight) == want
-    assert tight.engine.scheduler.num_preemptions > 0
-    assert not tight.engine.runner.media.cache._held and not tight.engine.runner.media
-    tight.engine.kv.check_integrity()
+    assert tight.engine._scheduler.num_preemptions > 0
+    assert not tight.engine._runner.media.cache._held and not tight.engine._runner.media
+    tight.engine._kv.check_integrity()

@@ -105,7 +105,7 @@ def test_audio_chat_equals_transformers_at_every_position(cases, name):
     with torch.no_grad():
         want = hf(**ref).logits[0]
         greedy = hf.generate(**ref, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=[])
-    got = chunked_prompt_logits(llm.engine.model, ids, items, len(ids))
+    got = chunked_prompt_logits(llm.engine._model, ids, items, len(ids))
     err = (got - want).abs().max().item()
     assert err <= 1e-4 * max(1.0, want.abs().max().item()), (name, err)
     assert out.outputs[0].token_ids == greedy[0, len(ids):].tolist(), name
@@ -114,7 +114,7 @@ def test_audio_chat_equals_transformers_at_every_position(cases, name):
 def _ours(llm: LLM, clip: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """Our soft tokens of the clip and logits at every position of its chat prompt."""
     ids, items = _prompt(llm, clip)
-    model = llm.engine.model
+    model = llm.engine._model
     with torch.inference_mode():
         tokens = model.encode_media(items[0].modality, [items[0].data], [items[0].extra], torch.device("cpu"))[0]
     return tokens, chunked_prompt_logits(model, ids, items, len(ids))

@@ -36,11 +36,11 @@ def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 
 def _tokens(llm: LLM, chunk: int | None, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
-    llm.engine.scheduler.max_num_batched_tokens = chunk or 1 << 20
+    llm.engine._scheduler.max_num_batched_tokens = chunk or 1 << 20
     try:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
-        llm.engine.kv.check_integrity()
+        llm.engine._kv.check_integrity()
 
 
 def test_greedy_equals_transformers_and_every_cache_feature(variant):
@@ -55,9 +55,9 @@ def test_greedy_equals_transformers_and_every_cache_feature(variant):
         for chunk in CHUNKS:
             assert _tokens(llm, chunk) == ref, f"{name} {cfg_name} chunk={chunk} (cold)"
             if opts.get("enable_prefix_caching"):
-                hits = llm.engine.kv.stats().prefix_hit_tokens
+                hits = llm.engine._kv.stats().prefix_hit_tokens
                 assert _tokens(llm, chunk) == ref, f"{name} {cfg_name} chunk={chunk} (warm)"
-                assert llm.engine.kv.stats().prefix_hit_tokens > hits, f"{name} {cfg_name} chunk={chunk}: no hit"
+                assert llm.engine._kv.stats().prefix_hit_tokens > hits, f"{name} {cfg_name} chunk={chunk}: no hit"
 
 
 def test_kv_shared_layers_hold_no_pages(variant):
@@ -65,9 +65,9 @@ def test_kv_shared_layers_hold_no_pages(variant):
     theoretical minimum for this geometry once a prompt is in (full layers: every token, sliding: a window)."""
     name, hf, path = variant
     llm = LLM(model=str(path), page_size=4, enable_prefix_caching=False)
-    specs = llm.engine.model.kv_layer_specs(torch.float32)
+    specs = llm.engine._model.kv_layer_specs(torch.float32)
     owners = {i for i, s in enumerate(specs) if s.owns_kv}
-    grouped = {layer for g in llm.engine.kv.groups for layer in g.layers}
+    grouped = {layer for g in llm.engine._kv.groups for layer in g.layers}
     assert grouped == owners
     shared = GEMMA4_VARIANTS[name].get("num_kv_shared_layers", 0)
     assert len(specs) - len(owners) == shared
@@ -80,14 +80,14 @@ def test_preemption_keeps_greedy_output(variant, scratch):
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     roomy = LLM(model=str(path), page_size=4, swa_scratch_reuse=scratch, max_num_batched_tokens=16)
     ref = _tokens(roomy, 16, prompts, params)
-    kv = roomy.engine.kv
+    kv = roomy.engine._kv
     longest = max(len(roomy.tokenizer.encode(p)) for p in prompts) + params.max_tokens
     tight = LLM.from_config(EngineConfig(model=str(path), page_size=4, swa_scratch_reuse=scratch,
                                          max_num_batched_tokens=16,
                                          kv_cache_memory=int(1.3 * kv.peak_pages(longest, 16)) * kv.page_bytes), roomy)
     # Admission reserves pages for every admitted prompt, so decodes growing together preempt.
     assert _tokens(tight, 16, prompts, params) == ref, f"{name}: preemption changed the output"
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine._scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("name", ["e2b", "26b_a4b", "31b"])
@@ -103,4 +103,4 @@ def test_triton_backend_gives_the_torch_tokens(tmp_path, name):
     assert tri.engine.info.attention_backend == "triton" and tri.engine.info.swa_scratch_reuse
     for _ in range(2):
         assert [o.outputs[0].token_ids for o in tri.generate(prompts, params, use_tqdm=False)] == expected
-    tri.engine.kv.check_integrity()
+    tri.engine._kv.check_integrity()

@@ -280,7 +280,7 @@ def test_gguf_generates_like_transformers(tmp_path, monkeypatch, variant):
     path = _write_gguf(hf, tmp_path / f"{variant}.gguf", extra=_unused_shared_kv_gguf(hf, seed))
     llm = LLM(model=str(path))
 
-    parsed, expected = llm.engine.model.config, Gemma4Config.from_hf(hf.config.to_dict())
+    parsed, expected = llm.engine._model.config, Gemma4Config.from_hf(hf.config.to_dict())
     assert parsed.rms_norm_eps == pytest.approx(expected.rms_norm_eps, rel=1e-6)   # GGUF keeps it as float32
     carried = dict(rms_norm_eps=expected.rms_norm_eps)
     if not expected.hidden_size_per_layer_input:   # without PLE tensors GGUF has no per-layer vocabulary
@@ -380,7 +380,7 @@ def test_conditional_generation_checkpoint_loads_both_towers(tmp_path):
     assert any("vision_tower." in k for k in tensors)
     assert any("embed_vision." in k for k in tensors)
     llm = LLM(model=str(mm))
-    assert llm.engine.model.config.multimodal and llm.engine.inputs.image_layout is not None
+    assert llm.engine._model.config.multimodal and llm.engine.inputs.image_layout is not None
     assert llm.engine.info.swa_scratch_reuse is False
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     out = llm.generate([PROMPT], params)[0]

@@ -133,7 +133,7 @@ def test_logits_and_greedy_tokens_equal_transformers(setup):
     with torch.no_grad():
         want = hf(**inputs).logits[0]
     for chunk in (len(ids), max(it.length for it in items) + 3):
-        got = chunked_prompt_logits(llm.engine.model, ids, items, chunk)
+        got = chunked_prompt_logits(llm.engine._model, ids, items, chunk)
         err = (got - want).abs().max().item()
         assert err < 2e-4 * max(1.0, want.abs().max().item()), (chunk, err)
     with torch.no_grad():
@@ -142,7 +142,7 @@ def test_logits_and_greedy_tokens_equal_transformers(setup):
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     outs = llm.generate([prompt, "only text"], params, images=[images, None], audio=[clips, None], use_tqdm=False)
     assert outs[0].outputs[0].token_ids == ref_tokens
-    llm.engine.kv.check_integrity()
+    llm.engine._kv.check_integrity()
 
 
 def _reference_masks(hf, inputs) -> dict:
@@ -189,12 +189,12 @@ def test_the_12b_vision_mask_is_the_reference_rule(tmp_path):
     scale = max(1.0, want.abs().max().item())
     assert (forward_rule - want).abs().max().item() > 1e-2 * scale
     for chunk in (len(ids), max(it.length for it in items) + 3):
-        got = chunked_prompt_logits(llm.engine.model, ids, items, chunk)
+        got = chunked_prompt_logits(llm.engine._model, ids, items, chunk)
         assert (got - want).abs().max().item() < 2e-4 * scale, chunk
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     outs = llm.generate([prompt, "only text"], params, images=[images, None], audio=[[clip], None], use_tqdm=False)
     assert outs[0].outputs[0].token_ids == _reference_greedy(hf, inputs, 5)
-    llm.engine.kv.check_integrity()
+    llm.engine._kv.check_integrity()
 
 
 def test_video_frames_and_bad_input(setup):

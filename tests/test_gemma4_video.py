@@ -130,7 +130,7 @@ def test_logits_and_greedy_tokens_equal_transformers(setup, monkeypatch, tmp_pat
     assert ids == ref["input_ids"][0].tolist()
     want = _hf_logits(hf, ref)
     for chunk in (len(ids), items[0].length + 5):
-        got = chunked_prompt_logits(llm.engine.model, ids, items, chunk)
+        got = chunked_prompt_logits(llm.engine._model, ids, items, chunk)
         err = (got - want).abs().max().item()
         assert err < 2e-4 * max(1.0, want.abs().max().item()), (name, chunk, err)
     with torch.no_grad():
@@ -144,7 +144,7 @@ def test_logits_and_greedy_tokens_equal_transformers(setup, monkeypatch, tmp_pat
     assert outs[0].outputs[0].token_ids == ref == outs[2].outputs[0].token_ids
     again = llm.generate(prompt, params, videos=[data], use_tqdm=False)[0]   # its KV blocks are keyed by content
     assert again.outputs[0].token_ids == ref and again.num_cached_tokens >= len(ids) // 2
-    llm.engine.kv.check_integrity()
+    llm.engine._kv.check_integrity()
 
 
 def test_video_through_the_cli_and_server_and_bad_videos(setup, tmp_path, capsys):
@@ -171,7 +171,7 @@ def test_video_through_the_cli_and_server_and_bad_videos(setup, tmp_path, capsys
 
     url = "data:video/mp4;base64," + base64.b64encode(data).decode()
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", page_size=4, kv_cache_memory=16 << 20,
-                                    max_num_batched_tokens=400), llm.engine.loaded)
+                                    max_num_batched_tokens=400), llm.engine._loaded)
     part = {"type": "video_url", "video_url": {"url": url}}
     messages = [{"role": "user", "content": [{"type": "text", "text": "see "}, part]}]
     chat = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0)).outputs[0].text

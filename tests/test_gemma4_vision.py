@@ -102,7 +102,7 @@ def test_logits_match_transformers(setup, processor, chunk):
         hf_ids, pixels, positions = _hf_inputs(processor, prompt, _images(n, k))
         assert ids == hf_ids
         ref = _hf_logits(hf, ids, pixels, positions)
-        got = chunked_prompt_logits(llm.engine.model, ids, items, chunk)
+        got = chunked_prompt_logits(llm.engine._model, ids, items, chunk)
         # The tiny random E2B stack amplifies fp32 rounding: transformers' own fp32 logits are up to
         # ~1.5e-4 off its fp64 ones here. Where that is so, we must be as close as it is.
         exact = _hf_logits(hf64, ids, pixels.double(), positions).float()
@@ -137,7 +137,7 @@ def test_greedy_equals_transformers_and_cache_modes(setup, processor):
                                              **{"max_num_batched_tokens": 256, **options}), llm)
         for _ in range(2):
             assert _run(other, ["plain text", "more"]) == expected, options
-        other.engine.kv.check_integrity()
+        other.engine._kv.check_integrity()
 
 
 def test_mtp_drafts_leave_image_requests_unchanged(setup, tmp_path):
@@ -151,5 +151,5 @@ def test_mtp_drafts_leave_image_requests_unchanged(setup, tmp_path):
     other = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_memory=8 << 20,
                                          max_num_batched_tokens=96, speculative_config=spec), llm)
     assert _run(other, extra_text=["just text here"]) == expected
-    assert other.engine.scheduler.spec_stats.drafted > 0
-    other.engine.kv.check_integrity()
+    assert other.engine._scheduler.spec_stats.drafted > 0
+    other.engine._kv.check_integrity()

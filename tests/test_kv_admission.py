@@ -117,21 +117,21 @@ def test_bound_counts_scratch():
 
 def _run(eng, prompt_ids, params) -> tuple[list[int], list[int]]:
     """Greedy tokens of one request, and the tokens each step scheduled for it."""
-    schedule, chunks = eng.scheduler.schedule, []
+    schedule, chunks = eng._scheduler.schedule, []
 
     def recording():
         out = schedule()
         chunks.extend(s.num_new_tokens for s in out.seqs)
         return out
 
-    eng.scheduler.schedule = recording
+    eng._scheduler.schedule = recording
     eng.add_request("", params, prompt_ids=prompt_ids, request_id="r")
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:
                 tokens = o.outputs[0].token_ids
-        eng.kv.check_integrity()
-    eng.scheduler.schedule = schedule
+        eng._kv.check_integrity()
+    eng._scheduler.schedule = schedule
     return tokens, chunks
 
 
@@ -147,19 +147,19 @@ def test_engine_chunks_smaller_instead_of_refusing(tmp_path, scratch):
     roomy = LLM(model=path, dtype=F32, device="cpu", page_size=4, max_num_batched_tokens=256,
                 swa_scratch_reuse=scratch, enable_prefix_caching=False)
     want, _ = _run(roomy.engine, prompt_ids, params)
-    kv = roomy.engine.kv
+    kv = roomy.engine._kv
     tight = kv.peak_pages(306, 64) * kv.page_bytes
     assert kv.peak_pages(306, 256) * kv.page_bytes > tight   # the default chunk does not fit
     eng = LLM.from_config(roomy.engine.config.replace(kv_cache_memory=tight), roomy).engine
-    limit = eng.inputs.check_request(prompt_ids, params)
+    limit = eng.validate(prompt_ids, params).max_chunk_tokens
     assert limit is not None and 64 <= limit < 256
     got, chunks = _run(eng, prompt_ids, params)
     assert got == want
-    assert max(chunks) == limit and eng.scheduler.num_preemptions == 0
+    assert max(chunks) == limit and eng._scheduler.num_preemptions == 0
     small = LLM.from_config(roomy.engine.config.replace(kv_cache_memory=kv.peak_pages(306, 1) * kv.page_bytes // 2),
                             roomy).engine
     with pytest.raises(UserInputError, match="needs .* of KV cache for 306 tokens"):
-        small.inputs.check_request(prompt_ids, params)
+        small.validate(prompt_ids, params)
 
 
 def test_pinned_split_caps_each_side():

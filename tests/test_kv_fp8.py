@@ -332,11 +332,11 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _tokens(llm: LLM, chunk: int | None = None) -> list[list[int]]:
-    llm.engine.scheduler.max_num_batched_tokens = chunk or 1 << 20
+    llm.engine._scheduler.max_num_batched_tokens = chunk or 1 << 20
     try:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     finally:
-        llm.engine.kv.check_integrity()
+        llm.engine._kv.check_integrity()
 
 
 def test_engine_fp8_greedy_tokens_and_agreement_with_bf16(checkpoint):
@@ -352,11 +352,11 @@ def test_engine_fp8_greedy_tokens_and_agreement_with_bf16(checkpoint):
     base = LLM(model=str(path), page_size=4, kv_cache_dtype="bf16")
     fp8 = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_dtype="fp8"), base)
     assert fp8.engine.info.kv_cache_dtype == "float8_e4m3fn" and base.engine.info.kv_cache_dtype == "bfloat16"
-    assert fp8.engine.kv.page_bytes * 2 == base.engine.kv.page_bytes
-    specs = fp8.engine.kv.specs
+    assert fp8.engine._kv.page_bytes * 2 == base.engine._kv.page_bytes
+    specs = fp8.engine._kv.specs
     assert all(s.fp8 for s in specs) and any(s.k_scale != 1.0 for s in specs)
     got = _tokens(fp8)
-    model = fp8.engine.model
+    model = fp8.engine._model
     prompt_ids = [fp8.tokenizer.encode(p) for p in PROMPTS]
     _assert_near_greedy(model, specs, prompt_ids, got, f"{name} seed={seed}")
     ref = _tokens(base)
@@ -371,11 +371,11 @@ def test_engine_fp8_greedy_tokens_and_agreement_with_bf16(checkpoint):
     bound = {"gemma3": 0.17, "e4b": 0.35}[name]
     for ids in prompt_ids:
         prompt_fp8 = paged_logits(model, [ids], specs=specs)[0]
-        prompt_bf16 = paged_logits(model, [ids], specs=base.engine.kv.specs)[0]
+        prompt_bf16 = paged_logits(model, [ids], specs=base.engine._kv.specs)[0]
         err = _rel(prompt_fp8, prompt_bf16).mean()
         assert err < bound, f"{name} seed={seed}: {err}"
     again = LLM.from_config(EngineConfig(model=str(path), page_size=4, kv_cache_dtype="fp8"), base)
-    assert again.engine.kv.specs == specs and _tokens(again) == got
+    assert again.engine._kv.specs == specs and _tokens(again) == got
 
 
 def test_engine_fp8_every_cache_feature(checkpoint):
@@ -392,10 +392,10 @@ def test_engine_fp8_every_cache_feature(checkpoint):
         assert llm.engine.info.swa_scratch_reuse and llm.engine.info.prefix_caching
         ref = _tokens(ref_llm, chunk)
         assert _tokens(llm, chunk) == ref, f"{name} seed={seed} chunk={chunk} (cold)"
-        hits = llm.engine.kv.stats().prefix_hit_tokens
+        hits = llm.engine._kv.stats().prefix_hit_tokens
         warm = _tokens(llm, chunk)
-        assert llm.engine.kv.stats().prefix_hit_tokens > hits
-        _assert_near_greedy(llm.engine.model, llm.engine.kv.specs, prompt_ids, warm, f"{name} seed={seed} warm")
+        assert llm.engine._kv.stats().prefix_hit_tokens > hits
+        _assert_near_greedy(llm.engine._model, llm.engine._kv.specs, prompt_ids, warm, f"{name} seed={seed} warm")
 
 
 def test_gpu_fp8_script_runs_its_cpu_parts():

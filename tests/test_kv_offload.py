@@ -166,8 +166,8 @@ def _interleaved(llm: LLM, sessions, params: SamplingParams = PARAMS, check_ever
                 for o in engine.step():
                     out = o if o.request_id == rid and o.finished else out
                 if check_every_step:
-                    engine.kv.check_integrity()
-            engine.kv.check_integrity()
+                    engine._kv.check_integrity()
+            engine._kv.check_integrity()
             completion = out.outputs[0]
             assert len(completion.token_ids) == params.max_tokens
             history[s] = prompt + list(completion.token_ids)
@@ -190,7 +190,7 @@ def _tight(path: str, base: LLM, **extra) -> dict:
     """Engine options `extra` and a device pool that holds about one session (260 tokens' pages, in the KV dtype
     they set): the other sessions' prefixes are evicted between their turns."""
     common = dict(model=path, kv_cache_manager="v2", page_size=4, **extra)
-    kv = (LLM.from_config(EngineConfig(**common), base) if "kv_cache_dtype" in extra else base).engine.kv
+    kv = (LLM.from_config(EngineConfig(**common), base) if "kv_cache_dtype" in extra else base).engine._kv
     per_token = kv.pages_at(200) * kv.page_bytes // 200
     return dict(common, kv_cache_memory=per_token * 260, max_num_batched_tokens=64)
 
@@ -215,16 +215,13 @@ def test_interleaved_sessions_same_tokens_with_the_tier(request, tmp_path, famil
                                               async_scheduling="on" if family != "gemma3" else "off"), base)
     tiered, tiered_cached = _interleaved(tiered_llm, sessions, check_every_step=family == "gemma3")
     assert tiered == plain
-    st = tiered_llm.engine.kv.tier.stats()
+    st = tiered_llm.engine._kv.tier.stats()
     assert st.loaded_blocks > 0 and st.saved_blocks > 0
     assert sum(tiered_cached) > sum(plain_cached) + 2 * 100, (tiered_cached, plain_cached)
     if family == "gemma3":   # what /metrics reads: the tier's counters, as the engine thread snapshots them
-        from types import SimpleNamespace
-
-        from gemmaserve.server.async_engine import AsyncEngine
         from gemmaserve.server.metrics import ServerMetrics
 
-        snap = AsyncEngine.snapshot(SimpleNamespace(_integrity_ok=True), tiered_llm.engine)
+        snap = tiered_llm.engine.snapshot()
         text = ServerMetrics().render(snap).decode()
         assert f"gemmaserve_kv_offload_loaded_blocks_total {float(st.loaded_blocks)}" in text
         assert f"gemmaserve_kv_offload_bytes {float(st.bytes_used)}" in text
@@ -252,11 +249,11 @@ def test_the_tier_with_speculation_an_adapter_and_fp8_kv(gemma3, tmp_path):
     tiered, tiered_cached = _interleaved(tiered_llm, sessions, check_every_step=True, loras=loras)
     assert tiered == plain
     engine = tiered_llm.engine
-    assert engine.info.kv_cache_dtype == "float8_e4m3fn" and engine.kv.tier.stats().loaded_blocks > 0
+    assert engine.info.kv_cache_dtype == "float8_e4m3fn" and engine._kv.tier.stats().loaded_blocks > 0
     returning = range(len(sessions), len(tiered_cached))   # turns 2 and 3 of every session
     assert all(tiered_cached[i] >= 100 > plain_cached[i] for i in returning), (tiered_cached, plain_cached)
     assert tiered_cached[2] == 0 and tiered[2][0] != tiered[0][0]   # session 0's first prompt, not its blocks
-    st = engine.scheduler.spec_stats
+    st = engine._scheduler.spec_stats
     assert st.accepted > 0 and st.drafted > st.accepted, st
 
 
@@ -271,7 +268,7 @@ def test_two_ranks_keep_their_own_shards_in_the_tier(tmp_path):
     results, pages = [], []
     for tp in (1, 2):
         probe = LLM(model=path, dtype="float32", page_size=4, tensor_parallel_size=tp)
-        kv = probe.engine.kv
+        kv = probe.engine._kv
         pool = kv.pages_at(130) * kv.page_bytes * 3 // 2   # about one and a half sessions
         tier = kv.pages_at(130) * kv.page_bytes * 2       # the same pages on one rank or two: it evicts alike
         probe.engine.shutdown()
@@ -280,8 +277,8 @@ def test_two_ranks_keep_their_own_shards_in_the_tier(tmp_path):
                                            kv_offload_memory=tier))
         try:
             results.append(_interleaved(llm, sessions, SamplingParams(max_tokens=4, ignore_eos=True)))
-            assert llm.engine.kv.tier.stats().loaded_blocks > 0
-            pages.append((llm.engine.kv.num_pages, llm.engine.kv.tier.num_pages))
+            assert llm.engine._kv.tier.stats().loaded_blocks > 0
+            pages.append((llm.engine._kv.num_pages, llm.engine._kv.tier.num_pages))
         finally:
             llm.engine.shutdown()
     assert pages[0] == pages[1]   # the same pool and tier sizes in pages (the split group's pages hold more tokens)

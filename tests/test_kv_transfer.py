@@ -182,8 +182,8 @@ def test_handoff_to_another_manager_and_page_size_gives_the_single_engine_tokens
     with pytest.raises(NoKVRoom):
         handoff.reserve("big", list(range(5, 20000)))
     for eng in (prefill, decode):
-        eng.kv.check_integrity()
-        assert eng.kv.stats().pages_used == 0
+        eng._kv.check_integrity()
+        assert eng._kv.stats().pages_used == 0
 
 
 def test_a_decode_engine_that_speculates_gives_the_single_engine_tokens(engines):
@@ -316,8 +316,8 @@ def test_an_adapters_received_blocks_are_keyed_under_the_adapter(engines, tmp_pa
     decode = LLMEngine(prefill.config.replace(kv_transfer=KVTransferConfig(role="decode", kv_transfer_runtime="torch")),
                        single.loaded)
     for engine in (single, prefill, decode):
-        if "ad" not in engine.loras:
-            engine.add_lora("ad", str(tmp_path / "ad"))
+        if "ad" not in engine.adapters:
+            engine.adapters.add("ad", str(tmp_path / "ad"))
     prompt = [(13 * i + 3) % 280 + 7 for i in range(44)]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     want = _run(single, "ra", params, prompt, "ad").outputs[0].token_ids
@@ -359,8 +359,8 @@ def test_prefill_and_decode_roles_with_two_ranks(tmp_path, ranks):
         assert _drain(decode).outputs[0].token_ids == want
         assert staging.release("t")
         for eng in (prefill, decode):
-            eng.kv.check_integrity()
-            assert eng.kv.stats().pages_used == 0
+            eng._kv.check_integrity()
+            assert eng._kv.stats().pages_used == 0
     finally:
         for eng in (prefill, decode):
             eng.shutdown()

@@ -77,7 +77,7 @@ def _run(llm: LLM, params: SamplingParams, check_each_step: bool = True):
         for out in eng.step():
             done[out.request_id] = out.outputs[0].token_ids
         if check_each_step:
-            eng.kv.check_integrity()
+            eng._kv.check_integrity()
     return [done[i] for i in ids]
 
 
@@ -89,14 +89,14 @@ def test_preemption_under_small_budget_gives_identical_greedy_output(tiny_dir, m
     ref = _run(roomy, params)
     # Room for the longest request at its peak, but far less than all six together. Admission keeps
     # room for admitted prompts, so it is the long decodes growing together that preempt.
-    kv = roomy.engine.kv
+    kv = roomy.engine._kv
     longest = max(len(roomy.tokenizer.encode(p)) for p in PROMPTS) + params.max_tokens
     budget = int(2.0 * kv.peak_pages(longest, 64)) * kv.page_bytes
     tight = LLM(model=str(tiny_dir), kv_cache_memory=budget, **opts)
     got = _run(tight, params)
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine._scheduler.num_preemptions > 0
     assert got == ref
-    stats = tight.engine.kv.stats()
+    stats = tight.engine._kv.stats()
     assert stats.pages_used == 0 and stats.pages_free + stats.pages_cached == stats.num_pages
 
 
@@ -107,17 +107,17 @@ def test_abort_frees_pages_at_any_point(tiny_dir):
     a = eng.add_request(PROMPTS[3], params)   # long: still prefilling after one step
     b = eng.add_request(PROMPTS[0], params)
     eng.step()
-    assert eng.kv.num_free_pages < eng.kv.num_pages
+    assert eng._kv.num_free_pages < eng._kv.num_pages
     eng.abort_request(a)
-    eng.kv.check_integrity()
+    eng._kv.check_integrity()
     c = eng.add_request(PROMPTS[1], params)   # queued, then aborted before running
     eng.abort_request(c)
     while eng.has_unfinished_requests():
         eng.step()
-        eng.kv.check_integrity()
-    assert eng.kv.num_free_pages == eng.kv.num_pages
+        eng._kv.check_integrity()
+    assert eng._kv.num_free_pages == eng._kv.num_pages
     with pytest.raises(KeyError):
-        eng.request(b)
+        eng._request(b)
 
 
 def test_max_model_len_stops_generation(tiny_dir):

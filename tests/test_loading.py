@@ -77,7 +77,7 @@ def test_legacy_rope_fields_parse_like_rope_parameters():
 
 
 def test_embedded_gguf_config_and_weights(llm_270m):
-    model = llm_270m.engine.model
+    model = llm_270m.engine._model
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim, cfg.sliding_window) == (18, 640, 256, 512)
     assert cfg.layer_types.count("full_attention") == 3 and cfg.layer_types[5] == "full_attention"
@@ -93,7 +93,7 @@ def test_embedded_model_predicts_natural_text(llm_270m):
     text = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
             "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")
     ids = llm_270m.tokenizer.encode(text)
-    logits = paged_logits(llm_270m.engine.model, [ids], page_size=16)[0]
+    logits = paged_logits(llm_270m.engine._model, [ids], page_size=16)[0]
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
     assert nll < 3.0, nll
 
@@ -118,6 +118,6 @@ def test_gguf_tensor_names_all_map(llm_270m):
     f = GGUFFile(resolve_model("gemma3-270m").path)
     kinds = {t.quant_type for t in f.tensors()}
     assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0", "F32"} <= kinds
-    model = llm_270m.engine.model
+    model = llm_270m.engine._model
     names = {model.gguf_name(t.name)[0] for t in f.tensors()}
     assert len(names) == len(f.tensors())

@@ -43,10 +43,10 @@ def _slot_logits(llm: LLM, name: str | None, ids: list[int], chunk: int = 8) -> 
     """Our logits at every position of `ids` with adapter `name` in slot 0 (None: the base)."""
     lora = None
     if name is not None:
-        ref = llm.engine.loras.get(name)
-        llm.engine.runner.lora.load(LoRALoad(0, ref.name, ref.path, ref.digest))
-        lora = (llm.engine.runner.lora.weights, [0])
-    return paged_logits(llm.engine.model, [ids], chunk=chunk, lora=lora)[0]
+        ref = llm.engine._loras.get(name)
+        llm.engine._runner.lora.load(LoRALoad(0, ref.name, ref.path, ref.digest))
+        lora = (llm.engine._runner.lora.weights, [0])
+    return paged_logits(llm.engine._model, [ids], chunk=chunk, lora=lora)[0]
 
 
 @pytest.mark.parametrize("variant, config", [
@@ -148,7 +148,7 @@ def test_mixed_batches_give_each_request_its_tokens_alone(served):
         ids = llm.tokenizer.encode(p)
         assert tokens == _greedy_peft(peft_models[n] if n else hf, ids, 8), (p, n)
     assert len({tuple(t) for t in alone}) == len(alone)   # the adapters change the output
-    llm.engine.kv.check_integrity()
+    llm.engine._kv.check_integrity()
 
 
 def test_prefix_cache_keys_include_the_adapter(served):
@@ -174,7 +174,7 @@ def test_at_most_max_loras_adapters_run_in_a_step(served):
     names = ["a", "b", None, "b", "a"]
     prompts = PROMPTS + ["one more"]
     want = [llm.generate([p], params, lora=n)[0].outputs[0].token_ids for p, n in zip(prompts, names)]
-    sched, seen = one.engine.scheduler, []
+    sched, seen = one.engine._scheduler, []
     schedule = sched.schedule
 
     def watch():
@@ -184,15 +184,12 @@ def test_at_most_max_loras_adapters_run_in_a_step(served):
 
     sched.schedule = watch
     assert [o.outputs[0].token_ids for o in one.generate(prompts, params, lora=names)] == want
-    assert all(len(slots) <= 1 for slots in seen) and one.engine.runner.lora.store.loads >= 2
+    assert all(len(slots) <= 1 for slots in seen) and one.engine._runner.lora.store.loads >= 2
 
 
 def test_metrics_count_requests_per_adapter(served):
     """/metrics' LoRA gauges, from the engine thread's snapshot: completions per adapter waiting, then running,
     the adapters registered and --max-loras (one adapter at a time here: "b" waits while "a" runs)."""
-    from types import SimpleNamespace
-
-    from gemmaserve.server.async_engine import AsyncEngine
     from gemmaserve.server.metrics import ServerMetrics
 
     _, _, _, llm = served
@@ -202,7 +199,7 @@ def test_metrics_count_requests_per_adapter(served):
            for name in ("a", "a", "b", None)]
 
     def text() -> str:
-        return ServerMetrics().render(AsyncEngine.snapshot(SimpleNamespace(_integrity_ok=True), eng)).decode()
+        return ServerMetrics().render(eng.snapshot()).decode()
 
     before = text()
     assert 'gemmaserve_lora_requests_waiting{adapter="a"} 2.0' in before
@@ -288,13 +285,13 @@ def test_speculation_and_preemption_keep_adapter_tokens_and_counts(served):
     want = run(LLM.from_config(EngineConfig(**base), llm))
     spec = LLM.from_config(EngineConfig(**base, speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 8}), llm)
-    assert run(spec) == want and spec.engine.scheduler.spec_stats.drafted > 0
-    kv = llm.engine.kv
+    assert run(spec) == want and spec.engine._scheduler.spec_stats.drafted > 0
+    kv = llm.engine._kv
     longest = max(len(ids) for ids, _, _ in want) + params.max_tokens
     tight = LLM.from_config(EngineConfig(**base, kv_cache_memory=int(1.3 * kv.peak_pages(longest, 16)) * kv.page_bytes),
                             llm)
-    assert run(tight) == want and tight.engine.scheduler.num_preemptions > 0
-    tight.engine.kv.check_integrity()
+    assert run(tight) == want and tight.engine._scheduler.num_preemptions > 0
+    tight.engine._kv.check_integrity()
 
 
 def test_adapters_added_and_removed_at_run_time(served):
@@ -312,7 +309,7 @@ def test_adapters_added_and_removed_at_run_time(served):
     eng = llm.engine
     ids = [eng.add_request(p, params, lora="c") for p in prompts]
     outputs = eng.step()
-    assert eng.scheduler.running and all(r.request_id in ids and r.lora.name == "c" for r in eng.scheduler.running)
+    assert eng._scheduler.running and all(r.request_id in ids and r.lora.name == "c" for r in eng._scheduler.running)
     with pytest.raises(UserInputError, match=r"LoRA adapter 'c' is in use by 2 unfinished request\(s\)"):
         llm.remove_lora("c")
     while eng.has_unfinished_requests():
@@ -377,7 +374,7 @@ def test_k_and_v_of_kv_shared_layers_are_skipped(served, caplog):
     from safetensors.torch import load_file, save_file
 
     root, _, _, llm = served
-    shared = [i for i, src in enumerate(llm.engine.model.config.kv_sources) if src is not None]
+    shared = [i for i, src in enumerate(llm.engine._model.config.kv_sources) if src is not None]
 
     def add_kv(d):
         f = d / "adapter_model.safetensors"
@@ -435,7 +432,7 @@ def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(served, tmp_
     big = LLM.from_config(llm.engine.config.replace(max_lora_rank=4, lora_modules=None), llm)
     with pytest.raises(UserInputError, match="rank 8 .* above --max-lora-rank 4"):
         big.add_lora("b", str(root / "b"))
-    assert llm.engine.loras.names() == ["a", "b"]
+    assert llm.engine._loras.names() == ["a", "b"]
     assert llm.generate(["hello"], SamplingParams(max_tokens=2), lora="b")[0].outputs[0].finish_reason == "length"
     with pytest.raises(UserInputError, match="lora must name one adapter"):
         llm.generate(["x", "y"], SamplingParams(max_tokens=1), lora=["a"])
@@ -462,7 +459,7 @@ def test_server_serves_adapters_by_model_name_and_loads_them_under_lora_root(ser
 
     root, _, _, llm = served
     engine = LLMEngine(EngineConfig(model=str(root / "base"), dtype="float32", page_size=4, cpu_compile="off",
-                                    lora_modules={"a": str(root / "a")}), llm.engine.loaded)
+                                    lora_modules={"a": str(root / "a")}), llm.engine._loaded)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     want = {n: llm.generate(["hello there"], params, lora=n)[0].outputs[0].text for n in ("a", "b", None)}
     with BackgroundServer(engine, ServerConfig(api_key="k", lora_root=str(root))) as srv:
@@ -510,7 +507,7 @@ def test_server_serves_adapters_by_model_name_and_loads_them_under_lora_root(ser
         step = engine.step
 
         def gated():
-            if hold.is_set() and any(len(r.output_token_ids) >= 2 for r in engine.scheduler.running):
+            if hold.is_set() and any(len(r.output_token_ids) >= 2 for r in engine._scheduler.running):
                 held.set()
                 time.sleep(0.005)
                 return []
@@ -525,7 +522,7 @@ def test_server_serves_adapters_by_model_name_and_loads_them_under_lora_root(ser
             assert post("unload_lora_adapter", {"lora_name": "a"}, errors=errors) == 409
             assert errors[0]["code"] == "lora_in_use" and "in use by 1 unfinished request(s)" in errors[0]["message"]
             with pytest.raises(UserInputError, match="in use by 1 unfinished"):
-                srv.server.async_engine.call_blocking(lambda e: e.remove_lora("a"))
+                srv.server.async_engine.call_blocking(lambda e: e.adapters.remove("a"))
             hold.clear()
             assert running.result(timeout=60) == ("a", want["a"])
         assert post("unload_lora_adapter", {"lora_name": "a"}) == 200
@@ -564,7 +561,7 @@ def test_270m_adapter_equals_peft_and_runs_on_the_quantised_base(llm_270m, llm_2
         assert quant.token_ids[:3] == exact.token_ids[:3]
         # slots hold the adapter in fp32 over fp32 weights, in bf16 over quantised ones (engine/lora.py's slot_dtype)
         for llm, dtype in ((llm_270m, torch.float32), (llm_270m_q, torch.bfloat16)):
-            held = {t.dtype for slots in llm.engine.runner.lora.weights.by_module.values() for w in slots.values()
+            held = {t.dtype for slots in llm.engine._runner.lora.weights.by_module.values() for w in slots.values()
                     for t in (w.a, w.b)}
             assert held == {dtype}, (dtype, held)
         # the adapter's move of the first token's top-5 logprobs, quantised base against fp32 base

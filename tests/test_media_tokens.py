@@ -29,7 +29,7 @@ def media_checkpoint(tmp_path_factory):
 
 def _favour(llm: LLM, token_id: int) -> None:
     """Make `token_id` the model's favourite at every position."""
-    model = llm.engine.model
+    model = llm.engine._model
     compute = model.compute_logits
 
     def biased(hidden):
@@ -48,7 +48,7 @@ def test_media_tokens_are_suppressed_for_text_only_models(media_checkpoint, supp
     _favour(llm, soi)
     out = llm.generate(["abc def"], SamplingParams(max_tokens=8, ignore_eos=True, seed=0))[0].outputs[0]
     if suppress is None:   # auto: the checkpoint has no vision tower
-        assert soi not in out.token_ids and llm.engine.suppressed_token_ids == [soi]
+        assert soi not in out.token_ids and llm.engine._suppressed_token_ids == [soi]
     else:                  # asked for: the model may emit it (and decoding skips it as special)
         assert out.token_ids == [soi] * 8 and out.text == ""
 

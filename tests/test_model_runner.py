@@ -31,7 +31,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     ids = [eng.add_request("", params, prompt_ids=p) for p in prompts]
     for rid in ids:   # one prompt token per step: every prefill chunk is a one-token row
-        eng.request(rid).max_chunk_tokens = 1
+        eng._request(rid).max_chunk_tokens = 1
     done = {}
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -53,7 +53,7 @@ def test_one_token_prefill_rows_in_a_graph_batch_are_not_sampled(tiny_dir):
     eager = LLM(model=str(tiny_dir), page_size=4)
     want = _generate(eager, prompts)
     graphs = LLM.from_config(eager.engine.config, eager)
-    graphs.engine.runner.graphs = _EagerAsGraphs(graphs.engine.runner)
+    graphs.engine._runner.graphs = _EagerAsGraphs(graphs.engine._runner)
     assert _generate(graphs, prompts) == want
 
 
@@ -65,8 +65,8 @@ def test_warm_up_leaves_nothing_behind(tmp_path):
     warm = LLM(model=str(path), page_size=4, max_num_batched_tokens=40)
     assert warm.engine._warm_up() > 0
     eng = warm.engine
-    assert not eng.has_unfinished_requests() and eng.kv.num_used_pages == 0
-    st = eng.kv.stats()
+    assert not eng.has_unfinished_requests() and eng._kv.num_used_pages == 0
+    st = eng._kv.stats()
     assert st.pages_cached == 0 and st.prefix_query_tokens == 0 and st.prefix_hit_tokens == 0
     prompts = ["abc def ghi", "jkl mno"]
     params = SamplingParams(max_tokens=5, ignore_eos=True)

@@ -139,7 +139,7 @@ def _verified_drafts(engine) -> dict[str, dict[int, list[int]]]:
     """From now on, the drafts each request's steps verify, by the length of the sequence they follow (what
     `_hf_assisted` gives for transformers)."""
     rounds: dict[str, dict[int, list[int]]] = {}
-    schedule = engine.scheduler.schedule
+    schedule = engine._scheduler.schedule
 
     def recorded():
         plan = schedule()
@@ -149,7 +149,7 @@ def _verified_drafts(engine) -> dict[str, dict[int, list[int]]]:
                     s.token_ids[len(s.token_ids) - s.num_drafts:]
         return plan
 
-    engine.scheduler.schedule = recorded
+    engine._scheduler.schedule = recorded
     return rounds
 
 
@@ -212,11 +212,11 @@ def test_greedy_tokens_equal_without_drafts_in_every_cache_mode(pair, mode):
     ref, _ = _generate(path, base, MODES[mode], params, None)
     got, engine = _generate(path, base, MODES[mode], params, _mtp(drafter_dir))
     assert got == ref
-    st = engine.scheduler.spec_stats
+    st = engine._scheduler.spec_stats
     assert 0 < st.accepted < st.drafted, st   # drafts both kept and rejected: both paths ran
     assert len(st.accepted_at) == 3 and st.accepted_at[2] > 0, st   # whole rounds accepted too
     if mode == "preempting":
-        assert engine.scheduler.num_preemptions > 0
+        assert engine._scheduler.num_preemptions > 0
     if mode == "compiled":
         assert engine.info.cpu_compile == "ready"
 
@@ -226,7 +226,7 @@ def test_sampling_with_seeds_and_logprobs_equal_without_drafts(pair):
     params = SamplingParams(max_tokens=16, temperature=0.1, top_p=0.9, seed=7, logprobs=2, ignore_eos=True)
     ref, _ = _generate(path, base, {}, params, None)
     got, engine = _generate(path, base, {}, params, _mtp(drafter_dir, 4))
-    assert got == ref and engine.scheduler.spec_stats.accepted > 0
+    assert got == ref and engine._scheduler.spec_stats.accepted > 0
 
 
 @pytest.fixture(scope="module")
@@ -249,10 +249,10 @@ def test_tokens_and_every_rounds_drafts_equal_transformers_assisted_generation(p
                                        cpu_compile=cpu_compile), base)
     assert llm.engine.info.cpu_compile == ("ready" if cpu_compile == "on" else "off")
     engine = llm.engine
-    engine.scheduler.misses_before_pause = 1 << 30
+    engine._scheduler.misses_before_pause = 1 << 30
     compiled_rows: list[int] = []   # decode batches the graphs computed
     if cpu_compile == "on":
-        run = engine.runner.compiled.run
+        run = engine._runner.compiled.run
 
         def counted(ids, pos, md):
             out = run(ids, pos, md)
@@ -260,7 +260,7 @@ def test_tokens_and_every_rounds_drafts_equal_transformers_assisted_generation(p
                 compiled_rows.append(len(ids))
             return out
 
-        engine.runner.compiled.run = counted
+        engine._runner.compiled.run = counted
     rounds = _verified_drafts(engine)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True))
     for o, (tokens, theirs) in zip(outs, assisted):
@@ -269,7 +269,7 @@ def test_tokens_and_every_rounds_drafts_equal_transformers_assisted_generation(p
         assert rounds[o.request_id] == theirs, o.prompt
         assert (c.num_draft_tokens, c.num_accepted_tokens) == (
             sum(map(len, theirs.values())), _accepted(theirs, tokens, len(o.prompt_token_ids)))
-    st = engine.scheduler.spec_stats
+    st = engine._scheduler.spec_stats
     assert 0 < st.accepted_at[0] and st.accepted_at[0] > st.accepted_at[2] > 0, st   # every acceptance length
     assert cpu_compile == "off" or 16 in compiled_rows   # verification steps of 4 x 4 rows ran the graphs
 
@@ -284,7 +284,7 @@ def test_two_tensor_parallel_ranks_draft_what_transformers_drafts(pair, tmp_path
     assistant.save_pretrained(tmp_path / "drafter")
     two = LLM(path, page_size=4, tensor_parallel_size=2, speculative_config=_mtp(str(tmp_path / "drafter")))
     engine = two.engine
-    engine.scheduler.misses_before_pause = 1 << 30   # draft at every step, however often rejected
+    engine._scheduler.misses_before_pause = 1 << 30   # draft at every step, however often rejected
     try:
         rounds = _verified_drafts(engine)
         for o in two.generate(PROMPTS[:2], SamplingParams(max_tokens=12, ignore_eos=True)):
@@ -376,10 +376,10 @@ def test_image_audio_and_video_requests_accept_the_drafts_transformers_makes(med
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, **media)]
     spec = LLM.from_config(llm.engine.config.replace(speculative_config=_mtp(drafter_dir)), llm)
-    spec.engine.scheduler.misses_before_pause = 1 << 30   # draft at every step, as transformers does
+    spec.engine._scheduler.misses_before_pause = 1 << 30   # draft at every step, as transformers does
     rounds = _verified_drafts(spec.engine)
     outs = spec.generate(prompts, params, use_tqdm=False, **media)
-    spec.engine.kv.check_integrity()
+    spec.engine._kv.check_integrity()
     for i, (o, tokens) in enumerate(zip(outs, want)):
         ids, items = llm.engine.inputs.prepare(prompts[i], *(media[kind][i] for kind in ("images", "audio", "videos")))
         assert ids == o.prompt_token_ids and {it.modality.value for it in items} == [{"image"}, {"audio"}, {"video"},
@@ -458,10 +458,10 @@ def test_drafts_the_grammar_forbids_are_cut_before_verification(pair):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].text
-        for req in engine.scheduler.running:
+        for req in engine._scheduler.running:
             if not req.sampling_sent:
                 continue
-            matcher = engine.grammars.matcher(StructuredOutput.parse(so))
+            matcher = engine._grammars.matcher(StructuredOutput.parse(so))
             for t in req.output_token_ids:
                 matcher.accept(t)
             assert matcher.allowed_prefix(req.drafts) == len(req.drafts), (req.output_token_ids, req.drafts)
@@ -481,7 +481,7 @@ def test_a_drafter_that_guesses_nothing_pauses_and_retries(pair, tmp_path):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ref, _ = _generate(path, base, {}, params, None)
     got, engine = _generate(path, base, {}, params, _mtp(str(tmp_path / "random")))
-    st = engine.scheduler.spec_stats
+    st = engine._scheduler.spec_stats
     assert got == ref and st.accepted <= 2, st   # a random guess is right once in a while
     # 39 decode steps per request: drafting 4, pause 8, drafting 4, pause 16, drafting 4, pause 32
     decode_steps = 39 * len(PROMPTS)

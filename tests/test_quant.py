@@ -288,7 +288,7 @@ def test_embedded_model_quantised_path_agrees_with_fp32(llm_270m):
     agree = total = clear = 0
     for prompt, out in zip(prompts, llm_270m.generate(prompts, params)):
         ids = llm_270m.engine.inputs.tokenize(prompt) + list(out.outputs[0].token_ids)
-        ref = paged_logits(llm_270m.engine.model, [ids])[0][-25:-1]
+        ref = paged_logits(llm_270m.engine._model, [ids])[0][-25:-1]
         got = paged_logits(quant.model, [ids])[0][-25:-1]
         top2 = ref.topk(2, dim=-1).values
         decided = (top2[:, 0] - top2[:, 1]) > 1.0

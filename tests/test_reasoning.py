@@ -67,7 +67,7 @@ def test_a_grammar_starts_where_the_reasoning_ends(thinker):
     """The gate alone (xgrammar, our tokenizer): the first token may open the channel or start the JSON; inside
     it anything goes; after its end only the grammar's tokens; drafts are checked the same way."""
     path, llm = thinker
-    grammars = Grammars(llm.tokenizer, llm.engine.model.vocab_size)
+    grammars = Grammars(llm.tokenizer, llm.engine._model.vocab_size)
     so = StructuredOutput.json_schema(SCHEMA)
     gated = grammars.matcher(StructuredOutput(so.kind, so.spec, (CHANNEL_BEGIN, CHANNEL_END)))
     plain = grammars.matcher(so)
@@ -76,7 +76,7 @@ def test_a_grammar_starts_where_the_reasoning_ends(thinker):
         mask = grammars.bitmask(1)
         grammars.fill([state], mask, [0])
         bits = [(int(w) & 0xFFFFFFFF) >> b & 1 for w in mask[0].tolist() for b in range(32)]
-        return {t for t, on in enumerate(bits[:llm.engine.model.vocab_size]) if on}
+        return {t for t, on in enumerate(bits[:llm.engine._model.vocab_size]) if on}
 
     brace = llm.tokenizer.encode("{", add_special_tokens=False)[0]
     first = allowed(gated)
@@ -85,7 +85,7 @@ def test_a_grammar_starts_where_the_reasoning_ends(thinker):
     assert gated.allowed_prefix(thought + [CHANNEL_END, brace, 5]) == len(thought) + 2   # 5: not JSON
     for t in thought:
         gated.accept(t)
-        assert len(allowed(gated)) == llm.engine.model.vocab_size   # inside the channel: anything
+        assert len(allowed(gated)) == llm.engine._model.vocab_size   # inside the channel: anything
     gated.accept(CHANNEL_END)
     assert allowed(gated) == allowed(plain) and CHANNEL_BEGIN not in allowed(gated)
     with pytest.raises(Exception, match="does not fit"):
@@ -101,9 +101,9 @@ def test_chat_reasoning_through_the_openai_client(thinker):
 
     path, llm = thinker
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_memory=8 << 20, cpu_compile="off"),
-                       llm.engine.loaded)
+                       llm.engine._loaded)
     script = _script(llm, "two and two")
-    calls = scripted_logits(engine.model, script)
+    calls = scripted_logits(engine._model, script)
     messages = [{"role": "user", "content": "what is it"}]
     thinking = {"chat_template_kwargs": {"enable_thinking": True}}
     try:
@@ -148,7 +148,7 @@ def test_chat_reasoning_through_the_openai_client(thinker):
             with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
                 ask(reasoning_effort="extreme")
     finally:
-        del engine.model.compute_logits
+        del engine._model.compute_logits
 
 
 def test_llm_chat_passes_template_kwargs(thinker):

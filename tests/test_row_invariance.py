@@ -306,7 +306,7 @@ def _generated(llm: LLM, prompts: list[str], params: SamplingParams = PARAMS) ->
     for o in llm.generate(prompts, params):
         c = o.outputs[0]
         out.append((tuple(c.token_ids), tuple((lp.token_id, lp.logprob, lp.top) for lp in c.logprobs)))
-    llm.engine.kv.check_integrity()
+    llm.engine._kv.check_integrity()
     return out
 
 
@@ -323,9 +323,9 @@ def _check_batches(make, what: str) -> None:
         first = _generated(llm, [PROBE])[0]
         alone = alone or first
         assert first == alone, f"{what} {opts}: alone (cold)"
-        hits = llm.engine.kv.stats().prefix_hit_tokens
+        hits = llm.engine._kv.stats().prefix_hit_tokens
         assert _generated(llm, [PROBE])[0] == alone, f"{what} {opts}: alone (warm)"
-        assert llm.engine.kv.stats().prefix_hit_tokens > hits or not opts["enable_prefix_caching"]
+        assert llm.engine._kv.stats().prefix_hit_tokens > hits or not opts["enable_prefix_caching"]
         assert _generated(llm, [PROBE, PROBE]) == [alone, alone], f"{what} {opts}: twice"
         for at in (0, 3, 7):
             batch = OTHERS[:at] + [PROBE] + OTHERS[at:]

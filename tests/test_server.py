@@ -30,7 +30,7 @@ def server(llm_270m_q):
     from gemmaserve.server.app import ServerConfig
     from gemmaserve.server.background import BackgroundServer
 
-    engine = LLMEngine(EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=32), llm_270m_q.engine.loaded)
+    engine = LLMEngine(EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=32), llm_270m_q.engine._loaded)
     with BackgroundServer(engine, ServerConfig(api_key=API_KEY, max_request_bytes=MAX_BODY)) as srv:
         yield srv
 
@@ -358,18 +358,18 @@ def test_client_library_sees_typed_errors(server, client):
 
 
 def test_an_internal_failure_fails_only_its_request(server, client, llm_270m_q):
-    engine = server.server.engine
-    launch = engine.runner.launch
+    engine = server.server.async_engine._engine
+    launch = engine._runner.launch
 
     def flaky(plan, only=None):
         seqs = plan.seqs if only is None else [plan.seqs[i] for i in only]
-        if any("POISON" in engine.request(s.req_id).prompt for s in seqs):
+        if any("POISON" in engine._request(s.req_id).prompt for s in seqs):
             raise RuntimeError("injected failure")
         return launch(plan, only)
 
     prompts = ["A quiet morning in", "POISON pill", "The harbour at night", "POISON stream"]
     refs = {p: _greedy(llm_270m_q, p, 6).text for p in prompts[::2]}
-    engine.runner.launch = flaky
+    engine._runner.launch = flaky
     try:
         async def run():
             aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
@@ -392,7 +392,7 @@ def test_an_internal_failure_fails_only_its_request(server, client, llm_270m_q):
 
         results = dict(zip(prompts, asyncio.run(run())))
     finally:
-        engine.runner.launch = launch
+        engine._runner.launch = launch
     assert isinstance(results["POISON pill"], openai.InternalServerError)
     assert isinstance(results["POISON stream"], openai.APIError)
     assert "injected failure" in str(results["POISON stream"])

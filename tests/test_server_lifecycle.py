@@ -155,7 +155,7 @@ def test_a_burst_never_exceeds_max_num_seqs_plus_max_queue_len(tiny_path, n, acc
     def gated_step():
         answered.wait(5)
         answered.set()   # the gate holds the first step only
-        sched = engine.scheduler
+        sched = engine._scheduler
         peak[0] = max(peak[0], len(sched.running) + len(sched.waiting))   # one scheduler request per completion
         return step()
 
@@ -286,8 +286,8 @@ def test_drain_lets_requests_finish_then_aborts_and_stops(tiny_path):
         assert got["short"][0] == 200 and got["short"][2]["choices"][0]["finish_reason"] == "length"
         assert got["long"][0] == 200 and got["long"][2]["choices"][0]["finish_reason"] == "abort"
         assert srv.wait_stopped(30)
-        st = engine.kv.stats()
-        engine.kv.check_integrity()
+        st = engine._kv.stats()
+        engine._kv.check_integrity()
         assert st.pages_used == 0
 
 

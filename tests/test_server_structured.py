@@ -80,7 +80,7 @@ def test_the_server_builds_the_grammars_at_start(srv, client):
     """The per-tokenizer state is built before the server says ready and the json_object grammar
     right after, not by the first structured request; the CPU mask kernel by the first request
     whose masks are applied on the CPU, in the background."""
-    grammars = srv.server.engine.grammars
+    grammars = srv.server.async_engine._engine._grammars
     assert grammars.is_ready()
     assert grammars.submit(StructuredOutput(GrammarKind.JSON)).result(timeout=60) is not None
     client.completions.create(model="m", prompt="abc", max_tokens=2, extra_body={"response_format": {"type": "json_object"}})

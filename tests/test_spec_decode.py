@@ -139,7 +139,7 @@ def _run(path, base, opts, params, spec: bool, prompts=PROMPTS):
     config = EngineConfig(model=path, page_size=4, **opts, speculative_config=dict(NGRAM) if spec else None)
     llm = LLM.from_config(config, base)
     outs = llm.generate(prompts, params)
-    llm.engine.kv.check_integrity()
+    llm.engine._kv.check_integrity()
     return _rows(outs), llm
 
 
@@ -151,20 +151,21 @@ def test_greedy_tokens_equal_without_speculation_in_every_cache_mode(tiny, mode)
     got, llm = _run(path, base, MODES[mode], params, spec=True)
     assert got == ref
     eng = llm.engine
-    st = eng.scheduler.spec_stats
+    st = eng._scheduler.spec_stats
     assert st.accepted > 0 and st.accepted < st.drafted, st   # drafts both kept and rejected: both paths ran
     if mode == "preempting":
-        assert eng.scheduler.num_preemptions > 0
+        assert eng._scheduler.num_preemptions > 0
         # Counters users read agree under preemption: per request (--json, usage) and in total (/metrics).
-        from gemmaserve.server.metrics import EngineSnapshot, ServerMetrics
+        from gemmaserve.engine.snapshot import EngineSnapshot
+        from gemmaserve.server.metrics import ServerMetrics
 
         llm = LLM.from_config(eng.config, base)
         outs = llm.generate(PROMPTS, params)
-        stats = llm.engine.scheduler.spec_stats
-        assert llm.engine.scheduler.num_preemptions > 0 and stats.accepted > 0
+        stats = llm.engine._scheduler.spec_stats
+        assert llm.engine._scheduler.num_preemptions > 0 and stats.accepted > 0
         assert sum(c.num_draft_tokens for o in outs for c in o.outputs) == stats.drafted == sum(stats.drafted_at)
         assert sum(c.num_accepted_tokens for o in outs for c in o.outputs) == stats.accepted == sum(stats.accepted_at)
-        snap = EngineSnapshot(0, 0, 1, 0, 1, 0, 0, 0, 0, 0, True, stats.steps, stats.drafted, stats.accepted,
+        snap = EngineSnapshot(0, 0, 1, 0, 1, 0, 0, 0, 0, 0, stats.steps, stats.drafted, stats.accepted,
                               tuple(stats.accepted_at), tuple(stats.drafted_at))
         text = ServerMetrics().render(snap).decode()
         assert f"gemmaserve_spec_decode_num_accepted_tokens_total {float(stats.accepted)}" in text
@@ -194,7 +195,7 @@ def test_sampling_stops_and_logprobs_equal_without_speculation(tiny, case):
     ref, _ = _run(path, base, {}, params, spec=False)
     got, llm = _run(path, base, {}, params, spec=True)
     assert got == ref
-    assert llm.engine.scheduler.spec_stats.drafted > 0
+    assert llm.engine._scheduler.spec_stats.drafted > 0
 
 
 def test_streams_structured_output_and_opt_out(tiny):
@@ -207,21 +208,21 @@ def test_streams_structured_output_and_opt_out(tiny):
         deltas.setdefault(o.prompt_index, []).extend(o.outputs[0].delta_token_ids)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], params)]
     assert [deltas[0], deltas[1]] == want
-    assert max(spec.engine.scheduler.spec_stats.accepted_at or [0]) > 0
+    assert max(spec.engine._scheduler.spec_stats.accepted_at or [0]) > 0
     regex = SamplingParams(max_tokens=16, structured_output={"kind": "regex", "spec": "(ab|cd)+x"})
-    before = spec.engine.scheduler.spec_stats.accepted
+    before = spec.engine._scheduler.spec_stats.accepted
     assert ([o.outputs[0].text for o in spec.generate(PROMPTS[:2], regex)]
             == [o.outputs[0].text for o in plain.generate(PROMPTS[:2], regex)])
-    assert spec.engine.scheduler.spec_stats.accepted > before   # drafts the grammar allows were kept
-    before = spec.engine.scheduler.spec_stats.drafted
+    assert spec.engine._scheduler.spec_stats.accepted > before   # drafts the grammar allows were kept
+    before = spec.engine._scheduler.spec_stats.drafted
     out = spec.generate(PROMPTS[:1], params.replace(speculative=False))
-    assert spec.engine.scheduler.spec_stats.drafted == before and out[0].outputs[0].token_ids == want[0]
+    assert spec.engine._scheduler.spec_stats.drafted == before and out[0].outputs[0].token_ids == want[0]
     # Above disable_by_batch_size running decodes, steps draft nothing (and the tokens stay the same).
     capped = LLM.from_config(EngineConfig(model=path, page_size=4,
                                           speculative_config={**NGRAM, "disable_by_batch_size": 1}), base)
     outs = capped.generate(PROMPTS[:2], params.replace(max_tokens=12))
     assert [o.outputs[0].token_ids for o in outs] == [w[:12] for w in want]
-    assert capped.engine.scheduler.spec_stats.drafted == 0
+    assert capped.engine._scheduler.spec_stats.drafted == 0
 
 
 def test_drafts_the_grammar_forbids_never_reach_the_forward(tiny):
@@ -259,12 +260,12 @@ def test_drafting_requests_verify_together_under_asynchronous_scheduling(tiny):
     want = base.generate(PROMPTS, params)
     llm = LLM.from_config(EngineConfig(model=path, page_size=4, async_scheduling="on", max_num_batched_tokens=24,
                                        speculative_config=dict(NGRAM)), base)
-    sched = llm.engine.scheduler
+    sched = llm.engine._scheduler
     sched.proposer = ReplayDrafts(4, {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in want}, 1.0,
-                                  llm.engine.model.vocab_size)
+                                  llm.engine._model.vocab_size)
     drafts: list[list[int]] = []   # per launched step, the drafts of each sequence in it
-    launch = llm.engine.runner.launch
-    llm.engine.runner.launch = lambda plan, only=None: drafts.append([s.num_drafts for s in plan.seqs]) or launch(
+    launch = llm.engine._runner.launch
+    llm.engine._runner.launch = lambda plan, only=None: drafts.append([s.num_drafts for s in plan.seqs]) or launch(
         plan, only)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == [o.outputs[0].token_ids for o in want]
     together = [sum(1 for n in d if n) for d in drafts if any(d)]   # sequences verifying, per step
@@ -279,7 +280,7 @@ def test_270m_copies_its_input_faster_with_the_same_tokens(llm_270m_q):
     spec = LLM.from_config(llm_270m_q.engine.config.replace(speculative_config=dict(NGRAM)), llm_270m_q)
     got = spec.generate([prompt], params)[0].outputs[0]
     assert got.token_ids == llm_270m_q.generate([prompt], params)[0].outputs[0].token_ids
-    st = spec.engine.scheduler.spec_stats
+    st = spec.engine._scheduler.spec_stats
     assert st.mean_accepted_length > 2, st   # the list is copied: most drafts are right
 
 
@@ -293,7 +294,7 @@ def test_two_tensor_parallel_ranks_verify_alike(tiny):
                        SamplingParams(max_tokens=20, temperature=0.9, seed=5, ignore_eos=True)):
             want = [o.outputs[0].token_ids for o in base.generate(PROMPTS, params)]
             assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == want
-        assert two.engine.scheduler.spec_stats.accepted > 0
+        assert two.engine._scheduler.spec_stats.accepted > 0
     finally:
         two.engine.shutdown()
 
@@ -337,10 +338,10 @@ def test_multi_turn_sessions_keep_their_prefix_hits(tiny):
             outs = llm.generate(sessions, params)
             answers.append([o.outputs[0].text for o in outs])
             sessions = [s + o.outputs[0].text + f" turn {turn} " for s, o in zip(sessions, outs)]
-        st = llm.engine.kv.stats()
+        st = llm.engine._kv.stats()
         stats[spec is not None] = (answers, st.prefix_query_tokens, st.prefix_hit_tokens)
-        llm.engine.kv.check_integrity()
-        accepted = llm.engine.scheduler.spec_stats.accepted
+        llm.engine._kv.check_integrity()
+        accepted = llm.engine._scheduler.spec_stats.accepted
     assert stats[True] == stats[False] and stats[True][2] > 0 and accepted > 0
 
 

@@ -63,8 +63,8 @@ def test_closing_a_stream_aborts_and_frees(llm_270m_q):
     assert eng.has_unfinished_requests()
     it.close()
     assert not eng.has_unfinished_requests()
-    eng.kv.check_integrity()
-    assert eng.kv.stats().pages_used == 0
+    eng._kv.check_integrity()
+    assert eng._kv.stats().pages_used == 0
 
 
 def test_stop_strings_and_stop_token_ids(llm_270m_q):
@@ -84,7 +84,7 @@ def test_logprobs_match_transformers(llm_270m, hf_270m):
     with torch.no_grad():
         logits = hf_270m(torch.tensor([ids])).logits[0].float()
     # Media tokens are outside a text-only model's vocabulary (never sampled, no probability mass).
-    logits[:, llm_270m.engine.suppressed_token_ids] = float("-inf")
+    logits[:, llm_270m.engine._suppressed_token_ids] = float("-inf")
     ref = torch.log_softmax(logits, -1)
     for k, lp in enumerate(c.logprobs):
         row = ref[len(out.prompt_token_ids) - 1 + k]
@@ -131,9 +131,9 @@ def test_penalised_greedy_avoids_repeats(llm_270m_q):
 def test_n_completions_share_prompt_pages_and_are_reproducible(llm_270m_q):
     prompt = "In the beginning of the long and winding report, the committee explained at length " * 4
     params = SamplingParams(max_tokens=8, n=4, temperature=1.0, seed=5)
-    before = llm_270m_q.engine.kv.stats().prefix_hit_tokens
+    before = llm_270m_q.engine._kv.stats().prefix_hit_tokens
     a = llm_270m_q.generate([prompt], params)[0]
-    hits = llm_270m_q.engine.kv.stats().prefix_hit_tokens - before
+    hits = llm_270m_q.engine._kv.stats().prefix_hit_tokens - before
     prompt_len = len(a.prompt_token_ids)
     assert [c.index for c in a.outputs] == [0, 1, 2, 3]
     assert hits >= 3 * ((prompt_len - 1) // 16 * 16)   # siblings reused the first one's prompt pages

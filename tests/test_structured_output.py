@@ -110,7 +110,7 @@ def test_constrained_and_free_rows_share_a_batch_without_touching_each_other(llm
     # comparisons below (every run as unconstrained as the others).
     so = constrained.structured_output
     for p, masked in ((PROMPTS[1], True), (PROMPTS[3], True), (PROMPTS[0], False), (PROMPTS[2], False)):
-        assert llm.engine.grammars.matcher(so).matcher.accept_string(texts[p]) == masked, (p, texts[p])
+        assert llm.engine._grammars.matcher(so).matcher.accept_string(texts[p]) == masked, (p, texts[p])
     assert by_prompt[PROMPTS[1]] == llm.generate([PROMPTS[1]], constrained)[0].outputs[0].token_ids
     assert by_prompt[PROMPTS[3]] == llm.generate([PROMPTS[3]], constrained)[0].outputs[0].token_ids
     assert by_prompt[PROMPTS[0]] == llm.generate([PROMPTS[0]], free)[0].outputs[0].token_ids
@@ -126,14 +126,14 @@ def test_async_scheduling_and_preemption_keep_the_tokens(llm, tiny_path, preempt
     want = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params)]
     options = dict(async_scheduling="on", max_num_batched_tokens=16)
     if preempting:   # room for the longest request and a third more: decodes growing together preempt
-        kv = llm.engine.kv
+        kv = llm.engine._kv
         longest = max(len(llm.engine.inputs.tokenize(p)) for p in PROMPTS) + params.max_tokens
         options["kv_cache_memory"] = int(1.3 * kv.peak_pages(longest, 16)) * kv.page_bytes
     other = LLM(str(tiny_path), page_size=4, **options)
     got = [[c.token_ids for c in o.outputs] for o in other.generate(PROMPTS, params)]
     assert got == want
-    assert (other.engine.scheduler.num_preemptions > 0) == preempting
-    other.engine.kv.check_integrity()
+    assert (other.engine._scheduler.num_preemptions > 0) == preempting
+    other.engine._kv.check_integrity()
 
 
 def test_bad_specs_are_user_errors(llm):
@@ -157,7 +157,7 @@ def test_bad_specs_are_user_errors(llm):
 
 def _accepts(llm, so: StructuredOutput, text: str) -> bool:
     """Whether the request's grammar takes `text` as a whole output."""
-    matcher = llm.engine.grammars.matcher(so).matcher
+    matcher = llm.engine._grammars.matcher(so).matcher
     return matcher.accept_string(text) and matcher.is_completed()
 
 
@@ -214,7 +214,7 @@ def test_bound_numbers_walks_subschemas_not_values():
 def test_a_compiling_grammar_delays_only_its_own_request(llm, monkeypatch):
     """Grammars compile on worker threads: the engine admits a request once its grammar is ready and
     steps the others meanwhile (add_request does not wait for the compile either)."""
-    grammars, engine = llm.engine.grammars, llm.engine
+    grammars, engine = llm.engine._grammars, llm.engine
     release, compile_ = threading.Event(), grammars._compile
 
     def slow(so):
@@ -229,7 +229,7 @@ def test_a_compiling_grammar_delays_only_its_own_request(llm, monkeypatch):
     done = {}
     while "free" not in done:
         done.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert "slow-grammar" not in done and not engine.request("slow-grammar").output_token_ids   # still waiting
+    assert "slow-grammar" not in done and not engine._request("slow-grammar").output_token_ids   # still waiting
     release.set()
     while engine.has_unfinished_requests():
         done.update((o.request_id, o) for o in engine.step() if o.finished)
@@ -237,7 +237,7 @@ def test_a_compiling_grammar_delays_only_its_own_request(llm, monkeypatch):
 
 
 def test_grammars_are_cached_by_canonical_spec_in_a_bounded_lru(llm):
-    grammars = Grammars(llm.engine.tokenizer, llm.engine.model.vocab_size, cache_size=2)
+    grammars = Grammars(llm.engine._tokenizer, llm.engine._model.vocab_size, cache_size=2)
     schema = grammars.submit(StructuredOutput(GrammarKind.JSON_SCHEMA, '{"type": "object", "minProperties": 1}'))
     # Insignificant whitespace is not part of the key; key order is (it orders the properties).
     assert grammars.submit(StructuredOutput(GrammarKind.JSON_SCHEMA, '{ "type" : "object",\n "minProperties":1 }')) \
@@ -256,7 +256,7 @@ def test_cpu_mask_kernel_is_built_off_the_request_path(llm):
     anything (the first request of issue 29 spent ~17 s in this kernel's torch.compile)."""
     import torch._dynamo.utils
 
-    grammars = llm.engine.grammars
+    grammars = llm.engine._grammars
     grammars.warm_up(cpu_kernel=True)
     assert grammars.wait_for_kernel(timeout=600)
     kernel, rows = grammars._cpu_kernel, []

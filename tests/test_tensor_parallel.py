@@ -36,7 +36,7 @@ def _greedy(path, tp: int, **options) -> tuple[list[list[int]], LLM]:
 
 def _kv_heads(llm: LLM) -> set[int]:
     """KV heads per layer in this process's cache ([pages, tokens, heads, dim] views)."""
-    runner = llm.engine.runner
+    runner = llm.engine._runner
     runner = getattr(runner, "runner", runner)   # rank 0's own runner under tensor parallelism
     return {k.shape[2] for k, _ in runner.kv_cache}
 
@@ -74,10 +74,10 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path, family):
         else:
             assert heads_two == heads_one == {1}
         assert two.engine.info.tensor_parallel_size == 2
-        two.engine.kv.check_integrity()
+        two.engine._kv.check_integrity()
     finally:
         two.engine.shutdown()
-    assert not two.engine.executor.procs[0].is_alive()
+    assert not two.engine._executor.procs[0].is_alive()
     assert torch.get_num_threads() == threads   # rank 0 gave its share of the cores back
 
 
@@ -140,7 +140,7 @@ def test_a_dead_worker_fails_requests_with_a_clear_error(tmp_path):
     path = save_checkpoint(tiny_hf_model(fresh_seed()), tmp_path / "g3")
     llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, kv_cache_memory=1 << 22)
     try:
-        worker = llm.engine.executor.procs[0]
+        worker = llm.engine._executor.procs[0]
         worker.kill()
         worker.join(10)
         out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4))

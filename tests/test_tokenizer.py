@@ -69,4 +69,4 @@ def test_control_looking_gguf_tokens_are_special(llm_270m):
     ids = tok.encode("An old pond") + [soi] * 3
     assert tok.decode(ids) == "An old pond" and "<start_of_image>" in tok.decode(ids, skip_special_tokens=False)
     # The embedded model is text-only: its media tokens are never sampled.
-    assert tok.media_token_ids == {soi, eoi} and llm_270m.engine.suppressed_token_ids == sorted([soi, eoi])
+    assert tok.media_token_ids == {soi, eoi} and llm_270m.engine._suppressed_token_ids == sorted([soi, eoi])

@@ -112,7 +112,7 @@ def test_triton_backend_gives_the_torch_tokens(tmp_path):
     assert tri.engine.info.attention_backend == "triton" and tri.engine.info.swa_scratch_reuse
     for _ in range(2):   # cold, then warm prefix cache
         assert [o.outputs[0].token_ids for o in tri.generate(prompts, params)] == expected
-    tri.engine.kv.check_integrity()
+    tri.engine._kv.check_integrity()
 
 
 def test_cli_triton_on_cpu_matches_torch(tmp_path):
@@ -148,18 +148,18 @@ def test_decode_graph_buffers_give_the_same_logits(tmp_path):
     rids = [eng.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in ("abc def ghi jkl", "mnop")]
     for _ in range(2):   # the prompts prefilled (several pages) and one decode step
         eng.step()
-    plan = eng.scheduler.schedule()
+    plan = eng._scheduler.schedule()
     assert all(s.num_new_tokens == 1 for s in plan.seqs) and len(plan.seqs) == 2
-    runner = eng.runner
+    runner = eng._runner
     runner.apply(plan)
     ids, pos, md = runner.build_inputs(plan.seqs)
     backend: TritonAttentionBackend = runner.backend
-    model = eng.model
-    null = eng.kv.num_pages
+    model = eng._model
+    null = eng._kv.num_pages
     snapshot = [(k.clone(), v.clone()) for k, v in runner.kv_cache[:1]]
     with torch.inference_mode():
         ref = model.compute_logits(model(ModelInputs(ids, pos, backend.begin_batch(md, runner.kv_cache))))
-        inputs = backend.graph_inputs(8, eng.kv.groups, 64, null, torch.device("cpu"))
+        inputs = backend.graph_inputs(8, eng._kv.groups, 64, null, torch.device("cpu"))
         inputs.fill(md, 4)
         attn = inputs.attention(4, md.layer_slot, runner.kv_cache)
         pad_ids = torch.cat([ids, torch.zeros(2, dtype=torch.long)])

@@ -46,7 +46,7 @@ def test_untied_head_gives_transformers_logits_and_tokens(tmp_path, family):
     path = save_checkpoint(hf, tmp_path / family)
     assert "lm_head.weight" in load_file(str(next(path.glob("*.safetensors"))))
     llm = LLM(model=str(path), dtype="float32", page_size=4, kv_cache_memory=16 << 20)
-    model = llm.engine.model
+    model = llm.engine._model
     assert model.output_embedding_name() == "lm_head"
     ids = _ids(llm)
     err = (paged_logits(model, [ids])[0] - _hf_logits(hf, ids)).abs().max().item()
@@ -137,19 +137,19 @@ def test_gguf_output_weight_is_the_head(tmp_path, monkeypatch, family):
     hf = _untied(family, seed)
     exact = LLM(model=str(_gguf(family, hf, tmp_path / "f32.gguf", q8_0=False)), dtype="float32", page_size=4,
                 kv_cache_memory=16 << 20)
-    assert not exact.engine.model.config.tie_word_embeddings
+    assert not exact.engine._model.config.tie_word_embeddings
     ids = _ids(exact)
-    err = (paged_logits(exact.engine.model, [ids])[0] - _hf_logits(hf, ids)).abs().max().item()
+    err = (paged_logits(exact.engine._model, [ids])[0] - _hf_logits(hf, ids)).abs().max().item()
     assert err < TOL, f"{family} seed={seed}: max abs diff {err}"
     out = exact.generate([PROMPT], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0]
     _assert_greedy_like_hf(hf, out.prompt_token_ids, out.outputs[0].token_ids, NEW_TOKENS, f"{family} seed={seed}")
 
     q8 = _gguf(family, hf, tmp_path / "q8.gguf", q8_0=True)
     quant = LLM(model=str(q8), page_size=4, kv_cache_memory=16 << 20)
-    model = quant.engine.model
+    model = quant.engine._model
     assert isinstance(model.lm_head, QuantEmbedding) and model.lm_head.head is not None
     assert isinstance(model.model.embed_tokens, QuantEmbedding) and model.model.embed_tokens.head is None
-    ref = paged_logits(LLM(model=str(q8), dtype="float32").engine.model, [ids])[0]
+    ref = paged_logits(LLM(model=str(q8), dtype="float32").engine._model, [ids])[0]
     got = paged_logits(model, [ids])[0]
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 0.15, f"{family} seed={seed}: quantised logits {rel:.3f} from the fp32 ones"

@@ -38,11 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fields = json.loads(args.config) | {"cpu_compile": "off", "kv_cache_memory": BUILD_KV_MEMORY}
         engine = LLMEngine(EngineConfig(**fields))
-        directory = engine.compiled_steps.store()
+        directory = engine._compiled_steps.store()
         if directory is None or directory != Path(args.into):
             raise RuntimeError(f"this configuration's packages belong in {directory}, not {args.into}")
-        layout, key = engine.compiled_steps.layout_and_key()
-        aot_decode.build(engine.model, layout, key, directory)
+        layout, key = engine._compiled_steps.layout_and_key()
+        aot_decode.build(engine._model, layout, key, directory)
         log.info("built the compiled decode steps into %s", directory)
         return 0
     except Exception:

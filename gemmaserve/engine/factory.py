@@ -1,7 +1,7 @@
 """Assembling an engine from its configuration, in dependency order: executor and weights, KV layer
 specs (fp8 scales calibrated), attention backend, batch invariance, cache options, KV manager,
-runner, scheduler, and the input and output processors. `LLMEngine` receives the parts and only
-adds, aborts and steps requests.
+runner, scheduler, the input processor and request validator, and the output processor. `LLMEngine`
+receives the parts (keeping them private) and only adds, aborts and steps requests.
 """
 
 from __future__ import annotations
@@ -33,8 +33,16 @@ from .spec_decode.build import draft_model, mtp_drafter
 from .spec_decode.draft_model import DraftModelDrafter, offset_specs
 from .spec_decode.proposers import create_proposer
 from .structured.structured_output import Grammars
+from .validation import RequestValidator
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CompileBuild:
+    """A background build of compiled CPU decode steps (compile/build_job.py) the engine waits for."""
+    pid: int | None       # None: another process runs it
+    log_path: str
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,10 @@ class EngineInfo:
     batch_invariant: bool = False   # --batch-invariant (config/resolve.py: what it replaces)
     speculative: str = "off"        # --speculative-config: "ngram k=4 n=4..2"
     kv_offload_bytes: int = 0       # --kv-offload-memory: the host KV tier's size (whole pages)
+    vocab_size: int = 0
+    kv_transfer_runtime: str | None = None   # disaggregated roles: the resolved KV transfer runtime
+    demotions: tuple[str, ...] = ()          # what "auto" resolution turned off, and why
+    cpu_compile_build: CompileBuild | None = None
 
 
 def _weights_label(loaded: LoadedModel, dtype: torch.dtype) -> str:
@@ -89,6 +101,7 @@ class EngineParts:
     scheduler: Scheduler
     loras: LoRARegistry              # adapters by name (the runner holds their weights)
     inputs: InputProcessor
+    validator: RequestValidator
     outputs: OutputProcessor
     async_scheduling: bool
     info: EngineInfo
@@ -182,7 +195,10 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         load_seconds=loaded.load_seconds, tensor_parallel_size=config.tensor_parallel_size,
         batch_invariant=invariance is not BatchInvariance.OFF,
         speculative="off" if spec is None else spec.label,
-        kv_offload_bytes=kv.tier.num_pages * kv.tier.page_bytes if kv.tier is not None else 0)
+        kv_offload_bytes=kv.tier.num_pages * kv.tier.page_bytes if kv.tier is not None else 0,
+        vocab_size=model.vocab_size, kv_transfer_runtime=cache_options.kv_transfer_runtime,
+        demotions=tuple(cache_options.demotions))
+    validator = RequestValidator(model.vocab_size, max_model_len, config.max_num_batched_tokens, kv, grammars, layouts)
     return EngineParts(
         config=config, device=device, dtype=dtype, executor=executor, loaded=loaded, max_model_len=max_model_len,
         specs=specs, kv_heads=[s.num_kv_heads for s in model_specs], backend=backend, cache_options=cache_options, kv=kv, grammars=grammars,
@@ -191,6 +207,5 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                             create_proposer(spec), spec.disable_by_batch_size if spec else 1,
                             LoRASlots(config.max_loras)),
         loras=LoRARegistry(model, config.max_lora_rank),
-        inputs=InputProcessor(config.model, tokenizer, model.vocab_size, max_model_len, config.max_num_batched_tokens,
-                              kv, grammars, layouts),
+        inputs=InputProcessor(config.model, tokenizer, layouts, checks=validator), validator=validator,
         outputs=OutputProcessor(tokenizer), async_scheduling=async_scheduling, info=info)

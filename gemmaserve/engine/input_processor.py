@@ -1,45 +1,35 @@
-"""What a request may ask for, checked before it reaches the scheduler: prompt text to token ids, images, audio
-and videos to what their encoder reads, in place, and whether the request can ever run (length, KV budget,
-vocabulary, grammar).
+"""Preparing a request's input: prompt text to token ids, images, audio and videos to what their encoder reads,
+in place (`LLMEngine.inputs`, public: the server, `LLM` and the CLI prepare requests through it). Whether the
+prepared request can ever run is validation.py's.
 
 Every user-facing entry point (CLI, `LLM`, HTTP) goes through here, so each says the same thing about
-the same bad input (a `UserInputError`), and a request that passes cannot fail for its shape later.
+the same bad input (a `UserInputError`).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from ..errors import UserInputError
-from ..kv.base import KVCacheManager
 from ..models.multimodal import EncoderInput, MediaLayout, Modality
-from ..units import format_bytes
 from .media.audio import AudioLimits, load_audio, split_clips
 from .media.images import ImageLimits, load_image
 from .media.items import MediaInput, MediaItem, expand_prompt, place_media
 from .sampling_params import SamplingParams
-from .structured.structured_output import Grammars
 from .media.video import VideoLimits, load_video
-
-log = logging.getLogger(__name__)
-
+from .validation import RequestValidator
 
 # A request's images, audio and video as their encoders read them, by modality, before they have a place in the
 # prompt
 LoadedMedia = dict[Modality, list[MediaInput]]
 
 
-@dataclass
+@dataclass(frozen=True)
 class InputProcessor:
     model_name: str
     tokenizer: object
-    vocab_size: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    kv: KVCacheManager
-    grammars: Grammars
     layouts: dict[Modality, MediaLayout] = field(default_factory=dict)   # what the model reads besides text
+    checks: RequestValidator | None = field(default=None, repr=False)   # only for check_request (below)
 
     @property
     def image_layout(self) -> MediaLayout | None:
@@ -139,52 +129,7 @@ class InputProcessor:
                        ) -> tuple[list[int], list[MediaItem]]:
         return self.prepare(prompt, images=images, image_limits=limits)
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams,
-                      media: list[MediaItem] | None = None, wait_for_grammar: bool = True) -> int | None:
-        """Raise UserInputError if the request can never run (too long, larger than the KV budget,
-        or naming tokens the model does not have). Returns the most prompt tokens it may prefill in
-        one step when it fits only in chunks smaller than `max_num_batched_tokens`, else None.
-        A structured request's grammar is compiled (on a worker thread, cached) and, with
-        `wait_for_grammar`, waited for, so that a bad spec fails here; without, only a compile that
-        has already failed does (the engine thread never waits: a later failure fails the request)."""
-        params.validate()
-        if params.structured_output is not None:
-            grammar = self.grammars.submit(params.structured_output)
-            if wait_for_grammar or grammar.done():
-                grammar.result()
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise UserInputError(f"prompt is {n} tokens long; max_model_len is {self.max_model_len}, "
-                                 "which must leave room for at least one generated token")
-        vocab = self.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise UserInputError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab})")
-        given = {it.modality for it in media or ()}
-        soft = {self.layouts[m].token_id for m in given}
-        if prompt_ids and (min(prompt_ids) < 0 or max((t for t in prompt_ids if t not in soft), default=0) >= vocab):
-            raise UserInputError(f"prompt token ids must be in [0, {vocab})")
-        for modality, layout in self.layouts.items():
-            if modality not in given and layout.token_id in prompt_ids:
-                raise UserInputError(f"the prompt holds {modality.value} tokens but no {modality.inputs}")
-        largest = max(media or (), key=lambda it: it.length, default=None)
-        if largest is not None and largest.length > self.max_num_batched_tokens:
-            raise UserInputError(f"an input ({largest.modality.value}) takes {largest.length} tokens, more than "
-                                 f"max_num_batched_tokens ({self.max_num_batched_tokens}): it is never split across "
-                                 "prefill chunks")
-        peak = min(n + params.max_tokens, self.max_model_len)
-        chunk = self.max_num_batched_tokens
-        fitting = self.kv.max_chunk(peak, chunk)
-        if fitting == chunk:
-            return None
-        if media and fitting < max(it.length for it in media):
-            fitting = 0   # an image or clip is never split across chunks: it must fit one
-        if fitting:
-            log.info("a request of %d tokens fits the KV cache only in prefill chunks of %d tokens", peak, fitting)
-            return fitting
-        need = self.kv.peak_pages(peak, 1)
-        why = " (its pinned pool split leaves one side too small)" if need <= self.kv.num_pages else ""
-        raise UserInputError(f"request needs {format_bytes(need * self.kv.page_bytes)} of KV cache for {peak} tokens, "
-                             f"but the KV cache has {format_bytes(self.kv.num_pages * self.kv.page_bytes)}{why}; "
-                             "raise --kv-cache-memory or lower max_tokens")
-
+    # for the benchmarks until they move (issue 44): LLMEngine.validate is the interface
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, media: list[MediaItem] | None = None,
+                      wait_for_grammar: bool = True) -> int | None:
+        return self.checks.check(prompt_ids, params, media, wait_for_grammar)

@@ -48,14 +48,14 @@ class LLM:
     def from_config(cls, config: EngineConfig, reuse_weights_of: "LLM | LoadedModel | None" = None) -> "LLM":
         """An LLM for `config`; `reuse_weights_of` (another LLM, or a LoadedModel) skips loading."""
         llm = cls.__new__(cls)
-        loaded = reuse_weights_of.engine.loaded if isinstance(reuse_weights_of, LLM) else reuse_weights_of
+        loaded = reuse_weights_of.engine._loaded if isinstance(reuse_weights_of, LLM) else reuse_weights_of
         llm.engine = LLMEngine(config, loaded)
         llm._calls = 0
         return llm
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.engine.inputs.tokenizer
 
     def close(self) -> None:
         """Free the engine's memory (KV cache, weights unless another LLM shares them, compiled steps, CUDA graphs)
@@ -71,10 +71,10 @@ class LLM:
 
     def add_lora(self, name: str, path: str) -> None:
         """Serve the PEFT LoRA adapter directory `path` as `name` (`generate(..., lora=name)`)."""
-        self.engine.add_lora(name, path)
+        self.engine.adapters.add(name, path)
 
     def remove_lora(self, name: str) -> None:
-        self.engine.remove_lora(name)
+        self.engine.adapters.remove(name)
 
     # -- submission ------------------------------------------------------------------------------
     def _submit(self, prompts: str | Sequence[str],
@@ -107,19 +107,17 @@ class LLM:
         if len(adapters) != len(prompts):
             raise UserInputError(f"lora must name one adapter (or None) per prompt ({len(prompts)}), got {len(adapters)}")
         for name in {a for a in adapters if a is not None}:
-            engine.loras.get(name)   # an unknown name raises before anything is queued
-        encoded = []
-        for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+            engine.adapters.get(name)   # an unknown name raises before anything is queued
+        checked = []
+        for i, (prompt, p, a) in enumerate(zip(prompts, per_prompt, adapters)):
             try:
                 ids, items = engine.inputs.prepare(prompt, images[i] if images else None, audio[i] if audio else None,
                                                    videos[i] if videos else None)
-                engine.inputs.check_request(ids, p, items)
+                checked.append(engine.validate(ids, p, items, a, text=prompt))
             except UserInputError as exc:
                 raise UserInputError(f"prompt {i}: {exc}") from None
-            encoded.append((ids, items))
         self._calls += 1
-        return [(engine.add_request(prompt, p, ids, request_id=f"llm{self._calls}-{i}", media=items, lora=a), p.n)
-                for i, (prompt, p, (ids, items), a) in enumerate(zip(prompts, per_prompt, encoded, adapters))]
+        return [(engine.add_checked(c, request_id=f"llm{self._calls}-{i}"), c.params.n) for i, c in enumerate(checked)]
 
     def _abort(self, submitted: list[tuple[str, int]]) -> None:
         for rid, _ in submitted:
@@ -182,19 +180,18 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise UserInputError(f"expected SamplingParams, got {type(params).__name__}")
         if lora is not None:
-            engine.loras.get(lora)
+            engine.adapters.get(lora)   # an unknown name raises before any media is loaded
         inputs = engine.inputs
         parsed, media = parse_chat(messages, {m: lay.placeholder for m, lay in inputs.layouts.items()},
                                    python_objects=True)
         loaded = inputs.load_media(*([x for m, x in media if m is kind] for kind in
                                      (Modality.IMAGE, Modality.AUDIO, Modality.VIDEO)))
-        ids = ChatFormatter(engine.tokenizer).encode(parsed, (lambda text: inputs.expand(text, loaded)) if media else None,
+        ids = ChatFormatter(inputs.tokenizer).encode(parsed, (lambda text: inputs.expand(text, loaded)) if media else None,
                                                      template_kwargs=chat_template_kwargs)
         items = inputs.place(ids, loaded) if media else []
-        inputs.check_request(ids, params, items)
+        checked = engine.validate(ids, params, items, lora, text=inputs.tokenizer.decode(ids, skip_special_tokens=False))
         self._calls += 1
-        rid = engine.add_request(engine.tokenizer.decode(ids, skip_special_tokens=False), params, ids,
-                                 request_id=f"llm{self._calls}-chat", media=items, lora=lora)
+        rid = engine.add_checked(checked, request_id=f"llm{self._calls}-chat")
         return self._collect([(rid, params.n)], use_tqdm=False)[0]
 
     # -- streaming -------------------------------------------------------------------------------

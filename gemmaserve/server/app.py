@@ -86,20 +86,25 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
         self.app = self._build_app()
 
     def _attach(self, engine: LLMEngine) -> None:
-        self.engine = engine
         # response_format and tools need the grammars' per-tokenizer state: built now (0.3 s for 262k
         # tokens once the libraries are imported, see _build_app) rather than by the first such request,
         # and before the server says ready, as doing it later would hold up /health for tenths of a second.
         try:
-            engine.grammars.warm_up().result()
+            engine.warm_up_grammars().result()
         except Exception as exc:   # a structured request will say what is missing; the rest is served
             log.warning("structured output is unavailable: %s", exc)
-        self.tokenizer = engine.tokenizer
         self.async_engine = AsyncEngine(engine, self.metrics, self.config.max_queue_len)
-        self.chat = ChatFormatter(engine.tokenizer)
-        self.reasoning = ReasoningFormat.from_tokenizer(engine.tokenizer)
-        self.model_name = self.config.served_model_name or engine.config.model
-        self.accepted_names = {self.model_name, engine.config.model}
+        self.inputs = self.async_engine.inputs
+        self.tokenizer = self.inputs.tokenizer
+        self.chat = ChatFormatter(self.tokenizer)
+        self.reasoning = ReasoningFormat.from_tokenizer(self.tokenizer)
+        model = self.async_engine.info.model
+        self.model_name = self.config.served_model_name or model
+        self.accepted_names = {self.model_name, model}
+
+    @property
+    def engine(self) -> LLMEngine:   # for the benchmarks until they move (issue 44): handlers use async_engine
+        return self.async_engine._engine
 
     def _load(self, importing: threading.Thread) -> None:
         """The loader's thread: load, then start the engine thread and become ready. `importing`
@@ -211,8 +216,8 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
     # -- small routes ----------------------------------------------------------------------------------
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "gemmaserve", "root": self.engine.config.model,
-                                            "max_model_len": self.engine.max_model_len},
+                                            "owned_by": "gemmaserve", "root": self.async_engine.info.model,
+                                            "max_model_len": self.async_engine.info.max_model_len},
                                            *self.lora_models(self.created)]}
 
     def _current_state(self) -> ServerState:
@@ -240,7 +245,8 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
     async def metrics_text(self) -> Response:
         snap = None
         if hasattr(self, "async_engine") and self.async_engine.alive:
-            snap = await self._engine_call(self.async_engine.snapshot)
+            snap = await self._engine_call(self.async_engine.snapshot())
+            return Response(self.metrics.render(snap, self.async_engine.integrity_ok), media_type=CONTENT_TYPE_LATEST)
         return Response(self.metrics.render(snap), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -3,7 +3,9 @@
     HTTP handlers ──commands──▶ [engine thread: add / abort / step / snapshot] ──outputs──▶ per-request queues
          (event loop)           (a thread-safe queue, run between steps)           (call_soon_threadsafe)
 
-Handlers never touch the engine: they post commands and await their request's queue. The thread runs
+Handlers never touch the engine: they use this client, which posts commands and awaits their request's
+queue, or reads what is safe from any thread (`info`, the adapters' names, `validate`: the engine's checks
+read only what is fixed at its construction and the thread-safe grammar cache). The thread runs
 commands between steps, steps while anything is unfinished, and when it falls idle runs the KV
 integrity check once, in slices of a few milliseconds between looks at the command queue: a request
 that arrives meanwhile stops the check (it starts over at the next idle), so it never waits for it.
@@ -25,10 +27,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.factory import EngineInfo
+from ..engine.input_processor import InputProcessor
+from ..engine.lora import LoRARef
 from ..engine.llm_engine import LLMEngine
+from ..engine.media.items import MediaItem
 from ..engine.request import RequestOutput
 from ..engine.sampling_params import SamplingParams
-from .metrics import EngineSnapshot, ServerMetrics
+from ..engine.snapshot import EngineSnapshot
+from ..engine.validation import CheckedRequest
+from .metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +123,13 @@ class _Sink:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_queue_len: int | None = None):
-        self.engine = engine
+        self._engine = engine
         self.metrics = metrics
         self.bound = AdmissionBound(engine.config.max_num_seqs, max_queue_len)
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}          # engine group id -> sink
         self._thread = threading.Thread(target=self._run, name="gemmaserve-engine", daemon=True)
-        self._integrity_ok = True
+        self.integrity_ok = True   # what the last idle KV integrity check found
         self._checked_idle = True
         self._idle_check: Iterator[None] | None = None   # the idle check in progress
         self.error: BaseException | None = None
@@ -158,20 +166,57 @@ class AsyncEngine:
         """Abort these engine requests between steps; `reason` labels them in the metrics."""
         self._commands.put(lambda: self._abort(ids, reason))
 
+    # -- what is safe from any thread ------------------------------------------------------------------
+    @property
+    def info(self) -> EngineInfo:
+        return self._engine.info
+
+    @property
+    def inputs(self) -> InputProcessor:
+        """Preparing prompts and media: the tokenizer and the model's media layouts (stateless)."""
+        return self._engine.inputs
+
+    def adapter_names(self) -> list[str]:
+        return self._engine.adapters.names()
+
+    def adapter_refs(self) -> list[LoRARef]:
+        return self._engine.adapters.refs()
+
+    def has_adapter(self, name: str) -> bool:
+        return name in self._engine.adapters
+
+    async def validate(self, prompts: list[tuple[str, list[int]]], params: SamplingParams,
+                       media: list[list[MediaItem]] | None = None, lora: str | None = None) -> list[CheckedRequest]:
+        """The engine's checks of each (text, ids) prompt (and its media) under OpenAI's length rule (prompt and
+        max_tokens fit the context together), on a worker thread (a grammar may take a while to compile): the
+        requests for `generate`, which the engine queues without checking again. UserInputError if one fails."""
+        engine = self._engine
+        return await asyncio.to_thread(lambda: [
+            engine.validate(ids, params, media[i] if media else None, lora, text=text, strict_length=True)
+            for i, (text, ids) in enumerate(prompts)])
+
     # -- called from the event loop ------------------------------------------------------------------
-    def generate(self, request_id: str, prompts: list[tuple[str, list[int]]], params: SamplingParams,
-                 deadline: float | None = None, media: list[list] | None = None,
+    async def add_adapter(self, name: str, path: str) -> None:
+        await self.call(lambda eng: eng.adapters.add(name, path))
+
+    async def remove_adapter(self, name: str) -> None:
+        await self.call(lambda eng: eng.adapters.remove(name))
+
+    async def snapshot(self) -> EngineSnapshot:
+        """The engine's counters and gauges, taken on the engine thread between steps."""
+        return await self.call(lambda eng: eng.snapshot())
+
+    def generate(self, request_id: str, prompts: list[CheckedRequest], deadline: float | None = None,
                  adopt: Callable[[LLMEngine, str], list[RequestOutput]] | None = None,
-                 admission: Admission | None = None, lora: str | None = None) -> "Generation":
-        """Post every prompt with `params` (and its images and audio, from LLMEngine.inputs.prepare) to the
-        engine now, under `admission` (from `admit`; without one they are admitted here, QueueFull if
-        they do not fit), and return the Generation that yields (prompt index, output of one
-        completion) as they come. `adopt(engine, id)` runs on the engine thread right after each
-        prompt is added (a disaggregated decode engine starts it from received KV there) and returns
-        outputs to deliver at once."""
+                 admission: Admission | None = None) -> "Generation":
+        """Post every prompt (checked by `validate`, all with the same sampling params) to the engine now,
+        under `admission` (from `admit`; without one they are admitted here, QueueFull if they do not fit),
+        and return the Generation that yields (prompt index, output of one completion) as they come.
+        `adopt(engine, id)` runs on the engine thread right after each prompt is added (a disaggregated
+        decode engine starts it from received KV there) and returns outputs to deliver at once."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        completions = len(prompts) * params.n
+        completions = len(prompts) * prompts[0].params.n
         if admission is None:
             self.bound.admit(completions)
         elif admission.settled or admission.completions != completions:
@@ -181,7 +226,7 @@ class AsyncEngine:
             admission.settled = True
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        self._commands.put(lambda: self._add(sink, ids, prompts, params, media, adopt, lora))
+        self._commands.put(lambda: self._add(sink, ids, prompts, adopt))
         self.active += 1
         return Generation(self, sink, ids, completions, deadline)
 
@@ -194,7 +239,7 @@ class AsyncEngine:
 
         def run() -> None:
             try:
-                result = fn(self.engine)
+                result = fn(self._engine)
             except BaseException as exc:   # handed to the caller
                 loop.call_soon_threadsafe(_set, fut, None, exc)
             else:
@@ -205,7 +250,7 @@ class AsyncEngine:
 
     def post(self, fn: Callable[[LLMEngine], None]) -> None:
         """Run fn(engine) on the engine thread between steps; nobody waits for it."""
-        self._commands.put(lambda: fn(self.engine))
+        self._commands.put(lambda: fn(self._engine))
 
     def call_blocking(self, fn: Callable[[LLMEngine], Any], timeout: float = 60.0) -> Any:
         """`call` for plain threads (tests, tools)."""
@@ -214,7 +259,7 @@ class AsyncEngine:
 
         def run() -> None:
             try:
-                box[0] = fn(self.engine)
+                box[0] = fn(self._engine)
             except BaseException as exc:
                 box[1] = exc
             done.set()
@@ -226,26 +271,14 @@ class AsyncEngine:
             raise box[1]
         return box[0]
 
-    def snapshot(self, engine: LLMEngine) -> EngineSnapshot:
-        st = engine.kv.stats()
-        sched = engine.scheduler
-        spec = sched.spec_stats
-        return EngineSnapshot(len(sched.waiting), len(sched.running), st.num_pages, st.pages_used, st.pages_free,
-                              st.pages_cached, st.scratch_pages, sched.num_preemptions, st.prefix_query_tokens,
-                              st.prefix_hit_tokens, self._integrity_ok, spec.steps, spec.drafted, spec.accepted,
-                              tuple(spec.accepted_at), tuple(spec.drafted_at),
-                              engine.kv.tier.stats() if engine.kv.tier is not None else None,
-                              _per_adapter(sched.running), _per_adapter(sched.waiting), len(engine.loras.names()),
-                              engine.config.max_loras)
-
     # -- the engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
-        eng = self.engine
+        eng = self._engine
         try:
             while True:
                 busy = eng.has_unfinished_requests()
                 checking = not busy and not self._checked_idle and self._advance_idle_check()
-                building = not busy and eng.compiled_steps.poll()   # (switches to compiled steps once they are built)
+                building = not busy and eng.poll_builds()   # (switches to compiled steps once they are built)
                 try:   # idle: sleep until a command comes (a build: a look at it every second); busy or
                     # checking: take what is there
                     cmd = self._commands.get(block=not (busy or checking), timeout=1.0 if building else None)
@@ -273,24 +306,23 @@ class AsyncEngine:
         finally:
             self._fail_all(EngineDeadError("the engine stopped"))
 
-    def _add(self, sink: _Sink, ids: list[str], prompts: list[tuple[str, list[int]]],
-             params: SamplingParams, media: list[list] | None = None,
-             adopt: Callable[[LLMEngine, str], list[RequestOutput]] | None = None, lora: str | None = None) -> None:
+    def _add(self, sink: _Sink, ids: list[str], prompts: list[CheckedRequest],
+             adopt: Callable[[LLMEngine, str], list[RequestOutput]] | None = None) -> None:
         added = []
+        n = prompts[0].params.n
         try:
-            for i, (gid, (text, tokens)) in enumerate(zip(ids, prompts)):
-                self.engine.add_request(text, params, prompt_ids=tokens, request_id=gid,
-                                        media=media[i] if media else None, lora=lora)
+            for i, (gid, checked) in enumerate(zip(ids, prompts)):
+                self._engine.add_checked(checked, request_id=gid)
                 added.append(gid)
                 sink.prompt_index[gid] = i
-                sink.unfinished[gid] = params.n
+                sink.unfinished[gid] = n
                 self._sinks[gid] = sink
-                self.metrics.prompt_tokens.inc(len(tokens))
-                self.metrics.admitted.inc(params.n)
+                self.metrics.prompt_tokens.inc(len(checked.prompt_ids))
+                self.metrics.admitted.inc(n)
                 if adopt is not None:
-                    self._dispatch(adopt(self.engine, gid))
-        except Exception as exc:   # normally caught by the handler's own checks first
-            self.bound.release((len(prompts) - len(added)) * params.n)   # these never reached the engine
+                    self._dispatch(adopt(self._engine, gid))
+        except Exception as exc:   # an adapter removed since the check, or a failed adoption
+            self.bound.release((len(prompts) - len(added)) * n)   # these never reached the engine
             self._abort(added)
             sink.put(exc)
 
@@ -300,7 +332,7 @@ class AsyncEngine:
             sink = self._sinks.pop(gid, None)
             if sink is not None:
                 self.bound.release(sink.unfinished[gid])
-            for out in self.engine.abort_request(gid):
+            for out in self._engine.abort_request(gid):
                 if sink is not None:
                     self._record(sink, out, time.perf_counter(), reason)
                     sink.put((sink.prompt_index[gid], out))   # a waiting client (drain) gets its end
@@ -344,7 +376,7 @@ class AsyncEngine:
             sink = self._sinks.pop(gid)
             self.bound.release(sink.unfinished[gid])
             try:
-                for out in self.engine.abort_request(gid):
+                for out in self._engine.abort_request(gid):
                     self._record(sink, out, time.perf_counter(), "error")
             except Exception:   # the engine may be what is broken; the clients still get their error
                 log.exception("abort after failure")
@@ -354,16 +386,16 @@ class AsyncEngine:
         """Run the KV integrity check for about `slice_s`; True while it is unfinished. In slices, so
         a request that arrives while the engine checks waits milliseconds, not the whole check."""
         if self._idle_check is None:
-            self._idle_check = self.engine.kv.integrity_steps()
+            self._idle_check = self._engine.kv_integrity_steps()
         deadline = time.perf_counter() + slice_s
         try:
             while time.perf_counter() < deadline:
                 next(self._idle_check)
             return True
         except StopIteration:
-            self._integrity_ok = True
+            self.integrity_ok = True
         except AssertionError:
-            self._integrity_ok = False
+            self.integrity_ok = False
             log.exception("KV cache integrity check failed while idle")
         self._idle_check = None
         self._checked_idle = True
@@ -436,12 +468,3 @@ def _set(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
         fut.set_exception(exc)
     else:
         fut.set_result(result)
-
-
-def _per_adapter(requests) -> tuple[tuple[str, int], ...]:
-    """(adapter name, completions) of the requests that run under an adapter, by name."""
-    counts: dict[str, int] = {}
-    for r in requests:
-        if r.lora is not None:
-            counts[r.lora.name] = counts.get(r.lora.name, 0) + 1
-    return tuple(sorted(counts.items()))

@@ -43,6 +43,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable
 
+import torch
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
@@ -50,9 +51,9 @@ from ..config.kv_transfer import KVTransferConfig
 from ..engine.connectors.kv_handoff import DecodeHandoff, NoKVRoom, PrefillHandoff
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import TokenLogprob
-from ..engine.sampling_params import SamplingParams
+from ..engine.validation import CheckedRequest
 from ..transfer import make_sink, make_source
-from ..transfer.plan import TransferPlan, check_plan
+from ..transfer.plan import TransferPlan
 from ..transfer.runtime import TransferTimeout
 from .app import OpenAIServer
 from .async_engine import Admission, Generation
@@ -94,20 +95,21 @@ class DisaggServer(OpenAIServer):
 
     def _attach(self, engine: LLMEngine) -> None:
         super()._attach(engine)
-        runtime = engine.cache_options.kv_transfer_runtime
+        info = self.async_engine.info
+        runtime, self._device = info.kv_transfer_runtime, torch.device(info.device)
         if self.role == "prefill":
-            self.prefill = PrefillHandoff(engine, make_source(runtime, engine.device), self.transfer.kv_transfer_timeout,
+            self.prefill = PrefillHandoff(engine, make_source(runtime, self._device), self.transfer.kv_transfer_timeout,
                                           self.engine_id, post=lambda fn: self.async_engine.post(lambda eng: fn()))
             threading.Thread(target=self._expire_loop, name="gemmaserve-kv-expiry", daemon=True).start()
         else:
             host = self.transfer.kv_transfer_host or self.config.host
             if host in ("0.0.0.0", "::", ""):
                 host = socket.gethostname()
-            self.sink = make_sink(runtime, engine.device, host)
+            self.sink = make_sink(runtime, self._device, host)
             self.decode = DecodeHandoff(engine)
             threading.Thread(target=self._expire_loop, name="gemmaserve-kv-expiry", daemon=True).start()
         log.info("%s engine %s: KV transfer runtime %s, KV manager %s", self.role, self.engine_id, runtime,
-                 engine.kv.name)
+                 info.kv_manager)
 
     def _expire_loop(self) -> None:
         """Prefill: staged KV nobody fetched. Decode: reservations whose request never started (twice
@@ -124,12 +126,12 @@ class DisaggServer(OpenAIServer):
         self._current_state()
         out = {"role": self.role, "engine": self.engine_id, "state": self.state.value,
                "stats": dataclasses.asdict(self.stats)}
-        if hasattr(self, "engine"):
-            opts = self.engine.cache_options
-            out.update(runtime=opts.kv_transfer_runtime, kv_manager=opts.kv_cache_manager,
-                       swa_scratch_reuse=opts.swa_scratch_reuse, demotions=list(opts.demotions))
+        if hasattr(self, "async_engine"):
+            info = self.async_engine.info
+            out.update(runtime=info.kv_transfer_runtime, kv_manager=info.kv_manager,
+                       swa_scratch_reuse=info.swa_scratch_reuse, demotions=list(info.demotions))
         if self.state.value == "ok":
-            out["kv"] = await self._engine_call(_kv_health)
+            out["kv"] = await self._engine_call(self.async_engine.call(_kv_health))
         if self.prefill is not None:
             out.update(staged=self.prefill.num_staged, bytes_staged=self.prefill.bytes_staged)
         return out
@@ -162,9 +164,8 @@ class DisaggServer(OpenAIServer):
         return JSONResponse(reply)
 
     # -- how a request starts -----------------------------------------------------------------------
-    async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[tuple[str, list[int]]],
-                     params: SamplingParams, deadline: float | None, admission: Admission,
-                     media: list[list] | None = None, lora: str | None = None) -> Generation:
+    async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[CheckedRequest],
+                     deadline: float | None, admission: Admission) -> Generation:
         tp = req.kv_transfer_params
         if tp is None:
             raise ApiError(400, f"this is a {self.role} engine: send requests through `gemmaserve router` "
@@ -173,34 +174,37 @@ class DisaggServer(OpenAIServer):
         if not isinstance(tid, str) or not tid or len(tid) > 128:
             raise ApiError(400, "kv_transfer_params.transfer_id must be a non-empty string",
                            param="kv_transfer_params")
-        if len(prompts) != 1 or params.n != 1:
+        if len(prompts) != 1 or prompts[0].params.n != 1:
             raise ApiError(400, "disaggregated serving takes one prompt and n=1 per request", param="prompt")
         gid = f"{rid}-0"   # AsyncEngine's engine id for prompt 0
         if self.role == "prefill":
-            return self._prefill(rid, gid, tid, prompts, params, deadline, admission, media, lora)
+            return self._prefill(rid, gid, tid, prompts[0], deadline, admission)
         url = tp.prefill_url
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ApiError(400, "kv_transfer_params.prefill_url must be an http(s) URL", param="kv_transfer_params")
-        return await self._decode(rid, gid, tid, url.rstrip("/"), prompts, params, deadline, admission, media, lora)
+        return await self._decode(rid, gid, tid, url.rstrip("/"), prompts[0], deadline, admission)
 
-    def _prefill(self, rid, gid, tid, prompts, params, deadline, admission, media, lora) -> Generation:
+    def _prefill(self, rid: str, gid: str, tid: str, checked: CheckedRequest, deadline: float | None,
+                 admission: Admission) -> Generation:
         try:
             self.prefill.expect(gid, tid)
         except ValueError as exc:
             raise ApiError(409, str(exc), param="kv_transfer_params", code="transfer_id_in_use") from None
         try:
-            outputs = self.async_engine.generate(rid, prompts, dataclasses.replace(params, max_tokens=1), deadline,
-                                                 media=media, admission=admission, lora=lora)
+            # the prompt's KV and its first token only (the checks covered the whole request)
+            first = dataclasses.replace(checked, params=checked.params.replace(max_tokens=1))
+            outputs = self.async_engine.generate(rid, [first], deadline, admission=admission)
         except BaseException:
             self.prefill.forget(gid)
             raise
         outputs.on_end(lambda: self.prefill.forget(gid))
         return outputs
 
-    async def _decode(self, rid, gid, tid, url, prompts, params, deadline, admission, media, lora) -> Generation:
+    async def _decode(self, rid: str, gid: str, tid: str, url: str, checked: CheckedRequest, deadline: float | None,
+                      admission: Admission) -> Generation:
         started = time.perf_counter()
         desc = await asyncio.to_thread(self._call, url, "GET", f"/disagg/transfers/{tid}")
-        ids = prompts[0][1]
+        ids = checked.prompt_ids
         if desc["prompt_token_ids"] != ids:
             raise ApiError(400, "the prompt differs from the one the prefill engine computed (another tokenizer "
                                 "or chat template?)", param="kv_transfer_params", code="transfer_mismatch")
@@ -208,19 +212,19 @@ class DisaggServer(OpenAIServer):
             raise ApiError(400, "the prefill engine's KV layout (layers, heads, dtype) differs from this engine's: "
                                 "serve the same model with the same --kv-cache-dtype (and the same draft model, "
                                 "whose KV layers travel with the target's)", code="transfer_mismatch")
-        ours = next((r.key for r in self.engine.loras.refs() if r.name == lora), None)
+        ours = next((r.key for r in self.async_engine.adapter_refs() if r.name == checked.lora), None)
         if desc.get("lora") != ours:   # KV computed under another adapter (or another version of it) is not ours
             raise ApiError(400, f"the prefill engine computed this prompt under adapter "
                                 f"{desc.get('lora') or 'none'}, this request runs under {ours or 'none'} (name@digest): "
                                 "serve the same adapters on both roles", param="model", code="transfer_mismatch")
         plan = TransferPlan.from_dict(desc["plan"])
-        why = check_plan(plan, self.engine.kv.specs)
+        why = self.decode.check_plan(plan)
         if why is not None:
             raise ApiError(400, f"the transferred KV cannot serve this engine: {why}", code="transfer_mismatch")
         try:
             await self.async_engine.call(lambda eng: self.decode.reserve(gid, ids))
             buffer = await asyncio.to_thread(
-                self.sink.receive, desc["source"], tid, int(desc["nbytes"]), self.engine.device,
+                self.sink.receive, desc["source"], tid, int(desc["nbytes"]), self._device,
                 self.transfer.kv_transfer_timeout, lambda op, body: self._call(url, "POST", f"/disagg/control/{op}", body))
         except NoKVRoom as exc:   # the staged KV stays: the router may try another decode engine
             raise ApiError(503, str(exc), code="kv_cache_full") from None
@@ -247,7 +251,7 @@ class DisaggServer(OpenAIServer):
 
         try:
             outputs = self.async_engine.generate(
-                rid, prompts, params, deadline, media=media, admission=admission, lora=lora,
+                rid, [checked], deadline, admission=admission,
                 adopt=lambda eng, g: self.decode.adopt(eng, g, plan, buffer, desc["first_token"], first_lp,
                                                        int(desc.get("cached_tokens", 0))))
         except BaseException:
@@ -291,13 +295,14 @@ class DisaggServer(OpenAIServer):
 
 def _kv_health(engine: LLMEngine) -> dict:
     """Pages by state, and whether the KV manager's bookkeeping holds (what fault tests look at)."""
-    st = engine.kv.stats()
+    st = engine.snapshot()
     try:
-        engine.kv.check_integrity()
+        for _ in engine.kv_integrity_steps():
+            pass
         ok = True
     except AssertionError:
         ok = False
-    return {"num_pages": st.num_pages, "pages_used": st.pages_used, "pages_cached": st.pages_cached,
+    return {"num_pages": st.pages_total, "pages_used": st.pages_used, "pages_cached": st.pages_cached,
             "pages_free": st.pages_free, "integrity": ok, "running": engine.has_unfinished_requests()}
 
 

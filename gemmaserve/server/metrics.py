@@ -7,46 +7,19 @@ loop when /metrics is scraped, so they are consistent with each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..kv.host_tier import HostTierStats
+from ..engine.snapshot import EngineSnapshot
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                     2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
-@dataclass(frozen=True)
-class EngineSnapshot:
-    waiting: int
-    running: int
-    pages_total: int
-    pages_used: int
-    pages_free: int
-    pages_cached: int
-    pages_scratch: int
-    preemptions: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    integrity_ok: bool
-    spec_steps: int = 0                              # speculative decoding (scheduler.SpecStats)
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_accepted_at: tuple[int, ...] = ()
-    spec_drafted_at: tuple[int, ...] = ()
-    tier: "HostTierStats | None" = None              # the host KV tier (--kv-offload-memory), if any
-    # LoRA: completions per adapter name, running (holding KV pages) and waiting; adapters registered; --max-loras
-    lora_running: tuple[tuple[str, int], ...] = ()
-    lora_waiting: tuple[tuple[str, int], ...] = ()
-    lora_adapters: int = 0
-    max_loras: int = 0
-
-
 class _EngineCollector:
     def __init__(self) -> None:
         self.snapshot: EngineSnapshot | None = None
+        self.integrity_ok = True
 
     def collect(self):
         s = self.snapshot
@@ -69,9 +42,8 @@ class _EngineCollector:
                                   value=s.prefix_query_tokens)
         yield CounterMetricFamily("gemmaserve_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache",
                                   value=s.prefix_hit_tokens)
-        rate = s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0
         yield GaugeMetricFamily("gemmaserve_prefix_cache_hit_rate", "Hit tokens / queried tokens since start",
-                                value=rate)
+                                value=s.prefix_hit_rate)
         if s.tier is not None:
             t = s.tier
             yield GaugeMetricFamily("gemmaserve_kv_offload_bytes", "Host KV tier bytes holding blocks",
@@ -96,7 +68,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("gemmaserve_lora_max_loras", "Most LoRA adapters in one step (--max-loras)",
                                 value=s.max_loras)
         yield GaugeMetricFamily("gemmaserve_kv_integrity_ok", "1 if the last idle KV integrity check passed",
-                                value=1.0 if s.integrity_ok else 0.0)
+                                value=1.0 if self.integrity_ok else 0.0)
         yield CounterMetricFamily("gemmaserve_spec_decode_num_drafts", "Sequence steps that carried drafted tokens",
                                   value=s.spec_steps)
         yield CounterMetricFamily("gemmaserve_spec_decode_num_draft_tokens", "Tokens drafted",
@@ -114,10 +86,10 @@ class _EngineCollector:
             drafted_pos.add_metric([str(i)], n)
         yield drafted_pos
         yield GaugeMetricFamily("gemmaserve_spec_decode_acceptance_rate", "Accepted / drafted tokens since start",
-                                value=s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0)
+                                value=s.spec_acceptance_rate)
         yield GaugeMetricFamily("gemmaserve_spec_decode_mean_accepted_length",
                                 "Tokens a speculative step emitted on average (accepted drafts + 1)",
-                                value=1 + s.spec_accepted_tokens / s.spec_steps if s.spec_steps else 0.0)
+                                value=s.spec_mean_accepted_length)
 
 
 class ServerMetrics:
@@ -144,7 +116,9 @@ class ServerMetrics:
         self.engine = _EngineCollector()
         r.register(self.engine)
 
-    def render(self, snapshot: EngineSnapshot | None) -> bytes:
-        """None: no engine yet (loading): counters only."""
+    def render(self, snapshot: EngineSnapshot | None, integrity_ok: bool = True) -> bytes:
+        """`snapshot` None: no engine yet (loading): counters only. `integrity_ok`: what the last idle KV
+        integrity check found (the server's engine thread runs it)."""
         self.engine.snapshot = snapshot
+        self.engine.integrity_ok = integrity_ok
         return generate_latest(self.registry)

@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..engine.llm_engine import LLMEngine
+from ..engine.input_processor import InputProcessor
+from ..engine.media.items import MediaItem
 from ..engine.request import RequestOutput
 from ..engine.sampling_params import SamplingParams
+from ..engine.validation import CheckedRequest, ContextLengthError, GrammarError
 from ..errors import UserInputError
 from ..models.chat_template import ChatFormatter
 from ..models.tokenizer import Tokenizer
@@ -41,17 +43,18 @@ class Prompt:
 class Serving:
     config: ServerConfig
     metrics: ServerMetrics
-    engine: LLMEngine
-    async_engine: AsyncEngine
+    async_engine: AsyncEngine   # the engine's client: handlers never touch the engine itself
     tokenizer: Tokenizer
+    inputs: InputProcessor       # preparing prompts and media (the engine's, read-only)
     chat: ChatFormatter
     reasoning: ReasoningFormat | None   # the model's thought channel, if its tokenizer has one
     model_name: str
     accepted_names: set[str]
 
-    async def _engine_call(self, fn):
+    async def _engine_call(self, call: Awaitable):
+        """Await a call of the engine's client, a 503 if the engine has stopped."""
         try:
-            return await self.async_engine.call(fn)
+            return await call
         except EngineDeadError as exc:
             raise ApiError(503, str(exc), code="engine_stopped") from None
 
@@ -75,39 +78,33 @@ class Serving:
         """The LoRA adapter `name` names (None: the base model), or a 404 if it names nothing served."""
         if name is None or name in self.accepted_names:
             return None
-        if name in self.engine.loras:
+        if self.async_engine.has_adapter(name):
             return name
-        adapters = self.engine.loras.names()
+        adapters = self.async_engine.adapter_names()
         served = repr(self.model_name) + (f" and the LoRA adapters {', '.join(adapters)}" if adapters else "")
         raise ApiError(404, f"model {name!r} does not exist; this server serves {served}", param="model",
                        code="model_not_found")
 
     def _answering(self, req) -> str:
         """The model a response names: the adapter the request asked for, else the served model."""
-        return req.model if req.model is not None and req.model in self.engine.loras else self.model_name
+        return req.model if req.model is not None and self.async_engine.has_adapter(req.model) else self.model_name
 
-    async def _check_grammar(self, params: SamplingParams, param: str) -> None:
-        """Wait for the request's grammar, compiled on the grammars' worker threads (cached), so that
-        a bad spec is a 400 before the request reaches the engine."""
-        if params.structured_output is None:
-            return
+    async def _validate(self, prompts: list[Prompt], params: SamplingParams, param: str, grammar_param: str,
+                        media: list[list[MediaItem]] | None = None, lora: str | None = None) -> list[CheckedRequest]:
+        """The engine's checks of every prompt (its grammar compiled and waited for), so a bad request is a
+        400 before it reaches the engine, which then queues the checked requests without checking again.
+        `param` names the prompt's field in errors, `grammar_param` the structured output's."""
         try:
-            grammar = await asyncio.to_thread(self.engine.grammars.submit, params.structured_output)
-            await asyncio.wrap_future(grammar)
+            return await self.async_engine.validate([(p.text, p.ids) for p in prompts], params, media, lora)
+        except ContextLengthError as exc:
+            n = exc.prompt_tokens
+            raise ApiError(400, f"this model's maximum context length is {exc.limit} tokens; the request asks for "
+                                f"{n + exc.max_tokens} ({n} in the {param}, {exc.max_tokens} to generate)",
+                           param=param, code="context_length_exceeded") from None
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), param=grammar_param) from None
         except UserInputError as exc:
             raise ApiError(400, str(exc), param=param) from None
-
-    def _check_fits(self, prompts: list[Prompt], params: SamplingParams, param: str, media=None) -> None:
-        limit = self.engine.max_model_len
-        for p in prompts:
-            if len(p.ids) + params.max_tokens > limit:
-                raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
-                                    f"{len(p.ids) + params.max_tokens} ({len(p.ids)} in the {param}, "
-                                    f"{params.max_tokens} to generate)", param=param, code="context_length_exceeded")
-            try:   # pure: KV geometry and vocabulary (the grammar was compiled by _check_grammar)
-                self.engine.inputs.check_request(p.ids, params, media, wait_for_grammar=False)
-            except UserInputError as exc:
-                raise ApiError(400, str(exc), param=param) from None
 
     def _deadline(self, arrival: float, req: CompletionRequest | ChatRequest) -> float | None:
         """The earlier of the server's --request-timeout and the request's own `request_timeout`."""
@@ -129,15 +126,14 @@ class Serving:
         finally:
             self.async_engine.withdraw(admission)
 
-    async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[tuple[str, list[int]]],
-                     params: SamplingParams, deadline: float | None, admission: Admission,
-                     media: list[list] | None = None, lora: str | None = None) -> Generation:
+    async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[CheckedRequest],
+                     deadline: float | None, admission: Admission) -> Generation:
         """Start generating (post to the engine under `admission`): the async iterator of (prompt
         index, output). A disaggregated role (server/disagg.py) starts from another engine's KV instead."""
         if req.kv_transfer_params is not None:
             raise ApiError(400, "kv_transfer_params needs a server started with --role prefill or decode",
                            param="kv_transfer_params")
-        return self.async_engine.generate(rid, prompts, params, deadline, media=media, admission=admission, lora=lora)
+        return self.async_engine.generate(rid, prompts, deadline, admission=admission)
 
     async def _stream(self, rid: str, kind: str, req: CompletionRequest | ChatRequest, prompts: list[Prompt],
                       outputs, choices, opening: list[dict] = ()) -> AsyncIterator[str]:

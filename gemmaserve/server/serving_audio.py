@@ -74,7 +74,7 @@ class AudioServing(Serving):
         arrival = time.monotonic()
         req, data = await self._form(request)
         lora = self._check_model(req.model)
-        layout = self.engine.inputs.layouts.get(Modality.AUDIO)
+        layout = self.inputs.layouts.get(Modality.AUDIO)
         if layout is None:
             raise ApiError(400, f"model {self.model_name!r} does not take audio", param="file")
         language = None
@@ -86,7 +86,7 @@ class AudioServing(Serving):
         if req.stream and req.response_format not in ("json", "text"):
             raise ApiError(400, "stream is supported with response_format json or text", param="stream")
         clips = await asyncio.to_thread(self._clips, data, layout, translate, language, req.prompt)
-        limit = self.engine.max_model_len
+        limit = self.async_engine.info.max_model_len
         max_tokens = req.max_tokens or CLIP_MAX_TOKENS
         longest = max(len(c.prompt.ids) for c in clips)
         if longest >= limit:
@@ -98,12 +98,10 @@ class AudioServing(Serving):
                                     seed=req.seed, skip_special_tokens=self.reasoning is None)
         except UserInputError as exc:
             raise ApiError(400, str(exc)) from None
-        self._check_fits([c.prompt for c in clips], params, "file", [it for c in clips for it in c.items])
+        checked = await self._validate([c.prompt for c in clips], params, "file", "file", [c.items for c in clips], lora)
         rid = f"trsc-{uuid.uuid4().hex}"
         with self._admit(len(clips)) as admission:
-            outputs = await self._start(req, rid, [(c.prompt.text, c.prompt.ids) for c in clips], params,
-                                        self._deadline(arrival, req), admission, media=[c.items for c in clips],
-                                        lora=lora)
+            outputs = await self._start(req, rid, checked, self._deadline(arrival, req), admission)
         if req.stream:
             return sse(self._stream_text(clips, outputs), outputs)
         finals = await self._collect(request, outputs)
@@ -158,7 +156,7 @@ class AudioServing(Serving):
     def _clips(self, data: bytes, layout, translate: bool, language: str | None, context: str | None) -> list[_Clip]:
         """The upload decoded and cut into clips, each a prompt (the chat template over the clip and the instruction)
         with its item in place. Decodes and tokenises: called on a worker thread."""
-        inputs = self.engine.inputs
+        inputs = self.inputs
         rate = layout.processor.config.sampling_rate
         try:
             samples = decode_audio_bytes(data, rate, self.config.audio_limits, what="file")

@@ -35,7 +35,7 @@ class ChatServing(Serving):
         calling = self._tool_calling(req)
         prompt, items = await asyncio.to_thread(self._chat_prompt, req.message_dicts(), calling, self._template_kwargs(req))
         ids = prompt.ids
-        limit = self.engine.max_model_len
+        limit = self.async_engine.info.max_model_len
         if len(ids) >= limit:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens; the messages take "
                                 f"{len(ids)}", param="messages", code="context_length_exceeded")
@@ -57,12 +57,11 @@ class ChatServing(Serving):
         reasoning = self.reasoning if req.include_reasoning else None
         if reasoning is not None:   # its markers are special tokens: kept to split, removed from answers after
             params = params.replace(skip_special_tokens=False)
-        await self._check_grammar(params, "tools" if calling is not None else "response_format")
-        self._check_fits([prompt], params, "messages", items)
+        checked = await self._validate([prompt], params, "messages", "tools" if calling is not None else "response_format",
+                                       [items], lora)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         with self._admit(params.n) as admission:
-            outputs = await self._start(req, rid, [(prompt.text, prompt.ids)], params, self._deadline(arrival, req),
-                                        admission, media=[items], lora=lora)
+            outputs = await self._start(req, rid, checked, self._deadline(arrival, req), admission)
         answer = _Answers(reasoning, show_special)
         if req.stream:
             return sse(self._stream_chat(rid, req, prompt, params, outputs, calling, answer), outputs)
@@ -124,7 +123,7 @@ class ChatServing(Serving):
         """Messages -> the prompt through the chat template (tools offered as `calling` says, `template_kwargs`
         passed to it), and its images and audio in place. Decodes them and tokenises: called on a worker
         thread."""
-        inputs = self.engine.inputs
+        inputs = self.inputs
         try:
             messages, media = parse_chat(raw_messages, {m: lay.placeholder for m, lay in inputs.layouts.items()})
             tools = None
@@ -159,7 +158,7 @@ class ChatServing(Serving):
                 require_data_url(a, f"audio {i}", "WAV/FLAC/OGG/MP3")
         for i, url in enumerate(videos):
             require_data_url(url, f"video {i}", "MP4/WebM/MKV")
-        return self.engine.inputs.load_media([decode_data_url(u, image_limits, f"image {i}") for i, u in enumerate(images)],
+        return self.inputs.load_media([decode_data_url(u, image_limits, f"image {i}") for i, u in enumerate(images)],
                                              audio, videos, image_limits, audio_limits, video_limits)
 
     def _tool_calling(self, req: ChatRequest) -> ToolCalling | None:

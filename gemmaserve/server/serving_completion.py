@@ -28,12 +28,10 @@ class CompletionServing(Serving):
         reject_unsupported(req)
         prompts = await asyncio.to_thread(self._completion_prompts, req.prompt)
         params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETIONS_MAX_TOKENS)
-        await self._check_grammar(params, "response_format")
-        self._check_fits(prompts, params, "prompt")
+        checked = await self._validate(prompts, params, "prompt", "response_format", lora=lora)
         rid = f"cmpl-{uuid.uuid4().hex}"
         with self._admit(len(prompts) * params.n) as admission:
-            outputs = await self._start(req, rid, [(p.text, p.ids) for p in prompts], params,
-                                        self._deadline(arrival, req), admission, lora=lora)
+            outputs = await self._start(req, rid, checked, self._deadline(arrival, req), admission)
         if req.stream:
             return sse(self._stream_completion(rid, req, prompts, params, outputs), outputs)
         finals = await self._collect(request, outputs)
@@ -91,7 +89,7 @@ class CompletionServing(Serving):
             elif not p:
                 raise ApiError(400, f"prompt[{i}] must not be empty", param="prompt")
             else:
-                vocab = self.engine.model.vocab_size
+                vocab = self.async_engine.info.vocab_size
                 if min(p) < 0 or max(p) >= vocab:
                     raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
                 out.append(Prompt(self.tokenizer.decode(p, skip_special_tokens=False), list(p)))

@@ -18,8 +18,8 @@ class LoRAServing(Serving):
     def lora_models(self, created: int) -> list[dict]:
         """The adapters as /v1/models lists them (after the base model)."""
         return [{"id": ref.name, "object": "model", "created": created, "owned_by": "gemmaserve", "root": ref.path,
-                 "parent": self.model_name, "max_model_len": self.engine.max_model_len}
-                for ref in self.engine.loras.refs()]
+                 "parent": self.model_name, "max_model_len": self.async_engine.info.max_model_len}
+                for ref in self.async_engine.adapter_refs()]
 
     def _adapter_dir(self, given: str) -> str:
         root = self.config.lora_root
@@ -44,18 +44,18 @@ class LoRAServing(Serving):
             raise ApiError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
         path = self._adapter_dir(req.lora_path)
         try:
-            await self._engine_call(lambda eng: eng.add_lora(req.lora_name, path))
+            await self._engine_call(self.async_engine.add_adapter(req.lora_name, path))
         except UserInputError as exc:
             raise ApiError(400, str(exc), param="lora_path") from None
         return JSONResponse({"object": "lora_adapter", "id": req.lora_name, "status": "loaded"})
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         req: UnloadLoRARequest = parse(UnloadLoRARequest, await self._json(request))
-        if req.lora_name not in self.engine.loras:
+        if not self.async_engine.has_adapter(req.lora_name):
             raise ApiError(404, f"no LoRA adapter named {req.lora_name!r} is loaded", param="lora_name",
                            code="model_not_found")
         try:
-            await self._engine_call(lambda eng: eng.remove_lora(req.lora_name))
+            await self._engine_call(self.async_engine.remove_adapter(req.lora_name))
         except UserInputError as exc:   # in use by unfinished requests (or removed meanwhile)
             raise ApiError(409, str(exc), param="lora_name", code="lora_in_use") from None
         return JSONResponse({"object": "lora_adapter", "id": req.lora_name, "status": "unloaded"})

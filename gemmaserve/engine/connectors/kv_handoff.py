@@ -95,15 +95,15 @@ class PrefillHandoff(_EngineConnector):
         self.source = source
         self.timeout = timeout
         self.engine_id = engine_id
-        self.signature = spec_signature(engine.kv.specs)
+        self.signature = spec_signature(engine._kv.specs)
         self._post = post or (lambda fn: fn())
         self._expected: dict[str, str] = {}             # engine request id -> transfer id
         self._saving: dict[str, tuple[str, TransferPlan]] = {}   # request id -> (transfer id, plan): in a plan
         self._staged: dict[str, StagedTransfer] = {}
         self._lock = threading.Lock()
         self.bytes_staged = 0
-        engine.scheduler.connectors.append(self)
-        engine.step_observers.append(self._observe)
+        engine._scheduler.connectors.append(self)
+        engine._step_observers.append(self._observe)
 
     def expect(self, request_id: str, transfer_id: str) -> None:
         with self._lock:
@@ -130,14 +130,14 @@ class PrefillHandoff(_EngineConnector):
                 tid = self._expected.get(s.req_id)
                 if tid is None or not s.sample or s.num_drafts:
                     continue
-                n = len(self.engine.request(s.req_id).prompt_token_ids)
+                n = len(self.engine._request(s.req_id).prompt_token_ids)
                 if s.start + s.num_new_tokens == n:
                     wanted[s.req_id] = (self._expected.pop(s.req_id), n)
-        kv = self.engine.kv
+        kv = self.engine._kv
         row_bytes = [s.head_dim * s.dtype.itemsize for s in kv.specs]
         for req_id, (tid, n) in wanted.items():
             tplan = plan_transfer(kv.groups, n)
-            spans = row_spans(kv, req_id, tplan, self.engine.kv_heads)
+            spans = row_spans(kv, req_id, tplan, self.engine._kv_heads)
             plan.kv_transfers.row_saves.append(StagedRows(tid, spans, wire_bytes(spans, row_bytes)))
             self._saving[req_id] = (tid, tplan)
 
@@ -151,13 +151,13 @@ class PrefillHandoff(_EngineConnector):
             if req_id is None:
                 continue
             tid, tplan = self._saving.pop(req_id)
-            buffer = self.engine.runner.take_staged(tid)
+            buffer = self.engine._runner.take_staged(tid)
             if buffer is None or req_id not in sampled:   # the step failed for it: nothing to hand over
                 continue
-            req = self.engine.request(req_id)
+            req = self.engine._request(req_id)
             token, logprob = sampled[req_id]
             # Staged KV counts in the KV budget: as many pool pages as it has bytes, until it goes.
-            self.engine.kv.hold_pages(f"transfer:{tid}", -(-buffer.numel() // self.engine.kv.page_bytes))
+            self.engine._kv.hold_pages(f"transfer:{tid}", -(-buffer.numel() // self.engine._kv.page_bytes))
             staged = StagedTransfer(tid, list(req.prompt_token_ids), token, logprob, tplan, buffer.numel(),
                                     self.source.offer(tid, buffer), time.monotonic(), req.num_cached_tokens,
                                     None if req.lora is None else req.lora.key)
@@ -179,7 +179,7 @@ class PrefillHandoff(_EngineConnector):
             staged = self._staged.pop(transfer_id, None)
         if staged is not None:
             self.source.withdraw(transfer_id)
-            self._post(lambda: self.engine.kv.release_held(f"transfer:{transfer_id}"))
+            self._post(lambda: self.engine._kv.release_held(f"transfer:{transfer_id}"))
         return staged is not None
 
     def expire(self) -> int:
@@ -203,19 +203,24 @@ class DecodeHandoff(_EngineConnector):
 
     def __init__(self, engine: LLMEngine):
         super().__init__(engine)
-        self.signature = spec_signature(engine.kv.specs)
+        self.signature = spec_signature(engine._kv.specs)
         self._reserved: dict[str, float] = {}   # request id -> when its pages were reserved
         self._loads: list[StagedRows] = []      # adopted, for the next plan
-        engine.scheduler.connectors.append(self)
+        engine._scheduler.connectors.append(self)
+
+    def check_plan(self, plan: TransferPlan) -> str | None:
+        """Why a transfer `plan` cannot fill this engine's KV layers, or None if it can (reads fixed geometry:
+        any thread)."""
+        return check_plan(plan, self.engine._kv.specs)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        if not self.engine.kv.allocate_computed(request_id, prompt_token_ids, len(prompt_token_ids)):
+        if not self.engine._kv.allocate_computed(request_id, prompt_token_ids, len(prompt_token_ids)):
             raise NoKVRoom(f"no free KV pages for a {len(prompt_token_ids)}-token prompt now")
         self._reserved[request_id] = time.monotonic()
 
     def cancel(self, request_id: str) -> None:
         if self._reserved.pop(request_id, None) is not None:
-            self.engine.kv.free(request_id)
+            self.engine._kv.free(request_id)
 
     def expire(self, max_age: float) -> int:
         """Free reservations older than `max_age` seconds (a request that never started: its client
@@ -229,25 +234,25 @@ class DecodeHandoff(_EngineConnector):
 
     def adopt(self, engine: LLMEngine, request_id: str, plan: TransferPlan, buffer: torch.Tensor, first_token: int,
               first_logprob: TokenLogprob | None, cached_tokens: int = 0) -> list[RequestOutput]:
-        why = check_plan(plan, engine.kv.specs)   # (the HTTP side checks first; a Python caller may not)
+        why = self.check_plan(plan)   # (the HTTP side checks first; a Python caller may not)
         if why is not None:
             raise UserInputError(f"the transferred KV cannot serve this engine: {why}")
         if request_id not in self._reserved:
             raise RuntimeError(f"request {request_id} has no reserved pages")
-        kv = engine.kv
-        spans = row_spans(kv, request_id, plan, engine.kv_heads, receiving=True)
+        kv = engine._kv
+        spans = row_spans(kv, request_id, plan, engine._kv_heads, receiving=True)
         nbytes = wire_bytes(spans, [s.head_dim * s.dtype.itemsize for s in kv.specs])
         if nbytes != buffer.numel():
             raise UserInputError(f"a transfer buffer of {buffer.numel()} bytes for a plan of {nbytes} bytes")
         del self._reserved[request_id]
-        req = engine.request(request_id)
-        engine.runner.put_staged(request_id, buffer)
+        req = engine._request(request_id)
+        engine._runner.put_staged(request_id, buffer)
         self._loads.append(StagedRows(request_id, spans, nbytes))
         kv.cache_computed(request_id, req.prompt_token_ids, req.block_hashes)   # copied before any later forward
-        engine.scheduler.start_computed(req)
+        engine._scheduler.start_computed(req)
         req.num_cached_tokens = cached_tokens   # as the prefill engine's prefix cache served it
         step = StepPlan(-1, [SeqStep(request_id, plan.num_tokens, [], True)])
-        return engine.commit_step(step, StepResult([request_id], [first_token], [first_logprob]))
+        return engine._commit_step(step, StepResult([request_id], [first_token], [first_logprob]))
 
     # -- the scheduler side --------------------------------------------------------------------------
     def before_schedule(self) -> None:
@@ -256,10 +261,10 @@ class DecodeHandoff(_EngineConnector):
     def describe(self, plan: StepPlan) -> None:
         """Load what was adopted since the last plan, for requests that still hold their pages."""
         for rows in self._loads:
-            if self.engine.kv.pages_held(rows.key):
+            if self.engine._kv.pages_held(rows.key):
                 plan.kv_transfers.row_loads.append(rows)
             else:   # aborted before its first step: its pages are gone
-                self.engine.runner.drop_staged(rows.key)
+                self.engine._runner.drop_staged(rows.key)
         self._loads = []
 
     @property
