@@ -150,8 +150,8 @@ def _generate(args: argparse.Namespace) -> int:
               f"{st.pages_free} free of {st.pages_total}; prefix hit rate {st.prefix_hit_rate:.1%}; "
               f"preemptions {st.preemptions}", file=sys.stderr)
         if st.spec_draft_tokens:
-            print(f"speculative ({info.speculative}): {st.spec_accepted_tokens} of {st.spec_draft_tokens} drafted tokens "
-                  f"accepted ({st.spec_acceptance_rate:.1%}), {st.spec_mean_accepted_length:.2f} tokens per step",
+            print(f"speculative ({info.speculative}): {st.spec_accepted_tokens} of {st.spec_draft_tokens} drafted "
+                  f"tokens accepted ({st.spec_acceptance_rate:.1%}), {st.spec_mean_accepted_length:.2f} tokens per step",
                   file=sys.stderr)
     return 0
 

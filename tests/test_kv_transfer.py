@@ -116,8 +116,8 @@ def engines(tmp_path_factory):
     base = EngineConfig(model=str(path), page_size=4, max_num_batched_tokens=64, kv_cache_memory=2 << 20)
     single = LLMEngine(base)
     role = lambda r: KVTransferConfig(role=r, kv_transfer_runtime="torch")   # noqa: E731
-    prefill = LLMEngine(base.replace(kv_transfer=role("prefill")), single.loaded)
-    decode_v1 = LLMEngine(base.replace(kv_transfer=role("decode"), kv_cache_manager="v1", page_size=8), single.loaded)
+    prefill = LLMEngine(base.replace(kv_transfer=role("prefill")), single._loaded)
+    decode_v1 = LLMEngine(base.replace(kv_transfer=role("decode"), kv_cache_manager="v1", page_size=8), single._loaded)
     return single, prefill, decode_v1
 
 
@@ -161,21 +161,21 @@ def test_handoff_to_another_manager_and_page_size_gives_the_single_engine_tokens
     from gemmaserve.engine.sampling_params import SamplingParams
 
     single, prefill, decode = engines
-    assert prefill.cache_options.swa_scratch_reuse and decode.kv.name == "v1"
+    assert prefill.info.swa_scratch_reuse and decode._kv.name == "v1"
     prompt = [(7 * i + 3) % 290 + 5 for i in range(50)]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     want = _run(single, "a", params, prompt).outputs[0].token_ids
     staging, handoff, desc, outputs = _hand_over(prefill, decode, prompt, params, "x", "y", "t1")
     # The prompt's pages went back; the staged bytes hold as many pages until released (the KV budget).
-    staged_pages = -(-desc["nbytes"] // prefill.kv.page_bytes)
-    assert desc["first_token"] == want[0] and prefill.kv.stats().pages_used == staged_pages > 0
+    staged_pages = -(-desc["nbytes"] // prefill._kv.page_bytes)
+    assert desc["first_token"] == want[0] and prefill._kv.stats().pages_used == staged_pages > 0
     assert [o.outputs[0].delta_token_ids for o in outputs] == [[want[0]]]   # the first token, at once
     final = _drain(decode)
     assert final.outputs[0].token_ids == want
     assert staging.release("t1") and staging.num_staged == 0
     # A reservation the transfer never filled goes back to the pool; a full cache refuses at once.
     handoff.reserve("z", prompt)
-    assert decode.kv.stats().pages_used > 0
+    assert decode._kv.stats().pages_used > 0
     handoff.cancel("z")
     handoff.reserve("never-started", prompt)   # its client left before the response began
     assert handoff.expire(max_age=0.0) == 1 and handoff.num_reserved == 0
@@ -195,17 +195,17 @@ def test_a_decode_engine_that_speculates_gives_the_single_engine_tokens(engines)
     single, prefill, _ = engines
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 8}
     decode = LLMEngine(prefill.config.replace(kv_transfer=KVTransferConfig(role="decode", kv_transfer_runtime="torch"),
-                                              speculative_config=ngram), single.loaded)
+                                              speculative_config=ngram), single._loaded)
     prompt = [5 + (i % 7) * 11 for i in range(40)]   # repetitive: lookups find matches
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = _run(single, "s", params, prompt).outputs[0].token_ids
     staging = _hand_over(prefill, decode, prompt, params, "xs", "ys", "t2")[0]
     final = _drain(decode)
     assert final.outputs[0].token_ids == want
-    assert decode.scheduler.spec_stats.accepted > 0, decode.scheduler.spec_stats   # drafts kept after the handoff
+    assert decode._scheduler.spec_stats.accepted > 0, decode._scheduler.spec_stats   # drafts kept after the handoff
     assert staging.release("t2")
-    decode.kv.check_integrity()
-    assert decode.kv.stats().pages_used == 0
+    decode._kv.check_integrity()
+    assert decode._kv.stats().pages_used == 0
 
 
 def test_a_draft_model_on_both_roles_travels_with_the_target(engines):
@@ -220,8 +220,8 @@ def test_a_draft_model_on_both_roles_travels_with_the_target(engines):
     draft = {"method": "draft_model", "model": single.config.model, "num_speculative_tokens": 3,
              "disable_by_batch_size": 8}
     role = lambda r: KVTransferConfig(role=r, kv_transfer_runtime="torch")   # noqa: E731
-    prefill_d = LLMEngine(prefill.config.replace(speculative_config=draft), single.loaded)
-    decode_d = LLMEngine(prefill.config.replace(kv_transfer=role("decode"), speculative_config=draft), single.loaded)
+    prefill_d = LLMEngine(prefill.config.replace(speculative_config=draft), single._loaded)
+    decode_d = LLMEngine(prefill.config.replace(kv_transfer=role("decode"), speculative_config=draft), single._loaded)
     prompt = [(5 * i + 2) % 280 + 7 for i in range(45)]
     params = SamplingParams(max_tokens=14, ignore_eos=True)
     want = _run(single, "d", params, prompt).outputs[0].token_ids
@@ -280,7 +280,7 @@ def test_received_blocks_enter_the_prefix_cache_and_cached_tokens_follow_the_pre
 
     single, prefill, _ = engines
     decode = LLMEngine(prefill.config.replace(kv_transfer=KVTransferConfig(role="decode", kv_transfer_runtime="torch"),
-                                              kv_offload_memory=1 << 20), single.loaded)
+                                              kv_offload_memory=1 << 20), single._loaded)
     prompt = [(11 * i + 5) % 280 + 7 for i in range(60)]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     _run(prefill, "warm", dataclasses.replace(params, max_tokens=1), prompt[:40])   # the prefill side hits 36
@@ -294,7 +294,7 @@ def test_received_blocks_enter_the_prefix_cache_and_cached_tokens_follow_the_pre
     again = _run(decode, "later", params, longer)
     assert again.num_cached_tokens >= 60 - 60 % 4 - 4   # the received blocks, not recomputed
     assert again.outputs[0].token_ids == _run(single, "later1", params, longer).outputs[0].token_ids
-    decode.kv.check_integrity()
+    decode._kv.check_integrity()
 
 
 def test_an_adapters_received_blocks_are_keyed_under_the_adapter(engines, tmp_path):
@@ -309,12 +309,12 @@ def test_an_adapters_received_blocks_are_keyed_under_the_adapter(engines, tmp_pa
     from helpers import tiny_hf_model
 
     single, prefill, _ = engines
-    hf = tiny_hf_model(3, sliding_window=8, vocab_size=single.model.vocab_size)
+    hf = tiny_hf_model(3, sliding_window=8, vocab_size=single._model.vocab_size)
     torch.manual_seed(4)
     get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], init_lora_weights=False)
                    ).save_pretrained(tmp_path / "ad")
     decode = LLMEngine(prefill.config.replace(kv_transfer=KVTransferConfig(role="decode", kv_transfer_runtime="torch")),
-                       single.loaded)
+                       single._loaded)
     for engine in (single, prefill, decode):
         if "ad" not in engine.adapters:
             engine.adapters.add("ad", str(tmp_path / "ad"))
@@ -323,7 +323,7 @@ def test_an_adapters_received_blocks_are_keyed_under_the_adapter(engines, tmp_pa
     want = _run(single, "ra", params, prompt, "ad").outputs[0].token_ids
     assert want != _run(single, "rb", params, prompt).outputs[0].token_ids
     staging, _, desc, _ = _hand_over(prefill, decode, prompt, params, "xa", "ya", "t7", lora="ad")
-    assert desc["lora"] == decode.loras.get("ad").key
+    assert desc["lora"] == decode.adapters.get("ad").key
     assert _drain(decode).outputs[0].token_ids == want
     staging.release("t7")
     longer = prompt + want + [9, 10, 11]
@@ -331,7 +331,7 @@ def test_an_adapters_received_blocks_are_keyed_under_the_adapter(engines, tmp_pa
     again = _run(decode, "under", params, longer, "ad")
     assert again.num_cached_tokens >= 40
     assert again.outputs[0].token_ids == _run(single, "under1", params, longer, "ad").outputs[0].token_ids
-    decode.kv.check_integrity()
+    decode._kv.check_integrity()
 
 
 @pytest.mark.parametrize("ranks", [(2, 1), (1, 2)])

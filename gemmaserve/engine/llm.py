@@ -189,7 +189,8 @@ class LLM:
         ids = ChatFormatter(inputs.tokenizer).encode(parsed, (lambda text: inputs.expand(text, loaded)) if media else None,
                                                      template_kwargs=chat_template_kwargs)
         items = inputs.place(ids, loaded) if media else []
-        checked = engine.validate(ids, params, items, lora, text=inputs.tokenizer.decode(ids, skip_special_tokens=False))
+        text = inputs.tokenizer.decode(ids, skip_special_tokens=False)
+        checked = engine.validate(ids, params, items, lora, text=text)
         self._calls += 1
         rid = engine.add_checked(checked, request_id=f"llm{self._calls}-chat")
         return self._collect([(rid, params.n)], use_tqdm=False)[0]

@@ -4,8 +4,10 @@
     POST /v1/audio/transcriptions, /v1/audio/translations     (multipart upload; models with an audio encoder)
     GET  /v1/models             GET  /health                  GET  /metrics (Prometheus text)
 
-Each endpoint's handlers live in their own module (serving_completion.py, serving_chat.py, serving_audio.py, over
-serving.py's shared request plumbing); this module joins them into the app and owns its lifecycle.
+Each endpoint family is an object of its own module (serving_completion.py, serving_chat.py, serving_audio.py,
+serving_lora.py, serving_models.py), composed with serving.py's shared request plumbing, which holds the
+engine's client (client.py: handlers never touch the engine). This module builds them once the engine is
+loaded, wires them to routes, and owns the app's lifecycle, authentication, errors, /health and /metrics.
 
 Every error is OpenAI's JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for a bad
 request, 401 for a missing or wrong API key, 404 for an unknown model, 408 past the request's
@@ -34,7 +36,8 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -43,19 +46,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm_engine import LLMEngine
 from ..engine.structured.structured_output import import_libraries
-from ..models.chat_template import ChatFormatter
-from .async_engine import AsyncEngine
+from ..engine.validation import CheckedRequest
+from .async_engine import Admission, AsyncEngine, Generation
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import (
     ApiError, ChatRequest, CompletionRequest, LoadLoRARequest, TranscriptionRequest, UnloadLoRARequest, now,
 )
-from .reasoning import ReasoningFormat
-from .serving import RETRY_AFTER_S
+from .serving import RETRY_AFTER_S, ServedModel, ServingCommon
 from .serving_audio import AudioServing
 from .serving_chat import ChatServing
 from .serving_completion import CompletionServing
 from .serving_lora import LoRAServing
+from .serving_models import ModelsServing
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +70,19 @@ class ServerState(enum.Enum):
     FAILED = "failed"     # the engine did not load, or its thread died
 
 
-class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
-    """The routes of each endpoint come from its serving class; this one owns the engine, the app, its
-    lifecycle, authentication, and the routes every server has (models, health, metrics)."""
+@dataclass(frozen=True)
+class Endpoints:
+    """The endpoint objects of one loaded engine, each holding the shared plumbing and the engine's client."""
+    completions: CompletionServing
+    chat: ChatServing
+    audio: AudioServing
+    lora: LoRAServing
+    models: ModelsServing
+
+
+class OpenAIServer:
+    """Owns the app, its lifecycle, authentication and errors, and the routes every server has (health,
+    metrics); each /v1 route forwards to its endpoint object (built when the engine is attached)."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], config: ServerConfig | None = None):
         """`engine`: a loaded engine, or a function that loads one; it then runs on a thread once the
@@ -86,6 +99,8 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
         self.app = self._build_app()
 
     def _attach(self, engine: LLMEngine) -> None:
+        """Build the engine's client and the endpoints over it. (A subclass gets the engine here, to attach
+        engine-side collaborators: server/disagg.py.)"""
         # response_format and tools need the grammars' per-tokenizer state: built now (0.3 s for 262k
         # tokens once the libraries are imported, see _build_app) rather than by the first such request,
         # and before the server says ready, as doing it later would hold up /health for tenths of a second.
@@ -94,13 +109,25 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
         except Exception as exc:   # a structured request will say what is missing; the rest is served
             log.warning("structured output is unavailable: %s", exc)
         self.async_engine = AsyncEngine(engine, self.metrics, self.config.max_queue_len)
-        self.inputs = self.async_engine.inputs
-        self.tokenizer = self.inputs.tokenizer
-        self.chat = ChatFormatter(self.tokenizer)
-        self.reasoning = ReasoningFormat.from_tokenizer(self.tokenizer)
-        model = self.async_engine.info.model
-        self.model_name = self.config.served_model_name or model
-        self.accepted_names = {self.model_name, model}
+        self.model = ServedModel.of(self.async_engine, self.config.served_model_name)
+        self.common = ServingCommon(self.config, self.metrics, self.async_engine, self.model, self._start)
+        lora = LoRAServing(self.common)
+        self.endpoints = Endpoints(CompletionServing(self.common), ChatServing(self.common), AudioServing(self.common),
+                                   lora, ModelsServing(self.common, lora, self.created))
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name
+
+    @property
+    def tokenizer(self):   # for the benchmarks until they move (issue 44)
+        return self.model.tokenizer
+
+    async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[CheckedRequest],
+                     deadline: float | None, admission: Admission) -> Generation:
+        """How a request starts generating (`StartFn`): posted to this engine. A disaggregated role
+        (server/disagg.py) starts from another engine's KV instead."""
+        return await self.common.start_here(req, rid, prompts, deadline, admission)
 
     @property
     def engine(self) -> LLMEngine:   # for the benchmarks until they move (issue 44): handlers use async_engine
@@ -121,7 +148,7 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
             return
         if self.state is ServerState.LOADING:
             self.state = ServerState.READY
-            log.info("serving %s (chat: %s)", self.model_name, self.chat.source)
+            log.info("serving %s (chat: %s)", self.model_name, self.model.chat.source)
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests; let running ones finish for `timeout` seconds, then abort the rest
@@ -152,7 +179,7 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
             else:
                 self.async_engine.start()
                 self.state = ServerState.READY
-                log.info("serving %s (chat: %s)", self.model_name, self.chat.source)
+                log.info("serving %s (chat: %s)", self.model_name, self.model.chat.source)
             try:
                 yield
             finally:
@@ -163,17 +190,19 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
 
         app = FastAPI(title="gemmaserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
         v1 = APIRouter(prefix="/v1", dependencies=[Depends(self._authorize), Depends(self._require_ready)])
-        v1.add_api_route("/completions", self.completions, methods=["POST"], openapi_extra=_body(CompletionRequest),
-                         responses=_ERRORS)
-        v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"], openapi_extra=_body(ChatRequest),
-                         responses=_ERRORS)
-        for path, handler in (("/audio/transcriptions", self.transcriptions), ("/audio/translations", self.translations)):
+        to = self._route
+        v1.add_api_route("/completions", to(lambda e: e.completions.completions), methods=["POST"],
+                         openapi_extra=_body(CompletionRequest), responses=_ERRORS)
+        v1.add_api_route("/chat/completions", to(lambda e: e.chat.chat_completions), methods=["POST"],
+                         openapi_extra=_body(ChatRequest), responses=_ERRORS)
+        for path, handler in (("/audio/transcriptions", to(lambda e: e.audio.transcriptions)),
+                              ("/audio/translations", to(lambda e: e.audio.translations))):
             v1.add_api_route(path, handler, methods=["POST"], openapi_extra=_form_body(TranscriptionRequest),
                              responses=_ERRORS)
-        v1.add_api_route("/models", self.models, methods=["GET"], responses=_ERRORS)
-        v1.add_api_route("/load_lora_adapter", self.load_lora_adapter, methods=["POST"],
+        v1.add_api_route("/models", self._models, methods=["GET"], responses=_ERRORS)
+        v1.add_api_route("/load_lora_adapter", to(lambda e: e.lora.load_lora_adapter), methods=["POST"],
                          openapi_extra=_body(LoadLoRARequest), responses=_LORA_ERRORS)
-        v1.add_api_route("/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"],
+        v1.add_api_route("/unload_lora_adapter", to(lambda e: e.lora.unload_lora_adapter), methods=["POST"],
                          openapi_extra=_body(UnloadLoRARequest), responses=_LORA_ERRORS)
         app.include_router(v1)
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -213,12 +242,23 @@ class OpenAIServer(CompletionServing, ChatServing, AudioServing, LoRAServing):
             raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
+    def _route(self, handler: Callable[[Endpoints], Callable[[Request], Awaitable[Response]]]):
+        """A /v1 route's function: the endpoint's handler (the route's dependencies saw the server ready, so the
+        endpoints exist)."""
+        async def route(request: Request) -> Response:
+            return await handler(self.endpoints)(request)
+        return route
+
+    async def _models(self) -> dict:
+        return await self.endpoints.models.models()
+
+    async def _engine_call(self, call: Awaitable):
+        return await self.common.engine_call(call)
+
+    async def _json(self, request: Request) -> object:
+        return await self.common.read_json(request)
+
     # -- small routes ----------------------------------------------------------------------------------
-    async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "gemmaserve", "root": self.async_engine.info.model,
-                                            "max_model_len": self.async_engine.info.max_model_len},
-                                           *self.lora_models(self.created)]}
 
     def _current_state(self) -> ServerState:
         if self.state is ServerState.READY and not self.async_engine.alive:

@@ -1,8 +1,10 @@
-"""What every OpenAI endpoint shares: reading and checking a request (body size, model name, grammar, KV fit,
-deadline), admission, starting a generation, collecting or streaming its outputs, and usage.
+"""What every OpenAI endpoint shares: reading and checking a request (body size, model name, the engine's
+validation), admission, starting a generation, collecting or streaming its outputs, and usage.
 
-`Serving` is the base of each endpoint's class (serving_completion.py, serving_chat.py, serving_audio.py);
-`OpenAIServer` (app.py) joins them and owns the attributes declared here.
+`ServingCommon` is composed into each endpoint's object (serving_completion.py, serving_chat.py,
+serving_audio.py, serving_lora.py, serving_models.py), not inherited: it holds the engine's client (the only
+way to the engine), the served model's facts (`ServedModel`) and how a generation starts (`StartFn`: the
+engine's own, or a disaggregated role's, server/disagg.py). `OpenAIServer` (app.py) builds one per engine.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -24,7 +26,8 @@ from ..engine.validation import CheckedRequest, ContextLengthError, GrammarError
 from ..errors import UserInputError
 from ..models.chat_template import ChatFormatter
 from ..models.tokenizer import Tokenizer
-from .async_engine import Admission, AsyncEngine, DeadlineExceeded, EngineDeadError, Generation, QueueFull
+from .async_engine import Admission, DeadlineExceeded, EngineDeadError, Generation, QueueFull
+from .client import EngineClient
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, now, usage
@@ -40,25 +43,45 @@ class Prompt:
     ids: list[int]
 
 
-class Serving:
-    config: ServerConfig
-    metrics: ServerMetrics
-    async_engine: AsyncEngine   # the engine's client: handlers never touch the engine itself
+@dataclass(frozen=True)
+class ServedModel:
+    """What the endpoints know of the model they serve."""
+    name: str                           # what responses name (--served-model-name, else the model)
+    accepted_names: frozenset[str]      # what a request's `model` may say for the base model
     tokenizer: Tokenizer
-    inputs: InputProcessor       # preparing prompts and media (the engine's, read-only)
+    inputs: InputProcessor              # preparing prompts and media (the engine's: stateless)
     chat: ChatFormatter
     reasoning: ReasoningFormat | None   # the model's thought channel, if its tokenizer has one
-    model_name: str
-    accepted_names: set[str]
 
-    async def _engine_call(self, call: Awaitable):
+    @classmethod
+    def of(cls, client: EngineClient, served_name: str | None) -> "ServedModel":
+        inputs = client.inputs
+        model = client.info.model
+        name = served_name or model
+        return cls(name, frozenset({name, model}), inputs.tokenizer, inputs, ChatFormatter(inputs.tokenizer),
+                   ReasoningFormat.from_tokenizer(inputs.tokenizer))
+
+
+# How a request's checked prompts start generating: (request, response id, prompts, deadline, admission)
+StartFn = Callable[[CompletionRequest | ChatRequest, str, list[CheckedRequest], float | None, Admission],
+                   Awaitable[Generation]]
+
+
+class ServingCommon:
+    def __init__(self, config: ServerConfig, metrics: ServerMetrics, client: EngineClient, model: ServedModel,
+                 start: StartFn | None = None):
+        """`start`: how a generation starts (None: posted to the engine, `start_here`)."""
+        self.config, self.metrics, self.client, self.model = config, metrics, client, model
+        self.start: StartFn = start or self.start_here
+
+    async def engine_call(self, call: Awaitable):
         """Await a call of the engine's client, a 503 if the engine has stopped."""
         try:
             return await call
         except EngineDeadError as exc:
             raise ApiError(503, str(exc), code="engine_stopped") from None
 
-    async def _json(self, request: Request) -> object:
+    async def read_json(self, request: Request) -> object:
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -74,28 +97,28 @@ class Serving:
             return await asyncio.to_thread(parse_json, body)
         return parse_json(body)
 
-    def _check_model(self, name: str | None) -> str | None:
+    def check_model(self, name: str | None) -> str | None:
         """The LoRA adapter `name` names (None: the base model), or a 404 if it names nothing served."""
-        if name is None or name in self.accepted_names:
+        if name is None or name in self.model.accepted_names:
             return None
-        if self.async_engine.has_adapter(name):
+        if self.client.has_adapter(name):
             return name
-        adapters = self.async_engine.adapter_names()
-        served = repr(self.model_name) + (f" and the LoRA adapters {', '.join(adapters)}" if adapters else "")
+        adapters = self.client.adapter_names()
+        served = repr(self.model.name) + (f" and the LoRA adapters {', '.join(adapters)}" if adapters else "")
         raise ApiError(404, f"model {name!r} does not exist; this server serves {served}", param="model",
                        code="model_not_found")
 
-    def _answering(self, req) -> str:
+    def answering(self, req) -> str:
         """The model a response names: the adapter the request asked for, else the served model."""
-        return req.model if req.model is not None and self.async_engine.has_adapter(req.model) else self.model_name
+        return req.model if req.model is not None and self.client.has_adapter(req.model) else self.model.name
 
-    async def _validate(self, prompts: list[Prompt], params: SamplingParams, param: str, grammar_param: str,
+    async def validate(self, prompts: list[Prompt], params: SamplingParams, param: str, grammar_param: str,
                         media: list[list[MediaItem]] | None = None, lora: str | None = None) -> list[CheckedRequest]:
         """The engine's checks of every prompt (its grammar compiled and waited for), so a bad request is a
         400 before it reaches the engine, which then queues the checked requests without checking again.
         `param` names the prompt's field in errors, `grammar_param` the structured output's."""
         try:
-            return await self.async_engine.validate([(p.text, p.ids) for p in prompts], params, media, lora)
+            return await self.client.validate([(p.text, p.ids) for p in prompts], params, media, lora)
         except ContextLengthError as exc:
             n = exc.prompt_tokens
             raise ApiError(400, f"this model's maximum context length is {exc.limit} tokens; the request asks for "
@@ -106,36 +129,36 @@ class Serving:
         except UserInputError as exc:
             raise ApiError(400, str(exc), param=param) from None
 
-    def _deadline(self, arrival: float, req: CompletionRequest | ChatRequest) -> float | None:
+    def deadline(self, arrival: float, req: CompletionRequest | ChatRequest) -> float | None:
         """The earlier of the server's --request-timeout and the request's own `request_timeout`."""
         limits = [t for t in (self.config.request_timeout, req.request_timeout) if t is not None]
         return arrival + min(limits) if limits else None
 
     @contextlib.contextmanager
-    def _admit(self, completions: int):
+    def admit(self, completions: int):
         """Admit the request's completions for the block, which posts them through `_start` (429 if
         the server holds --max-num-seqs + --max-queue-len already; an empty queue takes any request, so
         one large request is never refused for its size alone). Withdrawn if the block fails first."""
         try:
-            admission = self.async_engine.admit(completions)
+            admission = self.client.admit(completions)
         except QueueFull as exc:
             raise ApiError(429, f"the server is overloaded: {exc}; retry after {RETRY_AFTER_S}s", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         try:
             yield admission
         finally:
-            self.async_engine.withdraw(admission)
+            self.client.withdraw(admission)
 
-    async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[CheckedRequest],
-                     deadline: float | None, admission: Admission) -> Generation:
+    async def start_here(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[CheckedRequest],
+                         deadline: float | None, admission: Admission) -> Generation:
         """Start generating (post to the engine under `admission`): the async iterator of (prompt
         index, output). A disaggregated role (server/disagg.py) starts from another engine's KV instead."""
         if req.kv_transfer_params is not None:
             raise ApiError(400, "kv_transfer_params needs a server started with --role prefill or decode",
                            param="kv_transfer_params")
-        return self.async_engine.generate(rid, prompts, deadline, admission=admission)
+        return self.client.generate(rid, prompts, deadline, admission=admission)
 
-    async def _stream(self, rid: str, kind: str, req: CompletionRequest | ChatRequest, prompts: list[Prompt],
+    async def stream(self, rid: str, kind: str, req: CompletionRequest | ChatRequest, prompts: list[Prompt],
                       outputs, choices, opening: list[dict] = ()) -> AsyncIterator[str]:
         """Server-sent events: `opening` choices, then `choices(prompt index, completion output)` for
         every output, an error event if generation fails, the usage chunk if asked, and [DONE]."""
@@ -144,7 +167,7 @@ class Serving:
         finals: dict[tuple[int, int], RequestOutput] = {}
 
         def chunk(choice: list[dict], **extra) -> str:
-            body = {"id": rid, "object": kind, "created": created, "model": self._answering(req), "choices": choice,
+            body = {"id": rid, "object": kind, "created": created, "model": self.answering(req), "choices": choice,
                     **extra}
             if include_usage and "usage" not in body:
                 body["usage"] = None
@@ -167,10 +190,10 @@ class Serving:
                 yield event(err.body())
                 return
         if include_usage:
-            yield chunk([], usage=self._usage(prompts, finals))
+            yield chunk([], usage=self.usage(prompts, finals))
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, request: Request, outputs) -> dict[tuple[int, int], RequestOutput]:
+    async def collect(self, request: Request, outputs) -> dict[tuple[int, int], RequestOutput]:
         """Every completion's final output, keyed (prompt index, completion index). Aborts the
         request if the client goes away while it runs."""
         finals: dict[tuple[int, int], RequestOutput] = {}
@@ -200,13 +223,13 @@ class Serving:
                 task.cancel()
         return finals
 
-    def _usage(self, prompts: list[Prompt], finals: dict[tuple[int, int], RequestOutput]) -> dict:
+    def usage(self, prompts: list[Prompt], finals: dict[tuple[int, int], RequestOutput]) -> dict:
         completion = sum(len(o.outputs[0].token_ids) for o in finals.values())
         cached = sum({pi: o.num_cached_tokens for (pi, _), o in finals.items()}.values())
         out = usage(sum(len(p.ids) for p in prompts), completion, cached)
-        if self.reasoning is not None:
+        if self.model.reasoning is not None:
             out["completion_tokens_details"] = {"reasoning_tokens": sum(
-                self.reasoning.reasoning_tokens(list(o.outputs[0].token_ids)) for o in finals.values())}
+                self.model.reasoning.reasoning_tokens(list(o.outputs[0].token_ids)) for o in finals.values())}
         return out
 
 

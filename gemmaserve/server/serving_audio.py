@@ -35,7 +35,7 @@ from ..models.chat_template import ChatMessage
 from ..models.multimodal import Modality
 from .async_engine import DeadlineExceeded, EngineDeadError
 from .protocol import ApiError, TranscriptionRequest, parse
-from .serving import Prompt, Serving, as_api_error, raise_if_failed, sse
+from .serving import Prompt, ServingCommon, as_api_error, raise_if_failed, sse
 
 CLIP_MAX_TOKENS = 448        # what one 30 s clip may write (speech runs ~3 words a second); max_tokens overrides
 FORM_OVERHEAD = 1 << 20      # bytes of a multipart body beyond its file
@@ -63,7 +63,12 @@ class _Clip:
     items: list
 
 
-class AudioServing(Serving):
+class AudioServing:
+    """Holds the shared request plumbing (`ServingCommon`) and, through it, the engine's client."""
+
+    def __init__(self, common: ServingCommon):
+        self.common, self.client, self.model = common, common.client, common.model
+
     async def transcriptions(self, request: Request) -> Response:
         return await self._speech_to_text(request, translate=False)
 
@@ -73,10 +78,10 @@ class AudioServing(Serving):
     async def _speech_to_text(self, request: Request, translate: bool) -> Response:
         arrival = time.monotonic()
         req, data = await self._form(request)
-        lora = self._check_model(req.model)
-        layout = self.inputs.layouts.get(Modality.AUDIO)
+        lora = self.common.check_model(req.model)
+        layout = self.model.inputs.layouts.get(Modality.AUDIO)
         if layout is None:
-            raise ApiError(400, f"model {self.model_name!r} does not take audio", param="file")
+            raise ApiError(400, f"model {self.model.name!r} does not take audio", param="file")
         language = None
         if req.language is not None and not translate:
             language = LANGUAGES.get(req.language.strip().lower())
@@ -86,7 +91,7 @@ class AudioServing(Serving):
         if req.stream and req.response_format not in ("json", "text"):
             raise ApiError(400, "stream is supported with response_format json or text", param="stream")
         clips = await asyncio.to_thread(self._clips, data, layout, translate, language, req.prompt)
-        limit = self.async_engine.info.max_model_len
+        limit = self.client.info.max_model_len
         max_tokens = req.max_tokens or CLIP_MAX_TOKENS
         longest = max(len(c.prompt.ids) for c in clips)
         if longest >= limit:
@@ -95,16 +100,17 @@ class AudioServing(Serving):
         try:
             # a reasoning model's output keeps its special tokens: the thought channel is cut out by its markers
             params = SamplingParams(max_tokens=min(max_tokens, limit - longest), temperature=req.temperature,
-                                    seed=req.seed, skip_special_tokens=self.reasoning is None)
+                                    seed=req.seed, skip_special_tokens=self.model.reasoning is None)
         except UserInputError as exc:
             raise ApiError(400, str(exc)) from None
-        checked = await self._validate([c.prompt for c in clips], params, "file", "file", [c.items for c in clips], lora)
+        checked = await self.common.validate([c.prompt for c in clips], params, "file", "file",
+                                             [c.items for c in clips], lora)
         rid = f"trsc-{uuid.uuid4().hex}"
-        with self._admit(len(clips)) as admission:
-            outputs = await self._start(req, rid, checked, self._deadline(arrival, req), admission)
+        with self.common.admit(len(clips)) as admission:
+            outputs = await self.common.start(req, rid, checked, self.common.deadline(arrival, req), admission)
         if req.stream:
             return sse(self._stream_text(clips, outputs), outputs)
-        finals = await self._collect(request, outputs)
+        finals = await self.common.collect(request, outputs)
         texts = [self._answer(finals[(i, 0)]) for i in range(len(clips))]
         text = " ".join(t for t in texts if t)
         fmt = req.response_format
@@ -125,7 +131,7 @@ class AudioServing(Serving):
 
     async def _form(self, request: Request) -> tuple[TranscriptionRequest, bytes]:
         """The form fields and the uploaded file's bytes, within the upload limit (413 above it)."""
-        limit = self.config.max_audio_bytes
+        limit = self.common.config.max_audio_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit + FORM_OVERHEAD:
             raise ApiError(413, f"request body is {declared} bytes; audio uploads are limited to {limit} bytes",
@@ -156,10 +162,10 @@ class AudioServing(Serving):
     def _clips(self, data: bytes, layout, translate: bool, language: str | None, context: str | None) -> list[_Clip]:
         """The upload decoded and cut into clips, each a prompt (the chat template over the clip and the instruction)
         with its item in place. Decodes and tokenises: called on a worker thread."""
-        inputs = self.inputs
+        inputs = self.model.inputs
         rate = layout.processor.config.sampling_rate
         try:
-            samples = decode_audio_bytes(data, rate, self.config.audio_limits, what="file")
+            samples = decode_audio_bytes(data, rate, self.common.config.audio_limits, what="file")
             parts = split_clips(samples, layout.processor.config.max_samples, 2 * rate)
             instruction = _instruction(translate, language, context)
             message = ChatMessage("user", layout.placeholder + instruction)
@@ -170,9 +176,9 @@ class AudioServing(Serving):
                     raise UserInputError(f"file is {1000 * len(part) / rate:.1f} ms long: too short for one audio "
                                          "token")
                 loaded: LoadedMedia = {Modality.AUDIO: [MediaInput([encoded])]}
-                ids = self.chat.encode([message], lambda text: inputs.expand(text, loaded))
+                ids = self.model.chat.encode([message], lambda text: inputs.expand(text, loaded))
                 out.append(_Clip(start / rate, (start + len(part)) / rate,
-                                 Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids),
+                                 Prompt(self.model.tokenizer.decode(ids, skip_special_tokens=False), ids),
                                  inputs.place(ids, loaded)))
                 start += len(part)
         except UserInputError as exc:
@@ -201,9 +207,9 @@ class AudioServing(Serving):
                         if text:
                             yield event({"type": "transcript.text.delta", "delta": lead + text})
                         sent += 1
-            except (ApiError, EngineDeadError, UserInputError, DeadlineExceeded) as exc:   # as Serving._stream
+            except (ApiError, EngineDeadError, UserInputError, DeadlineExceeded) as exc:   # as ServingCommon.stream
                 err = as_api_error(exc)
-                self.metrics.http_errors.labels(str(err.status)).inc()
+                self.common.metrics.http_errors.labels(str(err.status)).inc()
                 yield event(err.body())
                 return
         yield event({"type": "transcript.text.done", "text": " ".join(t for t in texts if t),
@@ -214,8 +220,8 @@ class AudioServing(Serving):
         """A clip's text: the answer alone (a thinking model's thought channel and special tokens removed), on one
         line."""
         text = out.outputs[0].text
-        if self.reasoning is not None:
-            text = self.reasoning.clean(self.reasoning.split(text)[1])
+        if self.model.reasoning is not None:
+            text = self.model.reasoning.clean(self.model.reasoning.split(text)[1])
         return " ".join(text.split())
 
     def _speech_usage(self, clips: list[_Clip], finals: dict[tuple[int, int], RequestOutput]) -> dict:

@@ -22,20 +22,25 @@ from ..models.chat_template import ChatMessage, parse_chat
 from ..models.multimodal import Modality
 from .protocol import ApiError, ChatRequest, chat_logprobs, now, parse, reject_unsupported, sampling_params
 from .reasoning import ReasoningFormat, ReasoningStream
-from .serving import Prompt, Serving, sse
+from .serving import Prompt, ServingCommon, sse
 from .tools import ToolCalling, ToolFormat, parse_tools
 
 
-class ChatServing(Serving):
+class ChatServing:
+    """Holds the shared request plumbing (`ServingCommon`) and, through it, the engine's client."""
+
+    def __init__(self, common: ServingCommon):
+        self.common, self.client, self.model = common, common.client, common.model
+
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        req: ChatRequest = parse(ChatRequest, await self._json(request))
-        lora = self._check_model(req.model)
+        req: ChatRequest = parse(ChatRequest, await self.common.read_json(request))
+        lora = self.common.check_model(req.model)
         reject_unsupported(req)
         calling = self._tool_calling(req)
         prompt, items = await asyncio.to_thread(self._chat_prompt, req.message_dicts(), calling, self._template_kwargs(req))
         ids = prompt.ids
-        limit = self.async_engine.info.max_model_len
+        limit = self.client.info.max_model_len
         if len(ids) >= limit:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens; the messages take "
                                 f"{len(ids)}", param="messages", code="context_length_exceeded")
@@ -50,22 +55,22 @@ class ChatServing(Serving):
             params = params.replace(structured_output=grammar, skip_special_tokens=params.skip_special_tokens and not native,
                                     stop=params.stop + ([TOOL_RESPONSE] if native else []))
         show_special = not params.skip_special_tokens
-        if self.reasoning is not None and params.structured_output is not None:   # the grammar starts where the
+        if self.model.reasoning is not None and params.structured_output is not None:   # the grammar starts where the
             so = dataclasses.replace(params.structured_output,                    # reasoning ends
-                                     reasoning=(self.reasoning.begin_id, self.reasoning.end_id))
+                                     reasoning=(self.model.reasoning.begin_id, self.model.reasoning.end_id))
             params = params.replace(structured_output=so)
-        reasoning = self.reasoning if req.include_reasoning else None
+        reasoning = self.model.reasoning if req.include_reasoning else None
         if reasoning is not None:   # its markers are special tokens: kept to split, removed from answers after
             params = params.replace(skip_special_tokens=False)
-        checked = await self._validate([prompt], params, "messages", "tools" if calling is not None else "response_format",
-                                       [items], lora)
+        checked = await self.common.validate([prompt], params, "messages",
+                                             "tools" if calling is not None else "response_format", [items], lora)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        with self._admit(params.n) as admission:
-            outputs = await self._start(req, rid, checked, self._deadline(arrival, req), admission)
+        with self.common.admit(params.n) as admission:
+            outputs = await self.common.start(req, rid, checked, self.common.deadline(arrival, req), admission)
         answer = _Answers(reasoning, show_special)
         if req.stream:
             return sse(self._stream_chat(rid, req, prompt, params, outputs, calling, answer), outputs)
-        finals = await self._collect(request, outputs)
+        finals = await self.common.collect(request, outputs)
         choices = []
         for (_, k), out in sorted(finals.items()):
             c = out.outputs[0]
@@ -75,9 +80,11 @@ class ChatServing(Serving):
             if reasoning is not None:
                 message["reasoning_content"] = thought
             choices.append({"index": k, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
-                            "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if c.logprobs is not None else None})
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self._answering(req),
-                             "choices": choices, "usage": self._usage([prompt], finals)})
+                            "logprobs": chat_logprobs(self.model.tokenizer, c.logprobs)
+                            if c.logprobs is not None else None})
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(),
+                             "model": self.common.answering(req), "choices": choices,
+                             "usage": self.common.usage([prompt], finals)})
 
     def _stream_chat(self, rid: str, req: ChatRequest, prompt: Prompt, params: SamplingParams,
                      outputs, calling: ToolCalling | None, answer: "_Answers") -> AsyncIterator[str]:
@@ -88,7 +95,7 @@ class ChatServing(Serving):
 
         def choices(_: int, c) -> list[dict]:
             out = []
-            lp = chat_logprobs(self.tokenizer, c.delta_logprobs) if c.delta_logprobs else None
+            lp = chat_logprobs(self.model.tokenizer, c.delta_logprobs) if c.delta_logprobs else None
             finish = c.finish_reason
             text = c.delta_text
             if answer.reasoning is not None:
@@ -116,14 +123,14 @@ class ChatServing(Serving):
 
         opening = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for k in range(params.n)]
-        return self._stream(rid, "chat.completion.chunk", req, [prompt], outputs, choices, opening)
+        return self.common.stream(rid, "chat.completion.chunk", req, [prompt], outputs, choices, opening)
 
     def _chat_prompt(self, raw_messages: list, calling: ToolCalling | None = None,
                      template_kwargs: dict | None = None) -> tuple[Prompt, list]:
         """Messages -> the prompt through the chat template (tools offered as `calling` says, `template_kwargs`
         passed to it), and its images and audio in place. Decodes them and tokenises: called on a worker
         thread."""
-        inputs = self.inputs
+        inputs = self.model.inputs
         try:
             messages, media = parse_chat(raw_messages, {m: lay.placeholder for m, lay in inputs.layouts.items()})
             tools = None
@@ -132,12 +139,12 @@ class ChatServing(Serving):
             elif calling is not None:
                 messages = [ChatMessage("system", calling.preamble())] + messages
             loaded = self._chat_media(media) if media else None
-            ids = self.chat.encode(messages, (lambda text: inputs.expand(text, loaded)) if media else None, tools,
+            ids = self.model.chat.encode(messages, (lambda text: inputs.expand(text, loaded)) if media else None, tools,
                                    template_kwargs)
             items = inputs.place(ids, loaded) if media else []
         except UserInputError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        return Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids), items
+        return Prompt(self.model.tokenizer.decode(ids, skip_special_tokens=False), ids), items
 
     def _chat_media(self, media: list[tuple[Modality, object]]) -> LoadedMedia:
         """What the encoders read of each image, audio and video part: data: URLs and `input_audio` objects only
@@ -145,7 +152,7 @@ class ChatServing(Serving):
         images = [x for m, x in media if m is Modality.IMAGE]
         audio = [x for m, x in media if m is Modality.AUDIO]
         videos = [x for m, x in media if m is Modality.VIDEO]
-        config = self.config
+        config = self.common.config
         image_limits, audio_limits, video_limits = config.image_limits, config.audio_limits, config.video_limits
         for given, most, what in ((images, image_limits.max_images, "images"), (audio, audio_limits.max_clips, "audio inputs"),
                                   (videos, video_limits.max_videos, "videos")):
@@ -158,12 +165,12 @@ class ChatServing(Serving):
                 require_data_url(a, f"audio {i}", "WAV/FLAC/OGG/MP3")
         for i, url in enumerate(videos):
             require_data_url(url, f"video {i}", "MP4/WebM/MKV")
-        return self.inputs.load_media([decode_data_url(u, image_limits, f"image {i}") for i, u in enumerate(images)],
+        return self.model.inputs.load_media([decode_data_url(u, image_limits, f"image {i}") for i, u in enumerate(images)],
                                              audio, videos, image_limits, audio_limits, video_limits)
 
     def _tool_calling(self, req: ChatRequest) -> ToolCalling | None:
         tools, choice = req.tool_dicts()
-        calling = parse_tools(tools, choice, req.parallel_tool_calls, self.tokenizer, self.chat.renders_tools)
+        calling = parse_tools(tools, choice, req.parallel_tool_calls, self.model.tokenizer, self.model.chat.renders_tools)
         if calling is not None and req.response_format is not None and req.response_format.type not in (None, "text"):
             raise ApiError(400, "response_format cannot be combined with tools", param="response_format")
         return calling
@@ -171,10 +178,10 @@ class ChatServing(Serving):
     def _template_kwargs(self, req: ChatRequest) -> dict | None:
         """chat_template_kwargs, with reasoning_effort read as Gemma 4's on/off enable_thinking."""
         kwargs = req.chat_template_kwargs
-        if req.reasoning_effort is None or (self.reasoning is None and req.reasoning_effort == "none"):
+        if req.reasoning_effort is None or (self.model.reasoning is None and req.reasoning_effort == "none"):
             return kwargs
-        if self.reasoning is None:
-            raise ApiError(400, f"reasoning_effort: {self.model_name} does not think (its tokenizer has no thought "
+        if self.model.reasoning is None:
+            raise ApiError(400, f"reasoning_effort: {self.model.name} does not think (its tokenizer has no thought "
                                 "channel)", param="reasoning_effort")
         return {"enable_thinking": req.reasoning_effort != "none", **(kwargs or {})}
 
