@@ -66,7 +66,7 @@ def _rss() -> int:
 
 def _held(engine: LLMEngine) -> list[weakref.ref]:
     """Weak references to the engine, its runner and every KV cache tensor."""
-    return [weakref.ref(engine), weakref.ref(engine.runner)] + [weakref.ref(t) for kv in engine.runner.kv_cache
+    return [weakref.ref(engine), weakref.ref(engine._runner)] + [weakref.ref(t) for kv in engine._runner.kv_cache
                                                                   for t in kv]
 
 
@@ -114,8 +114,8 @@ def _compiled_in_process(root: Path) -> LLMEngine:
     from gemmaserve.engine.compile.compiled_decode import CompiledDecode
 
     engine = _plain(root)
-    engine.runner.compile_decode(required=True)
-    assert isinstance(engine.runner.compiled, CompiledDecode)
+    engine._runner.compile_decode(required=True)
+    assert isinstance(engine._runner.compiled, CompiledDecode)
     _generate(engine, SamplingParams(max_tokens=2))   # its graphs are not ready: steps run eagerly
     return engine
 
@@ -141,7 +141,7 @@ def test_dropped_engines_free_their_memory_at_once(model_dir, no_gc, monkeypatch
         if build is _lora and not (model_dir / "lora").is_dir():
             continue   # no PEFT to write the adapter
         engine = build(model_dir)
-        for kv in engine.runner.kv_cache:   # every page resident
+        for kv in engine._runner.kv_cache:   # every page resident
             torch._foreach_zero_(list(kv))
         held, peak = _held(engine), _rss()
         del kv
@@ -166,7 +166,7 @@ def test_the_first_engine_of_a_process_is_freed_at_del(model_dir):
              "    gc.disable()\n"
              "    llm = LLM(sys.argv[1], dtype='float32', page_size=4, kv_cache_memory=8 << 20)\n"
              "    llm.generate(['abc def'], SamplingParams(max_tokens=2))\n"
-             "    held = [weakref.ref(llm.engine)] + [weakref.ref(t) for kv in llm.engine.runner.kv_cache for t in kv]\n"
+             "    held = [weakref.ref(llm.engine)] + [weakref.ref(t) for kv in llm.engine._runner.kv_cache for t in kv]\n"
              "    del llm\n"
              "    print('ALIVE', sum(ref() is not None for ref in held))\n"
              "    gc.enable()\n"
@@ -188,7 +188,7 @@ def test_with_block_closes_the_engine(model_dir):
         held = _held(llm.engine)[1:]
         pool = [t for t in set(threading.enumerate()) - before if t.name.startswith("gemmaserve-grammar_")]
         assert pool
-        grammars = llm.engine.grammars
+        grammars = llm.engine._grammars
     # Its CPU mask kernel builds on a thread that close() leaves to end by itself: not at interpreter exit.
     grammars.wait_for_kernel(timeout=300)
     assert llm.engine.closed and all(ref() is None for ref in held)
