@@ -57,8 +57,10 @@ class EngineClosedError(RuntimeError):
 class LLMEngine:
     """The interface its users (LLM, the server's AsyncEngine, the CLI) have: `add_request` / `validate` and
     `add_checked`, `abort_request`, `step`, `has_unfinished_requests`, `snapshot()`, `adapters`, `info`,
-    `inputs` (preparing prompts and media), `config`, `kv_integrity_steps()` and `shutdown()`. Every part
-    it is assembled from is private; engine-internal collaborators (connectors/, aot_builder.py) use them."""
+    `inputs` (preparing prompts and media), `config`, `kv_integrity_steps()`, `warm_up_grammars()`,
+    `poll_builds()` and `shutdown()`. A request is validated once: by `validate` (whose CheckedRequest
+    `add_checked` queues as it is) or inside `add_request`. Every part the engine is assembled from is
+    private; engine-internal collaborators (connectors/, aot_builder.py) use them."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """`loaded`: reuse weights another engine already loaded (same model, dtype and device), e.g.
