@@ -58,7 +58,7 @@ class LLMEngine:
     """The interface its users (LLM, the server's AsyncEngine, the CLI) have: `add_request` / `validate` and
     `add_checked`, `abort_request`, `step`, `has_unfinished_requests`, `snapshot()`, `adapters`, `info`,
     `inputs` (preparing prompts and media), `config`, `kv_integrity_steps()`, `warm_up_grammars()`,
-    `poll_builds()` and `shutdown()`. A request is validated once: by `validate` (whose CheckedRequest
+    `poll_builds()`, `shutdown()` and `close()` (also `with LLMEngine(...)`). A request is validated once: by `validate` (whose CheckedRequest
     `add_checked` queues as it is) or inside `add_request`. Every part the engine is assembled from is
     private; engine-internal collaborators (connectors/, aot_builder.py) use them."""
 
