@@ -149,9 +149,9 @@ def _generate(args: argparse.Namespace) -> int:
               f"prefix caching {'on' if info.prefix_caching else 'off'}; pages {st.pages_used} used / {st.pages_cached} cached / "
               f"{st.pages_free} free of {st.pages_total}; prefix hit rate {st.prefix_hit_rate:.1%}; "
               f"preemptions {st.preemptions}", file=sys.stderr)
-        if st.spec_draft_tokens:
-            print(f"speculative ({info.speculative}): {st.spec_accepted_tokens} of {st.spec_draft_tokens} drafted "
-                  f"tokens accepted ({st.spec_acceptance_rate:.1%}), {st.spec_mean_accepted_length:.2f} tokens per step",
+        if st.spec.drafted:
+            print(f"speculative ({info.speculative}): {st.spec.accepted} of {st.spec.drafted} drafted "
+                  f"tokens accepted ({st.spec.acceptance_rate:.1%}), {st.spec.mean_accepted_length:.2f} tokens per step",
                   file=sys.stderr)
     return 0
 

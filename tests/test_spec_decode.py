@@ -156,7 +156,6 @@ def test_greedy_tokens_equal_without_speculation_in_every_cache_mode(tiny, mode)
     if mode == "preempting":
         assert eng._scheduler.num_preemptions > 0
         # Counters users read agree under preemption: per request (--json, usage) and in total (/metrics).
-        from gemmaserve.engine.snapshot import EngineSnapshot
         from gemmaserve.server.metrics import ServerMetrics
 
         llm = LLM.from_config(eng.config, base)
@@ -165,8 +164,8 @@ def test_greedy_tokens_equal_without_speculation_in_every_cache_mode(tiny, mode)
         assert llm.engine._scheduler.num_preemptions > 0 and stats.accepted > 0
         assert sum(c.num_draft_tokens for o in outs for c in o.outputs) == stats.drafted == sum(stats.drafted_at)
         assert sum(c.num_accepted_tokens for o in outs for c in o.outputs) == stats.accepted == sum(stats.accepted_at)
-        snap = EngineSnapshot(0, 0, 1, 0, 1, 0, 0, 0, 0, 0, stats.steps, stats.drafted, stats.accepted,
-                              tuple(stats.accepted_at), tuple(stats.drafted_at))
+        snap = llm.engine.snapshot()
+        assert snap.spec == stats and snap.spec.accepted_at is not stats.accepted_at   # a copy: later steps leave it
         text = ServerMetrics().render(snap).decode()
         assert f"gemmaserve_spec_decode_num_accepted_tokens_total {float(stats.accepted)}" in text
         assert (f'gemmaserve_spec_decode_num_draft_tokens_per_pos_total{{position="0"}} '

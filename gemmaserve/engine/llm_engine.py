@@ -130,8 +130,7 @@ class LLMEngine:
             pages_used=st.pages_used, pages_free=st.pages_free, pages_cached=st.pages_cached,
             pages_scratch=st.scratch_pages, preemptions=sched.num_preemptions,
             prefix_query_tokens=st.prefix_query_tokens, prefix_hit_tokens=st.prefix_hit_tokens,
-            spec_steps=spec.steps, spec_draft_tokens=spec.drafted, spec_accepted_tokens=spec.accepted,
-            spec_accepted_at=tuple(spec.accepted_at), spec_drafted_at=tuple(spec.drafted_at),
+            spec=dataclasses.replace(spec, accepted_at=list(spec.accepted_at), drafted_at=list(spec.drafted_at)),
             tier=self._kv.tier.stats() if self._kv.tier is not None else None,
             lora_running=_per_adapter(sched.running), lora_waiting=_per_adapter(sched.waiting),
             lora_adapters=len(self._adapters), max_loras=self._config.max_loras)

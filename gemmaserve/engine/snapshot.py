@@ -6,9 +6,10 @@ engine thread when a server runs it), so its numbers agree with each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..kv.host_tier import HostTierStats
+from .scheduler import SpecStats
 
 
 @dataclass(frozen=True)
@@ -23,11 +24,7 @@ class EngineSnapshot:
     preemptions: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
-    spec_steps: int = 0                              # speculative decoding (scheduler.SpecStats)
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_accepted_at: tuple[int, ...] = ()
-    spec_drafted_at: tuple[int, ...] = ()
+    spec: SpecStats = field(default_factory=SpecStats)   # speculative decoding: a copy of the scheduler's
     tier: HostTierStats | None = None                # the host KV tier (--kv-offload-memory), if any
     # LoRA: completions per adapter name, running (holding KV pages) and waiting; adapters registered; --max-loras
     lora_running: tuple[tuple[str, int], ...] = ()
@@ -38,12 +35,3 @@ class EngineSnapshot:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
-
-    @property
-    def spec_mean_accepted_length(self) -> float:
-        """Tokens a speculative step emitted on average: accepted drafts + the target's own."""
-        return 1 + self.spec_accepted_tokens / self.spec_steps if self.spec_steps else 0.0

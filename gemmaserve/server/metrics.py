@@ -70,26 +70,26 @@ class _EngineCollector:
         yield GaugeMetricFamily("gemmaserve_kv_integrity_ok", "1 if the last idle KV integrity check passed",
                                 value=1.0 if self.integrity_ok else 0.0)
         yield CounterMetricFamily("gemmaserve_spec_decode_num_drafts", "Sequence steps that carried drafted tokens",
-                                  value=s.spec_steps)
+                                  value=s.spec.steps)
         yield CounterMetricFamily("gemmaserve_spec_decode_num_draft_tokens", "Tokens drafted",
-                                  value=s.spec_draft_tokens)
+                                  value=s.spec.drafted)
         yield CounterMetricFamily("gemmaserve_spec_decode_num_accepted_tokens", "Drafted tokens the target agreed with",
-                                  value=s.spec_accepted_tokens)
+                                  value=s.spec.accepted)
         per_pos = CounterMetricFamily("gemmaserve_spec_decode_num_accepted_tokens_per_pos",
                                       "Steps whose draft at this position was accepted", labels=["position"])
-        for i, n in enumerate(s.spec_accepted_at):
+        for i, n in enumerate(s.spec.accepted_at):
             per_pos.add_metric([str(i)], n)
         yield per_pos
         drafted_pos = CounterMetricFamily("gemmaserve_spec_decode_num_draft_tokens_per_pos",
                                           "Steps that drafted a token at this position", labels=["position"])
-        for i, n in enumerate(s.spec_drafted_at):
+        for i, n in enumerate(s.spec.drafted_at):
             drafted_pos.add_metric([str(i)], n)
         yield drafted_pos
         yield GaugeMetricFamily("gemmaserve_spec_decode_acceptance_rate", "Accepted / drafted tokens since start",
-                                value=s.spec_acceptance_rate)
+                                value=s.spec.acceptance_rate)
         yield GaugeMetricFamily("gemmaserve_spec_decode_mean_accepted_length",
                                 "Tokens a speculative step emitted on average (accepted drafts + 1)",
-                                value=s.spec_mean_accepted_length)
+                                value=s.spec.mean_accepted_length)
 
 
 class ServerMetrics:
