@@ -142,3 +142,19 @@ def test_the_cycle_check_sees_one_hidden_in_a_function():
     assert any({"gemmaserve.kv.base", "gemmaserve.engine.scheduler"} <= set(c) for c in cycles), cycles
     typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..engine import scheduler\n"
     assert _cycles(_import_graph({"gemmaserve.kv.base": (ROOT / "kv" / "base.py").read_text() + typing_only})) == []
+
+
+ENGINE_ROOMS = ("spec_decode", "compile", "media", "executor", "structured", "connectors")
+ENGINE_ABOVE_ROOMS = ("llm", "llm_engine", "factory", "aot_builder")   # assemble or drive the engine: they use the rooms
+
+
+def test_engine_rooms_do_not_import_what_assembles_the_engine():
+    """ARCHITECTURE.md: a room imports the core's plain data and lower packages, never the engine or its assembly."""
+    graph = _import_graph()
+    bad = [f"{m} imports {t}" for m, targets in graph.items() if m.split(".")[:2] == ["gemmaserve", "engine"]
+           and len(m.split(".")) > 3 and m.split(".")[2] in ENGINE_ROOMS
+           for t in targets if t in {f"gemmaserve.engine.{a}" for a in ENGINE_ABOVE_ROOMS}]
+    assert not bad, bad
+    probe = {"gemmaserve.engine.media.items": (ROOT / "engine" / "media" / "items.py").read_text()
+             + "def f():\n    from ..llm_engine import LLMEngine\n"}
+    assert "gemmaserve.engine.llm_engine" in _import_graph(probe)["gemmaserve.engine.media.items"]

@@ -27,6 +27,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,9 +38,11 @@ from ...kv.connector import StagedRows
 from ...transfer.kv_io import row_spans, wire_bytes
 from ...transfer.plan import TransferPlan, check_plan, plan_transfer, spec_signature
 from ...transfer.runtime import TransferSource
-from ..llm_engine import LLMEngine
 from ..request import RequestOutput, TokenLogprob
 from ..step import SeqStep, StepPlan, StepResult
+
+if TYPE_CHECKING:   # the engine a connector attaches to sits above this room (ARCHITECTURE.md)
+    from ..llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
