@@ -69,6 +69,10 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, e.g. before timing a cold start; running requests keep their pages."""
+        self.engine.reset_prefix_cache()
+
     def add_lora(self, name: str, path: str) -> None:
         """Serve the PEFT LoRA adapter directory `path` as `name` (`generate(..., lora=name)`)."""
         self.engine.adapters.add(name, path)

@@ -33,6 +33,7 @@ from .compile.compiled_steps import CompiledDecodeSteps
 from .adapters import Adapters
 from .factory import CompileBuild, EngineInfo, assemble
 from .input_processor import InputProcessor
+from .internals import EngineInternals
 from .media.items import MediaItem
 from .model_runner import PendingStep
 from .request import FinishReason, Request, RequestOutput
@@ -55,12 +56,14 @@ class EngineClosedError(RuntimeError):
 
 
 class LLMEngine:
-    """The interface its users (LLM, the server's AsyncEngine, the CLI) have: `add_request` / `validate` and
-    `add_checked`, `abort_request`, `step`, `has_unfinished_requests`, `snapshot()`, `adapters`, `info`,
-    `inputs` (preparing prompts and media), `config`, `kv_integrity_steps()`, `warm_up_grammars()`,
-    `poll_builds()`, `shutdown()` and `close()` (also `with LLMEngine(...)`). A request is validated once: by `validate` (whose CheckedRequest
-    `add_checked` queues as it is) or inside `add_request`. Every part the engine is assembled from is
-    private; engine-internal collaborators (connectors/, aot_builder.py) use them."""
+    """The interface its users (LLM, the server's AsyncEngine, the CLI, the benchmarks) have: `add_request` /
+    `validate` and `add_checked`, `abort_request`, `step`, `has_unfinished_requests`, `snapshot()`, `adapters`,
+    `info`, `inputs` (preparing prompts and media), `config`, `reset_prefix_cache()`, `check_integrity()` and
+    `kv_integrity_steps()`, `warm_up_grammars()`, `poll_builds()`, `shutdown()` and `close()` (also
+    `with LLMEngine(...)`). A request is validated once: by `validate` (whose CheckedRequest `add_checked` queues
+    as it is) or inside `add_request`. Every part the engine is assembled from is private; engine-internal
+    collaborators (connectors/, aot_builder.py) use them, and benchmarks that time one part alone read them
+    through `internals()` (internals.py)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """`loaded`: reuse weights another engine already loaded (same model, dtype and device), e.g.
@@ -144,6 +147,14 @@ class LLMEngine:
         """Switch to compiled decode steps if their background build just finished (`step` does it too; an idle
         loop calls this). True while a build still runs."""
         return self._compiled_steps.poll()
+
+    def check_integrity(self) -> None:
+        """The KV manager's whole integrity check now (AssertionError if its bookkeeping is inconsistent)."""
+        self._kv.check_integrity()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the pages go back to the free list); running requests keep theirs."""
+        self._kv.reset_prefix_cache()
 
     def kv_integrity_steps(self) -> Iterator[None]:
         """The KV manager's integrity check in slices (a generator: AssertionError if the bookkeeping is
@@ -404,21 +415,11 @@ class LLMEngine:
         if group is not None and all(r.is_finished for r in group):
             del self._groups[req.group_id]
 
-    # -- for the benchmarks until they move (issue 44): the parts they read, read-only ---------------
-    kv = property(lambda self: self._kv)
-    scheduler = property(lambda self: self._scheduler)
-    runner = property(lambda self: self._runner)
-    model = property(lambda self: self._model)
-    tokenizer = property(lambda self: self._tokenizer)
-    loaded = property(lambda self: self._loaded)
-    device = property(lambda self: self._device)
-    dtype = property(lambda self: self._dtype)
-    max_model_len = property(lambda self: self._max_model_len)
-    outputs = property(lambda self: self._outputs)
-    compiled_steps = property(lambda self: self._compiled_steps)
-
-    def request(self, request_id: str) -> Request:
-        return self._request(request_id)
+    def internals(self) -> EngineInternals:
+        """The parts this engine is assembled from, for benchmarks and tests that time or check one of them
+        (internals.py: what may read it, and what not)."""
+        return EngineInternals(self._kv, self._scheduler, self._runner, self._model, self._tokenizer, self._loaded,
+                               self._compiled_steps, self._outputs, self._device, self._dtype, self._max_model_len)
 
 
 def _per_adapter(requests) -> tuple[tuple[str, int], ...]:

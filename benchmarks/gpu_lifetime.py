@@ -1,0 +1,66 @@
+"""An engine's lifetime on CUDA (`python -m benchmarks.gpu_lifetime`), as a notebook re-running its cell: the
+embedded 270M is built with the default `--gpu-memory-utilization` (the KV cache takes most of the card), run,
+and dropped with `del` (the garbage collector off, so only reference counts can free it), then with `close()`,
+then in a `with` block, then with speculation and CUDA graphs on; after each the GPU's free memory must come
+back to within 1 GiB of where it was before the first engine, and the next engine must start. Exit 1 otherwise.
+Writes $OUT/gpu_lifetime.json."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gemmaserve.engine.llm import LLM
+from gemmaserve.engine.sampling_params import SamplingParams
+
+SLACK = 1 << 30
+PROMPTS = ["The capital of France is", "Write a haiku about the sea."]
+
+
+def _free() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def main() -> int:
+    out = Path(os.environ.get("OUT", "."))
+    gc.disable()
+    start = _free()
+    rows, ok = [], True
+    modes = [("del", {}), ("close", {}), ("with", {}), ("del", {"speculative_config": {"method": "ngram",
+                                                                                      "num_speculative_tokens": 3}})]
+    for how, options in modes:
+        t0 = time.perf_counter()
+        llm = LLM(device="cuda", **options)
+        held = start - _free()
+        text = llm.generate(PROMPTS, SamplingParams(max_tokens=16))[0].outputs[0].text
+        if how == "del":
+            del llm
+        elif how == "close":
+            llm.close()
+        else:
+            with llm:
+                pass
+        back = _free()
+        row = {"how": how, "options": options, "held_gib": round(held / 2**30, 2),
+               "left_after_gib": round((start - back) / 2**30, 3), "seconds": round(time.perf_counter() - t0, 1),
+               "text": text}
+        row["ok"] = held > 10 * SLACK and start - back < SLACK
+        ok &= row["ok"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    gc.enable()
+    (out / "gpu_lifetime.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows,
+                                                        "ok": ok}, indent=1))
+    print("ALL OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
