@@ -1,0 +1,91 @@
+"""The quantised weights we run, each defined by its dequantisation (the contract between loaders and kernels).
+
+    INT4 groups   w[n, k] = scale[n, k // g] * (q[n, k] - zero[n, k // g])
+                  q 0..15 (uint8 [N, K] here; packed by the kernels), scale [N, K/g] (the checkpoint's float
+                  dtype, kept as saved), zero 0..15 [N, K/g] uint8, or None for symmetric weights (zero = 8:
+                  compressed-tensors stores a symmetric int4 value v in -8..7 as v + 8). g = 32 or 128.
+    FP8 (e4m3)    w[n, k] = float(q[n, k]) * scale[n]                       per output channel, scale [N]
+                  w[n, k] = float(q[n, k]) * scale[n // bn, k // bk]        blocks, scale [ceil(N/bn), ceil(K/bk)]
+                  activations quantised per token at run time (dynamic): x = float(xq[m, k]) * xs[m]
+
+The reference dequantisation computes in fp32 (each product above is exact there: a bf16/fp16 scale times a
+4-bit integer, or an fp8 value times an fp32 scale rounded once) and then casts: the same bits a format's own
+dequantisation gives when it computes in the target dtype, since both round the exact value once.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+class Scheme(enum.Enum):
+    W4A16 = "w4a16"   # int4 weight groups, activations in the model's dtype
+    FP8 = "fp8"       # fp8 e4m3 weights, per channel or in blocks; activations fp8 per token at run time
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    q: torch.Tensor                 # uint8 [N, K], values 0..15
+    scale: torch.Tensor             # [N, K // group], float
+    zero: torch.Tensor | None       # uint8 [N, K // group], 0..15; None: symmetric (8)
+    group: int
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        if k % self.group:
+            raise ValueError(f"group size {self.group} does not divide the input width {k}")
+        if tuple(self.scale.shape) != (n, k // self.group):
+            raise ValueError(f"scale shape {tuple(self.scale.shape)}, expected {(n, k // self.group)}")
+        if self.zero is not None and tuple(self.zero.shape) != (n, k // self.group):
+            raise ValueError(f"zero point shape {tuple(self.zero.shape)}, expected {(n, k // self.group)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        zero = 8.0 if self.zero is None else self.zero.float().repeat_interleave(self.group, dim=1)
+        scale = self.scale.float().repeat_interleave(self.group, dim=1)
+        return (scale * (self.q.float() - zero)).to(dtype)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    q: torch.Tensor                        # float8_e4m3fn [N, K]
+    scale: torch.Tensor                    # float32 [N] (per channel) or [ceil(N/bn), ceil(K/bk)] (blocks)
+    block: tuple[int, int] | None = None   # (bn, bk), e.g. (128, 128); None: per channel
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        if self.q.dtype != FP8_DTYPE:
+            raise ValueError(f"fp8 weights must be {FP8_DTYPE}, got {self.q.dtype}")
+        want = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
+        if tuple(self.scale.shape) != want:
+            raise ValueError(f"fp8 scale shape {tuple(self.scale.shape)}, expected {want}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.q.shape
+        if self.block is None:
+            scale = self.scale.float()[:, None]
+        else:
+            bn, bk = self.block
+            scale = self.scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        return (self.q.float() * scale).to(dtype)
+
+
+def quantize_fp8_per_channel(w: torch.Tensor) -> Fp8Weight:
+    """A float weight [N, K] to fp8 with one fp32 scale per output row (amax / 448), as `--quantization fp8`
+    does at load; a zero row gets scale 1."""
+    amax = w.float().abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / torch.finfo(FP8_DTYPE).max, torch.ones_like(amax))
+    q = (w.float() / scale[:, None]).clamp(-torch.finfo(FP8_DTYPE).max, torch.finfo(FP8_DTYPE).max).to(FP8_DTYPE)
+    return Fp8Weight(q, scale)
