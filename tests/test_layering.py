@@ -1,6 +1,6 @@
 """Package arrows point one way (DESIGN.md §3): a package imports only packages below it.
 
-    errors, units, device, hostmem, rowops, opaque  <-  kv  <-  attention, transfer  <-  models  <-  config  <-  engine  <-  testing  <-  server, bench, cli
+    errors, units, device, hostmem, rowops, opaque  <-  kv, quantization  <-  attention, transfer  <-  models  <-  config  <-  engine  <-  testing  <-  server, bench, cli
 
 `testing` (what tests and benchmarks build on) is imported by `bench` alone: the engine and the server never
 depend on it.
@@ -9,7 +9,7 @@ depend on it.
 import ast
 from pathlib import Path
 
-RANK = {"errors": 0, "units": 0, "device": 0, "hostmem": 0, "rowops": 0, "opaque": 0, "kv": 1, "attention": 2, "transfer": 2, "models": 3, "config": 4, "engine": 5,
+RANK = {"errors": 0, "units": 0, "device": 0, "hostmem": 0, "rowops": 0, "opaque": 0, "kv": 1, "quantization": 1, "attention": 2, "transfer": 2, "models": 3, "config": 4, "engine": 5,
         "testing": 6, "server": 7, "bench": 7, "cli": 7, "__main__": 8}
 TESTING_USERS = {"testing", "bench"}   # of the package, only the benchmarks import testing/
 ROOT = Path(__file__).resolve().parents[1] / "gemmaserve"
