@@ -146,6 +146,10 @@ class CausalLM(nn.Module, ABC):
                 if stacked[1] >= len(sizes):
                     raise UserInputError(f"checkpoint tensor {name!r} has no place in the model (this layer has "
                                          f"no {parts[-2]} by its config)")
+                # A quantised module's packed tensors give a part fewer rows than its weight (quantization/linear.py).
+                part_rows = getattr(self.get_submodule(f"{parts[0]}.{stacked[0]}"), "part_rows", None)
+                if part_rows is not None:
+                    sizes = part_rows(parts[-1], sizes)
                 offset, size = sum(sizes[:stacked[1]]), sizes[stacked[1]]
                 if tensor.shape[0] != size or tensor.shape[1:] != target.shape[1:]:
                     raise UserInputError(f"{name}: shape {tuple(tensor.shape)} does not match the config "

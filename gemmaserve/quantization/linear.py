@@ -1,0 +1,199 @@
+"""`QuantizedLinear`: a Linear layer whose weight stays quantised, y = x W^T in x's dtype.
+
+Life cycle: built empty on its device with parameters named as a compressed-tensors checkpoint names them
+(`weight_packed`, `weight_scale`, `weight_zero_point` for W4A16; `weight`, `weight_scale` for FP8), so that
+`CausalLM.load_weights` fills them, fused q/k/v and gate/up parts stacked along dim 0 (`part_rows` says how
+many rows of each tensor a part takes); then `finish_loading()` reads them into the canonical weight of
+schemes.py (exactly: unpacking, no arithmetic) and hands that to the product, dropping the checkpoint's form.
+(`from_weight` builds one from a canonical weight directly: `--quantization fp8` at load.)
+
+The products, one seam per scheme (below): `int4_kernels.py` / `fp8_kernels.py` replace these references when they
+land, one import each. Until then, and on the CPU always:
+
+    W4A16   dequantise in fp32, multiply, cast. (On the CPU the loader does not use this module for W4A16: the
+            format maps exactly onto the CPU's own INT4 kernel, models/quant.py; see models/quantized.py.)
+    FP8     the scheme itself, activation quantisation included: x quantised per token (per token and bk-column
+            group for block weights) to e4m3 with scale amax / 448 (1 for a zero row), then the fp32 product of
+            the dequantised operands. The CPU runs these semantics rather than dense dequantised weights so that its
+            tokens are the format's (what a GPU's fp8 kernel computes, up to summation order); transformers'
+            compressed-tensors path also quantises activations, unless it dequantises at load.
+
+`matmul` is the fp32 product the references use: F.linear, or on the CPU the row-invariant one the loader sets
+(models/layers.linear), so a row's result does not depend on its batch there. `batch_invariant`: not supported (the
+engine refuses --batch-invariant with quantised weights on CUDA: there is no batch-invariant quantised GEMM yet).
+LoRA: `project()` adds deltas over this module's output like any other (in/out widths from the layer's params).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UserInputError
+from .compressed_tensors import ModuleQuant
+from .schemes import FP8_DTYPE, Fp8Weight, Int4Weight, Scheme
+
+_FP8_MAX = torch.finfo(FP8_DTYPE).max
+
+
+# -- the seam: one function per scheme and step; int4_kernels.py / fp8_kernels.py replace these references ----
+def pack_int4(w: Int4Weight) -> Int4Weight:
+    """The int4 kernel's layout (int4_kernels.pack_int4); the reference keeps the canonical weight."""
+    return w
+
+
+def int4_linear(x: torch.Tensor, packed: Int4Weight) -> torch.Tensor:
+    """x [M, K] @ W^T for an int4 weight in `pack_int4`'s layout (int4_kernels.int4_linear), in x's dtype."""
+    return int4_reference(x, packed, F.linear)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] @ W^T with x quantised to fp8 at run time (fp8_kernels.fp8_linear)."""
+    return fp8_reference(x, w, out_dtype, F.linear)
+
+
+# -- the references -------------------------------------------------------------------------------------------
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def int4_reference(x: torch.Tensor, w: Int4Weight, matmul: Matmul) -> torch.Tensor:
+    return matmul(x.float(), w.dequantize(torch.float32)).to(x.dtype)
+
+
+def fp8_reference(x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype, matmul: Matmul) -> torch.Tensor:
+    """The fp32 product of the dequantised operands, x quantised per token (per token and bk columns for blocks)."""
+    return matmul(quantize_activations(x, None if w.block is None else w.block[1]), w.dequantize()).to(out_dtype)
+
+
+def quantize_activations(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """x [M, K] quantised to e4m3 and back, fp32: one scale amax / 448 per row, or per row and `group` columns
+    (a zero row or group gets scale 1)."""
+    m, k = x.shape
+    g = k if group is None else group
+    pad = -k % g
+    xf = F.pad(x.float(), (0, pad)).view(m, (k + pad) // g, g)
+    amax = xf.abs().amax(-1, keepdim=True)
+    xs = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
+    xq = (xf / xs).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_DTYPE)
+    return (xq.float() * xs).view(m, k + pad)[:, :k]
+
+
+# -- the checkpoint's packing ---------------------------------------------------------------------------------
+def unpack_int4_rows(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """int32 [R, W] of eight 4-bit values per word (the first in the lowest bits) -> uint8 [R, cols], 0..15."""
+    nibbles = packed.contiguous().view(torch.uint8)   # little-endian words: byte j holds values 2j, 2j + 1
+    return torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).view(packed.shape[0], -1)[:, :cols]
+
+
+def unpack_int4_cols(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 [ceil(rows / 8), C] packed along dim 0 (compressed-tensors' zero points) -> uint8 [rows, C]."""
+    return unpack_int4_rows(packed.t(), rows).t().contiguous()
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T with W quantised as `quant` says (see the module docstring). `parts`: the rows of each fused
+    part (q/k/v, gate/up), in order; `scale_dtype`: the checkpoint's scale dtype (kept as saved)."""
+
+    def __init__(self, name: str, in_features: int, out_features: int, quant: ModuleQuant, scale_dtype: torch.dtype,
+                 parts: tuple[int, ...] | None = None, device: torch.device | str | None = None):
+        super().__init__()
+        self.name, self.in_features, self.out_features, self.quant = name, in_features, out_features, quant
+        self.parts = parts or (out_features,)
+        n, k = out_features, in_features
+        if quant.scheme is Scheme.W4A16:
+            g = quant.group
+            if k % g:
+                raise UserInputError(f"{name}: int4 group size {g} does not divide the input width {k} "
+                                     "(compressed-tensors pack-quantized)")
+            self._param("weight_packed", (n, k // 8), torch.int32, device)
+            self._param("weight_scale", (n, k // g), scale_dtype, device)
+            if not quant.symmetric:
+                self._param("weight_zero_point", (sum(self.part_rows("weight_zero_point", self.parts)), k // g),
+                            torch.int32, device)
+        else:
+            self._param("weight", (n, k), FP8_DTYPE, device)
+            rows = sum(self.part_rows("weight_scale", self.parts))
+            cols = 1 if quant.block is None else -(-k // quant.block[1])
+            self._param("weight_scale", (rows, cols), scale_dtype, device)
+        self.kernel_weight: object | None = None   # the product's layout, after finish_loading
+        self.matmul: Matmul = F.linear              # the references' product (the loader sets the CPU's)
+
+    def _param(self, leaf: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+        self.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
+                                                   requires_grad=False))
+
+    def part_rows(self, leaf: str, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """Rows of tensor `leaf` that each fused part of `sizes` weight rows takes (load_weights stacks by them).
+        Packed zero points hold 8 rows per word and block scales one row per bn: a part that breaks the packing
+        cannot be stacked, and says so."""
+        if leaf == "weight_zero_point":
+            if len(sizes) > 1 and any(s % 8 for s in sizes):
+                raise UserInputError(f"{self.name}: fused parts of {list(sizes)} rows cannot stack int4 zero points "
+                                     "packed eight rows per int32 (compressed-tensors weight_zero_point)")
+            return tuple(-(-s // 8) for s in sizes)
+        if leaf == "weight_scale" and self.quant.block is not None:
+            bn = self.quant.block[0]
+            if any(s % bn for s in sizes[:-1]):
+                raise UserInputError(f"{self.name}: fused parts of {list(sizes)} rows do not align with fp8 blocks "
+                                     f"of {bn} rows (compressed-tensors weight_scale)")
+            return tuple(-(-s // bn) for s in sizes)
+        return tuple(sizes)
+
+    # -- after load_weights ------------------------------------------------------------------------------------
+    def canonical(self) -> Int4Weight | Fp8Weight:
+        """The loaded tensors as schemes.py's weight (exact: no arithmetic, only unpacking)."""
+        n, k = self.out_features, self.in_features
+        try:
+            if self.quant.scheme is Scheme.W4A16:
+                zero = None if self.quant.symmetric else unpack_int4_cols(self.weight_zero_point.data, n)
+                return Int4Weight(unpack_int4_rows(self.weight_packed.data, k), self.weight_scale.data, zero,
+                                  self.quant.group)
+            scale = self.weight_scale.data.float()
+            return Fp8Weight(self.weight.data, scale.reshape(n) if self.quant.block is None else scale,
+                             self.quant.block)
+        except ValueError as exc:
+            raise UserInputError(f"{self.name}: {exc} ({self.quant.label}, compressed-tensors)") from None
+
+    def finish_loading(self) -> Int4Weight | Fp8Weight:
+        """Canonical weight -> the product's layout; the checkpoint's tensors are dropped. Returns the canonical
+        weight (the loader may hand it to another product: the CPU's int4 kernel)."""
+        w = self.canonical()
+        for leaf in list(self._parameters):
+            delattr(self, leaf)
+        self.kernel_weight = w if isinstance(w, Fp8Weight) or w.q.device.type == "cpu" else pack_int4(w)
+        return w
+
+    @classmethod
+    def from_weight(cls, name: str, w: Int4Weight | Fp8Weight, quant: ModuleQuant) -> "QuantizedLinear":
+        """A loaded module holding canonical weight `w` (quantised at load, or read elsewhere)."""
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod.name, mod.quant, mod.matmul = name, quant, F.linear
+        mod.out_features, mod.in_features = w.shape
+        mod.parts = (mod.out_features,)
+        mod.kernel_weight = w if isinstance(w, Fp8Weight) or w.q.device.type == "cpu" else pack_int4(w)
+        return mod
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] the product multiplies by (after finish_loading; before it, `canonical()`). With the
+        kernels' own int4 layout this needs their unpacking (the reference layout is the canonical weight)."""
+        return self.kernel_weight.dequantize(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        w = self.kernel_weight
+        if x.device.type == "cpu":   # the references, with the CPU's row-invariant product
+            y = int4_reference(x2, w, self.matmul) if isinstance(w, Int4Weight) else \
+                fp8_reference(x2, w, x.dtype, self.matmul)
+        elif self.quant.scheme is Scheme.W4A16:
+            y = int4_linear(x2, w)
+        else:
+            y = fp8_linear(x2, w, x.dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.quant.label}"
