@@ -30,6 +30,8 @@ SCRATCH_CHOICES = ("auto", "on", "off")
 _KV_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
               "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 KV_DTYPE_CHOICES = ("auto", *_KV_DTYPES)
+# Weights: auto = as the checkpoint declares (compressed-tensors); fp8 = a float checkpoint quantised at load.
+QUANTIZATION_CHOICES = ("auto", "none", "fp8", "compressed-tensors")
 
 # CPU default KV budget. Storage is torch.empty, so untouched pages cost no RAM.
 _CPU_KV_DEFAULT = 4 << 30
@@ -71,6 +73,13 @@ class EngineConfig:
                              "GGUF file's quantised weights kept quantised (int8/int4 CPU kernels); float32 = "
                              "every weight expanded to fp32 (the exact reference path)")
     device: str = option("auto", help="torch device (cpu, cuda, cuda:1); auto = cuda if available")
+    quantization: str = option(
+        "auto", choices=QUANTIZATION_CHOICES,
+        help="quantised weights of a checkpoint directory: auto = as its config.json declares (compressed-tensors "
+             "W4A16 int4 groups, or FP8 per channel or in blocks with per-token activations; none if it declares "
+             "nothing); compressed-tensors = the same, an error if it declares nothing; fp8 = quantise a float "
+             "checkpoint's attention and MLP projections to FP8 per channel at load (nothing saved); none = float "
+             "weights only (a quantised checkpoint is refused). GGUF files keep their own quantisation (see --dtype)")
     max_model_len: int | None = option(None, parse=positive_int,
                                        help="longest sequence (prompt + output); default: the model's context length")
     max_num_seqs: int = option(64, parse=positive_int, help="most sequences in one batch")
@@ -188,6 +197,9 @@ class EngineConfig:
             raise UserInputError(f"async_scheduling must be one of {', '.join(SCRATCH_CHOICES)}")
         if self.cpu_compile not in SCRATCH_CHOICES:
             raise UserInputError(f"cpu_compile must be one of {', '.join(SCRATCH_CHOICES)}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise UserInputError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                                 f"got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_DTYPE_CHOICES:
             raise UserInputError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, "
                                  f"got {self.kv_cache_dtype!r}")
@@ -208,6 +220,9 @@ class EngineConfig:
                                  "calibration pass runs on one process)")
         if not isinstance(self.batch_invariant, bool):
             raise UserInputError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if tp > 1 and self.quantization == "fp8":
+            raise UserInputError("quantization fp8 is not supported with tensor_parallel_size > 1 yet (quantised "
+                                 "weights are not split over ranks)")
         if tp > 1 and self.batch_invariant:
             raise UserInputError("batch_invariant is not supported with tensor_parallel_size > 1 (the all-reduce "
                                  "picks its algorithm, hence its summation order, by message size: by the batch)")

@@ -68,17 +68,23 @@ def resolve_model(name: str) -> ModelSource:
 
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: bool = False,
-               shard: TensorParallelShard | None = None) -> LoadedModel:
+               shard: TensorParallelShard | None = None, quantization: str = "auto") -> LoadedModel:
     """`quantized` (CPU, fp32 activations): a GGUF file's weights stay quantised (`quant.py`).
-    `shard`: load this tensor-parallel rank's slices only (models/tensor_parallel.py)."""
+    `shard`: load this tensor-parallel rank's slices only (models/tensor_parallel.py).
+    `quantization` (`--quantization`): auto = what a checkpoint declares (compressed-tensors), compressed-tensors
+    = the same but the checkpoint must declare it, fp8 = a float checkpoint's projections to FP8 at load, none =
+    float weights only (a quantised checkpoint is refused)."""
     start = time.perf_counter()
     source = resolve_model(name)
     log.info("loading %s from %s", name, source.path)
     formats = None
     if source.kind is SourceKind.GGUF:
+        if quantization in ("fp8", "compressed-tensors"):
+            raise UserInputError(f"--quantization {quantization} needs a Hugging Face checkpoint directory; "
+                                 f"{name!r} is a GGUF file (its own quantisation is read as saved: use auto)")
         model, tokenizer, formats = _load_gguf(source.path, dtype, device, quantized, shard)
     else:
-        model, tokenizer = _load_hf_dir(source.path, dtype, device, shard)
+        model, tokenizer, formats = _load_hf_dir(source.path, dtype, device, shard, quantization)
     if shard is not None:
         parallelize(model, model.tensor_parallel_plan)
     if device.type == "cpu":   # before any step: a process computes its norms one way only (cpu_kernels.py)
@@ -234,17 +240,36 @@ def _processor_config(path: Path) -> dict:
     return parts
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device,
-                 shard: TensorParallelShard | None) -> tuple[CausalLM, Tokenizer]:
-    """A tensor-parallel rank reads only its slices from the files (safetensors' `get_slice`)."""
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, shard: TensorParallelShard | None,
+                 quantization: str = "auto") -> tuple[CausalLM, Tokenizer, dict[str, int] | None]:
+    """A tensor-parallel rank reads only its slices from the files (safetensors' `get_slice`). A checkpoint
+    with a compressed-tensors `quantization_config` keeps its quantised Linears quantised (models/quantized.py);
+    `quantization` "fp8" quantises a float one's projections at load."""
     from safetensors import SafetensorError, safe_open
+
+    from . import quantized as q
 
     model_class, config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UserInputError(f"model directory {str(path)!r} has no *.safetensors files")
+    plan = _quant_plan(path, quantization)
+    if (plan is not None or quantization == "fp8") and shard is not None:
+        raise UserInputError("quantised weights (compressed-tensors, --quantization fp8) cannot be split over "
+                             "tensor-parallel ranks yet: use --tensor-parallel-size 1")
+    index: dict[str, q.TensorInfo] = {}
+    if plan is not None:
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt") as fh:
+                    for raw_name in fh.keys():
+                        sl = fh.get_slice(raw_name)
+                        index[raw_name] = q.TensorInfo(sl.get_dtype(), tuple(sl.get_shape()))
+            except SafetensorError as exc:
+                raise UserInputError(f"cannot read {file}: {exc}") from None
+    kept: set[str] = set()   # our quantised modules: their tensors are copied as saved (int32, fp8, scales)
 
-    def weights(model: CausalLM, plan: ShardPlan | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(model: CausalLM, plan_: ShardPlan | None) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             try:
                 with safe_open(str(file), framework="pt") as fh:
@@ -252,11 +277,53 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device,
                         name = model.checkpoint_name(raw_name)
                         if name is None:
                             continue
-                        part = plan.slice_for(name) if plan is not None else None
+                        if name.endswith(".weight_shape"):   # checked, then dropped: the module knows its shape
+                            q.check_weight_shape(raw_name, fh.get_tensor(raw_name), index)
+                            continue
+                        part = plan_.slice_for(name) if plan_ is not None else None
                         tensor = fh.get_tensor(raw_name) if part is None else part.read(fh.get_slice(raw_name))
-                        yield name, tensor.to(torch.float32)
+                        keep = kept and q.our_module(model, name)[0] in kept
+                        yield name, tensor if keep else tensor.to(torch.float32)
             except SafetensorError as exc:   # a damaged or truncated file
                 raise UserInputError(f"cannot read {file}: {exc}") from None
 
-    model = build_model(model_class, config, weights, dtype, device, shard)
-    return model, Tokenizer.from_checkpoint_dir(path)
+    formats = None
+    if plan is None:
+        model = build_model(model_class, config, weights, dtype, device, shard)
+        if quantization == "fp8":
+            quantized = q.quantize_fp8_online(model)
+            release_freed_memory()
+            formats = q.formats(model, quantized, dtype)
+    else:
+        # Built on the CPU (untouched torch.empty pages cost nothing), the planned Linears swapped for quantised
+        # ones on the device before any float weight of theirs exists, the rest moved, then filled.
+        model = model_class(config, dtype)
+        planned = q.plan_modules(model, plan, index)
+        q.install(model, planned, device)
+        kept.update(planned)
+        model.to(device)
+        model.load_weights(weights(model, None))
+        q.finish(model, planned)
+        formats = q.formats(model, {n: e.quant for n, e in planned.items()}, dtype)
+    return model, Tokenizer.from_checkpoint_dir(path), formats
+
+
+def _quant_plan(path: Path, quantization: str):
+    """The checkpoint's compressed-tensors plan as `--quantization` takes it (None: load the weights as floats);
+    impossible combinations are errors here, before anything is allocated."""
+    from ..quantization.compressed_tensors import QuantPlan
+
+    raw = json.loads((path / "config.json").read_text()).get("quantization_config")
+    where = str(path / "config.json")
+    if raw is None:
+        if quantization == "compressed-tensors":
+            raise UserInputError(f"--quantization compressed-tensors: {where} declares no quantization_config")
+        return None
+    if quantization == "fp8":
+        raise UserInputError(f"--quantization fp8 quantises a float checkpoint at load, but {where} is already "
+                             f"quantised ({raw.get('quant_method') if isinstance(raw, dict) else raw!r}): use "
+                             "--quantization auto")
+    if quantization == "none":
+        raise UserInputError(f"--quantization none: {where} is quantised and dequantising it at load is not "
+                             "supported: use --quantization auto")
+    return QuantPlan.from_hf(raw, where)

@@ -59,7 +59,8 @@ class InProcessExecutor:
     config: EngineConfig
 
     def load_model(self, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-        return load_model(self.config.model, dtype, device, self.config.quantized_weights(device))
+        return load_model(self.config.model, dtype, device, self.config.quantized_weights(device),
+                          quantization=self.config.quantization)
 
     def local_kv_specs(self, specs: list[LayerSpec]) -> list[LayerSpec]:
         return specs

@@ -1,0 +1,200 @@
+"""A model's quantised Linear layers, from a checkpoint's compressed-tensors plan or quantised at load.
+
+    planned = plan_modules(model, plan, index)   which of our Linears hold which scheme (checked against the
+                                                 checkpoint's tensors: names, dtypes, what the plan says)
+    install(model, planned, device)              those Linears become empty QuantizedLinears on the device
+    ... model.load_weights(...)                  fills them (checkpoint names; fused parts stacked)
+    formats = finish(model, planned)             their weights into the products' layouts; counts per format
+
+Our modules are found from the model itself (its `Linear`s, the fused parts of `stacked`), never from names of
+models. A checkpoint module maps to ours through the model's own `checkpoint_name`. On the CPU a W4A16 weight
+becomes the CPU's INT4 format (models/quant.py: w = s*q - m per 32 inputs in fp32) exactly: s is the scale,
+m = scale * zero (zero 8 for symmetric weights), a group of 128 repeats its s and m over its four 32-groups; both
+products are exact in fp32 for bf16/fp16 scales, so the kernel multiplies by the format's weight rounded once.
+(fp32 scales with zero points may not be: those stay on the reference of quantization/linear.py.)
+
+`quantize_fp8_online` is `--quantization fp8`: every attention and MLP projection of the loaded model to FP8
+per output channel (schemes.quantize_fp8_per_channel), one module at a time; nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import UserInputError
+from ..quantization.compressed_tensors import ModuleQuant, QuantPlan
+from ..quantization.linear import QuantizedLinear
+from ..quantization.schemes import Int4Weight, Scheme, quantize_fp8_per_channel
+from .layers import Attention, GeGLU, Linear, linear
+
+_SCALE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_QUANT_LEAVES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+_CPU_GROUP = 32   # the CPU int4 kernel's group (models/quant.py)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A checkpoint tensor's header: safetensors dtype name ("BF16", "I32", "F8_E4M3") and shape."""
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PlannedModule:
+    quant: ModuleQuant
+    scale_dtype: torch.dtype
+    fused: bool        # q/k/v or gate/up parts stacked into it
+
+
+def our_module(model: nn.Module, ours: str) -> tuple[str, bool]:
+    """Our tensor name (after `checkpoint_name`) -> (the module holding it, whether it is a fused part)."""
+    parts = ours.rsplit(".", 2)
+    if len(parts) == 3 and parts[1] in model.stacked:
+        return f"{parts[0]}.{model.stacked[parts[1]][0]}", True
+    return ours.rsplit(".", 1)[0], False
+
+
+def plan_modules(model: nn.Module, plan: QuantPlan, index: dict[str, TensorInfo]) -> dict[str, PlannedModule]:
+    """Our module name -> how it is saved, for each of our Linears the checkpoint holds quantised. Errors name the
+    checkpoint tensor or module: quantised tensors the plan does not cover, a planned module missing its tensors or
+    saved in another dtype, a quantised module that is not one of our Linears, fused parts saved differently."""
+    ckpt_modules: dict[str, set[str]] = {}
+    for name in index:
+        module, _, leaf = name.rpartition(".")
+        ckpt_modules.setdefault(module, set()).add(leaf)
+    modules = dict(model.named_modules())
+    planned: dict[str, PlannedModule] = {}
+    seen_from: dict[str, str] = {}
+    for ckpt, leaves in ckpt_modules.items():
+        if not leaves & {"weight", "weight_packed"}:
+            continue
+        ours = model.checkpoint_name(f"{ckpt}.weight")
+        if ours is None:
+            continue   # not served (towers, KV-shared layers' k/v)
+        target, fused = our_module(model, ours)
+        is_linear = isinstance(modules.get(target), Linear)
+        quant = plan.for_module(ckpt, is_linear)
+        saved_quantized = bool(leaves & set(_QUANT_LEAVES))
+        if quant is None:
+            if saved_quantized:
+                raise UserInputError(f"checkpoint module {ckpt!r} holds quantised tensors ({', '.join(sorted(leaves))}) "
+                                     "but its compressed-tensors quantization_config leaves it unquantised")
+            continue
+        if not is_linear:
+            raise UserInputError(f"checkpoint module {ckpt!r} is quantised ({quant.label}) but is not a Linear layer "
+                                 "of this model: quantised embeddings and MoE experts are not supported")
+        for leaf in quant.leaves:
+            if leaf not in leaves:
+                raise UserInputError(f"checkpoint tensor {ckpt}.{leaf} is missing: {ckpt!r} is {quant.label} "
+                                     "(compressed-tensors)")
+        _check_dtypes(ckpt, quant, index)
+        scale_dtype = _SCALE_DTYPES[index[f"{ckpt}.weight_scale"].dtype]
+        entry = PlannedModule(quant, scale_dtype, fused)
+        if target in planned and planned[target] != entry:
+            raise UserInputError(f"checkpoint modules {seen_from[target]!r} and {ckpt!r} are saved differently "
+                                 f"({planned[target].quant.label}, {quant.label}) but are parts of one fused "
+                                 f"weight ({target})")
+        planned[target], seen_from[target] = entry, ckpt
+    for target, ckpt in seen_from.items():   # every part of a fused weight quantised, or none
+        if planned[target].fused:
+            for other, leaves in ckpt_modules.items():
+                if other != ckpt and "weight" in leaves and not leaves & set(_QUANT_LEAVES) and \
+                        (ours := model.checkpoint_name(f"{other}.weight")) is not None and \
+                        our_module(model, ours)[0] == target:
+                    raise UserInputError(f"checkpoint module {other!r} is unquantised but {ckpt!r} is "
+                                         f"{planned[target].quant.label}: they are parts of one fused weight ({target})")
+    return planned
+
+
+def _check_dtypes(ckpt: str, quant: ModuleQuant, index: dict[str, TensorInfo]) -> None:
+    want = {"weight_packed": ("I32",), "weight_zero_point": ("I32",), "weight_scale": tuple(_SCALE_DTYPES),
+            "weight": ("F8_E4M3",)}
+    for leaf in quant.leaves:
+        info = index[f"{ckpt}.{leaf}"]
+        if leaf in want and info.dtype not in want[leaf]:
+            raise UserInputError(f"checkpoint tensor {ckpt}.{leaf} is {info.dtype}, expected "
+                                 f"{' or '.join(want[leaf])} for {quant.label} (compressed-tensors)")
+
+
+def check_weight_shape(name: str, shape: torch.Tensor, index: dict[str, TensorInfo]) -> None:
+    """A W4A16 module's `weight_shape` (N, K) against its `weight_packed` [N, K / 8]."""
+    packed = index.get(name.removesuffix("weight_shape") + "weight_packed")
+    got = tuple(int(v) for v in shape.reshape(-1).tolist())
+    if packed is None or len(got) != 2 or len(packed.shape) != 2 or \
+            (got[0], -(-got[1] // 8)) != packed.shape:
+        raise UserInputError(f"checkpoint tensor {name} says {got}, which does not fit weight_packed "
+                             f"{None if packed is None else packed.shape} (compressed-tensors pack-quantized)")
+
+
+def install(model: nn.Module, planned: dict[str, PlannedModule], device: torch.device) -> None:
+    """Replace each planned Linear by an empty QuantizedLinear on `device` (the Linear's memory is never touched)."""
+    for name, entry in planned.items():
+        old = model.get_submodule(name)
+        parts = model.shard_sizes(f"{name}.weight") if entry.fused else None
+        new = QuantizedLinear(name, old.in_features, old.out_features, entry.quant, entry.scale_dtype, parts, device)
+        if device.type == "cpu":
+            new.matmul = linear   # the row-invariant product (layers.linear)
+        _replace(model, name, new)
+
+
+def finish(model: nn.Module, planned: dict[str, PlannedModule]) -> None:
+    """After load_weights: each QuantizedLinear into its product's layout; on the CPU an exact W4A16 weight becomes
+    the CPU's INT4 module (models/quant.py)."""
+    from .quant import Int4Groups, QuantLinear
+
+    for name in planned:
+        mod = model.get_submodule(name)
+        w = mod.finish_loading()
+        if isinstance(w, Int4Weight) and w.q.device.type == "cpu" and _cpu_exact(w):
+            rep = w.group // _CPU_GROUP
+            scale = w.scale.float().repeat_interleave(rep, dim=1)
+            zero = torch.full_like(scale, 8.0) if w.zero is None else w.zero.float().repeat_interleave(rep, dim=1)
+            _replace(model, name, QuantLinear.from_int4(Int4Groups(w.q, scale.contiguous(), (scale * zero).contiguous())))
+
+
+def formats(model: nn.Module, quantized: dict[str, ModuleQuant], dtype: torch.dtype) -> dict[str, int]:
+    """Modules per weight format, as EngineInfo.weights shows them: {"w4a16 g32": 126, "bfloat16": 3} (the float
+    ones: Linear layers and embedding tables left as saved)."""
+    from .layers import Embedding
+
+    out: dict[str, int] = {}
+    for quant in quantized.values():
+        out[quant.label] = out.get(quant.label, 0) + 1
+    plain = sum(isinstance(m, (Linear, Embedding)) for m in model.modules())
+    if plain:
+        out[str(dtype).removeprefix("torch.")] = plain
+    return out
+
+
+def quantize_fp8_online(model: nn.Module) -> dict[str, ModuleQuant]:
+    """Every attention and MLP projection of a loaded model to FP8 per channel, one module at a time (each float
+    weight freed as its fp8 copy exists). Returns the modules quantised."""
+    quant = ModuleQuant(Scheme.FP8)
+    names = [f"{n}.{child}" for n, m in model.named_modules() if isinstance(m, (Attention, GeGLU))
+             for child, c in m.named_children() if isinstance(c, Linear)]
+    for name in names:
+        old = model.get_submodule(name)
+        new = QuantizedLinear.from_weight(name, quantize_fp8_per_channel(old.weight.data), quant)
+        if old.weight.device.type == "cpu":
+            new.matmul = linear
+        del old
+        _replace(model, name, new)
+    return {name: quant for name in names}
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
+
+
+def _cpu_exact(w: Int4Weight) -> bool:
+    """Whether the CPU kernel's fp32 s and m = s * zero hold the format exactly (bf16/fp16 scales always do)."""
+    if w.group % _CPU_GROUP:
+        return False
+    if w.zero is None or w.scale.dtype in (torch.bfloat16, torch.float16):
+        return True
+    m = w.scale.double() * w.zero.double()
+    return bool((m.float().double() == m).all())
