@@ -29,7 +29,7 @@ from gemmaserve.quantization.linear import QuantizedLinear
 
 from helpers import paged_logits, save_checkpoint, tiny_gemma4_hf, tiny_hf_model
 
-ct = pytest.importorskip("compressed_tensors")
+import compressed_tensors as ct  # noqa: E402  (a test dependency: pyproject.toml)
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
 from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,  # noqa: E402
                                              QuantizationStatus, apply_quantization_config)
