@@ -19,6 +19,7 @@ per output channel (schemes.quantize_fp8_per_channel), one module at a time; not
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 from ..errors import UserInputError
 from ..quantization.compressed_tensors import ModuleQuant, QuantPlan
 from ..quantization.linear import QuantizedLinear
-from ..quantization.schemes import Int4Weight, Scheme, quantize_fp8_per_channel
+from ..quantization.schemes import Fp8Weight, Int4Weight, Scheme, quantize_fp8_per_channel
 from .layers import Attention, GeGLU, Linear, linear
 
 _SCALE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -170,14 +171,20 @@ def formats(model: nn.Module, quantized: dict[str, ModuleQuant], dtype: torch.dt
 
 
 def quantize_fp8_online(model: nn.Module) -> dict[str, ModuleQuant]:
-    """Every attention and MLP projection of a loaded model to FP8 per channel, one module at a time (each float
-    weight freed as its fp8 copy exists). Returns the modules quantised."""
-    quant = ModuleQuant(Scheme.FP8)
+    """Every attention and MLP projection of a loaded model to FP8 per channel (`--quantization fp8`)."""
+    return quantize_projections(model, ModuleQuant(Scheme.FP8), quantize_fp8_per_channel)
+
+
+def quantize_projections(model: nn.Module, quant: ModuleQuant,
+                         quantize: Callable[[torch.Tensor], Int4Weight | Fp8Weight]) -> dict[str, ModuleQuant]:
+    """Every attention and MLP projection of a loaded model quantised by `quantize` (its float weight [N, K] ->
+    the scheme's weight), one module at a time (each float weight freed as its quantised copy exists). Returns
+    the modules quantised."""
     names = [f"{n}.{child}" for n, m in model.named_modules() if isinstance(m, (Attention, GeGLU))
              for child, c in m.named_children() if isinstance(c, Linear)]
     for name in names:
         old = model.get_submodule(name)
-        new = QuantizedLinear.from_weight(name, quantize_fp8_per_channel(old.weight.data), quant)
+        new = QuantizedLinear.from_weight(name, quantize(old.weight.data), quant)
         if old.weight.device.type == "cpu":
             new.matmul = linear
         del old

@@ -89,3 +89,17 @@ def quantize_fp8_per_channel(w: torch.Tensor) -> Fp8Weight:
     scale = torch.where(amax > 0, amax / torch.finfo(FP8_DTYPE).max, torch.ones_like(amax))
     q = (w.float() / scale[:, None]).clamp(-torch.finfo(FP8_DTYPE).max, torch.finfo(FP8_DTYPE).max).to(FP8_DTYPE)
     return Fp8Weight(q, scale)
+
+
+def quantize_int4_groups(w: torch.Tensor, group: int, scale_dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
+    """A float weight [N, K] to symmetric int4 groups by rounding to nearest (no calibration): scale = amax / 7.5
+    per group as compressed-tensors computes it, stored in `scale_dtype`, q = clamp(round(w / scale), -8, 7) + 8.
+    For benchmarks at real shapes; checkpoints quantised with calibration (GPTQ, QAT) are read as saved."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"group size {group} does not divide the input width {k}")
+    wg = w.float().view(n, k // group, group)
+    amax = wg.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 7.5, torch.ones_like(amax)).to(scale_dtype)
+    q = (wg / scale.float()[..., None]).round().clamp(-8, 7).add(8).to(torch.uint8).view(n, k)
+    return Int4Weight(q, scale, None, group)

@@ -1,0 +1,156 @@
+"""Quantised weights in the whole engine on CUDA (`python -m benchmarks.gpu_quant_model [shapes] [--schemes ...]`):
+random bf16 weights at real Gemma 4 shapes, then every attention and MLP projection quantised in place (W4A16: int4
+groups of 32 by rounding to nearest; FP8: e4m3 per output channel, activations per token), the head and
+embeddings as they are, as a W4A16 / FP8 checkpoint would load. For each shape and scheme, in the same run:
+
+  * the batch-1 decode step (1K-token context) as the engine runs it and as its captured CUDA graph replays,
+    against the roofline: bytes of weights (packed weights and scales) + KV read per step over the HBM copy
+    bandwidth measured in this run;
+  * batch-1 tokens/s (the engine's step) and, with `--batch64`, batch-64 throughput (1K in, 128 out);
+  * each ratio against bf16 of the same shape.
+
+Shapes (default: gemma4-e4b gemma4-31b); schemes (default: bf16 w4a16 fp8). Writes $OUT/gpu_quant_model.json
+after every row; a table last. The 31B's bf16 weights take 62 GB: run it on an 80 GB card alone."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.gpu_bench import GiB, _engine, _prompts, _run_all, replay_ms
+from gemmaserve.bench.gpu_check import copy_bandwidth
+from gemmaserve.bench.sections import release_device_memory
+from gemmaserve.testing.synthetic import random_model
+
+SCHEMES = ("bf16", "w4a16", "fp8")
+
+
+def _quantize(loaded, scheme: str) -> None:
+    from gemmaserve.models.quantized import formats, quantize_projections
+    from gemmaserve.quantization.compressed_tensors import ModuleQuant
+    from gemmaserve.quantization.schemes import Scheme, quantize_fp8_per_channel, quantize_int4_groups
+
+    if scheme == "w4a16":
+        done = quantize_projections(loaded.model, ModuleQuant(Scheme.W4A16, group=32),
+                                    lambda w: quantize_int4_groups(w, 32, torch.bfloat16))
+    elif scheme == "fp8":
+        done = quantize_projections(loaded.model, ModuleQuant(Scheme.FP8), quantize_fp8_per_channel)
+    else:
+        return
+    loaded.weight_formats = formats(loaded.model, done, torch.bfloat16)
+
+
+def _weight_bytes(model) -> int:
+    """Bytes a decode step reads of the weights: parameters, plus each quantised layer's kernel tensors."""
+    from gemmaserve.quantization.linear import QuantizedLinear
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            w = m.kernel_weight
+            fields = [getattr(w, f.name) for f in dataclasses.fields(w)] if dataclasses.is_dataclass(w) else []
+            total += sum(t.numel() * t.element_size() for t in fields if isinstance(t, torch.Tensor))
+    return total
+
+
+def _row(shape: str, scheme: str, hbm: float, batch64: bool) -> dict:
+    from gemmaserve.engine.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    loaded = random_model(shape, torch.bfloat16, torch.device("cuda"))
+    _quantize(loaded, scheme)
+    release_device_memory()
+    build_s = time.perf_counter() - start
+    llm = _engine(loaded, kv_cache_memory=8 * GiB, max_num_seqs=64)
+    eng = llm.engine
+    cfg = loaded.model.config
+    prompt = _prompts(1, 1024, cfg.vocab_size)[0]
+    _run_all(llm, [prompt], 8)   # warm-up: compiles kernels, captures the batch-1 graph
+    eng.add_request("", SamplingParams(max_tokens=200, ignore_eos=True), prompt_ids=prompt)
+    for _ in range(5):
+        eng.step()
+    torch.cuda.synchronize()
+    steps = 100
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) / steps * 1e3
+    graph_ms = replay_ms(eng.internals().runner.graphs.graph(1), steps)
+    while eng.has_unfinished_requests():
+        eng.step()
+    ctx = 1024 + 105
+    kv_bytes = sum(s.bytes_per_token() * (min(ctx, s.window) if s.window else ctx)
+                   for s in loaded.model.kv_layer_specs(torch.bfloat16))
+    weights = _weight_bytes(loaded.model)
+    roof_ms = (weights + kv_bytes) / (hbm * 1e9) * 1e3
+    row = {"shape": shape, "scheme": scheme, "weights": eng.info.weights, "weight_GB": round(weights / 1e9, 2),
+           "kv_read_MB": round(kv_bytes / 1e6, 1), "roofline_ms": round(roof_ms, 3), "graph_ms": round(graph_ms, 3),
+           "engine_step_ms": round(step_ms, 3), "graph_over_roofline": round(graph_ms / roof_ms, 2),
+           "step_over_roofline": round(step_ms / roof_ms, 2), "batch1_tok_s": round(1e3 / step_ms, 1),
+           "build_s": round(build_s, 1)}
+    if batch64:
+        _run_all(llm, _prompts(64, 1024, cfg.vocab_size, seed=65), 8)   # warm-up at these shapes
+        secs = _run_all(llm, _prompts(64, 1024, cfg.vocab_size, seed=64), 128)
+        row["batch64_tok_s"] = round(64 * 128 / secs, 1)
+    llm.close()
+    return row
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shapes", nargs="*", default=["gemma4-e4b", "gemma4-31b"])
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--batch64", action="store_true", help="also batch-64 throughput (1K in, 128 out)")
+    args = ap.parse_args(argv)
+    schemes = args.schemes.split(",")
+    if unknown := [s for s in schemes if s not in SCHEMES]:
+        ap.error(f"unknown schemes {unknown}; known: {', '.join(SCHEMES)}")
+    out = Path(os.environ.get("OUT", "."))
+    hbm = copy_bandwidth()
+    res: dict = {"benchmark": "gpu_quant_model", "device": torch.cuda.get_device_name(), "hbm_copy_GBps": round(hbm),
+                 "torch": torch.__version__, "rows": []}
+    print(f"HBM copy {hbm:.0f} GB/s on {res['device']}", flush=True)
+    for shape in args.shapes:
+        base = None
+        for scheme in schemes:
+            try:
+                row = _row(shape, scheme, hbm, args.batch64)
+            except Exception as exc:   # keep the other rows
+                import traceback
+
+                traceback.print_exc()
+                row = {"shape": shape, "scheme": scheme, "error": repr(exc)}
+            gc.collect()
+            release_device_memory()
+            if scheme == "bf16" and "error" not in row:
+                base = row
+            elif base is not None and "error" not in row:
+                row["batch1_vs_bf16"] = round(row["batch1_tok_s"] / base["batch1_tok_s"], 2)
+                if "batch64_tok_s" in row:
+                    row["batch64_vs_bf16"] = round(row["batch64_tok_s"] / base["batch64_tok_s"], 2)
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            (out / "gpu_quant_model.json").write_text(json.dumps(res, indent=1))
+    print(f"{'shape':12} {'scheme':6} {'GB':>6} {'roof ms':>8} {'graph ms':>9} {'step ms':>8} {'x roof':>6} "
+          f"{'tok/s':>7} {'vs bf16':>7} {'b64 tok/s':>9}")
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['shape']:12} {r['scheme']:6} ERROR {r['error'][:80]}")
+            continue
+        print(f"{r['shape']:12} {r['scheme']:6} {r['weight_GB']:6.2f} {r['roofline_ms']:8.3f} {r['graph_ms']:9.3f} "
+              f"{r['engine_step_ms']:8.3f} {r['graph_over_roofline']:6.2f} {r['batch1_tok_s']:7.1f} "
+              f"{r.get('batch1_vs_bf16', 1.0):7.2f} {r.get('batch64_tok_s', 0):9.1f}")
+    return 1 if any("error" in r for r in res["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
