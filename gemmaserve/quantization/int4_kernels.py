@@ -1,0 +1,224 @@
+"""y = x @ dequant(w)^T over int4 group weights (schemes.Int4Weight), the dequantisation fused into the product:
+Triton on CUDA (and on the CPU under TRITON_INTERPRET=1), the fp32 reference elsewhere. No dequantised copy
+of the weight is ever made on the Triton path; y has x's dtype, accumulated in fp32.
+
+Layout (`Int4Packed`, made once at load by `pack_int4`):
+
+    qweight  int32 [K/8, N]   word (r, n) holds q[n, 8r + i] in bits 4i..4i+3 (i = 0..7): packed along K,
+                              stored K-major so that a program's load of one word row is BN consecutive
+                              columns (coalesced, 16-byte vectors per thread)
+    scale    [K/g, N]         the checkpoint's float dtype, as saved (read as fp32 in the kernel: exact)
+    zero     uint8 [K/g, N]   0..15, or None: symmetric, zero = 8 (a compile-time constant)
+
+The kernel (one for both batch regimes, cut differently; see `int4_config`): a program owns a BM x BN output
+tile and a slice of K. Each step loads BK/8 word rows, unpacks them into the integers q - zero (-15..15, exact
+in bf16, fp16 and fp32), multiplies x's [BM, BK] tile by them with tl.dot (exact products, fp32 sums) and adds
+that partial times the group's scale to the accumulator: BK never crosses a group (BK divides g), so the
+scale multiplies once per group and column instead of once per weight, and no weight is rounded to x's
+dtype after scaling (a bf16 scale times a 4-bit integer needs 12 bits of mantissa; bf16 has 8).
+
+* small M (decode, M <= 16): BM = 16, narrow column tiles and split-K (launch.split_k) so that the packed
+  weights stream from every multiprocessor at once; the slices meet by fp32 atomics in a zeroed buffer;
+* larger M (up to prefill): BM = 64 / 128 tiles in grouped order (L2 reuse of weight tiles), split-K only
+  while the tiles alone cannot fill the GPU (M <= 64).
+
+Everything a launch allocates is shaped by (M, N) alone and nothing is read back: a CUDA graph can capture it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .launch import sm_count, split_k, triton_enabled
+from .schemes import Int4Weight
+
+SMALL_M = 16   # rows up to which the decode configuration (BM = 16, split-K) serves
+
+
+@dataclass(frozen=True)
+class Int4Packed:
+    qweight: torch.Tensor          # int32 [K/8, N]
+    scale: torch.Tensor            # [K/g, N], float (checkpoint dtype)
+    zero: torch.Tensor | None      # uint8 [K/g, N], or None (symmetric: 8)
+    n: int
+    k: int
+    group: int
+
+    def __post_init__(self) -> None:
+        check_geometry(self.n, self.k, self.group)
+        if self.qweight.dtype != torch.int32 or tuple(self.qweight.shape) != (self.k // 8, self.n):
+            raise ValueError(f"packed int4 weight {self.qweight.dtype} {tuple(self.qweight.shape)}, expected "
+                             f"torch.int32 {(self.k // 8, self.n)}")
+        if tuple(self.scale.shape) != (self.k // self.group, self.n) or not self.scale.is_floating_point():
+            raise ValueError(f"packed int4 scale shape {tuple(self.scale.shape)} ({self.scale.dtype}), expected "
+                             f"a float {(self.k // self.group, self.n)}")
+        if self.zero is not None and (tuple(self.zero.shape) != (self.k // self.group, self.n)
+                                      or self.zero.dtype != torch.uint8):
+            raise ValueError(f"packed int4 zero point {self.zero.dtype} {tuple(self.zero.shape)}, expected "
+                             f"torch.uint8 {(self.k // self.group, self.n)}")
+        for t in (self.qweight, self.scale, self.zero):
+            if t is not None and not t.is_contiguous():
+                raise ValueError("packed int4 tensors must be contiguous (the kernel reads rows of N columns)")
+
+    @property
+    def has_zero(self) -> bool:
+        return self.zero is not None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product reads from the weight (packed values, scales, zero points)."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero) if t is not None)
+
+
+def check_geometry(n: int, k: int, group: int) -> None:
+    """The kernel's limits: K a multiple of the group, the group a power of two >= 16 (a tl.dot step)."""
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"int4 group size {group} is not a power of two >= 16")
+    if k <= 0 or k % group:
+        raise ValueError(f"int4 group size {group} does not divide the input width K = {k}")
+    if n <= 0:
+        raise ValueError(f"int4 weight with {n} output columns")
+
+
+def pack_int4(w: Int4Weight) -> Int4Packed:
+    """An Int4Weight in the kernel's layout (module docstring), on w's device; scales keep their dtype."""
+    n, k = w.shape
+    check_geometry(n, k, w.group)
+    if w.q.dtype != torch.uint8:
+        raise ValueError(f"int4 values must be uint8 0..15, got {w.q.dtype}")
+    nib = w.q.t().reshape(k // 8, 8, n).to(torch.int32)           # [K/8, 8, N]: nibble i of word row r
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.q.device)[None, :, None]
+    # Summing disjoint bit fields is an OR; int32 wraps for nibble 7 >= 8 (the sign bit), as intended.
+    words = (nib << shifts).sum(dim=1, dtype=torch.int64)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    zero = None if w.zero is None else w.zero.t().contiguous()
+    return Int4Packed(words.contiguous(), w.scale.t().contiguous(), zero, n, k, w.group)
+
+
+def unpack_int4(p: Int4Packed) -> Int4Weight:
+    """The Int4Weight that `p` packs (exactly: values, scales in their dtype, zero points)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=p.qweight.device)[None, :, None]
+    q = ((p.qweight[:, None, :] >> shifts) & 0xF).reshape(p.k, p.n).t().to(torch.uint8).contiguous()
+    zero = None if p.zero is None else p.zero.t().contiguous()
+    return Int4Weight(q, p.scale.t().contiguous(), zero, p.group)
+
+
+@dataclass(frozen=True)
+class Int4Config:
+    block_m: int
+    block_n: int
+    block_k: int       # divides the group: one scale per step
+    k_per_split: int   # K elements per program (a multiple of block_k); K: no split
+    num_warps: int
+    num_stages: int
+
+    def splits(self, k: int) -> int:
+        return -(-k // self.k_per_split)
+
+
+def int4_config(m: int, n: int, k: int, group: int, sms: int) -> Int4Config:
+    """Tiles by batch regime (no autotuning: one compile per regime and shape). Decode streams weights, so
+    its tiles are narrow in M and the grid is widened by split-K; larger M tiles for tl.dot throughput,
+    still split while their count is below two waves (M <= 64)."""
+    if m <= SMALL_M:
+        bm, bn, bk, warps, stages = 16, 64, min(group, 128), 4, 4
+    elif m <= 64:
+        bm, bn, bk, warps, stages = 64, 64, min(group, 64), 4, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 128, min(group, 64), 8, 3
+    tiles = -(-m // bm) * -(-n // bn)
+    per_split = split_k(tiles, k, bk, sms) if m <= 64 else k
+    return Int4Config(bm, bn, bk, per_split, warps, stages)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 x stays fp32 (tf32 would round it); bf16/fp16 products with small integers are exact either way."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, k_per_split, s_xm, s_xk, s_ym, s_yn,
+                 GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GROUP_M: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    # Grouped program order: GROUP_M row tiles read one column tile's weights while it is in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mm = rm < M
+    nm = rn < N
+    rk = tl.arange(0, BK)
+    rw = tl.arange(0, BK // 8)
+    shifts = tl.arange(0, 8) * 4
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):   # whole steps: BK divides the group, the group divides K
+        a = tl.load(x_ptr + rm[:, None] * s_xm + (k0 + rk)[None, :] * s_xk, mask=mm[:, None], other=0.0)
+        words = tl.load(qw_ptr + ((k0 // 8 + rw) * N)[:, None] + rn[None, :], mask=nm[None, :], other=0)
+        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BK, BN))   # row 8r + i: nibble i
+        g = k0 // GROUP
+        scale = tl.load(s_ptr + g * N + rn, mask=nm, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            q = q - tl.load(z_ptr + g * N + rn, mask=nm, other=0).to(tl.int32)[None, :]
+        else:
+            q = q - 8
+        part = tl.dot(a, q.to(a.dtype), input_precision=PRECISION, out_dtype=tl.float32)
+        acc += part * scale[None, :]
+    ptrs = y_ptr + rm[:, None] * s_ym + rn[None, :] * s_yn
+    if ATOMIC:
+        tl.atomic_add(ptrs, acc, mask=mm[:, None] & nm[None, :], sem="relaxed")
+    else:
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None) -> torch.Tensor:
+    """x [..., K] (bf16 / fp16 / fp32) @ dequant(w)^T -> [..., N] in x's dtype. `config` overrides the tile
+    choice (tests force each regime; benchmarks sweep); without Triton (CPU, no interpreter) the reference."""
+    if x.shape[-1] != w.k:
+        raise ValueError(f"int4_linear: input {tuple(x.shape)} has K = {x.shape[-1]}, the weight "
+                         f"[N={w.n}, K={w.k}] expects K = {w.k}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"int4_linear: input dtype {x.dtype}, expected bf16, fp16 or fp32")
+    if not triton_enabled(x.device):
+        return int4_linear_reference(x, w)
+    x2 = x.reshape(-1, w.k)
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], w.n)
+    cfg = config or int4_config(m, w.n, w.k, w.group, sm_count(x.device))
+    if w.group % cfg.block_k or cfg.k_per_split % cfg.block_k:
+        raise ValueError(f"int4 config {cfg}: block_k must divide the group {w.group} and the K slice")
+    splits = cfg.splits(w.k)
+    atomic = splits > 1
+    y = (torch.zeros if atomic else torch.empty)(m, w.n, device=x.device,
+                                                 dtype=torch.float32 if atomic else x.dtype)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n), splits)
+    _int4_kernel[grid](x2, w.qweight, w.scale, w.zero if w.zero is not None else w.scale, y, m, w.n, w.k,
+                       cfg.k_per_split, x2.stride(0), x2.stride(1), y.stride(0), y.stride(1),
+                       GROUP=w.group, HAS_ZERO=w.has_zero, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                       GROUP_M=8, ATOMIC=atomic, PRECISION=_precision(x.dtype),
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.to(x.dtype).view(*x.shape[:-1], w.n)
+
+
+def int4_linear_reference(x: torch.Tensor, w: Int4Packed | Int4Weight) -> torch.Tensor:
+    """The contract: x @ (schemes' fp32 dequantisation)^T in fp32, cast to x's dtype (materialises the weight)."""
+    weight = unpack_int4(w) if isinstance(w, Int4Packed) else w
+    return F.linear(x.float(), weight.dequantize(torch.float32).to(x.device)).to(x.dtype)
