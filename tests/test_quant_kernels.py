@@ -1,0 +1,181 @@
+"""The quantised products (quantization/int4_kernels.py, fp8_kernels.py) against the fp32 dequantisation of
+schemes.py: the Triton kernels in Triton's interpreter (conftest sets TRITON_INTERPRET=1 without a GPU), each
+regime forced (decode split-K, tiled GEMM), fp32 activations so that only fp32 summation order differs; the
+packed layout's round trip; fp8 activation quantisation; and the shape errors."""
+
+import os
+
+import pytest
+import torch
+
+from helpers import fresh_seed
+
+triton = pytest.importorskip("triton")
+from gemmaserve.quantization import fp8_kernels as F8  # noqa: E402
+from gemmaserve.quantization import int4_kernels as I4  # noqa: E402
+from gemmaserve.quantization.schemes import FP8_DTYPE, Fp8Weight, Int4Weight, quantize_fp8_per_channel  # noqa: E402
+
+# The kernel tests need the interpreter (conftest's default without a GPU); elsewhere CPU tensors take the
+# reference path and these would compare it with itself. benchmarks/gpu_quant checks the kernels on CUDA.
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+
+def _int4(gen, n, k, group, asym, scale_dtype=torch.bfloat16) -> Int4Weight:
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).to(scale_dtype)
+    zero = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8) if asym else None
+    return Int4Weight(q, scale, zero, group)
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# (M, N, K, group): each regime's row tiles partly filled, N not a multiple of the column tile.
+INT4_CASES = [(1, 48, 128, 32), (3, 96, 256, 128), (17, 16, 64, 32), (33, 80, 256, 32), (1, 40, 256, 128)]
+
+
+def _regimes(m, n, k, group):
+    """The decode regime with a real K split (several slices meet by atomics), and the tiled regime unsplit."""
+    bk = min(group, 32)
+    return {"split_k": I4.Int4Config(16, 32, bk, max(bk, k // 4), 4, 2),
+            "gemm": I4.Int4Config(64, 64, min(group, 64), k, 4, 2)}
+
+
+@interpreted
+@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize("m, n, k, group", INT4_CASES)
+def test_int4_kernel_matches_the_fp32_dequantisation(m, n, k, group, asym):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    w = _int4(gen, n, k, group, asym)
+    packed = I4.pack_int4(w)
+    x = torch.randn(m, k, generator=gen)
+    ref = x.double() @ w.dequantize(torch.float32).double().t()
+    for name, cfg in _regimes(m, n, k, group).items():
+        assert name != "split_k" or cfg.splits(k) > 1
+        y = I4.int4_linear(x, packed, cfg)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert _rel(y, ref) < 1e-6, f"seed={seed} {name}: {_rel(y, ref)}"
+    assert _rel(I4.int4_linear(x, packed), ref) < 1e-6   # the heuristic's own choice
+    assert _rel(I4.int4_linear_reference(x, packed), ref) < 1e-6
+
+
+@interpreted
+def test_int4_leading_dims_and_fp16_scales():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    w = _int4(gen, 24, 64, 32, True, torch.float16)
+    x = torch.randn(2, 3, 64, generator=gen)
+    y = I4.int4_linear(x, I4.pack_int4(w))
+    ref = x.reshape(6, 64).double() @ w.dequantize().double().t()
+    assert y.shape == (2, 3, 24) and _rel(y.reshape(6, 24), ref) < 1e-6
+
+
+@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+def test_pack_int4_round_trip_is_exact(asym):
+    gen = torch.Generator().manual_seed(fresh_seed())
+    w = _int4(gen, 40, 256, 32, asym)
+    w.q[0, :8] = torch.tensor([15, 0, 7, 8, 15, 15, 15, 15], dtype=torch.uint8)   # sign bit set in word 0
+    p = I4.pack_int4(w)
+    assert p.qweight.dtype == torch.int32 and p.qweight.shape == (32, 40) and p.has_zero == asym
+    assert p.scale.dtype == torch.bfloat16 and p.scale.shape == (8, 40)
+    # The documented layout: word (r, n), bits 4i..4i+3, is q[n, 8r + i].
+    assert int(p.qweight[0, 0]) & 0xF == 15 and (int(p.qweight[0, 0]) >> 8) & 0xF == 7
+    u = I4.unpack_int4(p)
+    assert torch.equal(u.q, w.q) and torch.equal(u.scale, w.scale) and u.group == w.group
+    assert (u.zero is None) if not asym else torch.equal(u.zero, w.zero)
+
+
+def test_int4_bad_shapes_name_them():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    p = I4.pack_int4(_int4(gen, 16, 64, 32, False))
+    with pytest.raises(ValueError, match=r"\(3, 48\).*K = 64"):
+        I4.int4_linear(torch.randn(3, 48), p)
+    with pytest.raises(ValueError, match="group size 48 does not divide the input width 64"):
+        Int4Weight(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 1), None, 48)
+    with pytest.raises(ValueError, match=r"group size 24 is not a power of two"):
+        I4.pack_int4(Int4Weight(torch.zeros(16, 48, dtype=torch.uint8), torch.ones(16, 2), None, 24))
+    with pytest.raises(ValueError, match=r"scale shape \(16, 3\), expected \(16, 2\)"):
+        Int4Weight(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 3), None, 32)
+    with pytest.raises(ValueError, match=r"packed int4 scale shape \(3, 16\).*\(2, 16\)"):
+        I4.Int4Packed(p.qweight, torch.ones(3, 16), None, 16, 64, 32)
+    with pytest.raises(ValueError, match=r"packed int4 weight .*\(8, 17\).*\(8, 16\)"):
+        I4.Int4Packed(torch.zeros(8, 17, dtype=torch.int32), p.scale, None, 16, 64, 32)
+
+
+def test_quantize_activations_per_token():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    x = torch.randn(5, 96, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 1e4])[:, None]
+    xq, s = F8.quantize_activations_per_token(x)
+    assert xq.dtype == FP8_DTYPE and xq.shape == (5, 96) and s.dtype == torch.float32 and s.shape == (5, 1)
+    amax = x.abs().amax(1, keepdim=True)
+    assert torch.equal(s[3], torch.ones(1)) and not xq[3].float().any()   # a zero row: scale 1, zeros
+    live = [0, 1, 2, 4]
+    assert torch.equal(s[live], amax[live] / 448)
+    assert torch.equal(xq[live].float().abs().amax(1), torch.full((4,), 448.0))   # each row's peak hits 448
+    # Exactly torch's round-to-nearest cast of x / scale: within half an e4m3 step (2^-4 relative, normals).
+    assert torch.equal(xq, (x / s).to(FP8_DTYPE))
+    err = (F8.dequantize_activations(xq, s) - x).abs()
+    assert bool((err <= x.abs() * 2 ** -4 + s * 2 ** -10).all())
+    # Values already on the fp8 grid (times the scale) come back exactly.
+    on_grid = xq.float() * s
+    xq2, s2 = F8.quantize_activations_per_token(on_grid)
+    assert torch.equal(F8.dequantize_activations(xq2, s2), on_grid)
+
+
+def test_quantize_activations_per_group_short_last_group():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    x = torch.randn(3, 200, generator=gen)
+    x[1, 64:128] = 0
+    xq, s = F8.quantize_activations_per_group(x, 64)
+    assert s.shape == (3, 4) and xq.shape == (3, 200) and s[1, 1] == 1
+    for g in range(4):
+        cols = slice(64 * g, min(200, 64 * g + 64))
+        xq_g, s_g = F8.quantize_activations_per_token(x[:, cols])
+        assert torch.equal(xq[:, cols], xq_g) and torch.equal(s[:, g:g + 1], s_g)
+
+
+def _fp8_block(gen, n, k, block):
+    q = (torch.randn(n, k, generator=gen) * 60).clamp(-448, 448).to(FP8_DTYPE)
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen) * 1e-3 + 1e-4
+    return Fp8Weight(q, scale, block)
+
+
+# (M, N, K, block): a short last K group (200), N across scale blocks and tile edges.
+FP8_CASES = [(1, 48, 256, (128, 128)), (3, 96, 256, (32, 64)), (17, 40, 200, (16, 32)), (33, 130, 256, (128, 128))]
+
+
+@interpreted
+@pytest.mark.parametrize("m, n, k, block", FP8_CASES)
+def test_fp8_block_kernel_matches_its_reference(m, n, k, block):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    w = _fp8_block(gen, n, k, block)
+    x = torch.randn(m, k, generator=gen)
+    xq, xs = F8.quantize_activations_per_group(x, block[1])
+    ref = F8.dequantize_activations(xq, xs, block[1]).double() @ w.dequantize().double().t()
+    assert _rel(F8.fp8_linear_reference(x, w, torch.float32), ref) < 1e-6
+    bk = block[1]
+    configs = {"split_k": F8.BlockConfig(16, 32, bk, 4, 2), "gemm": F8.BlockConfig(64, 64, -(-k // bk) * bk, 4, 2),
+               "default": None}
+    for name, cfg in configs.items():
+        assert name != "split_k" or -(-k // cfg.k_per_split) > 1
+        y = F8.fp8_linear(x, w, torch.float32, cfg)
+        assert y.shape == (m, n) and _rel(y, ref) < 1e-6, f"seed={seed} {name}: {_rel(y, ref)}"
+    # The scheme quantises activations: a few percent from x @ w^T, which the reference keeps.
+    assert _rel(F8.fp8_linear(x, w, torch.float32), x.double() @ w.dequantize().double().t()) > 1e-3
+
+
+def test_fp8_per_channel_reference_on_the_cpu():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    w = quantize_fp8_per_channel(torch.randn(48, 96, generator=gen))
+    x = torch.randn(2, 5, 96, generator=gen)
+    y = F8.fp8_linear(x, w)
+    xq, xs = F8.quantize_activations_per_token(x.reshape(10, 96))
+    ref = (xq.double() * xs.double()) @ (w.q.double() * w.scale.double()[:, None]).t()
+    assert y.shape == (2, 5, 48) and y.dtype == torch.float32 and _rel(y.reshape(10, 48), ref) < 1e-6
+    assert F8.fp8_linear(x.to(torch.bfloat16), w).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"\(2, 5, 96\).*K = 96"):
+        F8.fp8_linear(x, quantize_fp8_per_channel(torch.randn(48, 64, generator=gen)))
+    with pytest.raises(ValueError, match=r"fp8 scale shape \(2, 2\), expected \(1, 1\)"):
+        Fp8Weight(w.q[:16, :64].contiguous(), torch.ones(2, 2), (128, 128))
