@@ -1,0 +1,278 @@
+"""Products over quantised weights on the GPU (`python -m benchmarks.gpu_quant [sections]`), at the projection
+shapes of Gemma 4 31B, 12B and E4B (sliding layers: fused qkv, o, fused gate_up, down), batch M = 1..64.
+Sections (default: all; about 3 minutes on one H100, Triton compilation included):
+
+  hbm     device-to-device copy bandwidth (read + write), the roofline the timings are read against
+  check   each product on the device against its fp32 reference at every shape and M (bf16 activations):
+          int4 (group 32 / 128, symmetric, and group 128 asymmetric) against schemes' fp32 dequantisation,
+          fp8 per channel and in 128 x 128 blocks against the fp32 product of both operands quantised the
+          same way; the relative error of the bf16 output, and bf16 F.linear's against fp32 for scale
+  timing  bf16 F.linear, int4_linear (g32, g128), fp8_linear (per channel, blocks), each call replayed in a
+          CUDA graph (weights cycled over copies that exceed L2, so every call reads HBM): median microseconds
+          per call, effective bandwidth (weight + scale bytes / time), fraction of the copy bandwidth, speedup
+          over bf16
+  sweep   int4 g128 decode tile configurations at M = 1 on the 31B shapes (what the heuristic could choose)
+
+Writes $OUT/gpu_quant.json after every section; a table last. Exit status 1 if a check row fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gemmaserve.bench.sections import exit_status, run_sections
+from gemmaserve.quantization import fp8_kernels as F8
+from gemmaserve.quantization import int4_kernels as I4
+from gemmaserve.quantization.schemes import FP8_DTYPE, Fp8Weight, Int4Weight, quantize_fp8_per_channel
+
+# (model, projection, N, K) for the sliding-window layers (5 of every 6), docs/gemma-architecture's table:
+# qkv = heads * 256 + 2 * kv_heads * 256, o = hidden x heads * 256, gate_up = 2 * intermediate.
+SHAPES = (
+    ("gemma4-31b", "qkv", 32 * 256 + 2 * 16 * 256, 5376), ("gemma4-31b", "o", 5376, 32 * 256),
+    ("gemma4-31b", "gate_up", 2 * 21504, 5376), ("gemma4-31b", "down", 5376, 21504),
+    ("gemma4-12b", "qkv", 16 * 256 + 2 * 8 * 256, 3840), ("gemma4-12b", "o", 3840, 16 * 256),
+    ("gemma4-12b", "gate_up", 2 * 15360, 3840), ("gemma4-12b", "down", 3840, 15360),
+    ("gemma4-e4b", "qkv", 8 * 256 + 2 * 2 * 256, 2560), ("gemma4-e4b", "o", 2560, 8 * 256),
+    ("gemma4-e4b", "gate_up", 2 * 10240, 2560), ("gemma4-e4b", "down", 2560, 10240),
+)
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+METHODS = ("bf16", "int4_g32", "int4_g128", "fp8_channel", "fp8_block")
+CHECK_TOL = 8e-3   # bf16 output rounding (~2e-3 relative) with margin; a wrong kernel is off by O(1)
+L2_BYTES = 256 << 20   # cycle weight copies until a graph's calls read at least this much (H100 L2: 50 MB)
+
+
+def _int4(gen: torch.Generator, n: int, k: int, group: int, asym: bool) -> Int4Weight:
+    q = torch.randint(0, 16, (n, k), generator=gen, device="cuda", dtype=torch.uint8)
+    scale = (torch.rand(n, k // group, generator=gen, device="cuda") * 0.02 + 1e-3).to(torch.bfloat16)
+    zero = torch.randint(0, 16, (n, k // group), generator=gen, device="cuda", dtype=torch.uint8) if asym else None
+    return Int4Weight(q, scale, zero, group)
+
+
+def _fp8_block(gen: torch.Generator, n: int, k: int) -> Fp8Weight:
+    q = (torch.randn(n, k, generator=gen, device="cuda") * 60).clamp(-448, 448).to(FP8_DTYPE)
+    return Fp8Weight(q, torch.rand(-(-n // 128), -(-k // 128), generator=gen, device="cuda") * 1e-3 + 1e-4,
+                     (128, 128))
+
+
+@dataclasses.dataclass
+class Method:
+    """One product at one shape: its call, the bytes of weight it reads, and its fp32 reference."""
+    call: Callable[[torch.Tensor, object], torch.Tensor]
+    weight: object
+    nbytes: int
+    reference: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _methods(n: int, k: int, seed: int) -> dict[str, Method]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dense = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+    out: dict[str, Method] = {}
+    dense32 = dense.float()
+    out["bf16"] = Method(lambda x, w: F.linear(x, w), dense, dense.numel() * 2, lambda x: F.linear(x.float(), dense32))
+    for name, group, asym in (("int4_g32", 32, False), ("int4_g128", 128, False), ("int4_g128_asym", 128, True)):
+        w = _int4(gen, n, k, group, asym)
+        ref = w.dequantize(torch.float32)
+        out[name] = Method(I4.int4_linear, I4.pack_int4(w), I4.pack_int4(w).nbytes,
+                           lambda x, ref=ref: F.linear(x.float(), ref))
+        del w
+    fc = quantize_fp8_per_channel(dense)
+    out["fp8_channel"] = Method(F8.fp8_linear, fc, n * k + n * 4,
+                                lambda x, w=fc: F8.fp8_linear_reference(x, w, torch.float32))
+    fb = _fp8_block(gen, n, k)
+    out["fp8_block"] = Method(F8.fp8_linear, fb, n * k + fb.scale.numel() * 4,
+                              lambda x, w=fb: F8.fp8_linear_reference(x, w, torch.float32))
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def section_check(res: dict) -> None:
+    rows = res["check"] = []
+    for i, (model, proj, n, k) in enumerate(SHAPES):
+        methods = _methods(n, k, seed=i)
+        gen = torch.Generator(device="cuda").manual_seed(1000 + i)
+        row: dict = {"model": model, "proj": proj, "N": n, "K": k}
+        for name, m in methods.items():
+            worst = 0.0
+            for b in BATCHES:
+                x = torch.randn(b, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+                y = m.call(x, m.weight)
+                assert y.shape == (b, n) and y.dtype == torch.bfloat16, (name, y.shape, y.dtype)
+                worst = max(worst, _rel(y, m.reference(x)))
+            row[f"{name}_max_rel_err"] = float(f"{worst:.3g}")
+        rows.append(row)
+        print("check", row, flush=True)
+        del methods
+        torch.cuda.empty_cache()
+
+
+def check_row_ok(row: dict) -> bool:
+    return all(v <= CHECK_TOL for key, v in row.items() if key.endswith("_max_rel_err"))
+
+
+def _copies(w: object) -> object:
+    """A fresh copy of a weight (every tensor cloned): a graph cycles over copies so that L2 holds none."""
+    if isinstance(w, torch.Tensor):
+        return w.clone()
+    return dataclasses.replace(w, **{f.name: getattr(w, f.name).clone() for f in dataclasses.fields(w)
+                                     if isinstance(getattr(w, f.name), torch.Tensor)})
+
+
+def graph_us(call: Callable[[torch.Tensor, object], torch.Tensor], x: torch.Tensor, weights: list[object],
+             reps: int = 15) -> float:
+    """Median microseconds per call: one CUDA graph runs the call once per weight copy; replays timed apart."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):   # warm-up outside the graph (compiles, allocator pools)
+        for w in weights[:2]:
+            call(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            call(x, w)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        graph.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) * 1e3 / len(weights))
+    del graph
+    return statistics.median(times)
+
+
+def section_timing(res: dict, hbm_gbs: float | None) -> None:
+    rows = res["timing"] = []
+    for i, (model, proj, n, k) in enumerate(SHAPES):
+        methods = {name: m for name, m in _methods(n, k, seed=i).items() if name in METHODS}
+        copies = {name: [m.weight] + [_copies(m.weight) for _ in range(max(0, -(-L2_BYTES // m.nbytes) - 1))]
+                  for name, m in methods.items()}
+        for b in BATCHES:
+            x = torch.randn(b, k, device="cuda", dtype=torch.bfloat16)
+            row: dict = {"model": model, "proj": proj, "N": n, "K": k, "M": b}
+            for name, m in methods.items():
+                us = graph_us(m.call, x, copies[name])
+                gbs = m.nbytes / (us * 1e-6) / 1e9
+                row[f"{name}_us"] = round(us, 2)
+                row[f"{name}_GBs"] = round(gbs)
+                if hbm_gbs:
+                    row[f"{name}_of_copy_bw"] = round(gbs / hbm_gbs, 2)
+            for name in methods:
+                row[f"{name}_speedup"] = round(row["bf16_us"] / row[f"{name}_us"], 2)
+            rows.append(row)
+            print("timing", {key: v for key, v in row.items() if key.endswith(("_us", "M", "proj", "model"))},
+                  flush=True)
+        del methods, copies
+        torch.cuda.empty_cache()
+
+
+def section_sweep(res: dict) -> None:
+    """int4 g128 at M = 1 on the 31B shapes under a few decode configurations (block_n, block_k, slices per
+    tile target via k_per_split, warps, stages), against the heuristic's choice."""
+    rows = res["sweep"] = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for i, (model, proj, n, k) in enumerate(SHAPES[:4]):
+        gen = torch.Generator(device="cuda").manual_seed(i)
+        packed = I4.pack_int4(_int4(gen, n, k, 128, False))
+        weights = [packed] + [_copies(packed) for _ in range(max(0, -(-L2_BYTES // packed.nbytes) - 1))]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        auto = I4.int4_config(1, n, k, 128, sms)
+        row: dict = {"model": model, "proj": proj, "N": n, "K": k, "auto": dataclasses.astuple(auto)}
+        row["auto_us"] = round(graph_us(I4.int4_linear, x, weights), 2)
+        for bn in (32, 64, 128):
+            for bk in (64, 128):
+                for waves in (1, 2, 4):
+                    tiles = -(-n // bn)
+                    per = max(bk, -(-k // max(1, -(-waves * sms // tiles)) // bk) * bk)
+                    for warps, stages in ((4, 3), (4, 5), (8, 4)):
+                        cfg = I4.Int4Config(16, bn, bk, per, warps, stages)
+                        try:
+                            us = graph_us(lambda x_, w_, cfg=cfg: I4.int4_linear(x_, w_, cfg), x, weights, reps=7)
+                        except Exception as exc:   # a config that does not compile (shared memory): skip
+                            row[str(dataclasses.astuple(cfg))] = repr(exc)[:80]
+                            continue
+                        row[str(dataclasses.astuple(cfg))] = round(us, 2)
+        best = min((v, key) for key, v in row.items() if key.startswith("(") and isinstance(v, float))
+        row["best"], row["best_us"] = best[1], best[0]
+        row["auto_GBs"] = round(packed.nbytes / (row["auto_us"] * 1e-6) / 1e9)
+        row["best_GBs"] = round(packed.nbytes / (best[0] * 1e-6) / 1e9)
+        rows.append(row)
+        print("sweep", {key: row[key] for key in ("model", "proj", "auto", "auto_us", "best", "best_us")}, flush=True)
+        del weights, packed
+        torch.cuda.empty_cache()
+
+
+def summary(res: dict) -> str:
+    lines = [f"{res['device']}  torch {res['torch']}  copy bandwidth {res.get('hbm_GBs')} GB/s"]
+    checks = res.get("check")
+    if isinstance(checks, list):
+        lines.append("check: max relative error of the bf16 output against the fp32 reference over M = 1..64")
+        for r in checks:
+            errs = "  ".join(f"{key.removesuffix('_max_rel_err')} {v:.1e}" for key, v in r.items()
+                             if key.endswith("_max_rel_err"))
+            lines.append(f"  {r['model']:<11} {r['proj']:<8} {errs}")
+    timing = res.get("timing")
+    if isinstance(timing, list):
+        lines.append("timing: us per call (fraction of copy bandwidth)  [speedup over bf16]")
+        lines.append(f"  {'model':<11} {'proj':<8} {'M':>3}  " + "  ".join(f"{m:>22}" for m in METHODS))
+        for r in timing:
+            cells = [f"{r[f'{m}_us']:>7.1f} ({r.get(f'{m}_of_copy_bw', 0):.2f}) [{r[f'{m}_speedup']:.2f}x]"
+                     for m in METHODS]
+            lines.append(f"  {r['model']:<11} {r['proj']:<8} {r['M']:>3}  " + "  ".join(f"{c:>22}" for c in cells))
+    sweep = res.get("sweep")
+    if isinstance(sweep, list):
+        for r in sweep:
+            lines.append(f"sweep {r['model']} {r['proj']}: auto {r['auto']} {r['auto_us']} us ({r['auto_GBs']} GB/s); "
+                         f"best {r['best']} {r['best_us']} us ({r['best_GBs']} GB/s)")
+    return "\n".join(lines)
+
+
+CHECKS = {"check": check_row_ok}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("sections", nargs="*", default=["hbm", "check", "timing", "sweep"])
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_quant needs CUDA", file=sys.stderr)
+        return 2
+    out = Path(os.environ.get("OUT", "bench-out")) / "gpu_quant.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                 "capability": list(torch.cuda.get_device_capability())}
+
+    def hbm() -> None:
+        from gemmaserve.bench.gpu_check import copy_bandwidth
+
+        res["hbm_GBs"] = round(copy_bandwidth())
+
+    run_sections(res, args.sections, {
+        "hbm": hbm,
+        "check": lambda: section_check(res),
+        "timing": lambda: section_timing(res, res.get("hbm_GBs")),
+        "sweep": lambda: section_sweep(res),
+    }, out)
+    print(summary(res))
+    return exit_status(res, CHECKS)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
