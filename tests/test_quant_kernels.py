@@ -135,6 +135,23 @@ def test_quantize_activations_per_group_short_last_group():
         assert torch.equal(xq[:, cols], xq_g) and torch.equal(s[:, g:g + 1], s_g)
 
 
+@interpreted
+def test_activation_quant_kernel_rounds_like_torch():
+    """The fused Triton quantisation gives torch's bits: every e4m3 binade, ties, subnormals, -0, the clamp."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    grid = torch.arange(-2000, 2001) * 2.0 ** -10                          # ties and subnormals (step 2^-9)
+    v = torch.cat([torch.linspace(-448, 448, 30001), grid, torch.randn(20000, generator=gen) * 1e-2,
+                   torch.tensor([-0.0, 0.0, 448.0, -448.0])])
+    for x in (v[None], torch.stack([v, -v, v * 0]), v[None].to(torch.bfloat16)):
+        for group in (x.shape[1], 16384):   # one program per row, or several with a short last group
+            xq, s = F8.quantize_activations_per_group(x, group)
+            m, k = x.shape
+            pad = F8.F.pad(x.float(), (0, -(-k // group) * group - k)).reshape(m, -1, group)
+            rq, rs = F8._quantize_rows(pad)
+            assert torch.equal(s, rs.reshape(m, -1)), group
+            assert torch.equal(xq.view(torch.uint8), rq.reshape(m, -1)[:, :k].contiguous().view(torch.uint8)), group
+
+
 def _fp8_block(gen, n, k, block):
     q = (torch.randn(n, k, generator=gen) * 60).clamp(-448, 448).to(FP8_DTYPE)
     scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen) * 1e-3 + 1e-4

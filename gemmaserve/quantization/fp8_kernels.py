@@ -38,19 +38,71 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+@triton.jit
+def _round_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still fp32, so that the cast
+    after it is exact whatever rounding the cast does (the interpreter's fp8 cast is not round-to-nearest).
+    Adding C = 2^(e + 20) (e: v's binade, at least -6) leaves exactly 3 bits of |v|'s mantissa above C's
+    last place (2^-9 in the subnormal range); the IEEE add rounds the rest to nearest even."""
+    bits = v.to(tl.uint32, bitcast=True)
+    mag = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    binade = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32), 127 - 6)
+    c = ((binade + 20) << 23).to(tl.float32, bitcast=True)
+    rounded = ((mag + c) - c).to(tl.uint32, bitcast=True)
+    return (rounded | (bits & 0x80000000)).to(tl.float32, bitcast=True)   # the sign, -0 included
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, xq_ptr, s_ptr, K, s_xm, s_qm, s_sm, GROUP, BLOCK: tl.constexpr,
+                            FP8_LIMIT: tl.constexpr):
+    """One program per (row, group of columns): the group's amax, then its values scaled, rounded, stored."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    lo = g * GROUP
+    hi = tl.minimum(lo + GROUP, K)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(lo, hi, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + row * s_xm + cols, mask=cols < hi, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    peak = tl.max(amax, 0)
+    scale = tl.where(peak > 0, tl.math.div_rn(peak, FP8_LIMIT), 1.0)
+    tl.store(s_ptr + row * s_sm + g, scale)
+    for c0 in range(lo, hi, BLOCK):   # the second read hits L1/L2: a row group is at most a few tens of KB
+        cols = c0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + row * s_xm + cols, mask=cols < hi, other=0.0).to(tl.float32)
+        q = _round_e4m3(tl.clamp(tl.math.div_rn(v, scale), -FP8_LIMIT, FP8_LIMIT))
+        tl.store(xq_ptr + row * s_qm + cols, q.to(xq_ptr.dtype.element_ty), mask=cols < hi)
+
+
+def _quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], fp32 scales [M, ceil(K/group)]): torch ops, or one Triton launch where
+    Triton runs (the same bits: IEEE division, round to nearest even)."""
+    m, k = x.shape
+    groups = -(-k // group)
+    if not triton_enabled(x.device) or m == 0:
+        padded = F.pad(x, (0, groups * group - k)) if k % group else x   # zeros change no amax
+        xq, scale = _quantize_rows(padded.reshape(m, groups, group))
+        return xq.reshape(m, groups * group)[:, :k].contiguous(), scale.reshape(m, groups)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    xq = torch.empty(m, k, device=x.device, dtype=FP8_DTYPE)
+    scale = torch.empty(m, groups, device=x.device, dtype=torch.float32)
+    block = min(1024, triton.next_power_of_2(min(group, k)))
+    _quantize_groups_kernel[(m, groups)](x, xq, scale, k, x.stride(0), xq.stride(0), scale.stride(0), group,
+                                         BLOCK=block, FP8_LIMIT=FP8_MAX, num_warps=4)
+    return xq, scale
+
+
 def quantize_activations_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (xq fp8 e4m3 [M, K], scale fp32 [M, 1]) with x ~ float(xq) * scale."""
-    return _quantize_rows(x)
+    return _quantize_groups(x, x.shape[1])
 
 
 def quantize_activations_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (xq fp8 [M, K], scale fp32 [M, ceil(K/group)]): one scale per token per `group` columns
     (the last group may be short)."""
-    m, k = x.shape
-    groups = -(-k // group)
-    padded = F.pad(x, (0, groups * group - k)) if k % group else x   # zeros change no amax
-    xq, scale = _quantize_rows(padded.reshape(m, groups, group))
-    return xq.reshape(m, groups * group)[:, :k].contiguous(), scale.reshape(m, groups)
+    return _quantize_groups(x, group)
 
 
 def dequantize_activations(xq: torch.Tensor, scale: torch.Tensor, group: int | None = None) -> torch.Tensor:
