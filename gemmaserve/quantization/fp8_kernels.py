@@ -11,7 +11,8 @@ quantises activations the same way). y is accumulated in fp32 and returned in `o
   bk group, so the fp8 tl.dot's fp32 partial of a step is scaled once by the row's group scale and the
   column's block scale; small M cuts K into slices as well (launch.split_k, fp32 atomics).
 
-Without a fit (CPU without the interpreter, a GPU older than sm89, a per-channel shape cuBLAS refuses) the
+Activations are quantised in one Triton launch where Triton runs (the bits of the torch ops that define it
+and run elsewhere). Without a fit (CPU without the interpreter, a GPU older than sm89, a per-channel shape cuBLAS refuses) the
 reference runs: both operands dequantised in fp32 exactly as the kernels' quantisation defines them.
 """
 
