@@ -12,8 +12,8 @@ quantises activations the same way). y is accumulated in fp32 and returned in `o
   column's block scale; small M cuts K into slices as well (launch.split_k, fp32 atomics).
 
 Activations are quantised in one Triton launch where Triton runs (the bits of the torch ops that define it
-and run elsewhere). Without a fit (CPU without the interpreter, a GPU older than sm89, a per-channel shape cuBLAS refuses) the
-reference runs: both operands dequantised in fp32 exactly as the kernels' quantisation defines them.
+and run elsewhere). Without a fit (CPU without the interpreter, a GPU older than sm89, a per-channel shape
+cuBLAS refuses) the reference runs: both operands dequantised in fp32 as the kernels' quantisation defines.
 """
 
 from __future__ import annotations
