@@ -264,8 +264,12 @@ def test_gemma4_kv_shared_w4a16(tmp_path):
 
 def test_fp8_online_matches_the_scheme(checkpoints):
     """(c) --quantization fp8 on a bf16 checkpoint: every projection per channel, activations per token."""
-    from gemmaserve.quantization.linear import quantize_activations
+    from gemmaserve.quantization.fp8_kernels import dequantize_activations, quantize_activations_torch
     from gemmaserve.quantization.schemes import quantize_fp8_per_channel
+
+    def quantize_activations(x: torch.Tensor, group: None) -> torch.Tensor:   # per token, back to fp32
+        x2 = x.reshape(-1, x.shape[-1])
+        return dequantize_activations(*quantize_activations_torch(x2, x2.shape[1])).view(x.shape)
 
     plain = load_model(str(checkpoints["bf16"]), torch.float32, CPU).model
     loaded = load_model(str(checkpoints["bf16"]), torch.float32, CPU, quantization="fp8")

@@ -76,15 +76,22 @@ def _quantize_groups_kernel(x_ptr, xq_ptr, s_ptr, K, s_xm, s_qm, s_sm, GROUP, BL
         tl.store(xq_ptr + row * s_qm + cols, q.to(xq_ptr.dtype.element_ty), mask=cols < hi)
 
 
+def quantize_activations_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_quantize_groups` in torch ops (the definition; the CPU's path, and the kernel's reference)."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = F.pad(x, (0, groups * group - k)) if k % group else x   # zeros change no amax
+    xq, scale = _quantize_rows(padded.reshape(m, groups, group))
+    return xq.reshape(m, groups * group)[:, :k].contiguous(), scale.reshape(m, groups)
+
+
 def _quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 [M, K], fp32 scales [M, ceil(K/group)]): torch ops, or one Triton launch where
     Triton runs (the same bits: IEEE division, round to nearest even)."""
     m, k = x.shape
     groups = -(-k // group)
     if not triton_enabled(x.device) or m == 0:
-        padded = F.pad(x, (0, groups * group - k)) if k % group else x   # zeros change no amax
-        xq, scale = _quantize_rows(padded.reshape(m, groups, group))
-        return xq.reshape(m, groups * group)[:, :k].contiguous(), scale.reshape(m, groups)
+        return quantize_activations_torch(x, group)
     if x.stride(1) != 1:
         x = x.contiguous()
     xq = torch.empty(m, k, device=x.device, dtype=FP8_DTYPE)

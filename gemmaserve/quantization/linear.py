@@ -7,11 +7,11 @@ many rows of each tensor a part takes); then `finish_loading()` reads them into 
 schemes.py (exactly: unpacking, no arithmetic) and hands that to the product, dropping the checkpoint's form.
 (`from_weight` builds one from a canonical weight directly: `--quantization fp8` at load.)
 
-The products, one seam per scheme (below): `int4_kernels.py` / `fp8_kernels.py` replace these references when they
-land, one import each. Until then, and on the CPU always:
+The products: on CUDA the kernels (int4_kernels.py: packed int4 with dequantisation fused into the product;
+fp8_kernels.py: activations quantised per token, then cuBLASLt's or our block kernel). On the CPU the references:
 
-    W4A16   dequantise in fp32, multiply, cast. (On the CPU the loader does not use this module for W4A16: the
-            format maps exactly onto the CPU's own INT4 kernel, models/quant.py; see models/quantized.py.)
+    W4A16   dequantise in fp32, multiply, cast. (On the CPU the loader does not use this module for W4A16 where
+            the format maps exactly onto the CPU's own INT4 kernel, models/quant.py; see models/quantized.py.)
     FP8     the scheme itself, activation quantisation included: x quantised per token (per token and bk-column
             group for block weights) to e4m3 with scale amax / 448 (1 for a zero row), then the fp32 product of
             the dequantised operands. The CPU runs these semantics rather than dense dequantised weights so that its
@@ -34,28 +34,12 @@ from torch import nn
 
 from ..errors import UserInputError
 from .compressed_tensors import ModuleQuant
+from .fp8_kernels import dequantize_activations, fp8_linear, quantize_activations_torch
+from .int4_kernels import Int4Packed, int4_linear, pack_int4, unpack_int4
 from .schemes import FP8_DTYPE, Fp8Weight, Int4Weight, Scheme
 
-_FP8_MAX = torch.finfo(FP8_DTYPE).max
 
-
-# -- the seam: one function per scheme and step; int4_kernels.py / fp8_kernels.py replace these references ----
-def pack_int4(w: Int4Weight) -> Int4Weight:
-    """The int4 kernel's layout (int4_kernels.pack_int4); the reference keeps the canonical weight."""
-    return w
-
-
-def int4_linear(x: torch.Tensor, packed: Int4Weight) -> torch.Tensor:
-    """x [M, K] @ W^T for an int4 weight in `pack_int4`'s layout (int4_kernels.int4_linear), in x's dtype."""
-    return int4_reference(x, packed, F.linear)
-
-
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
-    """x [M, K] @ W^T with x quantised to fp8 at run time (fp8_kernels.fp8_linear)."""
-    return fp8_reference(x, w, out_dtype, F.linear)
-
-
-# -- the references -------------------------------------------------------------------------------------------
+# -- the references (the CPU's products: the row-invariant `matmul` keeps a row's result off its batch) -------
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -65,20 +49,9 @@ def int4_reference(x: torch.Tensor, w: Int4Weight, matmul: Matmul) -> torch.Tens
 
 def fp8_reference(x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype, matmul: Matmul) -> torch.Tensor:
     """The fp32 product of the dequantised operands, x quantised per token (per token and bk columns for blocks)."""
-    return matmul(quantize_activations(x, None if w.block is None else w.block[1]), w.dequantize()).to(out_dtype)
-
-
-def quantize_activations(x: torch.Tensor, group: int | None) -> torch.Tensor:
-    """x [M, K] quantised to e4m3 and back, fp32: one scale amax / 448 per row, or per row and `group` columns
-    (a zero row or group gets scale 1)."""
-    m, k = x.shape
-    g = k if group is None else group
-    pad = -k % g
-    xf = F.pad(x.float(), (0, pad)).view(m, (k + pad) // g, g)
-    amax = xf.abs().amax(-1, keepdim=True)
-    xs = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
-    xq = (xf / xs).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_DTYPE)
-    return (xq.float() * xs).view(m, k + pad)[:, :k]
+    group = x.shape[1] if w.block is None else w.block[1]
+    xq, xs = quantize_activations_torch(x, group)
+    return matmul(dequantize_activations(xq, xs, group), w.dequantize()).to(out_dtype)
 
 
 # -- the checkpoint's packing ---------------------------------------------------------------------------------
@@ -178,9 +151,9 @@ class QuantizedLinear(nn.Module):
         return mod
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [N, K] the product multiplies by (after finish_loading; before it, `canonical()`). With the
-        kernels' own int4 layout this needs their unpacking (the reference layout is the canonical weight)."""
-        return self.kernel_weight.dequantize(dtype)
+        """The weight [N, K] the product multiplies by (after finish_loading; before it, `canonical()`)."""
+        w = self.kernel_weight
+        return (unpack_int4(w) if isinstance(w, Int4Packed) else w).dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
