@@ -36,6 +36,23 @@ def test_q4_k_groups_are_exact():
     assert torch.equal(groups.dequantize(), torch.from_numpy(ref))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_0_and_q4_1_groups_are_exact(qtype):
+    """Google's QAT GGUFs are Q4_0: its blocks (and Q4_1's) are the CPU's INT4 groups exactly, not INT8 rows."""
+    import gguf
+
+    from gemmaserve.models.quant import q4_0_groups, q4_1_groups
+
+    rng = np.random.default_rng(fresh_seed())
+    w = (rng.standard_normal((48, 512)) * rng.uniform(0.01, 0.1, (48, 1))).astype(np.float32)
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    raw = gguf.quants.quantize(w, t)
+    ref = gguf.quants.dequantize(raw, t).reshape(48, 512)
+    groups = (q4_0_groups if qtype == "Q4_0" else q4_1_groups)(raw, (48, 512))
+    assert groups.q.dtype == torch.uint8 and int(groups.q.max()) <= 15 and int(groups.q.min()) >= 0
+    assert torch.equal(groups.dequantize(), torch.from_numpy(ref))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 16, 80])
 def test_int4_linear_matches_its_groups(rows):
     rng = np.random.default_rng(fresh_seed())

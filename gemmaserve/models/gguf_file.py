@@ -128,13 +128,15 @@ class GGUFFile:
         return torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(shape)
 
     def int4_groups(self, name: str):
-        """A Q4_K matrix as its exact 4-bit groups of 32 (`quant.Int4Groups`), or None for other types."""
-        from .quant import q4_k_groups
+        """A Q4_K, Q4_0 or Q4_1 matrix as its exact 4-bit groups of 32 (`quant.Int4Groups`), or None for other
+        types."""
+        from .quant import q4_0_groups, q4_1_groups, q4_k_groups
 
         t = self._tensors[name]
-        if t.tensor_type.name != "Q4_K" or len(t.shape) != 2:
+        read = {"Q4_K": q4_k_groups, "Q4_0": q4_0_groups, "Q4_1": q4_1_groups}.get(t.tensor_type.name)
+        if read is None or len(t.shape) != 2:
             return None
-        return q4_k_groups(np.asarray(t.data), tuple(int(d) for d in reversed(t.shape.tolist())))
+        return read(np.asarray(t.data), tuple(int(d) for d in reversed(t.shape.tolist())))
 
 
 def dequantize_q8_0(raw: np.ndarray) -> torch.Tensor:

@@ -6,11 +6,12 @@ Three weight formats (the rest of the model runs in fp32):
     INT4   per 32 inputs:  w = s * q - m,            q 0..15 packed,    s, m fp32 [N, K/32]  (cpu_products.py)
     INT8 blocks, tables:   w = q * s per 32 inputs,  q int8 [N, K],     s fp16 [N, K/32] (Q8_0 exactly; lookups only)
 
-Each GGUF tensor goes to the format nearest to it. Q4_K is exactly INT4: its sub-blocks of 32 are
-w = d*sc*q - dmin*m, so s = d*sc and m = dmin*m, read from the blocks (exact in fp32, not re-fitted). Every other
-type (Q8_0, Q5_0, Q6_K, F16, ...) has more than 4 bits of precision, so INT8 per row is nearer: its
-rounding step is max|w| / 127 of the row, a fraction of the source's own step. A fused weight (q/k/v,
-gate/up) is INT4 only when all its parts are Q4_K. INT8 picks scales that are bf16 values, so q * s is
+Each GGUF tensor goes to the format nearest to it. Q4_K, Q4_0 and Q4_1 are exactly INT4: Q4_K's sub-blocks
+of 32 are w = d*sc*q - dmin*m, so s = d*sc and m = dmin*m; Q4_0's blocks (Google's QAT files) are
+w = d*(q - 8), so s = d and m = 8d; Q4_1's w = d*q + m, so s = d and m = -m; all read from the blocks (exact in
+fp32, not re-fitted). Every other type (Q8_0, Q5_0, Q6_K, F16, ...) has more than 4 bits of precision, so INT8
+per row is nearer: its rounding step is max|w| / 127 of the row, a fraction of the source's own step. A fused
+weight (q/k/v, gate/up) is INT4 only when all its parts are 4-bit. INT8 picks scales that are bf16 values, so q * s is
 exact in fp32.
 
 Kernels. Weight-only kernels (fp32 activations times dequantised weights) are made for one row: at
@@ -109,6 +110,30 @@ def q4_k_groups(raw: np.ndarray, shape: tuple[int, int]) -> Int4Groups:
     return Int4Groups(torch.from_numpy(q.reshape(n, k).copy()),
                       torch.from_numpy((d * sc.astype(np.float32)).reshape(n, k // GROUP)),
                       torch.from_numpy((dmin * m.astype(np.float32)).reshape(n, k // GROUP)))
+
+
+def q4_0_groups(raw: np.ndarray, shape: tuple[int, int]) -> Int4Groups:
+    """Q4_0 blocks (32 values: fp16 d, 16 bytes of nibbles; w = d * (q - 8)) -> exact 4-bit groups: s = d,
+    m = 8 d (both exact in fp32). Google's QAT GGUFs are Q4_0."""
+    return _q4_blocks(raw, shape, with_min=False)
+
+
+def q4_1_groups(raw: np.ndarray, shape: tuple[int, int]) -> Int4Groups:
+    """Q4_1 blocks (32 values: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m) -> s = d, minus = -m."""
+    return _q4_blocks(raw, shape, with_min=True)
+
+
+def _q4_blocks(raw: np.ndarray, shape: tuple[int, int], with_min: bool) -> Int4Groups:
+    head = 4 if with_min else 2
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, head + 16)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+    # Byte j holds value j in its low nibble and value j + 16 in its high one.
+    nib = blocks[:, head:]
+    q = np.concatenate([nib & np.uint8(0x0F), nib >> np.uint8(4)], axis=1)
+    minus = -blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] if with_min else 8.0 * d
+    n, k = shape
+    return Int4Groups(torch.from_numpy(q.reshape(n, k).copy()), torch.from_numpy(d.reshape(n, k // GROUP).copy()),
+                      torch.from_numpy(np.asarray(minus, dtype=np.float32).reshape(n, k // GROUP).copy()))
 
 
 def _int8_scale(amax: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -631,7 +656,7 @@ class _BlockRows:
 def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
                    head_kernel: Int8Kernel | None = None, record: dict | None = None) -> dict[str, int]:
     """Replace every `Linear` and `Embedding` of a loaded fp32 `CausalLM` by its quantised form, in
-    place. `int4`: exact groups of the checkpoint's Q4_K weights by our tensor name (before fusing
+    place. `int4`: exact groups of the checkpoint's 4-bit weights by our tensor name (before fusing
     q/k/v and gate/up: a fused weight is INT4 only if all its parts are). Returns a count per format.
     `record`: gets, per module name, its format and the tensors it was built from (quant_cache.py
     keeps them so that a later start skips the quantising)."""
