@@ -375,3 +375,49 @@ def test_impossible_combinations(checkpoints, tmp_path):
     from gemmaserve.config.engine import EngineConfig
     with pytest.raises(UserInputError, match="quantization must be one of"):
         EngineConfig(quantization="int8")
+
+
+@pytest.mark.parametrize("fmt", ["w4a16_g32", "fp8_channel"])
+def test_lora_over_a_quantised_base_equals_peft(checkpoints, tmp_path, fmt):
+    """A LoRA adapter over a quantised base (the base's product as the format defines it, the delta beside it)
+    equals PEFT's adapter over transformers' model holding our exact weights (for FP8 with compressed-tensors'
+    activation quantisation on each base Linear), and moves the logits."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.engine.step import LoRALoad
+
+    path = checkpoints[fmt]
+    llm = LLM(str(path), dtype="float32", page_size=4, cpu_compile="off", kv_cache_memory=8 << 20)
+    try:
+        model = llm.engine._model
+        hf = _hf_decompressed(path)
+        _scheme_reference(hf, FORMATS[fmt][0])
+        with torch.no_grad():
+            for name, m in hf.named_modules():   # our exact weights into transformers' model
+                if isinstance(m, torch.nn.Linear) and name != "lm_head":
+                    ours_name, rows = _fused_rows(model, name)
+                    m.weight.copy_(_ours_dequantized(model, ours_name)[rows])
+        torch.manual_seed(11)
+        cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        peft_model = get_peft_model(copy.deepcopy(hf), cfg).eval()
+        peft_model.save_pretrained(tmp_path / "adapter")
+        llm.add_lora("a", str(tmp_path / "adapter"))
+        ref = llm.engine._loras.get("a")
+        llm.engine._runner.lora.load(LoRALoad(0, ref.name, ref.path, ref.digest))
+        got = paged_logits(model, [IDS], lora=(llm.engine._runner.lora.weights, [0]))[0]
+        with torch.no_grad():
+            if fmt.startswith("w4a16"):   # over the CPU's INT4 kernel the slots hold A and B in bf16 (engine/lora.py)
+                for n, p in peft_model.named_parameters():
+                    if "lora_" in n:
+                        p.copy_(p.bfloat16().float())
+            want = peft_model(torch.tensor([IDS])).logits[0]
+            base = hf(torch.tensor([IDS])).logits[0]
+    finally:
+        llm.close()
+    scale = want.abs().max().item()
+    assert (want - base).abs().max().item() > 0.05 * scale   # the adapter matters, so the comparison does
+    assert (got - want).abs().max().item() < 2e-5 * scale
