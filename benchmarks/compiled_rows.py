@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
     out = Path(os.environ.get("OUT", "bench-out")) / "compiled_rows.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     llm = LLM.from_config(EngineConfig(model="gemma3-270m").steady_state())   # the packages, loaded or built
-    compiled = llm.engine.runner.compiled
+    compiled = llm.engine.internals().runner.compiled
     if compiled is None:
         print(f"no compiled decode steps here ({llm.engine.info.cpu_compile})", file=sys.stderr)
         return 1

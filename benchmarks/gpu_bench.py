@@ -111,7 +111,7 @@ def _roofline_row(name: str, hbm: float) -> dict:
         eng.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) / steps * 1e3
-    graph_ms = replay_ms(eng.runner.graphs.graph(1), steps)   # pure GPU time of the captured decode graph
+    graph_ms = replay_ms(eng.internals().runner.graphs.graph(1), steps)   # pure GPU time of the captured decode graph
     while eng.has_unfinished_requests():
         eng.step()
     ctx = 1024 + 105
@@ -213,11 +213,11 @@ def section_pressure(res: dict) -> None:
         llm = _engine(loaded, kv_cache_memory=6 * GiB, enable_prefix_caching=False, max_num_batched_tokens=8192,
                       **opts)
         _run_all(llm, _prompts(1, 512, vocab, seed=3), 4)   # warm-up
-        pre = llm.engine.scheduler.num_preemptions
+        pre = llm.engine.snapshot().preemptions
         secs = _run_all(llm, prompts, 64)
         rows.append({"kv": name, "seconds": round(secs, 2), "out_tok_s": round(16 * 64 / secs, 1),
                      "total_tok_s": round((sum(map(len, prompts)) + 16 * 64) / secs),
-                     "preemptions": llm.engine.scheduler.num_preemptions - pre})
+                     "preemptions": llm.engine.snapshot().preemptions - pre})
         print("pressure", rows[-1], flush=True)
         del llm
         gc.collect()
@@ -274,9 +274,10 @@ def _host_overhead(batch: int) -> dict:
     loaded = random_model("gemma3-4b", torch.bfloat16, torch.device("cuda"))
     llm = _engine(loaded, kv_cache_memory=24 * GiB)
     eng = llm.engine
+    parts = eng.internals()
     for p in _prompts(batch, 1024, loaded.model.config.vocab_size, seed=5):
         eng.add_request("", SamplingParams(max_tokens=200, ignore_eos=True), prompt_ids=p)
-    while eng.scheduler.waiting or not all(r.prompt_computed for r in eng.scheduler.running):
+    while parts.scheduler.waiting or not all(r.prompt_computed for r in parts.scheduler.running):
         eng.step()
     for _ in range(5):
         eng.step()
@@ -286,7 +287,7 @@ def _host_overhead(batch: int) -> dict:
         eng.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) / 50 * 1e3
-    graph = eng.runner.graphs.graph(batch)
+    graph = parts.runner.graphs.graph(batch)
     replay = replay_ms(graph, 50)
     prof = cProfile.Profile()
     prof.enable()
@@ -298,9 +299,9 @@ def _host_overhead(batch: int) -> dict:
     print(text.getvalue(), flush=True)
     row = {"batch": batch, "engine_step_ms": round(step_ms, 3), "graph_ms": round(replay, 3)}
     print("host overhead", row, flush=True)
-    for r in list(eng.scheduler.running):
+    for r in list(parts.scheduler.running):
         eng.abort_request(r.group_id)
-    del llm, eng, loaded
+    del llm, eng, parts, loaded
     gc.collect()
     torch.cuda.empty_cache()
     return row
@@ -312,12 +313,14 @@ def _decode_rows(eng, prompts: list[list[int]], steps: int = 50):
     from gemmaserve.engine.sampling_params import SamplingParams
 
     ids = [eng.add_request("", SamplingParams(max_tokens=10_000, ignore_eos=True), prompt_ids=p) for p in prompts]
-    while eng.scheduler.waiting or not all(r.prompt_computed for r in eng.scheduler.running):
+    parts = eng.internals()
+    sched, runner = parts.scheduler, parts.runner
+    while sched.waiting or not all(r.prompt_computed for r in sched.running):
         eng.step()
     for _ in range(5):
         eng.step()
     host = [0.0]
-    schedule, launch = eng.scheduler.schedule, eng.runner.launch
+    schedule, launch = sched.schedule, runner.launch
 
     def timed(fn):
         def wrapper(*a, **k):
@@ -328,16 +331,16 @@ def _decode_rows(eng, prompts: list[list[int]], steps: int = 50):
                 host[0] += time.perf_counter() - t
         return wrapper
 
-    eng.scheduler.schedule, eng.runner.launch = timed(schedule), timed(launch)
+    sched.schedule, runner.launch = timed(schedule), timed(launch)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         eng.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) / steps * 1e3
-    eng.scheduler.schedule, eng.runner.launch = schedule, launch
-    sizes = eng.runner.graphs.sizes
-    graph = eng.runner.graphs.graph(sizes[bisect.bisect_left(sizes, len(prompts))])
+    sched.schedule, runner.launch = schedule, launch
+    sizes = runner.graphs.sizes
+    graph = runner.graphs.graph(sizes[bisect.bisect_left(sizes, len(prompts))])
     replay = replay_ms(graph, steps)
     for rid in ids:
         eng.abort_request(rid)
@@ -419,7 +422,7 @@ def section_invariant(res: dict, hbm: float, key: str, shapes: tuple[str, ...]) 
                     row["graph_over_roofline"] = round(graph_ms / ((weights + kv) / (hbm * 1e9) * 1e3), 2)
                 out["decode"].append(row)
                 print("invariant decode", row, flush=True)
-            eng.kv.reset_prefix_cache()
+            eng.reset_prefix_cache()
             _run_all(llm, _prompts(1, 8192, vocab, seed=11), 1)   # compile the prefill shapes
             times = sorted(_run_all(llm, _prompts(1, 8192, vocab, seed=12 + i), 1) for i in range(3))
             row = {"shape": name, "batch_invariant": mode, "tokens": 8192, "tok_s": round(8192 / times[1])}
@@ -430,7 +433,7 @@ def section_invariant(res: dict, hbm: float, key: str, shapes: tuple[str, ...]) 
             row = {"shape": name, "batch_invariant": mode, "batch": 64, "tok_s": round(64 * 128 / secs, 1)}
             out["throughput"].append(row)
             print("invariant throughput", row, flush=True)
-            eng.kv.reset_prefix_cache()
+            eng.reset_prefix_cache()
             got = probe_checks(eng, _prompts(1, 1024, vocab, seed=8000)[0],
                                [_prompts(1, 4096, vocab, seed=8001)[0]] + _prompts(62, 300, vocab, seed=8002),
                                max_tokens=32)

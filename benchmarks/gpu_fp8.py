@@ -157,9 +157,10 @@ def _first_step_logits(llm, ids: list[int]) -> torch.Tensor:
 
     eng = llm.engine
     rid = eng.add_request("", SamplingParams(max_tokens=1), prompt_ids=ids)
-    plan = eng.scheduler.schedule()
-    eng.runner.apply(plan)
-    logits = eng.runner.forward(plan.seqs).float()
+    parts = eng.internals()
+    plan = parts.scheduler.schedule()
+    parts.runner.apply(plan)
+    logits = parts.runner.forward(plan.seqs).float()
     eng.abort_request(rid)
     return logits[0]
 
@@ -192,7 +193,8 @@ def section_agreement(res: dict, shapes, num_prompts: int = 4, prompt_len: int =
         startup = time.perf_counter() - t
         tokens = _greedy(fp8, prompts, new_tokens)
         logits = [_first_step_logits(fp8, p) for p in prompts]
-        scales = [s.k_scale for s in fp8.engine.kv.specs] + [s.v_scale for s in fp8.engine.kv.specs]
+        specs = fp8.engine.internals().kv.specs
+        scales = [s.k_scale for s in specs] + [s.v_scale for s in specs]
         row = {"shape": name, "prompts": num_prompts, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
                "tokens_until_divergence": [first_divergence(a, b) for a, b in zip(tokens, ref_tokens)],
                "first_step_logit_rel_err": [_rel(a, b) for a, b in zip(logits, ref_logits)],
@@ -261,8 +263,9 @@ def _decode_step_ms(loaded, kv_dtype: str, batch: int, ctx: int, steps: int = 20
     ids = [eng.add_request("", SamplingParams(max_tokens=steps + 16, ignore_eos=True), prompt_ids=p)
            for p in _prompts(batch, ctx, loaded.model.vocab_size, seed=3)]
     start = time.perf_counter()
-    while any(not eng.request(i).output_token_ids for i in ids):   # prefill everything
-        eng.step()
+    left = set(ids)
+    while left:   # prefill everything: until each request's outputs show its first token
+        left -= {out.request_id for out in eng.step() if out.outputs[0].delta_token_ids or out.finished}
     prefill_s = time.perf_counter() - start
     for _ in range(3):
         eng.step()
@@ -273,8 +276,9 @@ def _decode_step_ms(loaded, kv_dtype: str, batch: int, ctx: int, steps: int = 20
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) / steps * 1e3
     graph_ms = None
-    if eng.runner.graphs is not None:
-        graph = eng.runner.graphs.graph(batch)
+    graphs = eng.internals().runner.graphs
+    if graphs is not None:
+        graph = graphs.graph(batch)
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
         for _ in range(steps):

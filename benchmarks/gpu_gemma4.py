@@ -119,9 +119,10 @@ def _bf16_backend_gap(llm, common) -> float:
         from gemmaserve.engine.sampling_params import SamplingParams
 
         rid = eng.add_request("", SamplingParams(max_tokens=1), prompt_ids=ids)
-        plan = eng.scheduler.schedule()
-        eng.runner.apply(plan)
-        out[backend] = eng.runner.forward(plan.seqs).float()
+        parts = eng.internals()
+        plan = parts.scheduler.schedule()
+        parts.runner.apply(plan)
+        out[backend] = parts.runner.forward(plan.seqs).float()
         eng.abort_request(rid)
     return round(((out["triton"] - out["torch"]).norm() / out["torch"].norm()).item(), 5)
 
@@ -147,7 +148,7 @@ def section_roofline(res: dict, hbm: float, shapes) -> None:
             eng.step()
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - start) / steps * 1e3
-        graph = eng.runner.graphs.graph(1)
+        graph = eng.internals().runner.graphs.graph(1)
         graph_ms = replay_ms(graph, steps)
         while eng.has_unfinished_requests():
             eng.step()
@@ -241,7 +242,7 @@ def section_pressure(res: dict, shapes, num_prompts: int = 8, new_tokens: int = 
             row = {"kv": run, "pool_split": opts.get("kv_pool_split")}
             try:
                 for p in prompts:   # V1 at a cap sized for V2 may not hold even one prompt: say so
-                    llm.engine.inputs.check_request(p, SamplingParams(max_tokens=new_tokens))
+                    llm.engine.validate(p, SamplingParams(max_tokens=new_tokens))
             except UserInputError as exc:
                 rows.append({**row, "rejected": str(exc)})
                 print("pressure", name, rows[-1], flush=True)
@@ -249,12 +250,12 @@ def section_pressure(res: dict, shapes, num_prompts: int = 8, new_tokens: int = 
                 _free()
                 continue
             _run_all(llm, _prompts(1, 512, vocab, seed=3), 4)   # warm-up
-            pre = llm.engine.scheduler.num_preemptions
+            pre = llm.engine.snapshot().preemptions
             runs = sorted(_run_all(llm, prompts, new_tokens) for _ in range(repeats))
             secs = runs[len(runs) // 2]   # the median run; all of them in "runs_s"
             rows.append({**row, "seconds": round(secs, 2), "out_tok_s": round(num_prompts * new_tokens / secs, 1),
                          "total_tok_s": round((sum(map(len, prompts)) + num_prompts * new_tokens) / secs),
-                         "preemptions": (llm.engine.scheduler.num_preemptions - pre) // repeats,
+                         "preemptions": (llm.engine.snapshot().preemptions - pre) // repeats,
                          "runs_s": [round(r, 3) for r in runs]})
             print("pressure", name, rows[-1], flush=True)
             del llm

@@ -67,7 +67,7 @@ def _request(engine, prompt: list[int], max_tokens: int) -> tuple[float, list[in
     """(time to first token, tokens, cached prompt tokens) of one request alone."""
     from gemmaserve.engine.sampling_params import SamplingParams
 
-    device = engine.device
+    device = torch.device(engine.info.device)
     _sync(device)
     start = time.perf_counter()
     rid = engine.add_request("", SamplingParams(max_tokens=max_tokens, ignore_eos=True), prompt_ids=prompt)
@@ -85,9 +85,9 @@ def store_copies(llm, device: torch.device, context: int) -> dict:
     """Save then load the pages a `context`-token session holds, through the runner's store."""
     from gemmaserve.kv.connector import BlockCopy, Direction, KVTransfers
 
-    runner = llm.engine.runner
-    runner = getattr(runner, "runner", runner)
-    kv = llm.engine.kv
+    parts = llm.engine.internals()
+    runner = getattr(parts.runner, "runner", parts.runner)
+    kv = parts.kv
     pages = min(kv.pages_at(context), kv.num_pages, kv.tier.num_pages)
     perm = random.Random(0).sample(range(kv.num_pages), pages)   # scattered pages, as a pool's are
     save = KVTransfers([BlockCopy(Direction.SAVE, 0, perm, list(range(pages)))])
@@ -107,7 +107,7 @@ def returning_session(loaded, device: torch.device, context: int, chunk: int) ->
     b = [2] + [rng.randrange(3, vocab) for _ in range(context - 1)]
     new = [rng.randrange(3, vocab) for _ in range(32)]
     probe = _engine(loaded, device, 256 << 20, None, chunk)
-    kv = probe.engine.kv
+    kv = probe.engine.internals().kv
     per_session = kv.pages_at(context + 64) * kv.page_bytes
     pool = max(int(1.2 * per_session), kv.peak_pages(context + 64, chunk) * kv.page_bytes)
     del probe
@@ -115,7 +115,7 @@ def returning_session(loaded, device: torch.device, context: int, chunk: int) ->
     for name, tier in (("recompute", None), ("tier", 2 * per_session)):
         llm = _engine(loaded, device, pool, tier, chunk)
         _request(llm.engine, a[:512], 1)   # warm-up
-        llm.engine.kv.reset_prefix_cache()
+        llm.reset_prefix_cache()
         ttft_a, answer, _ = _request(llm.engine, a, 8)
         _request(llm.engine, b, 8)        # evicts A from the device
         ret = a + answer + new
@@ -123,7 +123,7 @@ def returning_session(loaded, device: torch.device, context: int, chunk: int) ->
         rows[name] = {"first_ttft_ms": round(1e3 * ttft_a, 1), "return_ttft_ms": round(1e3 * ttft, 1),
                       "return_cached_tokens": cached, "tokens": tokens}
         if tier is not None:
-            st = llm.engine.kv.tier.stats()
+            st = llm.engine.snapshot().tier
             rows[name].update(saved_blocks=st.saved_blocks, loaded_blocks=st.loaded_blocks, tier_bytes=st.bytes_used)
             tiered = llm
         else:

@@ -70,13 +70,14 @@ def _run(llm, prompts: list[list[int]], new_tokens: int, loras: list[str | None]
 
     eng = llm.engine
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0)
-    _sync(eng.device)
+    device = torch.device(eng.info.device)
+    _sync(device)
     start = time.perf_counter()
     for p, name in zip(prompts, loras):
         eng.add_request("", params, prompt_ids=p, lora=name)
     while eng.has_unfinished_requests():
         eng.step()
-    _sync(eng.device)
+    _sync(device)
     return time.perf_counter() - start
 
 
@@ -103,26 +104,27 @@ def section_check(res: dict, save: Callable[[], None]) -> None:
                               max_loras=2, max_lora_rank=8, max_num_batched_tokens=32)
         stacked = LLM.from_config(config)
         host = LLM.from_config(config, stacked)
-        runner = host.engine.runner   # the grouped reference on the GPU: a runner of the host layout, before any load
-        runner.lora = RunnerLoRA(host.engine.model, runner.device, 2, 8, 2, stacked=False)
+        host_parts, stacked_parts = host.engine.internals(), stacked.engine.internals()
+        runner = host_parts.runner   # the grouped reference on the GPU: a runner of the host layout, before any load
+        runner.lora = RunnerLoRA(host_parts.model, runner.device, 2, 8, 2, stacked=False)
         for i, name in enumerate(("a", "b")):
-            write_random_adapter(stacked.engine.model, tmp / name, rank=4 * (i + 1), seed=seed + i)
+            write_random_adapter(stacked_parts.model, tmp / name, rank=4 * (i + 1), seed=seed + i)
         out = {}
         for layout, llm in (("stacked", stacked), ("host", host)):
             for name in ("a", "b"):
                 llm.add_lora(name, str(tmp / name))
             got = llm.generate(prompts, params, lora=names, use_tqdm=False)
             out[layout] = [o.outputs[0].token_ids for o in got]
-        weights = stacked.engine.runner.lora.weights   # the path under test did run: stacked, no host slots
+        weights = stacked_parts.runner.lora.weights   # the path under test did run: stacked, no host slots
         assert weights.stacked and not weights.by_module, "the CUDA runner did not stack its slots"
-        assert host.engine.runner.lora.weights.by_module and not host.engine.runner.lora.weights.stacked
+        assert runner.lora.weights.by_module and not runner.lora.weights.stacked
         base = [o.outputs[0].token_ids for o in host.generate(prompts, params, use_tqdm=False)]
         rows.append({"variant": variant, "tokens_equal": out["stacked"] == out["host"],
-                     "lora_graph_sizes": stacked.engine.runner.graphs.lora_sizes,   # decode steps replayed them
+                     "lora_graph_sizes": stacked_parts.runner.graphs.lora_sizes,   # decode steps replayed them
                      "adapter_changes_tokens": sum(b != s for b, s, n in zip(base, out["stacked"], names) if n)})
         print("check", rows[-1], flush=True)
         save()
-        del stacked, host, runner
+        del stacked, host, runner, host_parts, stacked_parts, weights
         _free(torch.device("cuda"))
 
 
@@ -227,7 +229,7 @@ def section_throughput(res: dict, save: Callable[[], None], args: argparse.Names
                    "rank": args.rank if n else None, "seconds": round(secs, 3), "prefill_s": round(prefill, 3),
                    "decode_s": round(secs - prefill, 3), "out_tok_s": round(args.batch * args.new / secs, 1),
                    "total_tok_s": round(tokens / secs, 1)}
-            graphs = llm.engine.runner.graphs
+            graphs = llm.engine.internals().runner.graphs
             if graphs is not None:   # which decode steps replayed graphs (LoRA steps: graphs of their own)
                 row["lora_graph_sizes"] = graphs.lora_sizes
             if label == "base":   # unrounded: the base's own ratios are exactly 1
@@ -252,7 +254,7 @@ def section_throughput(res: dict, save: Callable[[], None], args: argparse.Names
                 if n:
                     measure(llm, f"{n} adapters", [names[i % n] for i in range(args.batch)])
             if device.type == "cuda":
-                res.setdefault("lora_stack_MiB", {})[name] = round(llm.engine.runner.lora.weights.nbytes / 2**20, 1)
+                res.setdefault("lora_stack_MiB", {})[name] = round(llm.engine.internals().runner.lora.weights.nbytes / 2**20, 1)
         del llm
         _free(device)
         if device.type == "cuda" and args.eager_base:   # the graphs' share, apart from the kernels'

@@ -58,7 +58,7 @@ def _drafters(prompts: list[list[int]]) -> list[dict]:
                 "method": method, "model": drafter, "num_speculative_tokens": 4, "disable_by_batch_size": 64}), base)
             params = SamplingParams(max_tokens=32, ignore_eos=True)
             want, got = _generate(base, tiny, params), _generate(spec, tiny, params)
-            st = spec.engine.scheduler.spec_stats
+            st = spec.engine.snapshot().spec
             row = {"target": target, "method": method, "dtype": dtype, "batch_invariant": invariant,
                    "self_draft": drafter == paths[target],
                    "same_tokens": got == want, "drafted": st.drafted, "accepted": st.accepted,
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
                        SamplingParams(max_tokens=48, temperature=0.9, seed=4, top_p=0.9, ignore_eos=True)):
             want = _generate(base, prompts, params)
             got = _generate(spec, prompts, params)
-            st = spec.engine.scheduler.spec_stats
+            st = spec.engine.snapshot().spec
             row = {**opts, "greedy": params.greedy, "same_tokens": got == want, "drafted": st.drafted,
                    "accepted": st.accepted, "cuda_graphs": spec.engine.info.cuda_graphs,
                    "async": spec.engine.info.async_scheduling}

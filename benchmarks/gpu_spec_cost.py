@@ -44,27 +44,29 @@ class FixedDrafts:
 def _step_times(engine, prompts: list[list[int]], k: int, steps: int, warmup: int) -> list[float]:
     from gemmaserve.engine.sampling_params import SamplingParams
 
-    sched = engine.scheduler
-    sched.proposer = FixedDrafts(k, engine.model.vocab_size) if k else None
+    parts = engine.internals()
+    sched, cuda = parts.scheduler, parts.device.type == "cuda"
+    sched.proposer = FixedDrafts(k, engine.info.vocab_size) if k else None
     sched.spec_max_batch = 1 << 30
     sched.misses_before_pause = 1 << 30   # every step drafts, though nothing is accepted
-    drafted = sched.spec_stats.drafted
+    drafted = engine.snapshot().spec.drafted
     params = SamplingParams(max_tokens=steps + warmup + 8, ignore_eos=True, temperature=0.0)
     ids = [engine.add_request("", params, prompt_ids=p) for p in prompts]
     while any(not r.prompt_computed for r in sched.running) or sched.waiting:   # prefill first
         engine.step()
     times = []
     for i in range(steps + warmup):
-        if engine.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
         engine.step()
-        if engine.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    if k and sched.spec_stats.drafted - drafted < k * len(prompts) * steps:
-        raise RuntimeError(f"k = {k}: only {sched.spec_stats.drafted - drafted} drafts in {steps} steps")
+    drafted = engine.snapshot().spec.drafted - drafted
+    if k and drafted < k * len(prompts) * steps:
+        raise RuntimeError(f"k = {k}: only {drafted} drafts in {steps} steps")
     for i in ids:
         engine.abort_request(i)
     while engine.has_unfinished_requests():

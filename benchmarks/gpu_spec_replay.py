@@ -37,7 +37,8 @@ def _decode(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[lis
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
     ids = [engine.add_request("", params, prompt_ids=p) for p in prompts]
-    sched = engine.scheduler
+    parts = engine.internals()
+    sched, cuda = parts.scheduler, parts.device.type == "cuda"
     done: dict[str, list[int]] = {}
 
     def step():
@@ -47,9 +48,9 @@ def _decode(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[lis
 
     while any(not r.prompt_computed for r in sched.running) or sched.waiting:   # prefill first
         step()
-    if engine.device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
-    runner, launched = engine.runner, [0, 0.0]
+    runner, launched = parts.runner, [0, 0.0]
     launch = runner.launch
 
     def timed(plan, only=None):
@@ -65,7 +66,7 @@ def _decode(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[lis
     try:
         while engine.has_unfinished_requests():
             step()
-        if engine.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
     finally:
         runner.launch = launch
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> int:
                                                       "disable_by_batch_size": batch},
                                   kv_cache_memory=int(1.3 * tokens * _kv_bytes_per_token(loaded.model)) + (256 << 20))
             engine = LLM.from_config(config, loaded).engine
-            sched = engine.scheduler
+            sched = engine.internals().scheduler
             sched.misses_before_pause = 1 << 30   # the set rate, however often it misses
             rng = random.Random(batch)
             prompts = [[2] + [rng.randrange(3, vocab) for _ in range(args.context - 1)] for _ in range(batch)]
@@ -122,10 +123,10 @@ def main(argv: list[str]) -> int:
                    "base_step_ms": round(1e3 * base_s / base_steps, 3), "by_acceptance": {}}
             for a in rates:
                 sched.proposer = ReplayDrafts(args.k, {tuple(p): w for p, w in zip(prompts, want)}, a, vocab)
-                before = (sched.spec_stats.drafted, sched.spec_stats.accepted, sched.spec_stats.steps)
+                before = engine.snapshot().spec
                 got, spec_s, steps, in_launch = _decode(engine, prompts, args.new_tokens)
-                drafted = sched.spec_stats.drafted - before[0]
-                accepted = sched.spec_stats.accepted - before[1]
+                after = engine.snapshot().spec
+                drafted, accepted = after.drafted - before.drafted, after.accepted - before.accepted
                 row["by_acceptance"][str(a)] = {
                     "tok_s": round(batch * args.new_tokens / spec_s, 1),
                     "speedup": round(base_s / spec_s, 3),

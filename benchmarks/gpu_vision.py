@@ -389,9 +389,10 @@ def _prompt_logits(llm: LLM, ids: list[int], items: list[MediaItem]) -> torch.Te
 
     eng = llm.engine
     rid = eng.add_request("", SamplingParams(max_tokens=1), prompt_ids=ids, media=items)
-    plan = eng.scheduler.schedule()
-    eng.runner.apply(plan)
-    logits = eng.runner.forward(plan.seqs)
+    parts = eng.internals()
+    plan = parts.scheduler.schedule()
+    parts.runner.apply(plan)
+    logits = parts.runner.forward(plan.seqs)
     eng.abort_request(rid)
     if logits is None:
         raise RuntimeError("the prompt did not fit one step")
@@ -670,10 +671,11 @@ def _throughput_row(loaded: LoadedModel, name: str, mode: str, cache_bytes: int,
     warm_prompts, warm_images = mixed_workload(shape, placeholder, work, seed=100)
     llm.generate(warm_prompts, params, images=warm_images, use_tqdm=False)
     prompts, images = mixed_workload(shape, placeholder, work, seed=1)
-    cache = llm.engine.runner.media.cache
+    parts = llm.engine.internals()
+    cache = parts.runner.media.cache
     encoded, hits = cache.encoded, cache.shared_hits
     outs: list = []
-    with EncoderCalls(llm.engine.model) as counter:
+    with EncoderCalls(parts.model) as counter:
         secs = _timed(lambda: outs.extend(llm.generate(prompts, params, images=images, use_tqdm=False)), device)
     new = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"shape": name, "encoder_cache": mode, "encoder_cache_bytes": cache_bytes, "requests": work.requests,

@@ -517,11 +517,11 @@ def assert_server_kv_clean(background_server, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
     def check(e):
-        e.kv.check_integrity()
-        return e.kv.stats()
+        e.check_integrity()
+        return e.snapshot()
 
     st = engine.call_blocking(check)
-    assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.num_pages
+    assert st.pages_used == 0 and st.pages_free + st.pages_cached == st.pages_total
     assert engine.bound.count == 0, f"{engine.bound.count} completions still counted as in the server"
 
 

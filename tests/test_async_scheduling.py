@@ -78,8 +78,8 @@ def test_async_equals_sync(tiny_dir, cache, preempts):
     if preempts is not None:   # lengths are fixed (ignore_eos): so is the schedule
         assert (tight.engine._scheduler.num_preemptions > 0) == preempts
     for e in (eng.engine, tight.engine):
-        assert not e.has_unfinished_requests() and e.kv.num_used_pages == 0
-        e.kv.check_integrity()
+        assert not e.has_unfinished_requests() and e.snapshot().pages_used == 0
+        e.check_integrity()
 
 
 def test_async_gemma4_and_aborts(tmp_path):

@@ -164,7 +164,7 @@ def test_two_tensor_parallel_ranks_split_the_draft_model_like_the_target(models)
     two = LLM(path, page_size=4, tensor_parallel_size=2, speculative_config=_draft(near))
     try:
         assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == [row[0] for row in want]
-        st, one = two.engine._scheduler.spec_stats, single.scheduler.spec_stats
+        st, one = two.engine._scheduler.spec_stats, single.snapshot().spec
         assert 0 < st.accepted < st.drafted and abs(st.accepted - one.accepted) <= one.drafted // 20, (st, one)
     finally:
         two.engine.shutdown()

@@ -355,7 +355,7 @@ def test_chat_api_takes_data_url_images(setup):
                 {"type": "image_url", "image_url": {"url": url}}] * 3}])
         again = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": content}],
                                                max_tokens=6, temperature=0)
-        srv.server.async_engine.call_blocking(lambda e: e.kv.check_integrity())
+        srv.server.async_engine.call_blocking(lambda e: e.check_integrity())
     prompt = "<start_of_turn>user\nlook<start_of_image>what<end_of_turn>\n<start_of_turn>model\n"
     want = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0), images=[image])[0].outputs[0].text
     assert got.choices[0].message.content == again.choices[0].message.content == want

@@ -466,7 +466,7 @@ def test_server_chat_audio_and_transcriptions_through_the_openai_client(served, 
         finally:
             del engine._model.compute_logits
         assert said.text.startswith("hello there") and "hmm" not in said.text and "thought" not in said.text
-        srv.server.async_engine.call_blocking(lambda e: e.kv.check_integrity())
+        srv.server.async_engine.call_blocking(lambda e: e.check_integrity())
 
 
 def test_cli_audio_flag(served, speech, tmp_path, capsys):

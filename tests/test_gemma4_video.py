@@ -192,7 +192,7 @@ def test_video_through_the_cli_and_server_and_bad_videos(setup, tmp_path, capsys
         with pytest.raises(openai.BadRequestError, match="at most 1"):
             client.chat.completions.create(model=str(path), max_tokens=2,
                                            messages=[{"role": "user", "content": [part, part]}])
-        srv.server.async_engine.call_blocking(lambda e: e.kv.check_integrity())
+        srv.server.async_engine.call_blocking(lambda e: e.check_integrity())
     with pytest.raises(UserInputError, match="uint8 array"):
         llm.generate("x", params, videos=[(np.zeros((0, 8, 8, 3), dtype=np.uint8), 5)])
     with pytest.raises(UserInputError, match="frame rate"):

@@ -227,11 +227,11 @@ def test_a_draft_model_on_both_roles_travels_with_the_target(engines):
     want = _run(single, "d", params, prompt).outputs[0].token_ids
     staging = _hand_over(prefill_d, decode_d, prompt, params, "xd", "yd", "t3")[0]
     final = _drain(decode_d)
-    st = decode_d.scheduler.spec_stats
+    st = decode_d.snapshot().spec
     assert final.outputs[0].token_ids == want
     assert st.drafted > 0 and st.accepted == st.drafted, st
     assert staging.release("t3")
-    decode_d.kv.check_integrity()
+    decode_d.check_integrity()
     # a prefill engine without the draft model sends no KV for its layers: refused, not adopted half
     with pytest.raises(UserInputError, match="this engine stores layers"):
         _hand_over(prefill, decode_d, prompt, params, "xe", "ye", "t4")

@@ -74,7 +74,7 @@ def bits(completion) -> Bits:
 def run_batch(llm, indices) -> list[Bits]:
     """The prompts `indices` in one batch: each one's bits, in order (the KV cache checked after)."""
     outs = llm.generate([PROMPTS[i] for i in indices], [params(i) for i in indices], use_tqdm=False)
-    llm.engine.kv.check_integrity()
+    llm.engine.check_integrity()
     return [bits(o.outputs[0]) for o in outs]
 
 
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                                             "differ": differing(reference, forced)}
         del forced
     if "switch" in paths:
-        store = base.engine.compiled_steps.store()   # (the same KV layout: the same packages)
+        store = base.engine.internals().compiled_steps.store()   # (the same KV layout: the same packages)
         if store is not None:   # no packages: the engine builds them in the background
             shutil.rmtree(store, ignore_errors=True)
         switching = LLM.from_config(config.replace(cpu_compile="auto"), base)

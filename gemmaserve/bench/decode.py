@@ -59,12 +59,19 @@ def _ours_decode(llm, prompt_ids: list[int], batch: int, new_tokens: int) -> flo
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     ids = [engine.add_request("", params, prompt_ids=prompt_ids) for _ in range(batch)]
     # Prefill until every sequence has its first token, then time the rest.
-    while any(not engine.request(i).output_token_ids for i in ids):
-        engine.step()
+    _step_to_first_tokens(engine, ids)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
     return batch * (new_tokens - 1) / (time.perf_counter() - start)
+
+
+def _step_to_first_tokens(engine, ids: list[str]) -> None:
+    """Step `engine` until each request of `ids` (n = 1 each) has sampled its first token (or finished), as its
+    outputs say."""
+    left = set(ids)
+    while left:
+        left -= {out.request_id for out in engine.step() if out.outputs[0].delta_token_ids or out.finished}
 
 
 def matmul_ms(llm, prompt_ids: list[int], batch: int, repeats: int = 10) -> float:
@@ -75,11 +82,13 @@ def matmul_ms(llm, prompt_ids: list[int], batch: int, repeats: int = 10) -> floa
     from ..models.layers import Linear
     from ..models.quant import QuantLinear
 
-    engine, model = llm.engine, llm.engine.model
+    engine = llm.engine
+    parts = engine.internals()
+    model, runner = parts.model, parts.runner
     # Hooks see the modules' inputs only in an eager step: the compiled graph is set aside for it.
-    compiled = getattr(engine.runner, "compiled", None)
+    compiled = getattr(runner, "compiled", None)
     if compiled is not None:
-        engine.runner.compiled = None
+        runner.compiled = None
     seen: list = []
     hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0].clone())))
              for m in model.modules() if isinstance(m, (Linear, QuantLinear))]
@@ -89,8 +98,7 @@ def matmul_ms(llm, prompt_ids: list[int], batch: int, repeats: int = 10) -> floa
     try:
         ids = [engine.add_request("", SamplingParams(max_tokens=3, ignore_eos=True), prompt_ids=prompt_ids)
                for _ in range(batch)]
-        while any(not engine.request(i).output_token_ids for i in ids):
-            engine.step()
+        _step_to_first_tokens(engine, ids)
         seen.clear(), heads.clear()
         engine.step()   # one decode step: every row is one token
         calls, head_in = list(seen), heads[-1]
@@ -101,7 +109,7 @@ def matmul_ms(llm, prompt_ids: list[int], batch: int, repeats: int = 10) -> floa
         while engine.has_unfinished_requests():
             engine.step()
         if compiled is not None:
-            engine.runner.compiled = compiled
+            runner.compiled = compiled
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
@@ -172,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     compile_seconds = time.perf_counter() - start - engine.info.load_seconds if engine.info.cpu_compile == "ready" else 0.0
     prompt_ids = llm.tokenizer.encode(PROMPT)
     result: dict = {
-        "benchmark": "decode", "date": date.today().isoformat(), "machine": _machine(engine.device),
+        "benchmark": "decode", "date": date.today().isoformat(), "machine": _machine(engine.info.device),
         "model": config.model, "dtype": engine.info.dtype, "weights": engine.info.weights,
         "kv_cache_dtype": engine.info.kv_cache_dtype,
         "prompt_tokens": len(prompt_ids),
@@ -186,9 +194,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_hf:
         from ..testing.hf_reference import build_hf_model
 
-        hf = build_hf_model(_float_model(engine), dtype=engine.dtype, device=engine.device)
+        parts = engine.internals()
+        hf = build_hf_model(_float_model(engine), dtype=parts.dtype, device=parts.device)
     llama = None
-    if not args.no_llama_cpp and engine.device.type == "cpu":
+    if not args.no_llama_cpp and torch.device(engine.info.device).type == "cpu":
         llama = _llama_reference(engine, result)
     for b in sizes:
         fns = {"ours": lambda: _ours_decode(llm, prompt_ids, b, args.new_tokens)}
@@ -245,11 +254,12 @@ def _peak_rss_mb() -> int:
 def _float_model(engine):
     """Our model with fp32 weights for building the HF reference: the engine's own, or the same file
     loaded again without quantisation when the engine keeps it quantised."""
-    if engine.loaded.weight_formats is None:
-        return engine.model
+    parts = engine.internals()
+    if parts.loaded.weight_formats is None:
+        return parts.model
     from ..models.loader import load_model
 
-    return load_model(engine.config.model, torch.float32, engine.device).model
+    return load_model(engine.config.model, torch.float32, parts.device).model
 
 
 def _llama_reference(engine, result: dict):
@@ -276,7 +286,9 @@ def _hf_gguf_load_seconds(engine) -> float:
     return time.perf_counter() - start
 
 
-def _machine(device: torch.device) -> str:
+def _machine(device: str | torch.device) -> str:
+    """The processor `device` (an engine's `info.device`, or a torch.device) names, for a report."""
+    device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     import os

@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     # compiled decode steps built (or loaded) before any timed run: a background build would compete with them
     config = from_namespace(EngineConfig, args).steady_state()
     llm = LLM.from_config(config)
-    tokenizer, vocab = llm.engine.tokenizer, llm.engine.model.vocab_size
+    tokenizer, vocab = llm.tokenizer, llm.engine.info.vocab_size
     rng = random.Random(0)
     rows = [tokenizer.encode(_document(rng), add_special_tokens=False) for _ in range(args.batch)]
     masks = _xgrammar(tokenizer, vocab, rows)

@@ -163,17 +163,17 @@ def _row(c: int, sent: int, results: list[_Result], wall: float, cut: bool, max_
 def _kv_check(srv) -> dict:
     def check(engine):
         try:
-            engine.kv.check_integrity()
+            engine.check_integrity()
             ok, why = True, None
         except AssertionError as exc:
             ok, why = False, str(exc) or "AssertionError"
-        return ok, why, engine.kv.stats(), engine.has_unfinished_requests(), engine.scheduler.num_preemptions
+        return ok, why, engine.snapshot(), engine.has_unfinished_requests()
 
-    ok, why, st, busy, preemptions = srv.server.async_engine.call_blocking(check)
-    return {"integrity_ok": ok, "integrity_error": why, "pages_used": st.pages_used, "pages_cached": st.pages_cached,
-            "pages_free": st.pages_free, "num_pages": st.num_pages, "unfinished_requests": busy,
-            "pages_used_is_zero": st.pages_used == 0, "prefix_hit_rate": round(st.prefix_hit_rate, 4),
-            "preemptions": preemptions}
+    ok, why, snap, busy = srv.server.async_engine.call_blocking(check)
+    return {"integrity_ok": ok, "integrity_error": why, "pages_used": snap.pages_used, "pages_cached": snap.pages_cached,
+            "pages_free": snap.pages_free, "num_pages": snap.pages_total, "unfinished_requests": busy,
+            "pages_used_is_zero": snap.pages_used == 0, "prefix_hit_rate": round(snap.prefix_hit_rate, 4),
+            "preemptions": snap.preemptions}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     levels = list(dict.fromkeys(args.concurrency))
     result: dict = {
-        "benchmark": "load", "date": date.today().isoformat(), "machine": _machine(engine.device),
+        "benchmark": "load", "date": date.today().isoformat(), "machine": _machine(engine.info.device),
         "model": config.model, "dtype": engine.info.dtype, "kv_cache_dtype": engine.info.kv_cache_dtype,
         "max_tokens": args.max_tokens,
         "prompt_words": [MIN_WORDS, MAX_WORDS], "time_limit_s": args.time_limit,
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
             row = _row(c, n, results, wall, cut, args.max_tokens)
             done_prompts = [r.prompt for r in results if r.error is None]
             if done_prompts:   # the server is idle now: nothing is in flight
-                off = _offline(engine.loaded, config, done_prompts, min(c, config.max_num_seqs), args.max_tokens)
+                off = _offline(engine.internals().loaded, config, done_prompts, min(c, config.max_num_seqs), args.max_tokens)
                 row["offline"] = off
                 row["ratio_server_vs_offline"] = round(row["out_tok_s"] / off["tok_s"], 3)
             result["levels"].append(row)

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 names = []
                 for i in range(n):
                     name = f"r{rank}-{i}"
-                    write_random_adapter(llm.engine.model, Path(tmp) / name, rank, seed=1000 * rank + i)
+                    write_random_adapter(llm.engine.internals().model, Path(tmp) / name, rank, seed=1000 * rank + i)
                     llm.add_lora(name, str(Path(tmp) / name))
                     names.append(name)
                 (base_s, base_tokens), (s, tokens) = _run(

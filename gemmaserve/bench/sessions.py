@@ -83,7 +83,7 @@ def _run_sessions(llm, sessions: list[list[list[int]]], params, returns: bool) -
             if returns:
                 prompt = history[i] + s[t]
             else:   # a first turn's length, with a prefix no earlier request had
-                prompt = [history[i][0] + 0] + [(x + 7919 * t) % (llm.engine.model.vocab_size - 3) + 3
+                prompt = [history[i][0] + 0] + [(x + 7919 * t) % (engine.info.vocab_size - 3) + 3
                                                 for x in history[i][1:]] + s[t]
             ttft, _, hit, answer = _one(engine, prompt, params)
             (first_ttft if t == 1 else return_ttft).append(ttft)
@@ -93,16 +93,16 @@ def _run_sessions(llm, sessions: list[list[list[int]]], params, returns: bool) -
             if returns:
                 history[i] = prompt + answer
     total = time.perf_counter() - start
-    engine.kv.check_integrity()
+    engine.check_integrity()
+    snap = engine.snapshot()
     row = {"total_s": round(total, 3), "first_ttft_ms": round(1e3 * statistics.median(first_ttft), 1),
            "return_ttft_ms": round(1e3 * statistics.median(return_ttft), 1) if return_ttft else None,
            "cached_tokens": cached, "prompt_tokens": prompt_tokens,
-           "prefix_hit_rate": round(engine.kv.stats().prefix_hit_rate, 3)}
-    tier = engine.kv.tier
-    if tier is not None:
-        st = tier.stats()
+           "prefix_hit_rate": round(snap.prefix_hit_rate, 3)}
+    if snap.tier is not None:
+        st = snap.tier
         row.update(saved_blocks=st.saved_blocks, loaded_blocks=st.loaded_blocks, evicted_blocks=st.evicted_blocks,
-                   tier_bytes=st.bytes_used, every_layer_bytes=_every_layer_bytes(engine.kv))
+                   tier_bytes=st.bytes_used, every_layer_bytes=_every_layer_bytes(engine.internals().kv))
     row["answers"] = answers
     return row
 
@@ -141,13 +141,13 @@ def run(args: argparse.Namespace) -> int:
         loaded = random_model(args.shape, torch.float32, torch.device(config.torch_device()))
         config = config.replace(model=loaded.source.name)
     base = LLM.from_config(config.replace(kv_cache_memory=64 << 20), loaded)
-    vocab = base.engine.model.vocab_size
+    vocab = base.engine.info.vocab_size
     params = SamplingParams(max_tokens=args.answer_tokens, ignore_eos=True, temperature=0)
     results = []
     for prefix in [int(x) for x in args.prefixes.split(",")]:
         sessions = _session_prompts(args.sessions, args.turns + 1, prefix, args.turn_tokens, vocab, seed=prefix)
         longest = prefix + args.turns * (args.turn_tokens + args.answer_tokens)
-        kv = base.engine.kv
+        kv = base.engine.internals().kv
         pool = int(args.pool_sessions * kv.pages_at(longest) * kv.page_bytes)
         pool = max(pool, kv.peak_pages(longest, config.max_num_batched_tokens) * kv.page_bytes)
         tier_bytes = 2 * args.sessions * kv.pages_at(longest) * kv.page_bytes   # room for every session
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                     llm = LLM.from_config(config.replace(kv_cache_memory=pool, enable_prefix_caching=True, **extra),
                                           base)
                     _one(llm.engine, sessions[0][0][:64], params)   # warm-up (first-step costs)
-                    llm.engine.kv.reset_prefix_cache()
+                    llm.reset_prefix_cache()
                     runs[name].append(_run_sessions(llm, sessions, params, returns))
                     del llm
             answers = [r.pop("answers") for rs in runs.values() for r in rs]

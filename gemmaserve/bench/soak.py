@@ -192,9 +192,9 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
 def soak(server, cfg: SoakConfig) -> SoakReport:
     """Run the soak against a started `BackgroundServer` whose engine nothing else uses."""
     start = time.perf_counter()
-    long_prompt = _long_prompt(server.server.tokenizer, server.server.engine.max_model_len // 2)
-    faults, statuses = asyncio.run(_drive(server.port, cfg, long_prompt))
     engine = server.server.async_engine
+    long_prompt = _long_prompt(engine.inputs.tokenizer, engine.info.max_model_len // 2)
+    faults, statuses = asyncio.run(_drive(server.port, cfg, long_prompt))
     deadline = time.monotonic() + 120
     while engine.call_blocking(lambda e: e.has_unfinished_requests()):
         if time.monotonic() > deadline:
@@ -203,13 +203,13 @@ def soak(server, cfg: SoakConfig) -> SoakReport:
 
     def kv_state(e):
         try:
-            e.kv.check_integrity()
+            e.check_integrity()
             ok = True
         except AssertionError:
             ok = False
-        return e.kv.stats(), ok
+        return e.snapshot(), ok
 
-    stats, integrity_ok = engine.call_blocking(kv_state)
+    snap, integrity_ok = engine.call_blocking(kv_state)
     text = scrape_metrics(server.port)
     finished = {m.group(1): int(float(m.group(2)))
                 for m in re.finditer(r'^gemmaserve_requests_total\{finish_reason="([a-z_]+)"\} ([0-9.e+-]+)$', text, re.M)}
@@ -236,8 +236,8 @@ def soak(server, cfg: SoakConfig) -> SoakReport:
     server_errors = sum(n for s, n in statuses.items() if s.lstrip("stream-").startswith("5"))
     return SoakReport(requests=cfg.requests, faults=dict(faults), statuses=dict(statuses),
                       server_errors=server_errors, admitted=admitted, finished=finished,
-                      leaked_pages=stats.pages_used, integrity_ok=integrity_ok and stats.pages_free
-                      + stats.pages_cached == stats.num_pages, accounted=not mismatches, http_counted=http,
+                      leaked_pages=snap.pages_used, integrity_ok=integrity_ok and snap.pages_free
+                      + snap.pages_cached == snap.pages_total, accounted=not mismatches, http_counted=http,
                       mismatches=mismatches,
                       seconds=round(time.perf_counter() - start, 1))
 

@@ -89,13 +89,13 @@ def run(args: argparse.Namespace) -> int:
     spec = LLM.from_config(config.replace(speculative_config=spec_config), plain)
     engine = plain.engine
     result: dict = {
-        "benchmark": "spec", "date": date.today().isoformat(), "machine": _machine(engine.device),
+        "benchmark": "spec", "date": date.today().isoformat(), "machine": _machine(engine.info.device),
         "model": config.model, "weights": engine.info.weights, "cpu_compile": engine.info.cpu_compile,
         "speculative": spec.engine.info.speculative, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(), "tasks": [], "batches": [],
     }
     llama = lookup = None
-    if not args.no_llama_cpp and engine.device.type == "cpu":
+    if not args.no_llama_cpp and torch.device(engine.info.device).type == "cpu":
         ref = _llama_reference(engine, result)
         if ref is not None:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             fns["llama_cpp"] = lambda: _llama(llama, prompt, args.new_tokens)
             fns["llama_cpp_lookup"] = lambda: _llama(lookup, prompt, args.new_tokens)
         outs = {k: fn() for k, fn in fns.items()}   # warm-up (and the outputs compared)
-        stats = spec.engine.scheduler.spec_stats
+        stats = spec.engine.snapshot().spec
         drafted, accepted, steps = stats.drafted, stats.accepted, stats.steps
         times: dict[str, list[float]] = {k: [] for k in fns}
         for _ in range(args.repeats):
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         for k in fns:
             row[f"{k}_tokens"] = tokens[k]
             row[f"{k}_tok_s"] = round(tokens[k] / statistics.median(times[k]), 2)
-        st = spec.engine.scheduler.spec_stats
+        st = spec.engine.snapshot().spec
         row["acceptance_rate"] = round((st.accepted - accepted) / max(1, st.drafted - drafted), 3)
         row["mean_accepted_length"] = round(1 + (st.accepted - accepted) / max(1, st.steps - steps), 2)
         row["spec_over_ours"] = round(row["ours_spec_tok_s"] / row["ours_tok_s"], 3)

@@ -111,13 +111,12 @@ def run(args: argparse.Namespace) -> int:
             spec_config = {"method": method.split()[0], "model": drafter, "num_speculative_tokens": k}
             spec = LLM.from_config(base.engine.config.replace(speculative_config=spec_config), base)
             times = {"off": [], "on": []}
-            stats = spec.engine.scheduler.spec_stats
             for r in range(args.repeats + 1):   # the first of each is a warm-up
                 for name, llm in (("off", base), ("on", spec)):
-                    drafting = stats.steps
+                    drafting = spec.engine.snapshot().spec.steps
                     seconds, steps, tokens = _decode(llm, prompt, args.new_tokens)
                     if r:
-                        times[name].append((seconds, steps, stats.steps - drafting))
+                        times[name].append((seconds, steps, spec.engine.snapshot().spec.steps - drafting))
                     if name == "off":
                         want = tokens
                     elif tokens != want:
@@ -132,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                    "step_ratio": round(drafting_step / plain, 3), "drafting_steps": drafted,
                    "spec_steps": on_steps, "plain_steps": off_steps,
                    "tokens_per_step": round(args.new_tokens / on_steps, 3),
-                   "acceptance_rate": round(stats.acceptance_rate, 3), "speedup": round(off_s / on_s, 3)}
+                   "acceptance_rate": round(spec.engine.snapshot().spec.acceptance_rate, 3), "speedup": round(off_s / on_s, 3)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = Path(args.out)

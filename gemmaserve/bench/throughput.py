@@ -49,14 +49,13 @@ def workload(n: int, min_words: int, max_words: int, seed: int = 0) -> list[str]
 
 
 def _ours(llm, prompts, params) -> dict:
-    sched = llm.engine.scheduler
-    pre = sched.num_preemptions
+    pre = llm.engine.snapshot().preemptions
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"seconds": round(wall, 2), "output_tokens": tokens, "tok_s": round(tokens / wall, 2),
-            "preemptions": sched.num_preemptions - pre}
+            "preemptions": llm.engine.snapshot().preemptions - pre}
 
 
 def _hf(hf, prompt_ids: list[list[int]], new_tokens: int, batch: int) -> dict:
@@ -92,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = [llm.tokenizer.encode(p) for p in prompts]
     lens = [len(p) for p in prompt_ids]
     llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    result = {"benchmark": "throughput", "date": date.today().isoformat(), "machine": _machine(llm.engine.device),
+    result = {"benchmark": "throughput", "date": date.today().isoformat(), "machine": _machine(llm.engine.info.device),
               "model": config.model, "dtype": llm.engine.info.dtype, "weights": llm.engine.info.weights,
               "kv_cache_dtype": llm.engine.info.kv_cache_dtype, "prompts": len(prompts),
               "prompt_tokens": {"min": min(lens), "max": max(lens), "total": sum(lens)},
@@ -101,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     cold = LLM.from_config(no_cache, llm)   # distinct prompts: caching would only help the repeats below
     result["cpu_compile"] = cold.engine.info.cpu_compile
     result["runs"]["gemmaserve"] = _ours(cold, prompts, params)
-    kv = cold.engine.kv
+    kv = cold.engine.internals().kv
     need = sum(kv.peak_pages(n + args.new_tokens, config.max_num_batched_tokens) for n in lens) * kv.page_bytes
     tight_bytes = int(need * args.tight_fraction)
     tight = LLM.from_config(no_cache.replace(kv_cache_memory=tight_bytes), llm)
@@ -110,11 +109,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_hf:
         from ..testing.hf_reference import build_hf_model
 
-        hf = build_hf_model(_float_model(llm.engine), dtype=llm.engine.dtype, device=llm.engine.device)
+        parts = llm.engine.internals()
+        hf = build_hf_model(_float_model(llm.engine), dtype=parts.dtype, device=parts.device)
         hf.generate(torch.tensor([prompt_ids[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
         result["runs"]["hf_one_by_one"] = _hf(hf, prompt_ids, args.new_tokens, 1)
         result["runs"]["hf_padded_batch"] = _hf(hf, prompt_ids, args.new_tokens, args.hf_batch)
-    llama = None if args.no_llama_cpp or llm.engine.device.type != "cpu" else _llama_reference(llm.engine, result)
+    llama = None if args.no_llama_cpp or torch.device(llm.engine.info.device).type != "cpu" else _llama_reference(llm.engine, result)
     if llama is not None:
         result["runs"]["llama_cpp_batched"] = llama.generate_batched(prompt_ids, args.new_tokens, args.hf_batch)
     ours = result["runs"]["gemmaserve"]["tok_s"]

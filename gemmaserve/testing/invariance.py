@@ -14,7 +14,7 @@ import torch
 def record_logits(engine) -> dict[str, list[torch.Tensor]]:
     """From now on, every logits row the engine's runner produces, by request id (copied at once: a
     CUDA graph's output buffer is overwritten by the next replay)."""
-    runner = engine.runner
+    runner = engine.internals().runner
     if hasattr(runner, "recorded_logits"):   # already recording
         return runner.recorded_logits
     seen: dict[str, list[torch.Tensor]] = {}
@@ -63,7 +63,7 @@ def probe_checks(engine, probe: list[int], others: Sequence[list[int]], max_toke
     seen = record_logits(engine)
     alone = run_recorded(engine, seen, [probe], max_tokens, "alone")[0]
     dup = run_recorded(engine, seen, [probe, probe], max_tokens, "dup") if duplicate else []
-    engine.kv.reset_prefix_cache()
+    engine.reset_prefix_cache()
     mixed = run_recorded(engine, seen, [others[0], probe, *others[1:]], max_tokens, "mixed")[1]
     return {"steps": len(alone), "duplicate_equal": all(same_bits(alone, d) for d in dup),
             "mixed_equal": same_bits(alone, mixed), "mixed_max_abs_diff": max_diff(alone, mixed),
