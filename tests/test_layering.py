@@ -158,3 +158,31 @@ def test_engine_rooms_do_not_import_what_assembles_the_engine():
     probe = {"gemmaserve.engine.media.items": (ROOT / "engine" / "media" / "items.py").read_text()
              + "def f():\n    from ..llm_engine import LLMEngine\n"}
     assert "gemmaserve.engine.llm_engine" in _import_graph(probe)["gemmaserve.engine.media.items"]
+
+
+# -- LLMEngine.internals(): for benchmarks and tests, never for the engine's own users ------------------------
+INTERNALS_HOME = ("engine/llm_engine.py", "engine/internals.py")   # where the view is defined and built
+
+
+def _internals_uses(source: str) -> list[int]:
+    """Lines of `source` reaching for `.internals` (a call, or the bound method kept for later)."""
+    return sorted({n.lineno for n in ast.walk(ast.parse(source))
+                   if isinstance(n, ast.Attribute) and n.attr == "internals"
+                   or isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "getattr"
+                   and any(isinstance(a, ast.Constant) and a.value == "internals" for a in n.args[1:2])})
+
+
+def test_server_cli_and_engine_rooms_do_not_use_internals():
+    """internals.py: the server, the CLI and the engine's own modules use LLMEngine's methods, not its parts."""
+    paths = [*(ROOT / "server").rglob("*.py"), *(ROOT / "engine").rglob("*.py"), *ROOT.glob("cli*.py"),
+             *ROOT.glob("cli/**/*.py"), ROOT / "__main__.py"]
+    bad = [f"{path.relative_to(ROOT)}:{line}" for path in paths if path.relative_to(ROOT).as_posix() not in INTERNALS_HOME
+           for line in _internals_uses(path.read_text())]
+    assert not bad, f"engine.internals() outside benchmarks and tests: {bad}"
+
+
+def test_the_internals_check_sees_a_use():
+    assert _internals_uses("def f(engine):\n    return engine.internals().kv\n") == [2]
+    assert _internals_uses("parts = self.async_engine._engine.internals\n") == [1]
+    assert _internals_uses("x = getattr(engine, 'internals')()\n") == [1]
+    assert _internals_uses("from .internals import EngineInternals\nfrom . import internals\n") == []

@@ -207,5 +207,5 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                             create_proposer(spec), spec.disable_by_batch_size if spec else 1,
                             LoRASlots(config.max_loras)),
         loras=LoRARegistry(model, config.max_lora_rank),
-        inputs=InputProcessor(config.model, tokenizer, layouts, checks=validator), validator=validator,
+        inputs=InputProcessor(config.model, tokenizer, layouts), validator=validator,
         outputs=OutputProcessor(tokenizer), async_scheduling=async_scheduling, info=info)

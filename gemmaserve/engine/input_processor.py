@@ -15,9 +15,7 @@ from ..models.multimodal import EncoderInput, MediaLayout, Modality
 from .media.audio import AudioLimits, load_audio, split_clips
 from .media.images import ImageLimits, load_image
 from .media.items import MediaInput, MediaItem, expand_prompt, place_media
-from .sampling_params import SamplingParams
 from .media.video import VideoLimits, load_video
-from .validation import RequestValidator
 
 # A request's images, audio and video as their encoders read them, by modality, before they have a place in the
 # prompt
@@ -29,7 +27,6 @@ class InputProcessor:
     model_name: str
     tokenizer: object
     layouts: dict[Modality, MediaLayout] = field(default_factory=dict)   # what the model reads besides text
-    checks: RequestValidator | None = field(default=None, repr=False)   # only for check_request (below)
 
     @property
     def image_layout(self) -> MediaLayout | None:
@@ -128,8 +125,3 @@ class InputProcessor:
     def prepare_images(self, prompt: str, images: list, limits: ImageLimits | None = None
                        ) -> tuple[list[int], list[MediaItem]]:
         return self.prepare(prompt, images=images, image_limits=limits)
-
-    # for the benchmarks until they move (issue 44): LLMEngine.validate is the interface
-    def check_request(self, prompt_ids: list[int], params: SamplingParams, media: list[MediaItem] | None = None,
-                      wait_for_grammar: bool = True) -> int | None:
-        return self.checks.check(prompt_ids, params, media, wait_for_grammar)

@@ -119,19 +119,11 @@ class OpenAIServer:
     def model_name(self) -> str:
         return self.model.name
 
-    @property
-    def tokenizer(self):   # for the benchmarks until they move (issue 44)
-        return self.model.tokenizer
-
     async def _start(self, req: CompletionRequest | ChatRequest, rid: str, prompts: list[CheckedRequest],
                      deadline: float | None, admission: Admission) -> Generation:
         """How a request starts generating (`StartFn`): posted to this engine. A disaggregated role
         (server/disagg.py) starts from another engine's KV instead."""
         return await self.common.start_here(req, rid, prompts, deadline, admission)
-
-    @property
-    def engine(self) -> LLMEngine:   # for the benchmarks until they move (issue 44): handlers use async_engine
-        return self.async_engine._engine
 
     def _load(self, importing: threading.Thread) -> None:
         """The loader's thread: load, then start the engine thread and become ready. `importing`
