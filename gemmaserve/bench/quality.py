@@ -1,7 +1,9 @@
 """`gemmaserve bench quality`: what keeping a GGUF's weights quantised costs in accuracy, on the CPU.
 
 Three models over the same file: ours with every weight expanded to fp32 (the reference), ours with the
-quantised weights (`--dtype auto`), and llama.cpp on the same file when `llama-cpp-python` is installed.
+quantised weights (`--dtype auto`), and llama.cpp on the same file when `llama-cpp-python` is installed; and
+for the GPU's weight formats, the fp32 model's projections in W4A16 (int4 groups of 32 and 128, rounded to
+nearest) and FP8 (per channel, activations per token), scored on the same passages.
 Ours decodes the greedy prompts as one batch, and (compiled) one at a time as llama.cpp does.
 Figures: perplexity over fixed passages (`quality_texts.py`; teacher-forced, each passage from its
 start; ours through the real paged path, `testing/scoring.py`; the quantised model in prefill chunks, one
@@ -46,6 +48,27 @@ def _greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
+def _gpu_schemes(model: str) -> dict[str, torch.nn.Module]:
+    """The fp32 model with its attention and MLP projections in the GPU's weight formats (quantization/schemes.py),
+    run through their CPU references: W4A16 int4 groups of 32 and of 128 rounded to nearest (no calibration: an
+    upper bound on what a GPTQ/AWQ/QAT checkpoint loses), and FP8 per channel with per-token activations, as
+    `--quantization fp8` makes it."""
+    from ..models.loader import load_model
+    from ..models.quantized import quantize_projections
+    from ..quantization.compressed_tensors import ModuleQuant
+    from ..quantization.schemes import Scheme, quantize_fp8_per_channel, quantize_int4_groups
+
+    schemes = {"w4a16_g32_rtn": (ModuleQuant(Scheme.W4A16, group=32), lambda w: quantize_int4_groups(w, 32)),
+               "w4a16_g128_rtn": (ModuleQuant(Scheme.W4A16, group=128), lambda w: quantize_int4_groups(w, 128)),
+               "fp8_channel": (ModuleQuant(Scheme.FP8), quantize_fp8_per_channel)}
+    out = {}
+    for name, (quant, quantize) in schemes.items():
+        loaded = load_model(model, torch.float32, torch.device("cpu"))
+        quantize_projections(loaded.model, quant, quantize)
+        out[name] = loaded.model
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from ..config.engine import EngineConfig
     from ..engine.compile.compiled_decode import unavailable
@@ -76,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     scorers = {"ours_quantized": Scorer(quant.model, longest),
                "ours_quantized_decode": Scorer(quant.model, longest, chunk=1),
                "ours_quantized_8_rows": Scorer(quant.model, longest, chunk=8)}
+    for name, model in _gpu_schemes(args.model).items():   # what the GPU's formats cost, on the same text
+        scorers[name] = Scorer(model, longest)
     if unavailable() is None:   # the compiled decode step (what the engine runs once it is compiled)
         scorers["ours_quantized_decode_compiled"] = Scorer(quant.model, longest, chunk=1, compiled=True,
                                                            kv_manager="v2")
