@@ -19,7 +19,7 @@ from ..hostmem import release_freed_memory
 from .base import CausalLM
 from .embedded import EMBEDDED_MODELS, cache_dir, resolve_embedded
 from .registry import model_class_for_gguf, model_class_for_hf
-from .tensor_parallel import ShardPlan, TensorParallelShard, check_shardable, parallelize, shard_model
+from .tensor_parallel import ShardPlan, Slice, TensorParallelShard, check_shardable, parallelize, shard_model
 from . import quant_cache
 from .tokenizer import Tokenizer
 
@@ -243,20 +243,22 @@ def _processor_config(path: Path) -> dict:
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, shard: TensorParallelShard | None,
                  quantization: str = "auto") -> tuple[CausalLM, Tokenizer, dict[str, int] | None]:
     """A tensor-parallel rank reads only its slices from the files (safetensors' `get_slice`). A checkpoint
-    with a compressed-tensors `quantization_config` keeps its quantised Linears quantised (models/quantized.py);
-    `quantization` "fp8" quantises a float one's projections at load."""
+    with a compressed-tensors `quantization_config` keeps its quantised Linears quantised (models/quantized.py;
+    a rank's slices of their packed tensors: models/quantized_shards.py); `quantization` "fp8" quantises a float
+    one's projections at load."""
     from safetensors import SafetensorError, safe_open
 
     from . import quantized as q
+    from .quantized_shards import quantized_slices
 
     model_class, config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UserInputError(f"model directory {str(path)!r} has no *.safetensors files")
     plan = _quant_plan(path, quantization)
-    if (plan is not None or quantization == "fp8") and shard is not None:
-        raise UserInputError("quantised weights (compressed-tensors, --quantization fp8) cannot be split over "
-                             "tensor-parallel ranks yet: use --tensor-parallel-size 1")
+    if quantization == "fp8" and shard is not None:
+        raise UserInputError("--quantization fp8 cannot be split over tensor-parallel ranks yet: use "
+                             "--tensor-parallel-size 1")
     index: dict[str, q.TensorInfo] = {}
     if plan is not None:
         for file in files:
@@ -268,6 +270,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, shard: Te
             except SafetensorError as exc:
                 raise UserInputError(f"cannot read {file}: {exc}") from None
     kept: set[str] = set()   # our quantised modules: their tensors are copied as saved (int32, fp8, scales)
+    kept_slices: dict[str, Slice | None] = {}   # a rank's slices of those tensors (in their packed units)
 
     def weights(model: CausalLM, plan_: ShardPlan | None) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
@@ -280,7 +283,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, shard: Te
                         if name.endswith(".weight_shape"):   # checked, then dropped: the module knows its shape
                             q.check_weight_shape(raw_name, fh.get_tensor(raw_name), index)
                             continue
-                        part = plan_.slice_for(name) if plan_ is not None else None
+                        part = kept_slices[name] if name in kept_slices else \
+                            plan_.slice_for(name) if plan_ is not None else None
                         tensor = fh.get_tensor(raw_name) if part is None else part.read(fh.get_slice(raw_name))
                         keep = kept and q.our_module(model, name)[0] in kept
                         yield name, tensor if keep else tensor.to(torch.float32)
@@ -295,14 +299,19 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, shard: Te
             release_freed_memory()
             formats = q.formats(model, quantized, dtype)
     else:
-        # Built on the CPU (untouched torch.empty pages cost nothing), the planned Linears swapped for quantised
-        # ones on the device before any float weight of theirs exists, the rest moved, then filled.
+        # Built on the CPU (untouched torch.empty pages cost nothing), a rank's local shapes taken there too, the
+        # planned Linears swapped for quantised ones on the device before any float weight of theirs exists, the
+        # rest moved, then filled.
         model = model_class(config, dtype)
+        shard_plan = shard_model(model, shard, torch.device("cpu")) if shard is not None else None
         planned = q.plan_modules(model, plan, index)
+        if shard_plan is not None:   # misaligned shares are refused here, before anything is read
+            kept_slices.update(quantized_slices(model, planned, shard_plan, index))
+            model.tensor_parallel_plan = shard_plan
         q.install(model, planned, device)
         kept.update(planned)
         model.to(device)
-        model.load_weights(weights(model, None))
+        model.load_weights(weights(model, shard_plan))
         q.finish(model, planned)
         formats = q.formats(model, {n: e.quant for n, e in planned.items()}, dtype)
     return model, Tokenizer.from_checkpoint_dir(path), formats

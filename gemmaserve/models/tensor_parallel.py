@@ -24,7 +24,8 @@ Final logit soft-capping is elementwise, so the model applies it to the gathered
 Three steps, so that loading and quantisation stay unaware of parallelism:
   1. `shard_model`: local shapes on the device (before any weight is read), and a `ShardPlan` that
      says which slice of each checkpoint tensor this rank reads (`Slice`).
-  2. the loader reads only those slices and quantises as usual.
+  2. the loader reads only those slices and quantises as usual (a quantised checkpoint's packed tensors:
+     their slices in packed units, quantized_shards.py).
   3. `parallelize`: wraps the row-parallel modules and embeddings (whatever their class after
      quantisation) with their collective.
 """
@@ -206,6 +207,10 @@ class ShardPlan:
                 return Slice(0, (rows,) if part is not None else (rows, (full + rows[0], full + rows[1])))
         return None
 
+    def row_parallel(self) -> list[str]:
+        """The row-parallel Linears (o_proj, down_proj): each rank holds a slice of their inputs (columns)."""
+        return [f"{n}.o_proj" for n in self.attention] + [f"{n}.down_proj" for n in self.mlp]
+
     def _attention_slice(self, p: AttentionParams, fused: str, part: int | None) -> Slice | None:
         tp, r = self.shard.world_size, self.shard.rank
         local = local_attention(p, tp)
@@ -261,12 +266,8 @@ def shard_model(model: nn.Module, shard: TensorParallelShard, device: torch.devi
 def parallelize(model: nn.Module, plan: ShardPlan) -> None:
     """After loading (and quantisation): add the collectives where partial results meet."""
     comm = plan.shard.comm
-    for name in plan.attention:
-        attn = model.get_submodule(name)
-        attn.o_proj = AllReduceOutput(attn.o_proj, comm)
-    for name in plan.mlp:
-        mlp = model.get_submodule(name)
-        mlp.down_proj = AllReduceOutput(mlp.down_proj, comm)
+    for name in plan.row_parallel():
+        _set(model, name, AllReduceOutput(model.get_submodule(name), comm))
     for name in plan.experts:
         _set(model, name, AllReduceOutput(model.get_submodule(name), comm))
     for name, vocab in plan.embeddings.items():

@@ -66,6 +66,21 @@ def unpack_int4_cols(packed: torch.Tensor, rows: int) -> torch.Tensor:
     return unpack_int4_rows(packed.t(), rows).t().contiguous()
 
 
+def element_span(quant: ModuleQuant, leaf: str) -> tuple[int | None, int | None] | None:
+    """Weight rows and columns that one element of checkpoint tensor `leaf` covers: weight_packed's words (1, 8),
+    scale groups (1, g), zero points packed eight rows a word (8, g), fp8 blocks' scales (bn, bk); None in a place:
+    one element spans that whole dim (a per-channel scale's single column). None: not one of the format's tensors.
+    (What a slice of the weight must align with to be a slice of the tensor: tensor parallelism.)"""
+    if quant.scheme is Scheme.W4A16:
+        return {"weight_packed": (1, 8), "weight_scale": (1, quant.group),
+                "weight_zero_point": (8, quant.group)}.get(leaf)
+    if leaf == "weight":
+        return (1, 1)
+    if leaf == "weight_scale":
+        return (1, None) if quant.block is None else quant.block
+    return None
+
+
 class QuantizedLinear(nn.Module):
     """y = x W^T with W quantised as `quant` says (see the module docstring). `parts`: the rows of each fused
     part (q/k/v, gate/up), in order; `scale_dtype`: the checkpoint's scale dtype (kept as saved)."""
