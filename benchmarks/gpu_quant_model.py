@@ -40,9 +40,9 @@ def _quantize(loaded, scheme: str) -> None:
 
     if scheme == "w4a16":
         done = quantize_projections(loaded.model, ModuleQuant(Scheme.W4A16, group=32),
-                                    lambda w: quantize_int4_groups(w, 32, torch.bfloat16))
+                                    lambda _, w: quantize_int4_groups(w, 32, torch.bfloat16))
     elif scheme == "fp8":
-        done = quantize_projections(loaded.model, ModuleQuant(Scheme.FP8), quantize_fp8_per_channel)
+        done = quantize_projections(loaded.model, ModuleQuant(Scheme.FP8), lambda _, w: quantize_fp8_per_channel(w))
     else:
         return
     loaded.weight_formats = formats(loaded.model, done, torch.bfloat16)

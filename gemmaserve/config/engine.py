@@ -220,9 +220,6 @@ class EngineConfig:
                                  "calibration pass runs on one process)")
         if not isinstance(self.batch_invariant, bool):
             raise UserInputError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
-        if tp > 1 and self.quantization == "fp8":
-            raise UserInputError("quantization fp8 is not supported with tensor_parallel_size > 1 yet (quantised "
-                                 "weights are not split over ranks)")
         if tp > 1 and self.batch_invariant:
             raise UserInputError("batch_invariant is not supported with tensor_parallel_size > 1 (the all-reduce "
                                  "picks its algorithm, hence its summation order, by message size: by the batch)")

@@ -245,7 +245,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, shard: Te
     """A tensor-parallel rank reads only its slices from the files (safetensors' `get_slice`). A checkpoint
     with a compressed-tensors `quantization_config` keeps its quantised Linears quantised (models/quantized.py;
     a rank's slices of their packed tensors: models/quantized_shards.py); `quantization` "fp8" quantises a float
-    one's projections at load."""
+    one's projections at load (a rank its own slices)."""
     from safetensors import SafetensorError, safe_open
 
     from . import quantized as q
@@ -256,9 +256,6 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, shard: Te
     if not files:
         raise UserInputError(f"model directory {str(path)!r} has no *.safetensors files")
     plan = _quant_plan(path, quantization)
-    if quantization == "fp8" and shard is not None:
-        raise UserInputError("--quantization fp8 cannot be split over tensor-parallel ranks yet: use "
-                             "--tensor-parallel-size 1")
     index: dict[str, q.TensorInfo] = {}
     if plan is not None:
         for file in files:
@@ -295,7 +292,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, shard: Te
     if plan is None:
         model = build_model(model_class, config, weights, dtype, device, shard)
         if quantization == "fp8":
-            quantized = q.quantize_fp8_online(model)
+            quantized = q.quantize_fp8_online(model, model.tensor_parallel_plan if shard is not None else None)
             release_freed_memory()
             formats = q.formats(model, quantized, dtype)
     else:

@@ -14,7 +14,10 @@ products are exact in fp32 for bf16/fp16 scales, so the kernel multiplies by the
 (fp32 scales with zero points may not be: those stay on the reference of quantization/linear.py.)
 
 `quantize_fp8_online` is `--quantization fp8`: every attention and MLP projection of the loaded model to FP8
-per output channel (schemes.quantize_fp8_per_channel), one module at a time; nothing is written to disk.
+per output channel (schemes.quantize_fp8_per_channel), one module at a time; nothing is written to disk. A
+tensor-parallel rank quantises the slices it loaded; a row-parallel slice (o_proj, down_proj: some of each row's
+columns) takes its rows' amax over every rank's columns (one all_gather of [N] per module at load), so every rank
+holds exactly the tp=1 weight's slice, scales whole.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ..quantization.compressed_tensors import ModuleQuant, QuantPlan
 from ..quantization.linear import QuantizedLinear
 from ..quantization.schemes import Fp8Weight, Int4Weight, Scheme, quantize_fp8_per_channel
 from .layers import Attention, GeGLU, Linear, linear
+from .tensor_parallel import ShardPlan
 
 _SCALE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _QUANT_LEAVES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
@@ -170,21 +174,31 @@ def formats(model: nn.Module, quantized: dict[str, ModuleQuant], dtype: torch.dt
     return out
 
 
-def quantize_fp8_online(model: nn.Module) -> dict[str, ModuleQuant]:
-    """Every attention and MLP projection of a loaded model to FP8 per channel (`--quantization fp8`)."""
-    return quantize_projections(model, ModuleQuant(Scheme.FP8), quantize_fp8_per_channel)
+def quantize_fp8_online(model: nn.Module, plan: ShardPlan | None = None) -> dict[str, ModuleQuant]:
+    """Every attention and MLP projection of a loaded model to FP8 per channel (`--quantization fp8`). `plan`: a
+    tensor-parallel rank's (before `parallelize`): row-parallel slices are scaled by their whole rows' amax, every
+    rank gathering them in the same module order."""
+    row_parallel = set(plan.row_parallel()) if plan is not None else set()
+
+    def quantize(name: str, w: torch.Tensor) -> Fp8Weight:
+        if name not in row_parallel:
+            return quantize_fp8_per_channel(w)
+        amax = plan.shard.comm.all_gather_last(w.float().abs().amax(dim=1, keepdim=True))   # [N, ranks]
+        return quantize_fp8_per_channel(w, amax.amax(dim=1))
+
+    return quantize_projections(model, ModuleQuant(Scheme.FP8), quantize)
 
 
 def quantize_projections(model: nn.Module, quant: ModuleQuant,
-                         quantize: Callable[[torch.Tensor], Int4Weight | Fp8Weight]) -> dict[str, ModuleQuant]:
-    """Every attention and MLP projection of a loaded model quantised by `quantize` (its float weight [N, K] ->
-    the scheme's weight), one module at a time (each float weight freed as its quantised copy exists). Returns
-    the modules quantised."""
+                         quantize: Callable[[str, torch.Tensor], Int4Weight | Fp8Weight]) -> dict[str, ModuleQuant]:
+    """Every attention and MLP projection of a loaded model quantised by `quantize` (module name, its float weight
+    [N, K] -> the scheme's weight), one module at a time, in module order (each float weight freed as its quantised
+    copy exists). Returns the modules quantised."""
     names = [f"{n}.{child}" for n, m in model.named_modules() if isinstance(m, (Attention, GeGLU))
              for child, c in m.named_children() if isinstance(c, Linear)]
     for name in names:
         old = model.get_submodule(name)
-        new = QuantizedLinear.from_weight(name, quantize(old.weight.data), quant)
+        new = QuantizedLinear.from_weight(name, quantize(name, old.weight.data), quant)
         if old.weight.device.type == "cpu":
             new.matmul = linear
         del old

@@ -82,10 +82,11 @@ class Fp8Weight:
         return (self.q.float() * scale).to(dtype)
 
 
-def quantize_fp8_per_channel(w: torch.Tensor) -> Fp8Weight:
+def quantize_fp8_per_channel(w: torch.Tensor, amax: torch.Tensor | None = None) -> Fp8Weight:
     """A float weight [N, K] to fp8 with one fp32 scale per output row (amax / 448), as `--quantization fp8`
-    does at load; a zero row gets scale 1."""
-    amax = w.float().abs().amax(dim=1)
+    does at load; a zero row gets scale 1. `amax` [N]: the rows' amax where `w` holds only some of each row's
+    columns (a tensor-parallel rank's slice, scaled as the whole row is); default: w's own."""
+    amax = w.float().abs().amax(dim=1) if amax is None else amax.float()
     scale = torch.where(amax > 0, amax / torch.finfo(FP8_DTYPE).max, torch.ones_like(amax))
     q = (w.float() / scale[:, None]).clamp(-torch.finfo(FP8_DTYPE).max, torch.finfo(FP8_DTYPE).max).to(FP8_DTYPE)
     return Fp8Weight(q, scale)
