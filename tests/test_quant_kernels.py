@@ -21,7 +21,11 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reas
 
 
 def _int4(gen, n, k, group, asym, scale_dtype=torch.bfloat16) -> Int4Weight:
+    """`asym`: False (symmetric), True (zero points) or "offset" (w = s q - o, fp32 scales and offsets as Q4_K's)."""
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    if asym == "offset":
+        scale = torch.rand(n, k // group, generator=gen) * 0.02 + 0.001
+        return Int4Weight(q, scale, None, group, scale * torch.rand(n, k // group, generator=gen) * 15)
     scale = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).to(scale_dtype)
     zero = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8) if asym else None
     return Int4Weight(q, scale, zero, group)
@@ -42,8 +46,11 @@ def _regimes(m, n, k, group):
             "gemm": I4.Int4Config(64, 64, min(group, 64), k, 4, 2)}
 
 
+FORMS = pytest.mark.parametrize("asym", [False, True, "offset"], ids=["sym", "asym", "offset"])
+
+
 @interpreted
-@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+@FORMS
 @pytest.mark.parametrize("m, n, k, group", INT4_CASES)
 def test_int4_kernel_matches_the_fp32_dequantisation(m, n, k, group, asym):
     seed = fresh_seed()
@@ -71,19 +78,33 @@ def test_int4_leading_dims_and_fp16_scales():
     assert y.shape == (2, 3, 24) and _rel(y.reshape(6, 24), ref) < 1e-6
 
 
-@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+@FORMS
 def test_pack_int4_round_trip_is_exact(asym):
     gen = torch.Generator().manual_seed(fresh_seed())
     w = _int4(gen, 40, 256, 32, asym)
     w.q[0, :8] = torch.tensor([15, 0, 7, 8, 15, 15, 15, 15], dtype=torch.uint8)   # sign bit set in word 0
     p = I4.pack_int4(w)
-    assert p.qweight.dtype == torch.int32 and p.qweight.shape == (32, 40) and p.has_zero == asym
-    assert p.scale.dtype == torch.bfloat16 and p.scale.shape == (8, 40)
+    assert p.qweight.dtype == torch.int32 and p.qweight.shape == (32, 40)
+    assert p.has_zero == (asym is True) and p.has_offset == (asym == "offset")
+    assert p.scale.dtype == w.scale.dtype and p.scale.shape == (8, 40)
     # The documented layout: word (r, n), bits 4i..4i+3, is q[n, 8r + i].
     assert int(p.qweight[0, 0]) & 0xF == 15 and (int(p.qweight[0, 0]) >> 8) & 0xF == 7
     u = I4.unpack_int4(p)
     assert torch.equal(u.q, w.q) and torch.equal(u.scale, w.scale) and u.group == w.group
-    assert (u.zero is None) if not asym else torch.equal(u.zero, w.zero)
+    assert (u.zero is None) if asym is not True else torch.equal(u.zero, w.zero)
+    assert (u.offset is None) if asym != "offset" else torch.equal(u.offset, w.offset)
+    assert torch.equal(u.dequantize(), w.dequantize())
+    assert p.nbytes == 32 * 40 * 4 + 8 * 40 * w.scale.element_size() + (8 * 40 * 4 if asym == "offset" else
+                                                                         8 * 40 if asym else 0)
+
+
+def test_int4_offset_form_dequantizes_as_s_q_minus_o():
+    """w = s q - o with fp32 scale and offset: s q is exact in fp32 (Q4_K's d * sc times 4 bits), one rounding."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    w = _int4(gen, 8, 64, 32, "offset")
+    s, o = w.scale.repeat_interleave(32, 1), w.offset.repeat_interleave(32, 1)
+    assert torch.equal(w.dequantize(), s * w.q.float() - o)
+    assert torch.equal(w.dequantize(torch.bfloat16), (s * w.q.float() - o).to(torch.bfloat16))
 
 
 def test_int4_bad_shapes_name_them():
@@ -101,6 +122,13 @@ def test_int4_bad_shapes_name_them():
         I4.Int4Packed(p.qweight, torch.ones(3, 16), None, 16, 64, 32)
     with pytest.raises(ValueError, match=r"packed int4 weight .*\(8, 17\).*\(8, 16\)"):
         I4.Int4Packed(torch.zeros(8, 17, dtype=torch.int32), p.scale, None, 16, 64, 32)
+    q, ones = torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2)
+    with pytest.raises(ValueError, match="a zero point or an offset, not both"):
+        Int4Weight(q, ones, torch.zeros(16, 2, dtype=torch.uint8), 32, ones)
+    with pytest.raises(ValueError, match=r"offset torch.float32 \(16, 1\), expected a float \(16, 2\)"):
+        Int4Weight(q, ones, None, 32, torch.ones(16, 1))
+    with pytest.raises(ValueError, match=r"packed int4 offset torch.int32 .*expected a float \(2, 16\)"):
+        I4.Int4Packed(p.qweight, p.scale, None, 16, 64, 32, torch.ones(2, 16, dtype=torch.int32))
 
 
 def test_quantize_activations_per_token():

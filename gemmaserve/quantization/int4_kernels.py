@@ -9,6 +9,7 @@ Layout (`Int4Packed`, made once at load by `pack_int4`):
                               columns (coalesced, 16-byte vectors per thread)
     scale    [K/g, N]         the checkpoint's float dtype, as saved (read as fp32 in the kernel: exact)
     zero     uint8 [K/g, N]   0..15, or None: symmetric, zero = 8 (a compile-time constant)
+    offset   [K/g, N]         the offset form's float offsets (w = s q - offset), or None; never with zero
 
 The kernel (one for both batch regimes, cut differently; see `int4_config`): a program owns a BM x BN output
 tile and a slice of K. Each step loads BK/8 word rows, unpacks them into the integers q - zero (-15..15, exact
@@ -16,6 +17,12 @@ in bf16, fp16 and fp32), multiplies x's [BM, BK] tile by them with tl.dot (exact
 that partial times the group's scale to the accumulator: BK never crosses a group (BK divides g), so the
 scale multiplies once per group and column instead of once per weight, and no weight is rounded to x's
 dtype after scaling (a bf16 scale times a 4-bit integer needs 12 bits of mantissa; bf16 has 8).
+
+The offset form (GGUF Q4_K, Q4_1) multiplies x by the raw q (0..15) instead, and subtracts per step the row
+sums of x's tile times the group's offset: sum_k x (s q - o) = s sum_k x q - o sum_k x over a step inside one
+group. That is the same value in exact arithmetic, not the same bits as dequantise-then-multiply: the two fp32
+terms are rounded apart before they cancel (an error of fp32 rounding of |s sum x q| + |o sum x|, far below
+bf16's rounding of a dequantised weight, but not zero).
 
 * small M (decode, M <= 16): BM = 16, narrow column tiles and split-K (launch.split_k) so that the packed
   weights stream from every multiprocessor at once; the slices meet by fp32 atomics in a zeroed buffer;
@@ -44,10 +51,11 @@ SMALL_M = 16   # rows up to which the decode configuration (BM = 16, split-K) se
 class Int4Packed:
     qweight: torch.Tensor          # int32 [K/8, N]
     scale: torch.Tensor            # [K/g, N], float (checkpoint dtype)
-    zero: torch.Tensor | None      # uint8 [K/g, N], or None (symmetric: 8)
+    zero: torch.Tensor | None      # uint8 [K/g, N], or None (symmetric: 8, or the offset form)
     n: int
     k: int
     group: int
+    offset: torch.Tensor | None = None   # [K/g, N], float: w = s q - offset (then zero is None)
 
     def __post_init__(self) -> None:
         check_geometry(self.n, self.k, self.group)
@@ -61,7 +69,13 @@ class Int4Packed:
                                       or self.zero.dtype != torch.uint8):
             raise ValueError(f"packed int4 zero point {self.zero.dtype} {tuple(self.zero.shape)}, expected "
                              f"torch.uint8 {(self.k // self.group, self.n)}")
-        for t in (self.qweight, self.scale, self.zero):
+        if self.offset is not None:
+            if self.zero is not None:
+                raise ValueError("a packed int4 weight has a zero point or an offset, not both")
+            if tuple(self.offset.shape) != (self.k // self.group, self.n) or not self.offset.is_floating_point():
+                raise ValueError(f"packed int4 offset {self.offset.dtype} {tuple(self.offset.shape)}, expected "
+                                 f"a float {(self.k // self.group, self.n)}")
+        for t in (self.qweight, self.scale, self.zero, self.offset):
             if t is not None and not t.is_contiguous():
                 raise ValueError("packed int4 tensors must be contiguous (the kernel reads rows of N columns)")
 
@@ -70,13 +84,18 @@ class Int4Packed:
         return self.zero is not None
 
     @property
+    def has_offset(self) -> bool:
+        return self.offset is not None
+
+    @property
     def shape(self) -> tuple[int, int]:
         return self.n, self.k
 
     @property
     def nbytes(self) -> int:
-        """Bytes a product reads from the weight (packed values, scales, zero points)."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero) if t is not None)
+        """Bytes a product reads from the weight (packed values, scales, zero points or offsets)."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero, self.offset)
+                   if t is not None)
 
 
 def check_geometry(n: int, k: int, group: int) -> None:
@@ -101,15 +120,17 @@ def pack_int4(w: Int4Weight) -> Int4Packed:
     words = (nib << shifts).sum(dim=1, dtype=torch.int64)
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     zero = None if w.zero is None else w.zero.t().contiguous()
-    return Int4Packed(words.contiguous(), w.scale.t().contiguous(), zero, n, k, w.group)
+    offset = None if w.offset is None else w.offset.t().contiguous()
+    return Int4Packed(words.contiguous(), w.scale.t().contiguous(), zero, n, k, w.group, offset)
 
 
 def unpack_int4(p: Int4Packed) -> Int4Weight:
-    """The Int4Weight that `p` packs (exactly: values, scales in their dtype, zero points)."""
+    """The Int4Weight that `p` packs (exactly: values, scales in their dtype, zero points or offsets)."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=p.qweight.device)[None, :, None]
     q = ((p.qweight[:, None, :] >> shifts) & 0xF).reshape(p.k, p.n).t().to(torch.uint8).contiguous()
     zero = None if p.zero is None else p.zero.t().contiguous()
-    return Int4Weight(q, p.scale.t().contiguous(), zero, p.group)
+    offset = None if p.offset is None else p.offset.t().contiguous()
+    return Int4Weight(q, p.scale.t().contiguous(), zero, p.group, offset)
 
 
 @dataclass(frozen=True)
@@ -146,9 +167,10 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, k_per_split, s_xm, s_xk, s_ym, s_yn,
-                 GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, GROUP_M: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr):
+def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_split, s_xm, s_xk, s_ym, s_yn,
+                 GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_OFFSET: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, ATOMIC: tl.constexpr,
+                 PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
@@ -177,10 +199,15 @@ def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, k_per_split, s_xm,
         scale = tl.load(s_ptr + g * N + rn, mask=nm, other=0.0).to(tl.float32)
         if HAS_ZERO:
             q = q - tl.load(z_ptr + g * N + rn, mask=nm, other=0).to(tl.int32)[None, :]
-        else:
+        elif not HAS_OFFSET:
             q = q - 8
         part = tl.dot(a, q.to(a.dtype), input_precision=PRECISION, out_dtype=tl.float32)
-        acc += part * scale[None, :]
+        if HAS_OFFSET:   # s * (x q) - o * (sum of x over the step): the step lies inside one group
+            offset = tl.load(o_ptr + g * N + rn, mask=nm, other=0.0).to(tl.float32)
+            xsum = tl.sum(a.to(tl.float32), axis=1)
+            acc += part * scale[None, :] - xsum[:, None] * offset[None, :]
+        else:
+            acc += part * scale[None, :]
     ptrs = y_ptr + rm[:, None] * s_ym + rn[None, :] * s_yn
     if ATOMIC:
         tl.atomic_add(ptrs, acc, mask=mm[:, None] & nm[None, :], sem="relaxed")
@@ -210,9 +237,11 @@ def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None
     y = (torch.zeros if atomic else torch.empty)(m, w.n, device=x.device,
                                                  dtype=torch.float32 if atomic else x.dtype)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n), splits)
-    _int4_kernel[grid](x2, w.qweight, w.scale, w.zero if w.zero is not None else w.scale, y, m, w.n, w.k,
+    _int4_kernel[grid](x2, w.qweight, w.scale, w.zero if w.zero is not None else w.scale,
+                       w.offset if w.offset is not None else w.scale, y, m, w.n, w.k,
                        cfg.k_per_split, x2.stride(0), x2.stride(1), y.stride(0), y.stride(1),
-                       GROUP=w.group, HAS_ZERO=w.has_zero, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                       GROUP=w.group, HAS_ZERO=w.has_zero, HAS_OFFSET=w.has_offset,
+                       BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                        GROUP_M=8, ATOMIC=atomic, PRECISION=_precision(x.dtype),
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.to(x.dtype).view(*x.shape[:-1], w.n)

@@ -4,13 +4,19 @@
                   q 0..15 (uint8 [N, K] here; packed by the kernels), scale [N, K/g] (the checkpoint's float
                   dtype, kept as saved), zero 0..15 [N, K/g] uint8, or None for symmetric weights (zero = 8:
                   compressed-tensors stores a symmetric int4 value v in -8..7 as v + 8). g = 32 or 128.
+    INT4 offset   w[n, k] = scale[n, k // g] * q[n, k] - offset[n, k // g]
+                  the same q and scale, a float offset [N, K/g] instead of a zero point (never both): GGUF's
+                  Q4_K (s = d * sc, offset = dmin * m, fp32) and Q4_1 (s = d, offset = -m, fp16). g = 32.
     FP8 (e4m3)    w[n, k] = float(q[n, k]) * scale[n]                       per output channel, scale [N]
                   w[n, k] = float(q[n, k]) * scale[n // bn, k // bk]        blocks, scale [ceil(N/bn), ceil(K/bk)]
                   activations quantised per token at run time (dynamic): x = float(xq[m, k]) * xs[m]
 
 The reference dequantisation computes in fp32 (each product above is exact there: a bf16/fp16 scale times a
 4-bit integer, or an fp8 value times an fp32 scale rounded once) and then casts: the same bits a format's own
-dequantisation gives when it computes in the target dtype, since both round the exact value once.
+dequantisation gives when it computes in the target dtype, since both round the exact value once. The offset
+form's scale * q is exact in fp32 too (Q4_K's d * sc has at most 17 significant bits, times 4 bits) and its
+subtraction rounds once, as gguf's own fp32 dequantisation does: the same fp32 bits; a cast to bf16/fp16 then
+rounds that value a second time.
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ class Scheme(enum.Enum):
 
 @dataclass(frozen=True)
 class Int4Weight:
-    q: torch.Tensor                 # uint8 [N, K], values 0..15
-    scale: torch.Tensor             # [N, K // group], float
-    zero: torch.Tensor | None       # uint8 [N, K // group], 0..15; None: symmetric (8)
+    q: torch.Tensor                      # uint8 [N, K], values 0..15
+    scale: torch.Tensor                  # [N, K // group], float
+    zero: torch.Tensor | None            # uint8 [N, K // group], 0..15; None: symmetric (8), or the offset form
     group: int
+    offset: torch.Tensor | None = None   # float [N, K // group]: w = scale * q - offset (then zero is None)
 
     def __post_init__(self) -> None:
         n, k = self.q.shape
@@ -43,14 +50,22 @@ class Int4Weight:
             raise ValueError(f"scale shape {tuple(self.scale.shape)}, expected {(n, k // self.group)}")
         if self.zero is not None and tuple(self.zero.shape) != (n, k // self.group):
             raise ValueError(f"zero point shape {tuple(self.zero.shape)}, expected {(n, k // self.group)}")
+        if self.offset is not None:
+            if self.zero is not None:
+                raise ValueError("an int4 weight has a zero point or an offset, not both")
+            if tuple(self.offset.shape) != (n, k // self.group) or not self.offset.is_floating_point():
+                raise ValueError(f"offset {self.offset.dtype} {tuple(self.offset.shape)}, expected a float "
+                                 f"{(n, k // self.group)}")
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        zero = 8.0 if self.zero is None else self.zero.float().repeat_interleave(self.group, dim=1)
         scale = self.scale.float().repeat_interleave(self.group, dim=1)
+        if self.offset is not None:
+            return (scale * self.q.float() - self.offset.float().repeat_interleave(self.group, dim=1)).to(dtype)
+        zero = 8.0 if self.zero is None else self.zero.float().repeat_interleave(self.group, dim=1)
         return (scale * (self.q.float() - zero)).to(dtype)
 
 
