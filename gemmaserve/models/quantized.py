@@ -142,7 +142,7 @@ def install(model: nn.Module, planned: dict[str, PlannedModule], device: torch.d
         new = QuantizedLinear(name, old.in_features, old.out_features, entry.quant, entry.scale_dtype, parts, device)
         if device.type == "cpu":
             new.matmul = linear   # the row-invariant product (layers.linear)
-        _replace(model, name, new)
+        replace_module(model, name, new)
 
 
 def finish(model: nn.Module, planned: dict[str, PlannedModule]) -> None:
@@ -157,7 +157,8 @@ def finish(model: nn.Module, planned: dict[str, PlannedModule]) -> None:
             rep = w.group // _CPU_GROUP
             scale = w.scale.float().repeat_interleave(rep, dim=1)
             zero = torch.full_like(scale, 8.0) if w.zero is None else w.zero.float().repeat_interleave(rep, dim=1)
-            _replace(model, name, QuantLinear.from_int4(Int4Groups(w.q, scale.contiguous(), (scale * zero).contiguous())))
+            groups = Int4Groups(w.q, scale.contiguous(), (scale * zero).contiguous())
+            replace_module(model, name, QuantLinear.from_int4(groups))
 
 
 def formats(model: nn.Module, quantized: dict[str, ModuleQuant], dtype: torch.dtype) -> dict[str, int]:
@@ -202,11 +203,12 @@ def quantize_projections(model: nn.Module, quant: ModuleQuant,
         if old.weight.device.type == "cpu":
             new.matmul = linear
         del old
-        _replace(model, name, new)
+        replace_module(model, name, new)
     return {name: quant for name in names}
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Module `name` of `model` becomes `new` (the old one is dropped with its parent's reference)."""
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent), attr, new)
 
