@@ -49,12 +49,16 @@ class ModuleQuant:
 
     scheme: Scheme
     group: int | None = None                 # W4A16: inputs per scale
-    symmetric: bool = True                   # W4A16: False -> weight_zero_point
+    symmetric: bool = True                   # W4A16: False -> weight_zero_point (or, from GGUF, an offset)
     block: tuple[int, int] | None = None     # FP8: (bn, bk); None: per output channel
+    gguf_type: str | None = None             # read from a GGUF file's blocks instead: its types ("q4_k", "q4_0+q4_k")
 
     @property
     def label(self) -> str:
-        """What EngineInfo.weights counts: "w4a16 g32", "w4a16 g128 asym", "fp8 channel", "fp8 block 128x128"."""
+        """What EngineInfo.weights counts: "w4a16 g32", "w4a16 g128 asym", "fp8 channel", "fp8 block 128x128",
+        "gguf q4_0"."""
+        if self.gguf_type is not None:
+            return f"gguf {self.gguf_type}"
         if self.scheme is Scheme.W4A16:
             return f"w4a16 g{self.group}" + ("" if self.symmetric else " asym")
         return "fp8 channel" if self.block is None else f"fp8 block {self.block[0]}x{self.block[1]}"

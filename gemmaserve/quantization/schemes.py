@@ -61,6 +61,11 @@ class Int4Weight:
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
+    def to(self, device: torch.device | str) -> "Int4Weight":
+        """The same weight on `device` (every tensor copied as it is)."""
+        moved = [None if t is None else t.to(device) for t in (self.q, self.scale, self.zero, self.offset)]
+        return Int4Weight(moved[0], moved[1], moved[2], self.group, moved[3])
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scale = self.scale.float().repeat_interleave(self.group, dim=1)
         if self.offset is not None:
