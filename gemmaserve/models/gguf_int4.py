@@ -1,0 +1,120 @@
+"""A GGUF file's 4-bit projections kept 4-bit on CUDA: each attention or MLP projection whose GGUF tensors (every
+fused part: q/k/v, gate/up) are Q4_0, Q4_1 or Q4_K becomes a QuantizedLinear over its exact int4 weight
+(schemes.Int4Weight, groups of 32), which the Triton int4 kernel multiplies without a dequantised copy.
+
+    keeps_int4(device, dtype, quantization, shard)   whether a load does this (CUDA, bf16/fp16, --quantization auto,
+                                                     one process)
+    planned = plan_int4(model, gguf)                 which of our projections qualify (checked against the model's
+                                                     shapes before anything is read)
+    quants = install_int4(model, gguf, planned, device)   those projections become QuantizedLinears on `device`
+
+Each weight is the file's own, exactly (gguf's fp32 dequantisation, bit for bit, read from the blocks by
+models/quant.py's readers):
+
+    Q4_0   w = d (q - 8)          symmetric form: scale d (fp16, as saved), zero 8
+    Q4_1   w = d q + m            offset form: scale d, offset -m (fp16 both, as saved)
+    Q4_K   w = d sc q - dmin m    offset form: scale d * sc, offset dmin * m (fp32: each an exact product of an fp16
+                                  value and a 6-bit integer)
+
+A fused module whose parts mix these types takes the offset form in fp32 for all of them (a Q4_0 part's offset
+is 8 d, exact). Everything else is loaded as before, dequantised to the model's dtype: matrices of other types
+(Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, F16, F32...), a fused module with any part of such a type, the token embedding and
+an output head. Our modules are found from the model itself (the `Linear`s of its `Attention` and `GeGLU`
+modules, fused parts through `stacked`), never from names of models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import UserInputError
+from ..quantization.compressed_tensors import ModuleQuant
+from ..quantization.linear import QuantizedLinear
+from ..quantization.schemes import Int4Weight, Scheme
+from .gguf_file import GGUFFile, GGUFTensor
+from .layers import Attention, GeGLU, Linear, linear
+from .quant import GROUP, Int4Groups
+from .quantized import our_module, replace_module
+
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def keeps_int4(device: torch.device, dtype: torch.dtype, quantization: str, shard: object | None) -> bool:
+    """Whether a GGUF load keeps its 4-bit projections 4-bit: on CUDA, in bf16 or fp16, with `--quantization auto`,
+    in one process (a tensor-parallel rank dequantises, as before: packed weights are not split over ranks yet).
+    `none` dequantises everything. (The CPU keeps its own formats, models/quant.py, as --dtype says.)"""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and quantization == "auto" \
+        and shard is None
+
+
+@dataclass(frozen=True)
+class Int4Module:
+    """One of our projections held 4-bit: its GGUF tensors, fused parts in order, and their types."""
+    tensors: tuple[str, ...]
+    types: tuple[str, ...]
+
+    @property
+    def quant(self) -> ModuleQuant:
+        kinds = sorted(set(self.types))
+        return ModuleQuant(Scheme.W4A16, GROUP, symmetric=kinds == ["Q4_0"], gguf_type="+".join(kinds).lower())
+
+
+def plan_int4(model: nn.Module, gguf: GGUFFile) -> dict[str, Int4Module]:
+    """Our module name -> its GGUF tensors, for each projection whose parts are all present and all 4-bit. A 4-bit
+    tensor whose shape is not its part's is an error naming it (before anything is read)."""
+    projections = {f"{n}.{child}": c for n, m in model.named_modules() if isinstance(m, (Attention, GeGLU))
+                   for child, c in m.named_children() if isinstance(c, Linear)}
+    parts: dict[str, dict[int, GGUFTensor]] = {}
+    fused_modules: set[str] = set()
+    for t in gguf.tensors():
+        ours, _ = model.gguf_name(t.name)
+        if ours is None:
+            continue
+        target, fused = our_module(model, ours)
+        if target in projections:
+            index = model.stacked[ours.rsplit(".", 2)[1]][1] if fused else 0
+            parts.setdefault(target, {})[index] = t
+            if fused:
+                fused_modules.add(target)
+    planned: dict[str, Int4Module] = {}
+    for target, found in parts.items():
+        lin = projections[target]
+        sizes = model.shard_sizes(f"{target}.weight") if target in fused_modules else (lin.out_features,)
+        if sorted(found) != list(range(len(sizes))) or any(t.quant_type not in INT4_TYPES for t in found.values()):
+            continue   # a part missing (load_weights names it) or of another type: dequantised as before
+        tensors = [found[i] for i in range(len(sizes))]
+        for t, rows in zip(tensors, sizes):
+            if t.shape != (rows, lin.in_features):
+                raise UserInputError(f"GGUF tensor {t.name} ({t.quant_type}) has shape {t.shape}, but {target} "
+                                     f"expects {(rows, lin.in_features)} from the file's config")
+        planned[target] = Int4Module(tuple(t.name for t in tensors), tuple(t.quant_type for t in tensors))
+    return planned
+
+
+def int4_weight(gguf: GGUFFile, entry: Int4Module) -> Int4Weight:
+    """The module's exact weight on the CPU, its parts stacked along the output rows (module docstring)."""
+    g = Int4Groups.cat([gguf.int4_groups(name) for name in entry.tensors])   # 2-D 4-bit types: plan_int4
+    kinds = set(entry.types)
+    if kinds == {"Q4_0"}:   # w = d (q - 8): the symmetric form; d was an fp16 value
+        return Int4Weight(g.q, g.scale.to(torch.float16), None, GROUP)
+    if kinds == {"Q4_1"}:   # w = d q - (-m): d and m were fp16 values
+        return Int4Weight(g.q, g.scale.to(torch.float16), None, GROUP, g.minus.to(torch.float16))
+    return Int4Weight(g.q, g.scale, None, GROUP, g.minus)   # Q4_K, or mixed types: fp32 (exact products)
+
+
+def install_int4(model: nn.Module, gguf: GGUFFile, planned: dict[str, Int4Module],
+                 device: torch.device) -> dict[str, ModuleQuant]:
+    """Each planned projection becomes a QuantizedLinear holding its weight on `device` (packed for the kernel there;
+    on the CPU the fp32 reference with the row-invariant product), one module at a time: the Linear it replaces is
+    never filled. Returns the modules installed and their labels' ModuleQuant."""
+    quants: dict[str, ModuleQuant] = {}
+    for name, entry in planned.items():
+        new = QuantizedLinear.from_weight(name, int4_weight(gguf, entry).to(device), entry.quant)
+        if device.type == "cpu":
+            new.matmul = linear
+        replace_module(model, name, new)
+        quants[name] = entry.quant
+    return quants

@@ -1,0 +1,277 @@
+"""A GGUF file's 4-bit projections kept 4-bit (models/gguf_int4.py, the CUDA load), run here on the CPU: the loader
+is told that it is on CUDA in bf16 (`keeps_int4` answers for that) and builds the same modules on the CPU, where a
+QuantizedLinear multiplies by the fp32 reference of its exact weight. Tiny Gemma 3 files written with gguf's
+writer: Q4_0 and Q4_1 quantised by gguf.quants, Q4_K as random valid blocks (gguf-py cannot quantise to Q4_K).
+Each weight equals gguf's own dequantisation bit for bit; the model's logits equal those of the file loaded
+dequantised to fp32; a fused module with a part of another type is dequantised and the counts say so; the Triton
+kernel (interpreter) multiplies by the file's own weights; `--quantization none` dequantises; Gemma 4's structures
+(K = V, MoE, KV sharing) are found from the model as Gemma 3's are."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gemmaserve import LLM, SamplingParams
+from gemmaserve.errors import UserInputError
+from gemmaserve.models import gguf_int4
+from gemmaserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from gemmaserve.models.gguf_file import GGUFFile
+from gemmaserve.models.layers import Linear
+from gemmaserve.models.loader import load_model
+from gemmaserve.quantization.linear import QuantizedLinear
+
+from helpers import fresh_seed, paged_logits, tiny_hf_model
+from test_gemma4_loading import _vocabulary
+
+# Widths that are whole Q4_K blocks (256) for every projection: o_proj's input is 4 heads x 64.
+CONFIG = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, head_dim=64, num_key_value_heads=1,
+              num_hidden_layers=2, sliding_window=4)
+PROMPT = "hello world this is a test"
+LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+         "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
+         "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+MIXED = {  # (layer, GGUF tensor) -> type; the rest Q4_0
+    (0, "attn_q"): "Q4_K", (0, "attn_k"): "Q4_0", (0, "attn_v"): "Q8_0",   # qkv: a Q8_0 part, dequantised
+    (0, "attn_output"): "Q5_0", (0, "ffn_down"): "F16",                     # other types: dequantised
+    (1, "attn_q"): "Q4_K", (1, "attn_k"): "Q4_0", (1, "attn_v"): "Q4_1",   # all 4-bit: kept, offset form
+    (1, "ffn_gate"): "Q4_0", (1, "ffn_up"): "Q4_1",
+}
+
+
+def _random_q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Valid Q4_K blocks (any bytes are, given finite fp16 d and dmin), scaled so that |w| stays below ~0.3."""
+    blocks = rng.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
+    for col in (0, 2):
+        blocks[:, col:col + 2] = np.float16(rng.uniform(1e-4, 3e-4, len(blocks))).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, k // 256 * 144)
+
+
+def _write_gguf(hf, path: Path, type_of, seed: int) -> Path:
+    """The tiny HF Gemma 3 as llama.cpp's gemma3 GGUF, each matrix in `type_of(layer, gguf kind)`'s type (norms F32,
+    stored as 1 + w; the token embedding Q8_0)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_float32("gemma3.attention.scale", cfg.query_pre_attn_scalar ** -0.5)
+    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    tokens, token_types = _vocabulary(cfg.vocab_size)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    w.add_token_types(token_types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    for name, t in hf.state_dict().items():
+        module = name.removesuffix(".weight")
+        value = t.detach().float().numpy().copy()
+        if module == "lm_head":   # tied: the embedding is the head
+            continue
+        if module == "model.embed_tokens":
+            kind, qtype = "token_embd", "Q8_0"
+        elif module == "model.norm":
+            kind, qtype = "output_norm", "F32"
+        else:
+            _, _, bid, rest = module.split(".", 3)
+            kind = f"blk.{bid}.{LAYER[rest]}"
+            qtype = "F32" if "norm" in rest else type_of(int(bid), LAYER[rest])
+        if "norm" in module:
+            value = value + 1.0
+        if qtype == "F32":
+            w.add_tensor(f"{kind}.weight", value)
+        elif qtype == "F16":
+            w.add_tensor(f"{kind}.weight", value.astype(np.float16))
+        else:
+            t_ = getattr(gguf.GGMLQuantizationType, qtype)
+            raw = _random_q4_k(rng, *value.shape) if qtype == "Q4_K" else gguf.quants.quantize(value, t_)
+            w.add_tensor(f"{kind}.weight", raw, raw_dtype=t_)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def as_on_cuda(monkeypatch, tmp_path):
+    """The loader decides as it would on CUDA in bf16 (keeps_int4), while building on the CPU in fp32."""
+    monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    real = gguf_int4.keeps_int4
+    monkeypatch.setattr(gguf_int4, "keeps_int4", lambda device, dtype, quantization, shard:
+                        real(torch.device("cuda"), torch.bfloat16, quantization, shard))
+
+
+def _file(tmp_path: Path, kind: str, seed: int) -> Path:
+    type_of = (lambda layer, t: MIXED.get((layer, t), "Q4_0")) if kind == "mixed" else (lambda layer, t: kind)
+    return _write_gguf(tiny_hf_model(seed, **CONFIG), tmp_path / f"{kind}.gguf", type_of, seed)
+
+
+def _load(path: Path, quantization: str = "auto"):
+    return load_model(str(path), torch.float32, torch.device("cpu"), quantization=quantization)
+
+
+def _logits(model, tokenizer) -> torch.Tensor:
+    return paged_logits(model, [tokenizer.encode(PROMPT)])[0]
+
+
+def _dequantized_parts(path: Path, names) -> torch.Tensor:
+    """gguf's own dequantisation of tensors `names`, stacked along their rows (as our fused weights are)."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    parts = [gguf.quants.dequantize(np.asarray(tensors[n].data), tensors[n].tensor_type) for n in names]
+    return torch.from_numpy(np.concatenate([p.reshape(-1, p.shape[-1]) for p in parts]))
+
+
+def test_keeps_int4_on_cuda_in_bf16_and_fp16_with_auto_only():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert gguf_int4.keeps_int4(cuda, torch.bfloat16, "auto", None)
+    assert gguf_int4.keeps_int4(cuda, torch.float16, "auto", None)
+    assert not gguf_int4.keeps_int4(cuda, torch.bfloat16, "none", None)        # --quantization none: dequantise
+    assert not gguf_int4.keeps_int4(cuda, torch.float32, "auto", None)         # --dtype float32: as before
+    assert not gguf_int4.keeps_int4(cpu, torch.bfloat16, "auto", None)         # the CPU: models/quant.py's formats
+    assert not gguf_int4.keeps_int4(cuda, torch.bfloat16, "auto", object())    # a tensor-parallel rank
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "mixed"])
+def test_int4_weights_are_gguf_dequantisation_and_logits_the_fp32_load(tmp_path, as_on_cuda, kind):
+    """(a) every kept module's weight is gguf.quants.dequantize of its parts, bit for bit (fused parts stacked);
+    (b) the model built as on CUDA gives the logits of the file dequantised to fp32 (the same fp32 weights, the same
+    row-invariant product: equal up to fp32 rounding, here equal)."""
+    seed = fresh_seed()
+    path = _file(tmp_path, kind, seed)
+    f = GGUFFile(path)
+    quantized, ref = _load(path), _load(path, "none")
+    model = quantized.model
+    planned = gguf_int4.plan_int4(ref.model, f)
+    kept = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert kept == set(planned) and kept
+    for name in kept:
+        mod = model.get_submodule(name)
+        w = mod.kernel_weight
+        assert torch.equal(w.dequantize(torch.float32), _dequantized_parts(path, planned[name].tensors)), name
+        assert torch.equal(w.dequantize(torch.float32), ref.model.get_submodule(name).weight), name
+        types = set(planned[name].types)
+        assert (w.offset is None) == (types == {"Q4_0"}) and w.zero is None and w.group == 32
+        assert w.scale.dtype == (torch.float16 if len(types) == 1 and types != {"Q4_K"} else torch.float32)
+    assert not any(isinstance(m, QuantizedLinear) for m in ref.model.modules()) and ref.weight_formats is None
+    ours, theirs = _logits(model, quantized.tokenizer), _logits(ref.model, ref.tokenizer)
+    assert torch.isfinite(theirs).all()
+    err = (ours - theirs).abs().max().item()
+    assert err <= 1e-5 * theirs.abs().max().item(), f"seed={seed}: {err}"
+
+
+def test_mixed_file_keeps_only_all_4bit_modules_and_counts_them(tmp_path, as_on_cuda):
+    """(c) layer 0's qkv has a Q8_0 part and its o_proj is Q5_0, down F16: those stay dequantised Linears; layer 1's
+    fused parts mixing Q4_K, Q4_0 and Q4_1 are kept in the offset form; weight_formats and EngineInfo count them."""
+    path = _file(tmp_path, "mixed", fresh_seed())
+    loaded = _load(path)
+    model = loaded.model
+    kinds = {n: (m.quant.label if isinstance(m, QuantizedLinear) else "float")
+             for n, m in model.named_modules() if isinstance(m, (Linear, QuantizedLinear))}
+    layer = "model.layers.{}."
+    assert kinds == {
+        layer.format(0) + "self_attn.qkv_proj": "float", layer.format(0) + "self_attn.o_proj": "float",
+        layer.format(0) + "mlp.gate_up_proj": "gguf q4_0", layer.format(0) + "mlp.down_proj": "float",
+        layer.format(1) + "self_attn.qkv_proj": "gguf q4_0+q4_1+q4_k", layer.format(1) + "self_attn.o_proj": "gguf q4_0",
+        layer.format(1) + "mlp.gate_up_proj": "gguf q4_0+q4_1", layer.format(1) + "mlp.down_proj": "gguf q4_0"}
+    # 3 Linears and the embedding table as the model's dtype
+    assert loaded.weight_formats == {"gguf q4_0": 3, "gguf q4_0+q4_1+q4_k": 1, "gguf q4_0+q4_1": 1, "float32": 4}
+    llm = LLM(model=str(path), dtype="float32", page_size=4, kv_cache_memory=16 << 20)
+    assert llm.engine.info.weights == "gguf q4_0 x 3, gguf q4_0+q4_1+q4_k x 1, gguf q4_0+q4_1 x 1, float32 x 4"
+    exact = LLM(model=str(path), dtype="float32", page_size=4, kv_cache_memory=16 << 20, quantization="none")
+    assert exact.engine.info.weights == "float32"
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == \
+        exact.generate([PROMPT], params)[0].outputs[0].token_ids
+
+
+def test_quantization_none_dequantizes_and_fp8_is_refused(tmp_path, as_on_cuda):
+    """(d) --quantization none: every weight dequantised (today's path); fp8 and compressed-tensors need a checkpoint
+    directory."""
+    path = _file(tmp_path, "Q4_K", fresh_seed())
+    loaded = _load(path, "none")
+    assert loaded.weight_formats is None
+    assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    for option in ("fp8", "compressed-tensors"):
+        with pytest.raises(UserInputError, match=f"--quantization {option} needs a Hugging Face checkpoint"):
+            _load(path, option)
+
+
+def test_a_4bit_tensor_of_the_wrong_shape_is_named(tmp_path, as_on_cuda):
+    seed = fresh_seed()
+    hf = tiny_hf_model(seed, **CONFIG)
+    with torch.no_grad():   # k_proj with twice its rows: the file's config says one KV head
+        hf.model.layers[1].self_attn.k_proj.weight = torch.nn.Parameter(torch.randn(128, 256) * 0.03)
+    path = _write_gguf(hf, tmp_path / "bad.gguf", lambda layer, t: "Q4_0", seed)
+    with pytest.raises(UserInputError, match=r"GGUF tensor blk\.1\.attn_k\.weight \(Q4_0\) has shape \(128, 256\), "
+                                             r"but model\.layers\.1\.self_attn\.qkv_proj expects \(64, 256\)"):
+        _load(path)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+def test_int4_kernel_multiplies_by_the_files_weights(tmp_path):
+    """The Triton kernel (interpreter, fp32 activations) over each form the loader builds from a file: Q4_0's
+    symmetric fp16 scales, Q4_1's fp16 offsets, the mixed fused module's fp32 offsets."""
+    from gemmaserve.quantization import int4_kernels as I4
+
+    seed = fresh_seed()
+    path = _file(tmp_path, "mixed", seed)
+    f = GGUFFile(path)
+    with torch.device("meta"):   # plan_int4 reads only the model's structure and shapes
+        planned = gguf_int4.plan_int4(Gemma3ForCausalLM(Gemma3Config.from_gguf(f)), f)
+    gen = torch.Generator().manual_seed(seed)
+    for name in ("model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"):
+        w = gguf_int4.int4_weight(f, planned[name])
+        x = torch.randn(3, w.shape[1], generator=gen)
+        ref = x.double() @ w.dequantize().double().t()
+        y = I4.int4_linear(x, I4.pack_int4(w), I4.Int4Config(16, 64, 32, w.shape[1] // 4, 4, 2))
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-6, f"seed={seed} {name}: {err}"
+
+
+@pytest.mark.parametrize("variant", ["31b", "26b_a4b", "e2b"])
+def test_gemma4_files_keep_their_projections(tmp_path, as_on_cuda, monkeypatch, variant):
+    """Gemma 4's structures, found from the model: K = V (qkv of two parts), MoE (the experts are not Linears:
+    dequantised), KV sharing and per-layer inputs; Q4_1 matrices, logits those of the fp32 load."""
+    import gguf
+
+    import test_gemma4_loading as g4
+    from helpers import tiny_gemma4_hf
+
+    def q4_1(w, name, value, quantise):   # the writer's matrices as Q4_1 instead of Q8_0
+        if quantise and value.ndim == 2 and value.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q4_1),
+                         raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+        else:
+            w.add_tensor(name, value)
+
+    monkeypatch.setattr(g4, "add_gguf_tensor", q4_1)
+    seed = fresh_seed()
+    path = g4._write_gguf(tiny_gemma4_hf(seed, variant), tmp_path / f"{variant}.gguf", q8_0=True)
+    quantized, ref = _load(path), _load(path, "none")
+    assert quantized.weight_formats["gguf q4_1"] > 0
+    ours, theirs = _logits(quantized.model, quantized.tokenizer), _logits(ref.model, ref.tokenizer)
+    err = (ours - theirs).abs().max().item()
+    assert err <= 1e-5 * theirs.abs().max().item(), f"{variant} seed={seed}: {err}"
