@@ -138,7 +138,7 @@ class BatchInvariance(enum.Enum):
 def resolve_batch_invariance(config: EngineConfig, device_type: str, backend: BackendCapabilities,
                              quantized: bool) -> BatchInvariance:
     """How the engine is batch-invariant (`--batch-invariant`): a clear error where it cannot hold.
-    `quantized`: the weights stay quantised (the CPU's GGUF path; compressed-tensors or fp8 checkpoints)."""
+    `quantized`: the weights stay quantised (GGUF files; compressed-tensors or fp8 checkpoints)."""
     if device_type == "cpu" and backend.name == "torch":
         return BatchInvariance.NATIVE   # (the flag asks for nothing more there)
     if not config.batch_invariant:
@@ -148,9 +148,9 @@ def resolve_batch_invariance(config: EngineConfig, device_type: str, backend: Ba
         raise UserInputError(f"--batch-invariant needs the triton attention backend; attention backend "
                              f"{backend.name!r}{why} pads a decode batch to its longest row")
     if quantized:
-        raise UserInputError("--batch-invariant needs unquantised weights (--dtype float32 or bfloat16 for a GGUF "
-                             "file, --quantization none for a float checkpoint): there is no batch-invariant Triton "
-                             "kernel for quantised weights (int4, int8, fp8)")
+        raise UserInputError("--batch-invariant needs unquantised weights (--quantization none, and on the CPU "
+                             "--dtype float32 for a GGUF file): there is no batch-invariant Triton kernel for "
+                             "quantised weights (int4, int8, fp8)")
     if device_type == "cpu" and config.cpu_compile == "on":
         raise UserInputError("--batch-invariant cannot be combined with --cpu-compile on")
     return BatchInvariance.KERNELS
