@@ -190,12 +190,11 @@ def test_mixed_file_keeps_only_all_4bit_modules_and_counts_them(tmp_path, as_on_
     model = loaded.model
     kinds = {n: (m.quant.label if isinstance(m, QuantizedLinear) else "float")
              for n, m in model.named_modules() if isinstance(m, (Linear, QuantizedLinear))}
-    layer = "model.layers.{}."
-    assert kinds == {
-        layer.format(0) + "self_attn.qkv_proj": "float", layer.format(0) + "self_attn.o_proj": "float",
-        layer.format(0) + "mlp.gate_up_proj": "gguf q4_0", layer.format(0) + "mlp.down_proj": "float",
-        layer.format(1) + "self_attn.qkv_proj": "gguf q4_0+q4_1+q4_k", layer.format(1) + "self_attn.o_proj": "gguf q4_0",
-        layer.format(1) + "mlp.gate_up_proj": "gguf q4_0+q4_1", layer.format(1) + "mlp.down_proj": "gguf q4_0"}
+    want = {0: {"self_attn.qkv_proj": "float", "self_attn.o_proj": "float", "mlp.gate_up_proj": "gguf q4_0",
+                "mlp.down_proj": "float"},
+            1: {"self_attn.qkv_proj": "gguf q4_0+q4_1+q4_k", "self_attn.o_proj": "gguf q4_0",
+                "mlp.gate_up_proj": "gguf q4_0+q4_1", "mlp.down_proj": "gguf q4_0"}}
+    assert kinds == {f"model.layers.{i}.{m}": label for i, mods in want.items() for m, label in mods.items()}
     # 3 Linears and the embedding table as the model's dtype
     assert loaded.weight_formats == {"gguf q4_0": 3, "gguf q4_0+q4_1+q4_k": 1, "gguf q4_0+q4_1": 1, "float32": 4}
     llm = LLM(model=str(path), dtype="float32", page_size=4, kv_cache_memory=16 << 20)
@@ -242,7 +241,8 @@ def test_int4_kernel_multiplies_by_the_files_weights(tmp_path):
     with torch.device("meta"):   # plan_int4 reads only the model's structure and shapes
         planned = gguf_int4.plan_int4(Gemma3ForCausalLM(Gemma3Config.from_gguf(f)), f)
     gen = torch.Generator().manual_seed(seed)
-    for name in ("model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"):
+    for module in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        name = f"model.layers.1.{module}"
         w = gguf_int4.int4_weight(f, planned[name])
         x = torch.randn(3, w.shape[1], generator=gen)
         ref = x.double() @ w.dequantize().double().t()
