@@ -4,10 +4,11 @@ Sections (default: all; about 3 minutes on one H100, Triton compilation included
 
   hbm     device-to-device copy bandwidth (read + write), the roofline the timings are read against
   check   each product on the device against its fp32 reference at every shape and M (bf16 activations):
-          int4 (group 32 / 128, symmetric, and group 128 asymmetric) against schemes' fp32 dequantisation,
+          int4 (group 32 / 128, symmetric, group 128 asymmetric, and group 32 in the offset form with fp32
+          scales and offsets, as GGUF's Q4_K loads) against schemes' fp32 dequantisation,
           fp8 per channel and in 128 x 128 blocks against the fp32 product of both operands quantised the
           same way; the relative error of the bf16 output, and bf16 F.linear's against fp32 for scale
-  timing  bf16 F.linear, int4_linear (g32, g128), fp8_linear (per channel, blocks), each call replayed in a
+  timing  bf16 F.linear, int4_linear (g32, g128, g32 offset), fp8_linear (per channel, blocks), each call replayed in a
           CUDA graph (weights cycled over copies that exceed L2, so every call reads HBM): median microseconds
           per call, effective bandwidth (weight + scale bytes / time), fraction of the copy bandwidth, speedup
           over bf16
@@ -47,13 +48,17 @@ SHAPES = (
     ("gemma4-e4b", "gate_up", 2 * 10240, 2560), ("gemma4-e4b", "down", 2560, 10240),
 )
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-METHODS = ("bf16", "int4_g32", "int4_g128", "fp8_channel", "fp8_block")
+METHODS = ("bf16", "int4_g32", "int4_g128", "int4_g32_offset", "fp8_channel", "fp8_block")
 CHECK_TOL = 8e-3   # bf16 output rounding (~2e-3 relative) with margin; a wrong kernel is off by O(1)
 L2_BYTES = 256 << 20   # cycle weight copies until a graph's calls read at least this much (H100 L2: 50 MB)
 
 
-def _int4(gen: torch.Generator, n: int, k: int, group: int, asym: bool) -> Int4Weight:
+def _int4(gen: torch.Generator, n: int, k: int, group: int, asym: bool | str) -> Int4Weight:
+    """`asym`: zero points; "offset": w = s q - o with fp32 s and o (GGUF Q4_K's form), o about 7.5 s."""
     q = torch.randint(0, 16, (n, k), generator=gen, device="cuda", dtype=torch.uint8)
+    if asym == "offset":
+        scale = torch.rand(n, k // group, generator=gen, device="cuda") * 0.02 + 1e-3
+        return Int4Weight(q, scale, None, group, scale * torch.rand(n, k // group, generator=gen, device="cuda") * 15)
     scale = (torch.rand(n, k // group, generator=gen, device="cuda") * 0.02 + 1e-3).to(torch.bfloat16)
     zero = torch.randint(0, 16, (n, k // group), generator=gen, device="cuda", dtype=torch.uint8) if asym else None
     return Int4Weight(q, scale, zero, group)
@@ -80,7 +85,8 @@ def _methods(n: int, k: int, seed: int) -> dict[str, Method]:
     out: dict[str, Method] = {}
     dense32 = dense.float()
     out["bf16"] = Method(lambda x, w: F.linear(x, w), dense, dense.numel() * 2, lambda x: F.linear(x.float(), dense32))
-    for name, group, asym in (("int4_g32", 32, False), ("int4_g128", 128, False), ("int4_g128_asym", 128, True)):
+    for name, group, asym in (("int4_g32", 32, False), ("int4_g128", 128, False), ("int4_g128_asym", 128, True),
+                              ("int4_g32_offset", 32, "offset")):
         w = _int4(gen, n, k, group, asym)
         ref = w.dequantize(torch.float32)
         out[name] = Method(I4.int4_linear, I4.pack_int4(w), I4.pack_int4(w).nbytes,
