@@ -5,13 +5,15 @@ Life cycle: built empty on its device with parameters named as a compressed-tens
 `CausalLM.load_weights` fills them, fused q/k/v and gate/up parts stacked along dim 0 (`part_rows` says how
 many rows of each tensor a part takes); then `finish_loading()` reads them into the canonical weight of
 schemes.py (exactly: unpacking, no arithmetic) and hands that to the product, dropping the checkpoint's form.
-(`from_weight` builds one from a canonical weight directly: `--quantization fp8` at load.)
+(`from_weight` builds one from a canonical weight directly: `--quantization fp8` at load, and a GGUF file's 4-bit
+blocks on CUDA, models/gguf_int4.py, whose Q4_K and Q4_1 weights take the int4 offset form of schemes.py.)
 
 The products: on CUDA the kernels (int4_kernels.py: packed int4 with dequantisation fused into the product;
 fp8_kernels.py: activations quantised per token, then cuBLASLt's or our block kernel). On the CPU the references:
 
-    W4A16   dequantise in fp32, multiply, cast. (On the CPU the loader does not use this module for W4A16 where
-            the format maps exactly onto the CPU's own INT4 kernel, models/quant.py; see models/quantized.py.)
+    W4A16   dequantise in fp32 (any form: symmetric, zero points, offsets), multiply, cast. (On the CPU the
+            loader does not use this module for W4A16 where the format maps exactly onto the CPU's own INT4
+            kernel, models/quant.py; see models/quantized.py.)
     FP8     the scheme itself, activation quantisation included: x quantised per token (per token and bk-column
             group for block weights) to e4m3 with scale amax / 448 (1 for a zero row), then the fp32 product of
             the dequantised operands. The CPU runs these semantics rather than dense dequantised weights so that its
