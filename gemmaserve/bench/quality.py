@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gemma3-270m", help="GGUF file or alias (default: the embedded 270M)")
     parser.add_argument("--new-tokens", type=positive_int, default=64, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=positive_int, default=None, help="llama.cpp threads (default: torch's)")
+    parser.add_argument("--gpu-formats", choices=("on", "off", "only"), default="on",
+                        help="also score the fp32 model with its projections in the GPU's formats (W4A16 groups of "
+                             "32 and 128, FP8 per channel); only = those and the fp32 reference alone")
     parser.add_argument("--out", default="bench-out/quality.json", help="JSON output path")
 
 
@@ -96,15 +99,18 @@ def run(args: argparse.Namespace) -> int:
     # Prefill kernels (256-row chunks), decode kernels (one row at a time, as batch-1 decode runs) and
     # decode batches' kernels (8 rows at a time); each scorer (and the compiled step) serves every passage
     reference = Scorer(ref.model, longest)
-    scorers = {"ours_quantized": Scorer(quant.model, longest),
-               "ours_quantized_decode": Scorer(quant.model, longest, chunk=1),
-               "ours_quantized_8_rows": Scorer(quant.model, longest, chunk=8)}
-    for name, model in _gpu_schemes(args.model).items():   # what the GPU's formats cost, on the same text
-        scorers[name] = Scorer(model, longest)
-    if unavailable() is None:   # the compiled decode step (what the engine runs once it is compiled)
+    only = args.gpu_formats == "only"
+    scorers = {} if only else {"ours_quantized": Scorer(quant.model, longest),
+                               "ours_quantized_decode": Scorer(quant.model, longest, chunk=1),
+                               "ours_quantized_8_rows": Scorer(quant.model, longest, chunk=8)}
+    if args.gpu_formats != "off":   # what the GPU's formats cost, on the same text
+        for name, model in _gpu_schemes(args.model).items():
+            scorers[name] = Scorer(model, longest)
+    if unavailable() is None and not only:   # the compiled decode step (what the engine runs once compiled)
         scorers["ours_quantized_decode_compiled"] = Scorer(quant.model, longest, chunk=1, compiled=True,
                                                            kv_manager="v2")
-    llama = LlamaCppReference.open(resolve_model(args.model).path, args.threads or torch.get_num_threads())
+    llama = None if only else LlamaCppReference.open(resolve_model(args.model).path,
+                                                      args.threads or torch.get_num_threads())
     result["llama_cpp"] = llama.version if llama else "not installed (pip install llama-cpp-python)"
     parts: dict[str, list] = {"ours_fp32": [], **{k: [] for k in scorers}, **({"llama_cpp": []} if llama else {})}
     for ids in texts:   # one passage's full fp32 distributions at a time (~0.6 GB each)
@@ -128,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         result["nll_difference_vs_llama_cpp"] = {
             k: dict(zip(("mean", "standard_error"), (round(x, 5) for x in paired_nll_difference(v, engines["llama_cpp"]))))
             for k, v in engines.items() if k != "llama_cpp"}
+    if only:
+        return _write(result, args.out)
     prompts = [tok.encode(p) for p in fixed.prompts]
     gold = _greedy(LLM.from_config(EngineConfig(model=args.model, dtype="float32"), ref), prompts, args.new_tokens)
     others = {"ours_quantized": _greedy(LLM.from_config(EngineConfig(model=args.model, dtype="auto",
@@ -157,7 +165,11 @@ def run(args: argparse.Namespace) -> int:
     result["greedy"] = rows
     # Totals: tokens kept before the first divergence, and the largest fp32 margin a divergence overrode
     result["greedy_totals"] = greedy_totals(rows, others, args.new_tokens)
-    out = Path(args.out)
+    return _write(result, args.out)
+
+
+def _write(result: dict, path: str) -> int:
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("weights", "perplexity", "kl_from_fp32", "text_argmax_agreement_vs_fp32",
