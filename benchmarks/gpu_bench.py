@@ -89,23 +89,18 @@ def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _roofline_row(name: str, hbm: float) -> dict:
-    """One shape's batch-1 decode step against its roofline. A function of its own: everything it made
-    (weights, KV, the captured graph and its memory pool) is garbage when it returns, before the next
-    shape loads (the 27B's graph, still referenced by a loop variable, left the next section out of memory)."""
+def batch1_decode(llm, model, steps: int = 100) -> tuple[float, float, int]:
+    """One sequence decoding after a 1K-token prompt: (engine step ms, its captured graph's replay ms, KV bytes a
+    step reads at the measured context)."""
     from gemmaserve.engine.sampling_params import SamplingParams
 
-    loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
-    llm = _engine(loaded, kv_cache_memory=8 * GiB)
     eng = llm.engine
-    cfg = loaded.model.config
-    prompt = _prompts(1, 1024, cfg.vocab_size)[0]
+    prompt = _prompts(1, 1024, model.config.vocab_size)[0]
     _run_all(llm, [prompt], 8)   # warm-up: compiles kernels, captures the batch-1 graph
     eng.add_request("", SamplingParams(max_tokens=200, ignore_eos=True), prompt_ids=prompt)
     for _ in range(5):
         eng.step()
     torch.cuda.synchronize()
-    steps = 100
     start = time.perf_counter()
     for _ in range(steps):
         eng.step()
@@ -114,9 +109,19 @@ def _roofline_row(name: str, hbm: float) -> dict:
     graph_ms = replay_ms(eng.internals().runner.graphs.graph(1), steps)   # pure GPU time of the captured decode graph
     while eng.has_unfinished_requests():
         eng.step()
-    ctx = 1024 + 105
+    ctx = 1024 + 5 + steps
     kv_bytes = sum(s.bytes_per_token() * (min(ctx, s.window) if s.window else ctx)
-                   for s in loaded.model.kv_layer_specs(torch.bfloat16))
+                   for s in model.kv_layer_specs(torch.bfloat16))
+    return step_ms, graph_ms, kv_bytes
+
+
+def _roofline_row(name: str, hbm: float) -> dict:
+    """One shape's batch-1 decode step against its roofline. A function of its own: everything it made
+    (weights, KV, the captured graph and its memory pool) is garbage when it returns, before the next
+    shape loads (the 27B's graph, still referenced by a loop variable, left the next section out of memory)."""
+    loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
+    llm = _engine(loaded, kv_cache_memory=8 * GiB)
+    step_ms, graph_ms, kv_bytes = batch1_decode(llm, loaded.model)
     weights = _param_bytes(loaded.model)
     roof_ms = (weights + kv_bytes) / (hbm * 1e9) * 1e3
     return {"shape": name, "weight_GB": round(weights / 1e9, 2), "kv_read_MB": round(kv_bytes / 1e6, 1),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_bench import GiB, _engine, _prompts, _run_all, replay_ms
+from benchmarks.gpu_bench import GiB, _engine, _prompts, _run_all, batch1_decode
 from gemmaserve.bench.gpu_check import copy_bandwidth
 from gemmaserve.bench.sections import release_device_memory
 from gemmaserve.testing.synthetic import random_model
@@ -62,8 +62,6 @@ def _weight_bytes(model) -> int:
 
 
 def _row(shape: str, scheme: str, hbm: float, batch64: bool) -> dict:
-    from gemmaserve.engine.sampling_params import SamplingParams
-
     start = time.perf_counter()
     loaded = random_model(shape, torch.bfloat16, torch.device("cuda"))
     _quantize(loaded, scheme)
@@ -72,24 +70,7 @@ def _row(shape: str, scheme: str, hbm: float, batch64: bool) -> dict:
     llm = _engine(loaded, kv_cache_memory=8 * GiB, max_num_seqs=64)
     eng = llm.engine
     cfg = loaded.model.config
-    prompt = _prompts(1, 1024, cfg.vocab_size)[0]
-    _run_all(llm, [prompt], 8)   # warm-up: compiles kernels, captures the batch-1 graph
-    eng.add_request("", SamplingParams(max_tokens=200, ignore_eos=True), prompt_ids=prompt)
-    for _ in range(5):
-        eng.step()
-    torch.cuda.synchronize()
-    steps = 100
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t0) / steps * 1e3
-    graph_ms = replay_ms(eng.internals().runner.graphs.graph(1), steps)
-    while eng.has_unfinished_requests():
-        eng.step()
-    ctx = 1024 + 105
-    kv_bytes = sum(s.bytes_per_token() * (min(ctx, s.window) if s.window else ctx)
-                   for s in loaded.model.kv_layer_specs(torch.bfloat16))
+    step_ms, graph_ms, kv_bytes = batch1_decode(llm, loaded.model)
     weights = _weight_bytes(loaded.model)
     roof_ms = (weights + kv_bytes) / (hbm * 1e9) * 1e3
     row = {"shape": shape, "scheme": scheme, "weights": eng.info.weights, "weight_GB": round(weights / 1e9, 2),

@@ -857,3 +857,51 @@ def check_aborts_mid_speculation(engine, prompts: list[str], params, want: list[
     assert spec.accepted > 0
     assert sum(final[i].outputs[0].num_draft_tokens for i in ids) == spec.drafted == sum(spec.drafted_at)
     assert sum(final[i].outputs[0].num_accepted_tokens for i in ids) == spec.accepted == sum(spec.accepted_at)
+
+
+def gguf_vocabulary(size: int):
+    """A SentencePiece-style vocabulary as Gemma's GGUF files store it: specials, 256 byte tokens, letters,
+    a space token spelled with a real space, a few merged pieces, then unused slots."""
+    import gguf
+
+    tt = gguf.TokenType
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [tt.CONTROL] * 3 + [tt.UNKNOWN] + [tt.BYTE] * 256
+    pieces = list("abcdefghijklmnopqrstuvwxyz") + [" ", "he", "ll", "llo", "hello", "\u2581w", "or", "is", "\u2581t"]
+    tokens += pieces
+    types += [tt.NORMAL] * len(pieces)
+    tokens += [f"<unused{i}>" for i in range(size - len(tokens))]
+    types += [tt.UNUSED] * (size - len(types))
+    assert len(tokens) == size
+    return tokens, types
+
+
+def add_gguf_tokenizer(w, vocab_size: int) -> None:
+    """`gguf_vocabulary` and Gemma's special ids into a GGUFWriter."""
+    tokens, token_types = gguf_vocabulary(vocab_size)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    w.add_token_types(token_types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+
+
+def add_gemma3_gguf_header(w, cfg) -> None:
+    """A transformers Gemma 3 text config's hyperparameters as llama.cpp's gemma3 GGUF keys (the writer made
+    with architecture "gemma3"; query_pre_attn_scalar as attention.scale)."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_float32("gemma3.attention.scale", cfg.query_pre_attn_scalar ** -0.5)
+    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)

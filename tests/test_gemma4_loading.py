@@ -21,7 +21,7 @@ from gemmaserve import LLM, SamplingParams
 from gemmaserve.models.gemma4 import Gemma4Config
 from gemmaserve.models.tokenizer import Tokenizer
 
-from helpers import fresh_seed, routing_margin, save_checkpoint, tiny_gemma4_hf
+from helpers import add_gguf_tokenizer, fresh_seed, routing_margin, save_checkpoint, tiny_gemma4_hf
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 PROMPT = "hello world this is a test of sliding windows"   # ~45 tokens: many windows of 4-6
@@ -159,23 +159,6 @@ def _gguf_name(kind, suffix: str, bid: int | None = None) -> str:
     return f"{TENSOR_NAMES[kind].format(bid=bid)}.{suffix}"
 
 
-def _vocabulary(size: int):
-    """A SentencePiece-style vocabulary as Gemma's GGUF files store it: specials, 256 byte tokens, letters,
-    a space token spelled with a real space, a few merged pieces, then unused slots."""
-    import gguf
-
-    tt = gguf.TokenType
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [tt.CONTROL] * 3 + [tt.UNKNOWN] + [tt.BYTE] * 256
-    pieces = list("abcdefghijklmnopqrstuvwxyz") + [" ", "he", "ll", "llo", "hello", "\u2581w", "or", "is", "\u2581t"]
-    tokens += pieces
-    types += [tt.NORMAL] * len(pieces)
-    tokens += [f"<unused{i}>" for i in range(size - len(tokens))]
-    types += [tt.UNUSED] * (size - len(types))
-    assert len(tokens) == size
-    return tokens, types
-
-
 def _write_gguf(hf, path: Path, extra: dict[str, np.ndarray] | None = None, q8_0: bool = False) -> Path:
     """The tiny HF model as llama.cpp's gemma4 GGUF (F32): norms as plain w, proportional RoPE as rope_freqs,
     per-layer arrays where layers differ, K = V implied by full layers without attn_v; an untied head as
@@ -212,16 +195,7 @@ def _write_gguf(hf, path: Path, extra: dict[str, np.ndarray] | None = None, q8_0
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.top_k_experts)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    tokens, token_types = _vocabulary(cfg.vocab_size)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([-float(i) for i in range(len(tokens))])
-    w.add_token_types(token_types)
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_unk_token_id(3)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(True)
+    add_gguf_tokenizer(w, cfg.vocab_size)
 
     from gguf.constants import MODEL_TENSOR
 

@@ -25,8 +25,7 @@ from gemmaserve.models.layers import Linear
 from gemmaserve.models.loader import load_model
 from gemmaserve.quantization.linear import QuantizedLinear
 
-from helpers import fresh_seed, paged_logits, tiny_hf_model
-from test_gemma4_loading import _vocabulary
+from helpers import add_gemma3_gguf_header, add_gguf_tokenizer, fresh_seed, paged_logits, tiny_hf_model
 
 # Widths that are whole Q4_K blocks (256) for every projection: o_proj's input is 4 heads x 64.
 CONFIG = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, head_dim=64, num_key_value_heads=1,
@@ -61,28 +60,8 @@ def _write_gguf(hf, path: Path, type_of, seed: int) -> Path:
     rng = np.random.default_rng(seed)
     cfg = hf.config
     w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_sliding_window(cfg.sliding_window)
-    w.add_float32("gemma3.attention.scale", cfg.query_pre_attn_scalar ** -0.5)
-    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    tokens, token_types = _vocabulary(cfg.vocab_size)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([-float(i) for i in range(len(tokens))])
-    w.add_token_types(token_types)
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_unk_token_id(3)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(True)
+    add_gemma3_gguf_header(w, cfg)
+    add_gguf_tokenizer(w, cfg.vocab_size)
     for name, t in hf.state_dict().items():
         module = name.removesuffix(".weight")
         value = t.detach().float().numpy().copy()

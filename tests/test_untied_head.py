@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.models.quant import QuantEmbedding
 
-from helpers import fresh_seed, paged_logits, save_checkpoint, tiny_gemma4_hf, tiny_hf_model
-from test_gemma4_loading import NEW_TOKENS, PROMPT, _assert_greedy_like_hf, _vocabulary, _write_gguf, add_gguf_tensor
+from helpers import (add_gemma3_gguf_header, add_gguf_tokenizer, fresh_seed, paged_logits, save_checkpoint,
+                     tiny_gemma4_hf, tiny_hf_model)
+from test_gemma4_loading import NEW_TOKENS, PROMPT, _assert_greedy_like_hf, _write_gguf, add_gguf_tensor
 
 TOL = 1e-4   # fp32 against fp32 (test_model_vs_hf.py's)
 
@@ -77,28 +78,8 @@ def _write_gemma3_gguf(hf, path: Path, q8_0: bool) -> Path:
     assert list(cfg.layer_types) == ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                      for i in range(cfg.num_hidden_layers)]
     w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_sliding_window(cfg.sliding_window)
-    w.add_float32("gemma3.attention.scale", cfg.query_pre_attn_scalar ** -0.5)
-    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    tokens, token_types = _vocabulary(cfg.vocab_size)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([-float(i) for i in range(len(tokens))])
-    w.add_token_types(token_types)
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_unk_token_id(3)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(True)
+    add_gemma3_gguf_header(w, cfg)
+    add_gguf_tokenizer(w, cfg.vocab_size)
     layer = {"input_layernorm": T.ATTN_NORM, "self_attn.q_proj": T.ATTN_Q, "self_attn.k_proj": T.ATTN_K,
              "self_attn.v_proj": T.ATTN_V, "self_attn.o_proj": T.ATTN_OUT, "self_attn.q_norm": T.ATTN_Q_NORM,
              "self_attn.k_norm": T.ATTN_K_NORM, "post_attention_layernorm": T.ATTN_POST_NORM,

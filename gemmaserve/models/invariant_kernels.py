@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quantization.launch import grouped_tile
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -58,15 +60,7 @@ def _precision(dtype: torch.dtype) -> str:
 def _matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, s_xm, s_xk, s_wn, s_wk, s_ym, s_yn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                    PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    # Grouped program order (L2 reuse of W tiles): which program computes a tile, never how.
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)   # which program computes a tile
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .launch import sm_count, split_k, triton_enabled
+from .launch import grouped_tile, sm_count, split_k, triton_enabled
 from .schemes import FP8_DTYPE, Fp8Weight
 
 FP8_MAX = torch.finfo(FP8_DTYPE).max   # 448
@@ -148,13 +148,7 @@ def _fp8_block_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, y_ptr, M, N, K, k_per_spli
                       GROUP_M: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * num_n   # grouped order: row tiles share a column tile's weights in L2
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, M, N, BM, BN, GROUP_M)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     mm = rm < M

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .launch import sm_count, split_k, triton_enabled
+from .launch import grouped_tile, sm_count, split_k, triton_enabled
 from .schemes import Int4Weight
 
 SMALL_M = 16   # rows up to which the decode configuration (BM = 16, split-K) serves
@@ -171,16 +171,8 @@ def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_split
                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_OFFSET: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, ATOMIC: tl.constexpr,
                  PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    # Grouped program order: GROUP_M row tiles read one column tile's weights while it is in L2.
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = pid_n * BN + tl.arange(0, BN)
     mm = rm < M
