@@ -61,9 +61,9 @@ def _gpu_schemes(model: str) -> dict[str, torch.nn.Module]:
     from ..quantization.compressed_tensors import ModuleQuant
     from ..quantization.schemes import Scheme, quantize_fp8_per_channel, quantize_int4_groups
 
-    schemes = {"w4a16_g32_rtn": (ModuleQuant(Scheme.W4A16, group=32), lambda w: quantize_int4_groups(w, 32)),
-               "w4a16_g128_rtn": (ModuleQuant(Scheme.W4A16, group=128), lambda w: quantize_int4_groups(w, 128)),
-               "fp8_channel": (ModuleQuant(Scheme.FP8), quantize_fp8_per_channel)}
+    schemes = {"w4a16_g32_rtn": (ModuleQuant(Scheme.W4A16, group=32), lambda _, w: quantize_int4_groups(w, 32)),
+               "w4a16_g128_rtn": (ModuleQuant(Scheme.W4A16, group=128), lambda _, w: quantize_int4_groups(w, 128)),
+               "fp8_channel": (ModuleQuant(Scheme.FP8), lambda _, w: quantize_fp8_per_channel(w))}
     out = {}
     for name, (quant, quantize) in schemes.items():
         loaded = load_model(model, torch.float32, torch.device("cpu"))
