@@ -31,9 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gemma3-270m", help="GGUF file or alias (default: the embedded 270M)")
     parser.add_argument("--new-tokens", type=positive_int, default=64, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=positive_int, default=None, help="llama.cpp threads (default: torch's)")
-    parser.add_argument("--gpu-formats", choices=("on", "off", "only"), default="on",
+    parser.add_argument("--gpu-formats", choices=("on", "off", "only"), default="off",
                         help="also score the fp32 model with its projections in the GPU's formats (W4A16 groups of "
-                             "32 and 128, FP8 per channel); only = those and the fp32 reference alone")
+                             "32 and 128, FP8 per channel, through their CPU references: slow, so off by default); "
+                             "only = those and the fp32 reference alone (minutes)")
     parser.add_argument("--out", default="bench-out/quality.json", help="JSON output path")
 
 
