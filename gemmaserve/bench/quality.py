@@ -1,9 +1,9 @@
 """`gemmaserve bench quality`: what keeping a GGUF's weights quantised costs in accuracy, on the CPU.
 
 Three models over the same file: ours with every weight expanded to fp32 (the reference), ours with the
-quantised weights (`--dtype auto`), and llama.cpp on the same file when `llama-cpp-python` is installed; and
-for the GPU's weight formats, the fp32 model's projections in W4A16 (int4 groups of 32 and 128, rounded to
-nearest) and FP8 (per channel, activations per token), scored on the same passages.
+quantised weights (`--dtype auto`), and llama.cpp on the same file when `llama-cpp-python` is installed; with
+`--gpu-formats`, also the fp32 model's projections in the GPU's weight formats, W4A16 (int4 groups of 32 and 128,
+rounded to nearest) and FP8 (per channel, activations per token), scored on the same passages.
 Ours decodes the greedy prompts as one batch, and (compiled) one at a time as llama.cpp does.
 Figures: perplexity over fixed passages (`quality_texts.py`; teacher-forced, each passage from its
 start; ours through the real paged path, `testing/scoring.py`; the quantised model in prefill chunks, one
