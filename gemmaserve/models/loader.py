@@ -317,10 +317,20 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, shard: Te
                 raise UserInputError(f"cannot read {file}: {exc}") from None
 
     formats = None
-    if plan is None:
+    if plan is None and quantization == "fp8" and shard is None:
+        # Built on the CPU (untouched torch.empty pages cost nothing); everything but the projections moved to the
+        # device; the projections filled on the CPU, then each moved and quantised in turn: the device never holds
+        # more than one float projection (a 31B's bf16 weights would take 62 GB of it).
+        model = model_class(config, dtype)
+        _to_device_except(model, set(q.projection_names(model)), device)
+        model.load_weights(weights(model, None))
+        quantized = q.quantize_fp8_online(model, device=device)
+        release_freed_memory()
+        formats = q.formats(model, quantized, dtype)
+    elif plan is None:
         model = build_model(model_class, config, weights, dtype, device, shard)
-        if quantization == "fp8":
-            quantized = q.quantize_fp8_online(model, model.tensor_parallel_plan if shard is not None else None)
+        if quantization == "fp8":   # a tensor-parallel rank: its own slices, built on the device
+            quantized = q.quantize_fp8_online(model, model.tensor_parallel_plan)
             release_freed_memory()
             formats = q.formats(model, quantized, dtype)
     else:
@@ -340,6 +350,19 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, shard: Te
         q.finish(model, planned)
         formats = q.formats(model, {n: e.quant for n, e in planned.items()}, dtype)
     return model, Tokenizer.from_checkpoint_dir(path), formats
+
+
+def _to_device_except(model: torch.nn.Module, staged: set[str], device: torch.device) -> None:
+    """Every parameter and buffer of `model` to `device` except those of the modules named in `staged`."""
+    for name, module in model.named_modules():
+        if name in staged:
+            continue
+        for key, p in module._parameters.items():
+            if p is not None:
+                module._parameters[key] = torch.nn.Parameter(p.data.to(device), requires_grad=False)
+        for key, b in module._buffers.items():
+            if b is not None:
+                module._buffers[key] = b.to(device)
 
 
 def _quant_plan(path: Path, quantization: str):

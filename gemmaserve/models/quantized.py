@@ -175,10 +175,11 @@ def formats(model: nn.Module, quantized: dict[str, ModuleQuant], dtype: torch.dt
     return out
 
 
-def quantize_fp8_online(model: nn.Module, plan: ShardPlan | None = None) -> dict[str, ModuleQuant]:
+def quantize_fp8_online(model: nn.Module, plan: ShardPlan | None = None,
+                        device: torch.device | None = None) -> dict[str, ModuleQuant]:
     """Every attention and MLP projection of a loaded model to FP8 per channel (`--quantization fp8`). `plan`: a
     tensor-parallel rank's (before `parallelize`): row-parallel slices are scaled by their whole rows' amax, every
-    rank gathering them in the same module order."""
+    rank gathering them in the same module order. `device`: where the fp8 weights go (see quantize_projections)."""
     row_parallel = set(plan.row_parallel()) if plan is not None else set()
 
     def quantize(name: str, w: torch.Tensor) -> Fp8Weight:
@@ -187,20 +188,30 @@ def quantize_fp8_online(model: nn.Module, plan: ShardPlan | None = None) -> dict
         amax = plan.shard.comm.all_gather_last(w.float().abs().amax(dim=1, keepdim=True))   # [N, ranks]
         return quantize_fp8_per_channel(w, amax.amax(dim=1))
 
-    return quantize_projections(model, ModuleQuant(Scheme.FP8), quantize)
+    return quantize_projections(model, ModuleQuant(Scheme.FP8), quantize, device)
+
+
+def projection_names(model: nn.Module) -> list[str]:
+    """The attention and MLP projections of a model (the `Linear`s of its `Attention` and `GeGLU` modules), in
+    module order: what --quantization fp8 quantises."""
+    return [f"{n}.{child}" for n, m in model.named_modules() if isinstance(m, (Attention, GeGLU))
+            for child, c in m.named_children() if isinstance(c, Linear)]
 
 
 def quantize_projections(model: nn.Module, quant: ModuleQuant,
-                         quantize: Callable[[str, torch.Tensor], Int4Weight | Fp8Weight]) -> dict[str, ModuleQuant]:
+                         quantize: Callable[[str, torch.Tensor], Int4Weight | Fp8Weight],
+                         device: torch.device | None = None) -> dict[str, ModuleQuant]:
     """Every attention and MLP projection of a loaded model quantised by `quantize` (module name, its float weight
     [N, K] -> the scheme's weight), one module at a time, in module order (each float weight freed as its quantised
-    copy exists). Returns the modules quantised."""
-    names = [f"{n}.{child}" for n, m in model.named_modules() if isinstance(m, (Attention, GeGLU))
-             for child, c in m.named_children() if isinstance(c, Linear)]
+    copy exists). `device`: where the quantised weights go, when the float ones were staged elsewhere (the loader
+    fills them on the CPU, so the device never holds more than one float projection). Returns the modules
+    quantised."""
+    names = projection_names(model)
     for name in names:
         old = model.get_submodule(name)
-        new = QuantizedLinear.from_weight(name, quantize(name, old.weight.data), quant)
-        if old.weight.device.type == "cpu":
+        w = old.weight.data if device is None else old.weight.data.to(device)
+        new = QuantizedLinear.from_weight(name, quantize(name, w), quant)
+        if w.device.type == "cpu":
             new.matmul = linear
         del old
         replace_module(model, name, new)
