@@ -421,3 +421,18 @@ def test_lora_over_a_quantised_base_equals_peft(checkpoints, tmp_path, fmt):
     scale = want.abs().max().item()
     assert (want - base).abs().max().item() > 0.05 * scale   # the adapter matters, so the comparison does
     assert (got - want).abs().max().item() < 2e-5 * scale
+
+
+def test_the_background_builder_computes_the_engines_key(checkpoints):
+    """The compiled CPU steps' builder process is started with the engine's options that decide the packages' key;
+    --quantization is one of them (without it the builder loaded the float model and refused to build)."""
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.aot_builder import builder_config
+    from gemmaserve.engine.compile.compiled_steps import build_fields
+    from gemmaserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=str(checkpoints["bf16"]), quantization="fp8", cpu_compile="off",
+                          kv_cache_memory=8 << 20)
+    with LLMEngine(config) as engine, LLMEngine(builder_config(build_fields(config))) as builder:
+        assert engine.info.weights == builder.info.weights == "fp8 channel x 12, float32 x 1"
+        assert engine._compiled_steps.store() == builder._compiled_steps.store()

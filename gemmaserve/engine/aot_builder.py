@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 BUILD_KV_MEMORY = 64 << 20   # the builder's KV pool: any size serves (it is a graph input)
 
 
+def builder_config(fields: dict) -> EngineConfig:
+    """The engine the builder assembles from the fields it was started with (compiled_steps.build_fields)."""
+    return EngineConfig(**(fields | {"cpu_compile": "off", "kv_cache_memory": BUILD_KV_MEMORY}))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="build the compiled CPU decode steps of one engine configuration")
     parser.add_argument("--config", required=True, help="the engine's options (JSON)")
@@ -36,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     os.nice(10)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        fields = json.loads(args.config) | {"cpu_compile": "off", "kv_cache_memory": BUILD_KV_MEMORY}
-        engine = LLMEngine(EngineConfig(**fields))
+        engine = LLMEngine(builder_config(json.loads(args.config)))
         directory = engine._compiled_steps.store()
         if directory is None or directory != Path(args.into):
             raise RuntimeError(f"this configuration's packages belong in {directory}, not {args.into}")

@@ -23,8 +23,15 @@ if TYPE_CHECKING:   # the parts the engine assembled (factory.py, above this roo
 log = logging.getLogger(__name__)
 
 # The options a compiled decode step depends on, which a background build is given (build_job.py, aot_builder.py).
-_BUILD_FIELDS = ("model", "dtype", "kv_cache_dtype", "kv_cache_manager", "page_size", "swa_scratch_reuse",
-                 "attention_backend", "max_model_len")
+# The options that decide the packages' key (the model, its weights' formats, the KV layout): the builder process
+# gets these, and must compute the same key.
+_BUILD_FIELDS = ("model", "dtype", "quantization", "kv_cache_dtype", "kv_cache_manager", "page_size",
+                 "swa_scratch_reuse", "attention_backend", "max_model_len")
+
+
+def build_fields(config: EngineConfig) -> dict:
+    """What the builder process is started with (aot_builder.py: `--config`)."""
+    return {k: getattr(config, k) for k in _BUILD_FIELDS}
 
 
 class CompiledDecodeSteps:
@@ -98,8 +105,7 @@ class CompiledDecodeSteps:
             log.info("no compiled CPU decode steps in the cache, and GEMMASERVE_BACKGROUND_COMPILE=0: steps stay eager")
             self.state = "off"
             return
-        fields = {k: getattr(self.config, k) for k in _BUILD_FIELDS}
-        self._build = BuildJob.start(fields, directory)
+        self._build = BuildJob.start(build_fields(self.config), directory)
         who = f"pid {self._build.process.pid}" if self._build.process else "another process, already running"
         log.info("compiled CPU decode steps: building in the background (%s; log %s): a few minutes the first "
                  "time on a small CPU, after which this and every later start use them; eager steps meanwhile",
