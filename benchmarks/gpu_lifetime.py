@@ -1,5 +1,6 @@
-"""An engine's lifetime on CUDA (`python -m benchmarks.gpu_lifetime`), as a notebook re-running its cell: the
-embedded 270M is built with the default `--gpu-memory-utilization` (the KV cache takes most of the card), run,
+"""An engine's lifetime on CUDA (`python -m benchmarks.gpu_lifetime`), as a notebook re-running its cell: a
+Gemma 3 1B of random weights (testing/synthetic.py: no model package or download on the device) is built with the
+default `--gpu-memory-utilization` (the KV cache takes most of the card), run,
 and dropped with `del` (the garbage collector off, so only reference counts can free it), then with `close()`,
 then in a `with` block, then with speculation and CUDA graphs on; after each the GPU's free memory must come
 back to within 1 GiB of where it was before the first engine, and the next engine must start. Exit 1 otherwise.
@@ -16,11 +17,19 @@ from pathlib import Path
 
 import torch
 
+from gemmaserve.config.engine import EngineConfig
 from gemmaserve.engine.llm import LLM
 from gemmaserve.engine.sampling_params import SamplingParams
+from gemmaserve.testing.synthetic import random_model
 
 SLACK = 1 << 30
-PROMPTS = ["The capital of France is", "Write a haiku about the sea."]
+PROMPTS = ["w17 w300 w4000 w51", "w9 w8 w7"]   # the synthetic tokenizer's words
+
+
+def _build(options: dict) -> LLM:
+    """The engine alone holds the weights (nothing here keeps the loaded model)."""
+    loaded = random_model("gemma3-1b", torch.bfloat16, torch.device("cuda"))
+    return LLM.from_config(EngineConfig(model=loaded.source.name, device="cuda", **options), loaded)
 
 
 def _free() -> int:
@@ -37,9 +46,9 @@ def main() -> int:
                                                                                       "num_speculative_tokens": 3}})]
     for how, options in modes:
         t0 = time.perf_counter()
-        llm = LLM(device="cuda", **options)
+        llm = _build(options)
         held = start - _free()
-        text = llm.generate(PROMPTS, SamplingParams(max_tokens=16))[0].outputs[0].text
+        tokens = len(llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids)
         if how == "del":
             del llm
         elif how == "close":
@@ -50,8 +59,8 @@ def main() -> int:
         back = _free()
         row = {"how": how, "options": options, "held_gib": round(held / 2**30, 2),
                "left_after_gib": round((start - back) / 2**30, 3), "seconds": round(time.perf_counter() - t0, 1),
-               "text": text}
-        row["ok"] = held > 10 * SLACK and start - back < SLACK
+               "tokens": tokens}
+        row["ok"] = held > 10 * SLACK and start - back < SLACK and tokens == 16
         ok &= row["ok"]
         rows.append(row)
         print(json.dumps(row), flush=True)
