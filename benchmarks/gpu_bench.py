@@ -74,6 +74,16 @@ def _run_all(llm, prompts: list[list[int]], new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def engine_step_ms(eng, steps: int) -> float:
+    """Wall milliseconds per `eng.step()` over `steps` steps (host and device: the device synchronised around)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
 def replay_ms(graph: torch.cuda.CUDAGraph, steps: int) -> float:
     """GPU milliseconds per replay of a captured graph (device time only, no host in between)."""
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -100,12 +110,7 @@ def batch1_decode(llm, model, steps: int = 100) -> tuple[float, float, int]:
     eng.add_request("", SamplingParams(max_tokens=200, ignore_eos=True), prompt_ids=prompt)
     for _ in range(5):
         eng.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - start) / steps * 1e3
+    step_ms = engine_step_ms(eng, steps)
     graph_ms = replay_ms(eng.internals().runner.graphs.graph(1), steps)   # pure GPU time of the captured decode graph
     while eng.has_unfinished_requests():
         eng.step()
@@ -337,12 +342,7 @@ def _decode_rows(eng, prompts: list[list[int]], steps: int = 50):
         return wrapper
 
     sched.schedule, runner.launch = timed(schedule), timed(launch)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - start) / steps * 1e3
+    step_ms = engine_step_ms(eng, steps)
     sched.schedule, runner.launch = schedule, launch
     sizes = runner.graphs.sizes
     graph = runner.graphs.graph(sizes[bisect.bisect_left(sizes, len(prompts))])

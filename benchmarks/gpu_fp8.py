@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_bench import GiB, _engine, _prompts
+from benchmarks.gpu_bench import GiB, _engine, _prompts, engine_step_ms
 from gemmaserve.bench.sections import exit_status, run_sections
 from gemmaserve.testing.scoring import first_divergence
 from gemmaserve.testing.synthetic import random_model
@@ -269,12 +269,7 @@ def _decode_step_ms(loaded, kv_dtype: str, batch: int, ctx: int, steps: int = 20
     prefill_s = time.perf_counter() - start
     for _ in range(3):
         eng.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - start) / steps * 1e3
+    step_ms = engine_step_ms(eng, steps)
     graph_ms = None
     graphs = eng.internals().runner.graphs
     if graphs is not None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_bench import GiB, _engine, _prompts, _run_all, replay_ms
+from benchmarks.gpu_bench import GiB, _engine, _prompts, _run_all, batch1_decode
 from gemmaserve.bench.gpu_check import copy_bandwidth
 from gemmaserve.bench.sections import exit_status, run_sections
 from gemmaserve.testing.synthetic import GEMMA4_CONFIGS, random_model
@@ -129,32 +129,11 @@ def _bf16_backend_gap(llm, common) -> float:
 
 # -- roofline ------------------------------------------------------------------------------------------
 def section_roofline(res: dict, hbm: float, shapes) -> None:
-    from gemmaserve.engine.sampling_params import SamplingParams
-
     rows = res["roofline"] = []
     for name in shapes:
         loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
         llm = _engine(loaded, kv_cache_memory=8 * GiB, max_num_seqs=1)
-        eng = llm.engine
-        prompt = _prompts(1, 1024, loaded.model.vocab_size)[0]
-        _run_all(llm, [prompt], 8)   # compiles kernels
-        eng.add_request("", SamplingParams(max_tokens=200, ignore_eos=True), prompt_ids=prompt)
-        for _ in range(5):
-            eng.step()
-        torch.cuda.synchronize()
-        steps = 100
-        start = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
-        step_ms = (time.perf_counter() - start) / steps * 1e3
-        graph = eng.internals().runner.graphs.graph(1)
-        graph_ms = replay_ms(graph, steps)
-        while eng.has_unfinished_requests():
-            eng.step()
-        ctx = 1024 + 105
-        kv_bytes = sum(s.bytes_per_token() * (min(ctx, s.window) if s.window else ctx)
-                       for s in loaded.model.kv_layer_specs(torch.bfloat16))
+        step_ms, graph_ms, kv_bytes = batch1_decode(llm, loaded.model)
         weights = decode_weight_bytes(loaded.model)
         roof_ms = (weights + kv_bytes) / (hbm * 1e9) * 1e3
         rows.append({"shape": name, "weight_read_GB": round(weights / 1e9, 2), "kv_read_MB": round(kv_bytes / 1e6, 1),
@@ -162,7 +141,7 @@ def section_roofline(res: dict, hbm: float, shapes) -> None:
                      "engine_step_ms": round(step_ms, 3), "graph_over_roofline": round(graph_ms / roof_ms, 2),
                      "step_over_roofline": round(step_ms / roof_ms, 2)})
         print("roofline", rows[-1], flush=True)
-        del llm, eng, loaded, graph
+        del llm, loaded
         _free()
 
 
