@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_bench import GiB, _engine, _prompts, engine_step_ms
+from benchmarks.gpu_bench import GiB, _engine, _prompts, engine_step_ms, replay_ms
 from gemmaserve.bench.sections import exit_status, run_sections
 from gemmaserve.testing.scoring import first_divergence
 from gemmaserve.testing.synthetic import random_model
@@ -273,14 +273,7 @@ def _decode_step_ms(loaded, kv_dtype: str, batch: int, ctx: int, steps: int = 20
     graph_ms = None
     graphs = eng.internals().runner.graphs
     if graphs is not None:
-        graph = graphs.graph(batch)
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(steps):
-            graph.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        graph_ms = round(t0.elapsed_time(t1) / steps, 3)
+        graph_ms = round(replay_ms(graphs.graph(batch), steps), 3)
     for i in ids:
         eng.abort_request(i)
     out = {"step_ms": round(step_ms, 3), "graph_ms": graph_ms, "prefill_s": round(prefill_s, 1),
