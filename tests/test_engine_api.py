@@ -112,3 +112,27 @@ def test_a_served_request_is_checked_once(engine, monkeypatch):
         assert body["error"]["message"].startswith(f"this model's maximum context length is {MAX_MODEL_LEN} tokens; "
                                                    "the request asks for ")
         assert body["error"]["param"] == "prompt" and len(calls) == 1
+
+
+def test_reset_prefix_cache_forgets_prefixes_and_their_counters(engine):
+    """`reset_prefix_cache()`: a prompt served again after it gets no cached tokens, the prefix counters read zero,
+    and the KV manager's books stay consistent (`check_integrity`)."""
+    ids = [2] + list(range(600, 640))
+
+    def run() -> int:
+        rid = engine.add_request("", SamplingParams(max_tokens=2), prompt_ids=ids)
+        cached = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    cached = out.num_cached_tokens
+        return cached
+
+    run()
+    assert run() > 0 and engine.snapshot().prefix_hit_tokens > 0   # the second run reuses the first's prefix
+    engine.reset_prefix_cache()
+    snap = engine.snapshot()
+    assert snap.prefix_hit_tokens == snap.prefix_query_tokens == 0 and snap.pages_cached == 0
+    engine.check_integrity()
+    assert run() == 0
+    engine.check_integrity()

@@ -70,7 +70,8 @@ class LLM:
         self.close()
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix, e.g. before timing a cold start; running requests keep their pages."""
+        """Forget every cached prefix, e.g. before timing a cold start (the prefix hit counters restart from zero);
+        running requests keep their pages."""
         self.engine.reset_prefix_cache()
 
     def add_lora(self, name: str, path: str) -> None:

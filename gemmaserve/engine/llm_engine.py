@@ -153,7 +153,8 @@ class LLMEngine:
         self._kv.check_integrity()
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (the pages go back to the free list); running requests keep theirs."""
+        """Forget every cached prefix (the pages go back to the free list, the host tier is emptied, and the prefix
+        hit counters start again from zero, as after a fresh start); running requests keep their pages."""
         self._kv.reset_prefix_cache()
 
     def kv_integrity_steps(self) -> Iterator[None]:
