@@ -40,7 +40,7 @@ INT4_CASES = [(1, 48, 128, 32), (3, 96, 256, 128), (17, 16, 64, 32), (33, 80, 25
 
 
 def _regimes(m, n, k, group):
-    """The decode regime with a real K split (several slices meet by atomics), and the tiled regime unsplit."""
+    """The decode regime with a real K split (several slices, their partials summed), and the tiled regime unsplit."""
     bk = min(group, 32)
     return {"split_k": I4.Int4Config(16, 32, bk, max(bk, k // 4), 4, 2),
             "gemm": I4.Int4Config(64, 64, min(group, 64), k, 4, 2)}

@@ -9,7 +9,8 @@ quantises activations the same way). y is accumulated in fp32 and returned in `o
 * block weights (bn x bk, e.g. 128 x 128, DeepSeek-V3 style): x per token per bk-column group
   (`quantize_activations_per_group`, scale [M, ceil(K/bk)]) and our Triton kernel: each K step is one
   bk group, so the fp8 tl.dot's fp32 partial of a step is scaled once by the row's group scale and the
-  column's block scale; small M cuts K into slices as well (launch.split_k, fp32 atomics).
+  column's block scale; small M cuts K into slices as well (launch.split_k; fp32 partials summed in a fixed
+  order).
 
 Activations are quantised in one Triton launch where Triton runs (the bits of the torch ops that define it
 and run elsewhere). Without a fit (CPU without the interpreter, a GPU older than sm89, a per-channel shape
@@ -145,7 +146,7 @@ def block_config(m: int, n: int, k: int, bk: int, sms: int) -> BlockConfig:
 def _fp8_block_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, y_ptr, M, N, K, k_per_split,
                       s_xm, s_xsm, s_wn, s_wsn, s_ym,
                       BN_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr):
+                      GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BM, BN, GROUP_M)
@@ -170,11 +171,9 @@ def _fp8_block_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, y_ptr, M, N, K, k_per_spli
         xs = tl.load(xs_ptr + rm * s_xsm + g, mask=mm, other=0.0)
         ws = tl.load(ws_ptr + (rn // BN_SCALE) * s_wsn + g, mask=nm, other=0.0)
         acc += part * xs[:, None] * ws[None, :]
-    ptrs = y_ptr + rm[:, None] * s_ym + rn[None, :]
-    if ATOMIC:
-        tl.atomic_add(ptrs, acc, mask=mm[:, None] & nm[None, :], sem="relaxed")
-    else:
-        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+    # A K slice writes its own fp32 partial (y is [splits, M, N] then): the host sums them in a fixed order.
+    ptrs = y_ptr + pid_k.to(tl.int64) * M * N + rm[:, None] * s_ym + rn[None, :]
+    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
 
 def fp8_block_matmul(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype,
@@ -189,19 +188,19 @@ def fp8_block_matmul(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, out_dtype
     if cfg.k_per_split % bk:
         raise ValueError(f"fp8 block config {cfg}: k_per_split must be a multiple of the block width {bk}")
     splits = -(-k // cfg.k_per_split)
-    atomic = splits > 1
-    y = (torch.zeros if atomic else torch.empty)(m, n, device=xq.device,
-                                                 dtype=torch.float32 if atomic else out_dtype)
     if m == 0:
-        return y.to(out_dtype)
+        return torch.empty(0, n, device=xq.device, dtype=out_dtype)
+    # Split K: one fp32 partial per slice, summed below in a fixed order (deterministic, unlike atomics).
+    y = torch.empty(splits, m, n, device=xq.device, dtype=torch.float32) if splits > 1 else \
+        torch.empty(m, n, device=xq.device, dtype=out_dtype)
     xs = xs.contiguous()
     ws = w.scale.float().contiguous()
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
     _fp8_block_kernel[grid](xq, xs, w.q, ws, y, m, n, k, cfg.k_per_split, xq.stride(0), xs.stride(0),
-                            w.q.stride(0), ws.stride(0), y.stride(0), BN_SCALE=bn, BM=cfg.block_m,
-                            BN=cfg.block_n, BK=bk, GROUP_M=8, ATOMIC=atomic, UPCAST=xq.device.type != "cuda",
+                            w.q.stride(0), ws.stride(0), y.stride(-2), BN_SCALE=bn, BM=cfg.block_m,
+                            BN=cfg.block_n, BK=bk, GROUP_M=8, UPCAST=xq.device.type != "cuda",
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return y.to(out_dtype)
+    return (y.sum(0) if splits > 1 else y).to(out_dtype)
 
 
 def _fp8_capable(device: torch.device) -> bool:

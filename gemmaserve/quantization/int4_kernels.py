@@ -25,7 +25,8 @@ terms are rounded apart before they cancel (an error of fp32 rounding of |s sum 
 bf16's rounding of a dequantised weight, but not zero).
 
 * small M (decode, M <= 16): BM = 16, narrow column tiles and split-K (launch.split_k) so that the packed
-  weights stream from every multiprocessor at once; the slices meet by fp32 atomics in a zeroed buffer;
+  weights stream from every multiprocessor at once; each slice writes its fp32 partial, and the partials are
+  summed in a fixed order (deterministic: the same input gives the same bits on every run);
 * larger M (up to prefill): BM = 64 / 128 tiles in grouped order (L2 reuse of weight tiles), split-K only
   while the tiles alone cannot fill the GPU (M <= 64).
 
@@ -169,7 +170,7 @@ def _precision(dtype: torch.dtype) -> str:
 @triton.jit(do_not_specialize=["M"])
 def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_split, s_xm, s_xk, s_ym, s_yn,
                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_OFFSET: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, ATOMIC: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                  PRECISION: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
@@ -200,11 +201,9 @@ def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_split
             acc += part * scale[None, :] - xsum[:, None] * offset[None, :]
         else:
             acc += part * scale[None, :]
-    ptrs = y_ptr + rm[:, None] * s_ym + rn[None, :] * s_yn
-    if ATOMIC:
-        tl.atomic_add(ptrs, acc, mask=mm[:, None] & nm[None, :], sem="relaxed")
-    else:
-        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+    # A K slice writes its own fp32 partial (y is [splits, M, N] then): the host sums them in a fixed order.
+    ptrs = y_ptr + pid_k.to(tl.int64) * M * N + rm[:, None] * s_ym + rn[None, :] * s_yn
+    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
 
 def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None) -> torch.Tensor:
@@ -225,17 +224,20 @@ def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None
     if w.group % cfg.block_k or cfg.k_per_split % cfg.block_k:
         raise ValueError(f"int4 config {cfg}: block_k must divide the group {w.group} and the K slice")
     splits = cfg.splits(w.k)
-    atomic = splits > 1
-    y = (torch.zeros if atomic else torch.empty)(m, w.n, device=x.device,
-                                                 dtype=torch.float32 if atomic else x.dtype)
+    # Split K: one fp32 partial per slice, summed below in a fixed order (atomics would make the bits vary from
+    # run to run: the same request could decode other tokens).
+    y = torch.empty(splits, m, w.n, device=x.device, dtype=torch.float32) if splits > 1 else \
+        torch.empty(m, w.n, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n), splits)
     _int4_kernel[grid](x2, w.qweight, w.scale, w.zero if w.zero is not None else w.scale,
                        w.offset if w.offset is not None else w.scale, y, m, w.n, w.k,
-                       cfg.k_per_split, x2.stride(0), x2.stride(1), y.stride(0), y.stride(1),
+                       cfg.k_per_split, x2.stride(0), x2.stride(1), y.stride(-2), y.stride(-1),
                        GROUP=w.group, HAS_ZERO=w.has_zero, HAS_OFFSET=w.has_offset,
                        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                       GROUP_M=8, ATOMIC=atomic, PRECISION=_precision(x.dtype),
+                       GROUP_M=8, PRECISION=_precision(x.dtype),
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        y = y.sum(0)
     return y.to(x.dtype).view(*x.shape[:-1], w.n)
 
 

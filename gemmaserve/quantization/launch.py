@@ -4,8 +4,9 @@ the grouped tile order every tiled GEMM of ours uses (`grouped_tile`, also model
 
 A small-batch product over quantised weights is a stream of weight bytes: its time is the bytes over the HBM
 bandwidth only if enough programs are reading at once. A tile of output columns is one program's work; when
-N alone gives too few tiles to fill the GPU, K is cut into `split` slices as well, and the slices' fp32
-partial sums meet by atomic adds (so the sum order of one output varies from run to run, by fp32 rounding).
+N alone gives too few tiles to fill the GPU, K is cut into `split` slices as well: each slice writes its fp32
+partial sums, and the partials are added in a fixed order afterwards (atomic adds would let the order, hence the
+bits, vary from run to run).
 """
 
 from __future__ import annotations
