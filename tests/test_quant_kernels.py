@@ -42,8 +42,12 @@ INT4_CASES = [(1, 48, 128, 32), (3, 96, 256, 128), (17, 16, 64, 32), (33, 80, 25
 def _regimes(m, n, k, group):
     """The decode regime with a real K split (several slices, their partials summed), and the tiled regime unsplit."""
     bk = min(group, 32)
-    return {"split_k": I4.Int4Config(16, 32, bk, max(bk, k // 4), 4, 2),
-            "gemm": I4.Int4Config(64, 64, min(group, 64), k, 4, 2)}
+    regimes = {"split_k": I4.Int4Config(16, 32, bk, max(bk, k // 4), 4, 2),
+               "gemm": I4.Int4Config(64, 64, min(group, 64), k, 4, 2)}
+    if m <= I4.GEMV_M:   # a step of 64 K values crossing groups of 32, a slice ending inside a step
+        regimes["gemv"] = I4.Int4Config(triton.next_power_of_2(m), 32, 64, max(64, k // 4), 4, 1, gemv=True)
+        regimes["gemv_ragged"] = I4.Int4Config(4, 32, 128, 192 if k > 192 else k, 4, 1, gemv=True)
+    return regimes
 
 
 FORMS = pytest.mark.parametrize("asym", [False, True, "offset"], ids=["sym", "asym", "offset"])
@@ -209,6 +213,22 @@ def test_fp8_block_kernel_matches_its_reference(m, n, k, block):
         assert y.shape == (m, n) and _rel(y, ref) < 1e-6, f"seed={seed} {name}: {_rel(y, ref)}"
     # The scheme quantises activations: a few percent from x @ w^T, which the reference keeps.
     assert _rel(F8.fp8_linear(x, w, torch.float32), x.double() @ w.dequantize().double().t()) > 1e-3
+
+
+@interpreted
+@pytest.mark.parametrize("m, n, k", [(1, 48, 384), (5, 40, 200), (33, 64, 256)])
+def test_fp8_per_channel_kernel_matches_its_reference(m, n, k):
+    """The Triton path small batches take on the GPU: raw fp8 sums, scales once at the end; K not a multiple
+    of the step (masked), split into slices or not."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    w = quantize_fp8_per_channel(torch.randn(n, k, generator=gen))
+    x = torch.randn(m, k, generator=gen)
+    xq, xs = F8.quantize_activations_per_token(x)
+    ref = F8.dequantize_activations(xq, xs).double() @ w.dequantize().double().t()
+    for cfg in (F8.BlockConfig(16, 32, F8.CHANNEL_BK, 4, 2), F8.BlockConfig(64, 64, -(-k // 128) * 128, 4, 2)):
+        y = F8.fp8_linear(x, w, torch.float32, cfg)
+        assert y.shape == (m, n) and _rel(y, ref) < 1e-6, f"seed={seed} {cfg}: {_rel(y, ref)}"
 
 
 def test_fp8_per_channel_reference_on_the_cpu():

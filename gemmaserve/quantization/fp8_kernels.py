@@ -2,9 +2,10 @@
 the result is dequant(xq) @ dequant(w)^T, not x @ dequant(w)^T, on every device (the CPU reference
 quantises activations the same way). y is accumulated in fp32 and returned in `out_dtype` (x's by default).
 
-* per-channel weights: x per token (`quantize_activations_per_token`: scale = amax / 448, a zero row 1) and
-  torch._scaled_mm with row-wise scales (scale_a [M, 1], scale_b [1, N], fp32; cuBLASLt, sm89+; K and N
-  multiples of 16). Row-wise scaling gives bf16 out; other out dtypes take the tensor-wise call with unit
+* per-channel weights: x per token (`quantize_activations_per_token`: scale = amax / 448, a zero row 1); up to
+  CHANNEL_TRITON_M rows our Triton kernel below (raw fp8 dot sums, both scale vectors once at the end, split-K),
+  beyond it torch._scaled_mm with row-wise scales (scale_a [M, 1], scale_b [1, N], fp32; cuBLASLt, sm89+; K and
+  N multiples of 16). Row-wise scaling gives bf16 out; other out dtypes take the tensor-wise call with unit
   scales and fp32 out, then the two scale vectors (same fp32 products, one more elementwise pass).
 * block weights (bn x bk, e.g. 128 x 128, DeepSeek-V3 style): x per token per bk-column group
   (`quantize_activations_per_group`, scale [M, ceil(K/bk)]) and our Triton kernel: each K step is one
@@ -30,6 +31,10 @@ from .launch import grouped_tile, sm_count, split_k, triton_enabled
 from .schemes import FP8_DTYPE, Fp8Weight
 
 FP8_MAX = torch.finfo(FP8_DTYPE).max   # 448
+# Per-channel weights at small M go through our kernel, split-K and all: cuBLASLt's row-wise scaled GEMM streams
+# the weight at 0.4 of the HBM rate when N is small and K large (the o and down projections; H100, M <= 16).
+CHANNEL_TRITON_M = 32
+CHANNEL_BK = 128   # the kernel's K step for per-channel weights (no scale changes inside K)
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +151,10 @@ def block_config(m: int, n: int, k: int, bk: int, sms: int) -> BlockConfig:
 def _fp8_block_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, y_ptr, M, N, K, k_per_split,
                       s_xm, s_xsm, s_wn, s_wsn, s_ym,
                       BN_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
+                      GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """Block weights: each step's fp32 dot partial times the row's group scale and the column's block scale.
+    PER_CHANNEL (xs [M, 1], ws [N]): the raw partials are summed and both scale vectors applied once at the end,
+    as the scaled GEMM defines (the same products, rounded in another order than cuBLASLt's)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BM, BN, GROUP_M)
@@ -167,10 +175,17 @@ def _fp8_block_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, y_ptr, M, N, K, k_per_spli
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         part = tl.dot(a, b, out_dtype=tl.float32)
-        g = k0 // BK
-        xs = tl.load(xs_ptr + rm * s_xsm + g, mask=mm, other=0.0)
-        ws = tl.load(ws_ptr + (rn // BN_SCALE) * s_wsn + g, mask=nm, other=0.0)
-        acc += part * xs[:, None] * ws[None, :]
+        if PER_CHANNEL:
+            acc += part
+        else:
+            g = k0 // BK
+            xs = tl.load(xs_ptr + rm * s_xsm + g, mask=mm, other=0.0)
+            ws = tl.load(ws_ptr + (rn // BN_SCALE) * s_wsn + g, mask=nm, other=0.0)
+            acc += part * xs[:, None] * ws[None, :]
+    if PER_CHANNEL:
+        xs = tl.load(xs_ptr + rm * s_xsm, mask=mm, other=0.0)
+        ws = tl.load(ws_ptr + rn, mask=nm, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
     # A K slice writes its own fp32 partial (y is [splits, M, N] then): the host sums them in a fixed order.
     ptrs = y_ptr + pid_k.to(tl.int64) * M * N + rm[:, None] * s_ym + rn[None, :]
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
@@ -178,10 +193,11 @@ def _fp8_block_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, y_ptr, M, N, K, k_per_spli
 
 def fp8_block_matmul(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype,
                      config: BlockConfig | None = None) -> torch.Tensor:
-    """dequant(xq, xs) @ dequant(w)^T for block weights, through the Triton kernel (CUDA or interpreter)."""
+    """dequant(xq, xs) @ dequant(w)^T for block weights, or per-channel ones (xs per token, K steps of
+    CHANNEL_BK), through the Triton kernel (CUDA or interpreter)."""
     m, k = xq.shape
     n = w.q.shape[0]
-    bn, bk = w.block
+    bn, bk = w.block or (1, CHANNEL_BK)
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"fp8 block kernel: the weight's block width {bk} is not a power of two >= 16")
     cfg = config or block_config(m, n, k, bk, sm_count(xq.device))
@@ -195,11 +211,13 @@ def fp8_block_matmul(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, out_dtype
         torch.empty(m, n, device=xq.device, dtype=out_dtype)
     xs = xs.contiguous()
     ws = w.scale.float().contiguous()
+    if w.block is None:
+        ws = ws.reshape(n, 1)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
     _fp8_block_kernel[grid](xq, xs, w.q, ws, y, m, n, k, cfg.k_per_split, xq.stride(0), xs.stride(0),
                             w.q.stride(0), ws.stride(0), y.stride(-2), BN_SCALE=bn, BM=cfg.block_m,
                             BN=cfg.block_n, BK=bk, GROUP_M=8, UPCAST=xq.device.type != "cuda",
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                            PER_CHANNEL=w.block is None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (y.sum(0) if splits > 1 else y).to(out_dtype)
 
 
@@ -226,6 +244,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype | None = No
             y = _reference_product(xq, xs, w, out_dtype)
         return y.view(*x.shape[:-1], n)
     xq, xs = quantize_activations_per_token(x2)
+    if (_fp8_capable(x.device) and x2.shape[0] <= CHANNEL_TRITON_M) or config is not None:
+        return fp8_block_matmul(xq, xs, w, out_dtype, config).view(*x.shape[:-1], n)
     if not _fp8_capable(x.device) or k % 16 or n % 16:   # cuBLASLt's fp8 needs K and N multiples of 16
         return _reference_product(xq, xs, w, out_dtype).view(*x.shape[:-1], n)
     ws = w.scale.float().reshape(1, n)

@@ -45,7 +45,8 @@ import triton.language as tl
 from .launch import grouped_tile, sm_count, split_k, triton_enabled
 from .schemes import Int4Weight
 
-SMALL_M = 16   # rows up to which the decode configuration (BM = 16, split-K) serves
+GEMV_M = 4     # rows up to which the GEMV kernel serves (one token, or a few: speculative verification)
+SMALL_M = 16   # rows up to which the decode configuration of the tiled kernel (BM = 16, split-K) serves
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,11 @@ def unpack_int4(p: Int4Packed) -> Int4Weight:
 class Int4Config:
     block_m: int
     block_n: int
-    block_k: int       # divides the group: one scale per step
+    block_k: int       # K elements per step: divides the group (tl.dot path); a multiple of 8 (GEMV path)
     k_per_split: int   # K elements per program (a multiple of block_k); K: no split
     num_warps: int
     num_stages: int
+    gemv: bool = False   # the decode GEMV kernel (block_m rows at once, no tl.dot) instead of the tiled one
 
     def splits(self, k: int) -> int:
         return -(-k // self.k_per_split)
@@ -149,8 +151,12 @@ class Int4Config:
 
 def int4_config(m: int, n: int, k: int, group: int, sms: int) -> Int4Config:
     """Tiles by batch regime (no autotuning: one compile per regime and shape). Decode streams weights, so
-    its tiles are narrow in M and the grid is widened by split-K; larger M tiles for tl.dot throughput,
-    still split while their count is below two waves (M <= 64)."""
+    its rows go through the GEMV kernel (M <= GEMV_M) or narrow tl.dot tiles, the grid widened by split-K;
+    larger M tiles for tl.dot throughput, still split while their count is below two waves (M <= 64)."""
+    if m <= GEMV_M:
+        bn, bk = 128, 256
+        return Int4Config(triton.next_power_of_2(m), bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2),
+                          4, 1, gemv=True)
     if m <= SMALL_M:
         bm, bn, bk, warps, stages = 16, 64, min(group, 128), 4, 4
     elif m <= 64:
@@ -206,6 +212,60 @@ def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_split
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_split, s_xm, s_xk, s_ym, s_yn,
+                      GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+    """Decode rows without tl.dot: a program owns BN columns and a K slice for all BM (<= 4) rows; each step
+    loads BKW word rows [BKW, BN] (8 K values per word) and, nibble by nibble, multiplies them into the rows
+    on the FMA units. A nibble becomes a float by the exponent trick: (q | 0x4B000000) read as fp32 is 2^23 + q,
+    so subtracting (2^23 + zero) gives q - zero exactly in one add (no int-to-float conversion, which runs
+    at a quarter of the FMA rate). Per word row the 8 products are summed, then scaled by the word row's
+    group scale: all 8 nibbles of a word lie in one group (the group is a multiple of 8)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nm = rn < N
+    rm = tl.arange(0, BM)
+    mm = rm < M
+    rw = tl.arange(0, BKW)
+    words_total = K // 8
+    w_lo = pid_k * (k_per_split // 8)
+    w_hi = tl.minimum(w_lo + k_per_split // 8, words_total)
+    acc = tl.zeros((BM, BKW, BN), dtype=tl.float32)
+    for w0 in range(w_lo, w_hi, BKW):
+        wr = w0 + rw
+        wm = wr < w_hi
+        lm = wm[:, None] & nm[None, :]
+        words = tl.load(qw_ptr + wr.to(tl.int64)[:, None] * N + rn[None, :], mask=lm, other=0)
+        g = (wr * 8) // GROUP
+        gidx = g[:, None] * N + rn[None, :]
+        scale = tl.load(s_ptr + gidx, mask=lm, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            base = 8388608.0 + tl.load(z_ptr + gidx, mask=lm, other=0).to(tl.float32)
+        elif HAS_OFFSET:
+            base = 8388608.0
+        else:
+            base = 8388616.0   # 2^23 + 8: symmetric
+        part = tl.zeros((BM, BKW, BN), dtype=tl.float32)
+        xsum = tl.zeros((BM, BKW), dtype=tl.float32)
+        for i in tl.static_range(8):
+            qf = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - base
+            xi = tl.load(x_ptr + rm[:, None] * s_xm + (wr * 8 + i)[None, :] * s_xk,
+                         mask=mm[:, None] & wm[None, :], other=0.0).to(tl.float32)
+            part += xi[:, :, None] * qf[None, :, :]
+            if HAS_OFFSET:
+                xsum += xi
+        if HAS_OFFSET:   # s * (x q) - o * (sum of x over the word): as the tiled kernel's offset form
+            offset = tl.load(o_ptr + gidx, mask=lm, other=0.0).to(tl.float32)
+            acc += part * scale[None, :, :] - xsum[:, :, None] * offset[None, :, :]
+        else:
+            acc += part * scale[None, :, :]
+    y = tl.sum(acc, axis=1)
+    ptrs = y_ptr + pid_k.to(tl.int64) * M * N + rm[:, None] * s_ym + rn[None, :] * s_yn
+    tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
 def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32) @ dequant(w)^T -> [..., N] in x's dtype. `config` overrides the tile
     choice (tests force each regime; benchmarks sweep); without Triton (CPU, no interpreter) the reference."""
@@ -221,21 +281,29 @@ def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None
     if m == 0:
         return x.new_empty(*x.shape[:-1], w.n)
     cfg = config or int4_config(m, w.n, w.k, w.group, sm_count(x.device))
-    if w.group % cfg.block_k or cfg.k_per_split % cfg.block_k:
-        raise ValueError(f"int4 config {cfg}: block_k must divide the group {w.group} and the K slice")
+    if (cfg.k_per_split % 8 or cfg.block_k % 8) if cfg.gemv else (cfg.k_per_split % cfg.block_k or
+                                                                  w.group % cfg.block_k):
+        raise ValueError(f"int4 config {cfg}: block_k must divide the group {w.group} and the K slice (the GEMV "
+                         "kernel: both multiples of 8)")
+    if cfg.gemv and m > cfg.block_m:
+        raise ValueError(f"int4 config {cfg}: the GEMV kernel takes at most block_m = {cfg.block_m} rows, got {m}")
     splits = cfg.splits(w.k)
     # Split K: one fp32 partial per slice, summed below in a fixed order (atomics would make the bits vary from
     # run to run: the same request could decode other tokens).
     y = torch.empty(splits, m, w.n, device=x.device, dtype=torch.float32) if splits > 1 else \
         torch.empty(m, w.n, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n), splits)
-    _int4_kernel[grid](x2, w.qweight, w.scale, w.zero if w.zero is not None else w.scale,
-                       w.offset if w.offset is not None else w.scale, y, m, w.n, w.k,
-                       cfg.k_per_split, x2.stride(0), x2.stride(1), y.stride(-2), y.stride(-1),
-                       GROUP=w.group, HAS_ZERO=w.has_zero, HAS_OFFSET=w.has_offset,
-                       BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                       GROUP_M=8, PRECISION=_precision(x.dtype),
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (x2, w.qweight, w.scale, w.zero if w.zero is not None else w.scale,
+            w.offset if w.offset is not None else w.scale, y, m, w.n, w.k,
+            cfg.k_per_split, x2.stride(0), x2.stride(1), y.stride(-2), y.stride(-1))
+    if cfg.gemv:
+        _int4_gemv_kernel[(triton.cdiv(w.n, cfg.block_n), splits)](
+            *args, GROUP=w.group, HAS_ZERO=w.has_zero, HAS_OFFSET=w.has_offset, BM=cfg.block_m,
+            BN=cfg.block_n, BKW=cfg.block_k // 8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n), splits)
+        _int4_kernel[grid](*args, GROUP=w.group, HAS_ZERO=w.has_zero, HAS_OFFSET=w.has_offset,
+                           BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8,
+                           PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         y = y.sum(0)
     return y.to(x.dtype).view(*x.shape[:-1], w.n)
