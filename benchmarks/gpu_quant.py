@@ -14,6 +14,7 @@ Sections (default: all; about 3 minutes on one H100, Triton compilation included
           per call, effective bandwidth (weight + scale bytes / time), fraction of the copy bandwidth, speedup
           over bf16
   sweep   int4 g32 GEMV tile configurations at M = 1 on the 31B and E4B shapes (what the heuristic could choose)
+  tiled   the tiled int4 kernel's configurations at M = 16 and 64 on the 31B shapes (group 32)
 
 Writes $OUT/gpu_quant.json after every section; a table last. Exit status 1 if a check row fails.
 """
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from gemmaserve.bench.sections import exit_status, run_sections
 from gemmaserve.quantization import fp8_kernels as F8
 from gemmaserve.quantization import int4_kernels as I4
+from gemmaserve.quantization.launch import split_k
 from gemmaserve.quantization.schemes import FP8_DTYPE, Fp8Weight, Int4Weight, quantize_fp8_per_channel
 
 # (model, projection, N, K) for the sliding-window layers (5 of every 6), docs/gemma-architecture's table:
@@ -210,7 +212,7 @@ def section_sweep(res: dict) -> None:
                 for waves in (1, 2, 4):
                     tiles = -(-n // bn)
                     per = max(bk, -(-k // max(1, -(-waves * sms // tiles)) // bk) * bk)
-                    for warps, stages in ((4, 1), (8, 1), (4, 2)):
+                    for warps, stages in ((4, 1), (8, 1)):
                         cfg = I4.Int4Config(1, bn, bk, per, warps, stages, gemv=True)
                         try:
                             us = graph_us(lambda x_, w_, cfg=cfg: I4.int4_linear(x_, w_, cfg), x, weights, reps=7)
@@ -225,6 +227,43 @@ def section_sweep(res: dict) -> None:
         rows.append(row)
         print("sweep", {key: row[key] for key in ("model", "proj", "auto", "auto_us", "best", "best_us", "best_GBs")},
               flush=True)
+        del weights, packed
+        torch.cuda.empty_cache()
+
+
+def section_tiled(res: dict) -> None:
+    """The tiled int4 kernel (group 32) at M = 16 and 64 on the 31B shapes: step width (32 = one group per
+    step, 64 / 128 = the tile dequantised first, `scaled`), nibble order, column tile, warps; against auto."""
+    rows = res["tiled"] = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for i, (model, proj, n, k) in enumerate(SHAPES[:4]):
+        gen = torch.Generator(device="cuda").manual_seed(i)
+        packed = I4.pack_int4(_int4(gen, n, k, 32, False))
+        weights = [packed] + [_copies(packed) for _ in range(max(0, -(-L2_BYTES // packed.nbytes) - 1))]
+        for m in (16, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            auto = I4.int4_config(m, n, k, 32, sms)
+            row: dict = {"model": model, "proj": proj, "N": n, "K": k, "M": m, "auto": dataclasses.astuple(auto)}
+            row["auto_us"] = round(graph_us(I4.int4_linear, x, weights), 2)
+            bm = 16 if m <= 16 else 64
+            for bn in (64, 128):
+                for bk, scaled in ((32, False), (64, True), (128, True)):
+                    for nibble_major in (False, True):
+                        for warps, stages in ((4, 3), (8, 3)):
+                            tiles = -(-m // bm) * -(-n // bn)
+                            cfg = I4.Int4Config(bm, bn, bk, split_k(tiles, k, bk, sms), warps, stages,
+                                                nibble_major=nibble_major, scaled=scaled)
+                            try:
+                                us = graph_us(lambda x_, w_, cfg=cfg: I4.int4_linear(x_, w_, cfg), x, weights, reps=7)
+                            except Exception as exc:   # a config that does not compile (shared memory): skip
+                                row[str(dataclasses.astuple(cfg))] = repr(exc)[:80]
+                                continue
+                            row[str(dataclasses.astuple(cfg))] = round(us, 2)
+            best = min((v, key) for key, v in row.items() if key.startswith("(") and isinstance(v, float))
+            row["best"], row["best_us"] = best[1], best[0]
+            rows.append(row)
+            print("tiled", {key: row[key] for key in ("model", "proj", "M", "auto", "auto_us", "best", "best_us")},
+                  flush=True)
         del weights, packed
         torch.cuda.empty_cache()
 
@@ -249,6 +288,9 @@ def summary(res: dict) -> str:
             cells = [f"{r[f'{m}_us']:>7.1f} ({r.get(f'{m}_of_copy_bw', 0):.2f}) [{r[f'{m}_speedup']:.2f}x]"
                      for m in METHODS]
             lines.append(f"  {r['model']:<11} {r['proj']:<8} {r['M']:>3}  " + "  ".join(f"{c:>22}" for c in cells))
+    for r in res.get("tiled") if isinstance(res.get("tiled"), list) else []:
+        lines.append(f"tiled {r['model']} {r['proj']} M={r['M']}: auto {r['auto']} {r['auto_us']} us; "
+                     f"best {r['best']} {r['best_us']} us")
     sweep = res.get("sweep")
     if isinstance(sweep, list):
         for r in sweep:
@@ -282,6 +324,7 @@ def main(argv: list[str]) -> int:
         "check": lambda: section_check(res),
         "timing": lambda: section_timing(res, res.get("hbm_GBs")),
         "sweep": lambda: section_sweep(res),
+        "tiled": lambda: section_tiled(res),
     }, out)
     print(summary(res))
     return exit_status(res, CHECKS)

@@ -144,6 +144,8 @@ class Int4Config:
     num_warps: int
     num_stages: int
     gemv: bool = False   # the decode GEMV kernel (block_m rows at once, no tl.dot) instead of the tiled one
+    nibble_major: bool = False   # tiled kernel: unpack nibble-major and gather x's columns to match
+    scaled: bool = False   # tiled kernel: dequantise the tile into x's dtype first (block_k may span groups)
 
     def splits(self, k: int) -> int:
         return -(-k // self.k_per_split)
@@ -177,7 +179,7 @@ def _precision(dtype: torch.dtype) -> str:
 def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_split, s_xm, s_xk, s_ym, s_yn,
                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_OFFSET: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, NIBBLE_MAJOR: tl.constexpr, SCALED: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -185,28 +187,50 @@ def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_split
     mm = rm < M
     nm = rn < N
     rk = tl.arange(0, BK)
+    if NIBBLE_MAJOR:   # tile row i * BK/8 + r holds nibble i of word row r, k = 8r + i: x's columns follow
+        rk = (rk % (BK // 8)) * 8 + rk // (BK // 8)
     rw = tl.arange(0, BK // 8)
     shifts = tl.arange(0, 8) * 4
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):   # whole steps: BK divides the group, the group divides K
+    for k0 in range(k_lo, k_hi, BK):   # whole steps: BK divides the group (or K, SCALED), the group divides K
         a = tl.load(x_ptr + rm[:, None] * s_xm + (k0 + rk)[None, :] * s_xk, mask=mm[:, None], other=0.0)
         words = tl.load(qw_ptr + ((k0 // 8 + rw) * N)[:, None] + rn[None, :], mask=nm[None, :], other=0)
-        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BK, BN))   # row 8r + i: nibble i
-        g = k0 // GROUP
-        scale = tl.load(s_ptr + g * N + rn, mask=nm, other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            q = q - tl.load(z_ptr + g * N + rn, mask=nm, other=0).to(tl.int32)[None, :]
-        elif not HAS_OFFSET:
-            q = q - 8
-        part = tl.dot(a, q.to(a.dtype), input_precision=PRECISION, out_dtype=tl.float32)
-        if HAS_OFFSET:   # s * (x q) - o * (sum of x over the step): the step lies inside one group
-            offset = tl.load(o_ptr + g * N + rn, mask=nm, other=0.0).to(tl.float32)
-            xsum = tl.sum(a.to(tl.float32), axis=1)
-            acc += part * scale[None, :] - xsum[:, None] * offset[None, :]
+        if NIBBLE_MAJOR:
+            nib = tl.reshape((words[None, :, :] >> shifts[:, None, None]) & 0xF, (BK, BN))
         else:
-            acc += part * scale[None, :]
+            nib = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BK, BN))   # row 8r + i
+        if SCALED:   # each tile row's group: the step may span groups
+            gidx = ((k0 + rk) // GROUP)[:, None] * N + rn[None, :]
+            gmask = nm[None, :]
+        else:        # one group for the whole step
+            gidx = (k0 // GROUP) * N + rn
+            gmask = nm
+        scale = tl.load(s_ptr + gidx, mask=gmask, other=0.0).to(tl.float32)
+        # q - zero as a float without an int-to-float conversion: (q | 0x4B000000) read as fp32 is 2^23 + q.
+        if HAS_ZERO:
+            base = 8388608.0 + tl.load(z_ptr + gidx, mask=gmask, other=0).to(tl.float32)
+            if not SCALED:
+                base = base[None, :]
+        elif HAS_OFFSET:
+            base = 8388608.0
+        else:
+            base = 8388616.0
+        q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - base
+        if SCALED:   # the tile dequantised (exact in fp32), then rounded to x's dtype for one dot
+            w = q * scale
+            if HAS_OFFSET:
+                w = w - tl.load(o_ptr + gidx, mask=gmask, other=0.0).to(tl.float32)
+            acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION, out_dtype=tl.float32)
+        else:
+            part = tl.dot(a, q.to(a.dtype), input_precision=PRECISION, out_dtype=tl.float32)
+            if HAS_OFFSET:   # s * (x q) - o * (sum of x over the step): the step lies inside one group
+                offset = tl.load(o_ptr + gidx, mask=gmask, other=0.0).to(tl.float32)
+                xsum = tl.sum(a.to(tl.float32), axis=1)
+                acc += part * scale[None, :] - xsum[:, None] * offset[None, :]
+            else:
+                acc += part * scale[None, :]
     # A K slice writes its own fp32 partial (y is [splits, M, N] then): the host sums them in a fixed order.
     ptrs = y_ptr + pid_k.to(tl.int64) * M * N + rm[:, None] * s_ym + rn[None, :] * s_yn
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
@@ -281,10 +305,13 @@ def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None
     if m == 0:
         return x.new_empty(*x.shape[:-1], w.n)
     cfg = config or int4_config(m, w.n, w.k, w.group, sm_count(x.device))
-    if (cfg.k_per_split % 8 or cfg.block_k % 8) if cfg.gemv else (cfg.k_per_split % cfg.block_k or
-                                                                  w.group % cfg.block_k):
-        raise ValueError(f"int4 config {cfg}: block_k must divide the group {w.group} and the K slice (the GEMV "
-                         "kernel: both multiples of 8)")
+    if cfg.gemv:
+        bad = cfg.k_per_split % 8 or cfg.block_k % 8
+    else:
+        bad = cfg.k_per_split % cfg.block_k or (w.k % cfg.block_k if cfg.scaled else w.group % cfg.block_k)
+    if bad:
+        raise ValueError(f"int4 config {cfg}: block_k must divide the group {w.group} (or K, scaled) and the K "
+                         "slice (the GEMV kernel: both multiples of 8)")
     if cfg.gemv and m > cfg.block_m:
         raise ValueError(f"int4 config {cfg}: the GEMV kernel takes at most block_m = {cfg.block_m} rows, got {m}")
     splits = cfg.splits(w.k)
@@ -303,7 +330,8 @@ def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n), splits)
         _int4_kernel[grid](*args, GROUP=w.group, HAS_ZERO=w.has_zero, HAS_OFFSET=w.has_offset,
                            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8,
-                           PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                           PRECISION=_precision(x.dtype), NIBBLE_MAJOR=cfg.nibble_major, SCALED=cfg.scaled,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         y = y.sum(0)
     return y.to(x.dtype).view(*x.shape[:-1], w.n)
