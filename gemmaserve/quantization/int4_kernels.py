@@ -11,24 +11,28 @@ Layout (`Int4Packed`, made once at load by `pack_int4`):
     zero     uint8 [K/g, N]   0..15, or None: symmetric, zero = 8 (a compile-time constant)
     offset   [K/g, N]         the offset form's float offsets (w = s q - offset), or None; never with zero
 
-The kernel (one for both batch regimes, cut differently; see `int4_config`): a program owns a BM x BN output
-tile and a slice of K. Each step loads BK/8 word rows, unpacks them into the integers q - zero (-15..15, exact
-in bf16, fp16 and fp32), multiplies x's [BM, BK] tile by them with tl.dot (exact products, fp32 sums) and adds
-that partial times the group's scale to the accumulator: BK never crosses a group (BK divides g), so the
-scale multiplies once per group and column instead of once per weight, and no weight is rounded to x's
-dtype after scaling (a bf16 scale times a 4-bit integer needs 12 bits of mantissa; bf16 has 8).
+Two kernels (which one, and its tiles, by `int4_config`; each slice of a split K writes its fp32 partial and
+the partials are summed in a fixed order, so the same input gives the same bits on every run):
 
-The offset form (GGUF Q4_K, Q4_1) multiplies x by the raw q (0..15) instead, and subtracts per step the row
-sums of x's tile times the group's offset: sum_k x (s q - o) = s sum_k x q - o sum_k x over a step inside one
+* GEMV (decode, M <= GEMV_M): no tl.dot. A program owns BN columns and a K slice for all rows; per word row it
+  turns each nibble into q - zero in fp32 by the exponent trick (no int-to-float conversion), multiplies the
+  rows' x into it on the FMA units, sums the word's 8 products and scales that sum by the word's group scale.
+  Column tiles times K slices (launch.split_k) keep every multiprocessor streaming packed weights.
+* tiled (larger M, and M up to SMALL_M with BM = 16): a program owns a BM x BN output tile and a slice of K.
+  Each step loads BK/8 word rows, unpacks them into the integers q - zero (-15..15, exact in bf16, fp16 and
+  fp32), multiplies x's [BM, BK] tile by them with tl.dot (exact products, fp32 sums) and adds that partial
+  times the group's scale to the accumulator: BK divides g, so the scale multiplies once per group and column
+  and no weight is rounded to x's dtype after scaling (a bf16 scale times a 4-bit integer needs 12 bits of
+  mantissa; bf16 has 8). `scaled` steps instead span groups (BK > g, wider loads for g = 32): the tile is
+  dequantised in fp32 (exact) and rounded to x's dtype before one tl.dot, as a bf16 checkpoint's weights would
+  be. `nibble_major` unpacks the words nibble by nibble (no interleaving reshape) and gathers x's columns in
+  that order instead.
+
+The offset form (GGUF Q4_K, Q4_1) multiplies x by the raw q (0..15) instead, and subtracts per step (per word,
+in the GEMV) the sums of x times the group's offset: sum_k x (s q - o) = s sum_k x q - o sum_k x inside one
 group. That is the same value in exact arithmetic, not the same bits as dequantise-then-multiply: the two fp32
 terms are rounded apart before they cancel (an error of fp32 rounding of |s sum x q| + |o sum x|, far below
 bf16's rounding of a dequantised weight, but not zero).
-
-* small M (decode, M <= 16): BM = 16, narrow column tiles and split-K (launch.split_k) so that the packed
-  weights stream from every multiprocessor at once; each slice writes its fp32 partial, and the partials are
-  summed in a fixed order (deterministic: the same input gives the same bits on every run);
-* larger M (up to prefill): BM = 64 / 128 tiles in grouped order (L2 reuse of weight tiles), split-K only
-  while the tiles alone cannot fill the GPU (M <= 64).
 
 Everything a launch allocates is shaped by (M, N) alone and nothing is read back: a CUDA graph can capture it.
 """
