@@ -159,10 +159,10 @@ def int4_config(m: int, n: int, k: int, group: int, sms: int) -> Int4Config:
     """Tiles by batch regime (no autotuning: one compile per regime and shape). Decode streams weights, so
     its rows go through the GEMV kernel (M <= GEMV_M) or narrow tl.dot tiles, the grid widened by split-K;
     larger M tiles for tl.dot throughput, still split while their count is below two waves (M <= 64)."""
-    if m <= GEMV_M:
-        bn, bk = 128, 256
-        return Int4Config(triton.next_power_of_2(m), bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2),
-                          4, 1, gemv=True)
+    if m <= GEMV_M:   # the accumulator holds rows x word rows x columns: fewer word rows per step as M grows
+        bm = triton.next_power_of_2(m)
+        bn, bk = 128, max(64, 256 // bm)
+        return Int4Config(bm, bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2), 4, 1, gemv=True)
     if m <= SMALL_M:
         bm, bn, bk, warps, stages = 16, 64, min(group, 128), 4, 4
     elif m <= 64:
