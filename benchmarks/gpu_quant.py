@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from gemmaserve.bench.sections import exit_status, run_sections
 from gemmaserve.quantization import fp8_kernels as F8
@@ -203,30 +204,31 @@ def section_sweep(res: dict) -> None:
         gen = torch.Generator(device="cuda").manual_seed(i)
         packed = I4.pack_int4(_int4(gen, n, k, 32, False))
         weights = [packed] + [_copies(packed) for _ in range(max(0, -(-L2_BYTES // packed.nbytes) - 1))]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        auto = I4.int4_config(1, n, k, 32, sms)
-        row: dict = {"model": model, "proj": proj, "N": n, "K": k, "auto": dataclasses.astuple(auto)}
-        row["auto_us"] = round(graph_us(I4.int4_linear, x, weights), 2)
-        for bn in (64, 128, 256):
-            for bk in (128, 256, 512):
-                for waves in (1, 2, 4):
-                    tiles = -(-n // bn)
-                    per = max(bk, -(-k // max(1, -(-waves * sms // tiles)) // bk) * bk)
-                    for warps, stages in ((4, 1), (8, 1)):
-                        cfg = I4.Int4Config(1, bn, bk, per, warps, stages, gemv=True)
-                        try:
-                            us = graph_us(lambda x_, w_, cfg=cfg: I4.int4_linear(x_, w_, cfg), x, weights, reps=7)
-                        except Exception as exc:   # a config that does not compile (registers): skip
-                            row[str(dataclasses.astuple(cfg))] = repr(exc)[:80]
-                            continue
-                        row[str(dataclasses.astuple(cfg))] = round(us, 2)
-        best = min((v, key) for key, v in row.items() if key.startswith("(") and isinstance(v, float))
-        row["best"], row["best_us"] = best[1], best[0]
-        row["auto_GBs"] = round(packed.nbytes / (row["auto_us"] * 1e-6) / 1e9)
-        row["best_GBs"] = round(packed.nbytes / (best[0] * 1e-6) / 1e9)
-        rows.append(row)
-        print("sweep", {key: row[key] for key in ("model", "proj", "auto", "auto_us", "best", "best_us", "best_GBs")},
-              flush=True)
+        for m in ((1, 4) if model == "gemma4-31b" else (1,)):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            auto = I4.int4_config(m, n, k, 32, sms)
+            row: dict = {"model": model, "proj": proj, "N": n, "K": k, "M": m, "auto": dataclasses.astuple(auto)}
+            row["auto_us"] = round(graph_us(I4.int4_linear, x, weights), 2)
+            for bn in ((64, 128, 256) if m == 1 else (64, 128)):
+                for bk in ((128, 256, 512) if m == 1 else (64, 128)):
+                    for waves in (1, 2, 4):
+                        tiles = -(-n // bn)
+                        per = max(bk, -(-k // max(1, -(-waves * sms // tiles)) // bk) * bk)
+                        for warps, stages in ((4, 1), (8, 1)):
+                            cfg = I4.Int4Config(triton.next_power_of_2(m), bn, bk, per, warps, stages, gemv=True)
+                            try:
+                                us = graph_us(lambda x_, w_, cfg=cfg: I4.int4_linear(x_, w_, cfg), x, weights, reps=7)
+                            except Exception as exc:   # a config that does not compile (registers): skip
+                                row[str(dataclasses.astuple(cfg))] = repr(exc)[:80]
+                                continue
+                            row[str(dataclasses.astuple(cfg))] = round(us, 2)
+            best = min((v, key) for key, v in row.items() if key.startswith("(") and isinstance(v, float))
+            row["best"], row["best_us"] = best[1], best[0]
+            row["auto_GBs"] = round(packed.nbytes / (row["auto_us"] * 1e-6) / 1e9)
+            row["best_GBs"] = round(packed.nbytes / (best[0] * 1e-6) / 1e9)
+            rows.append(row)
+            print("sweep", {key: row[key] for key in ("model", "proj", "M", "auto", "auto_us", "best", "best_us",
+                                                      "best_GBs")}, flush=True)
         del weights, packed
         torch.cuda.empty_cache()
 
@@ -294,7 +296,7 @@ def summary(res: dict) -> str:
     sweep = res.get("sweep")
     if isinstance(sweep, list):
         for r in sweep:
-            lines.append(f"sweep {r['model']} {r['proj']}: auto {r['auto']} {r['auto_us']} us ({r['auto_GBs']} GB/s); "
+            lines.append(f"sweep {r['model']} {r['proj']} M={r.get('M', 1)}: auto {r['auto']} {r['auto_us']} us ({r['auto_GBs']} GB/s); "
                          f"best {r['best']} {r['best_us']} us ({r['best_GBs']} GB/s)")
     return "\n".join(lines)
 
