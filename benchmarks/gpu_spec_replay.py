@@ -1,5 +1,5 @@
 """Speculative decoding end to end at set acceptance rates
-(`python -m benchmarks.gpu_spec_replay [--shapes gemma4-31b:1,8,64] [--k 3]`).
+(`python -m benchmarks.gpu_spec_replay [--shapes gemma4-31b:1,8,64] [--k 3] [--quant bf16|w4a16|fp8]`).
 
 Random weights accept nothing a real drafter would, so the drafts come from a replay proposer
 (testing/replay_drafts.py): per shape and batch, the engine first decodes greedily without drafts (the
@@ -74,7 +74,9 @@ def _decode(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[lis
 
 
 def main(argv: list[str]) -> int:
+    from benchmarks.gpu_quant_model import _quantize
     from benchmarks.gpu_spec_cost import _kv_bytes_per_token
+    from gemmaserve.bench.sections import release_device_memory
     from gemmaserve.config.engine import EngineConfig
     from gemmaserve.engine.llm import LLM
     from gemmaserve.testing.replay_drafts import ReplayDrafts
@@ -89,6 +91,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quant", default="bf16", choices=["bf16", "w4a16", "fp8"],
+                    help="projections quantised in place after the random build (gpu_quant_model's schemes)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -96,10 +100,12 @@ def main(argv: list[str]) -> int:
     out = Path(os.environ.get("OUT", "bench-out")) / "gpu_spec_replay.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              "context": args.context, "new_tokens": args.new_tokens, "k": args.k, "rows": []}
+              "quant": args.quant, "context": args.context, "new_tokens": args.new_tokens, "k": args.k, "rows": []}
     for spec in args.shapes:
         name, _, batches = spec.partition(":")
         loaded = random_model(name, dtype, device)
+        _quantize(loaded, args.quant)
+        release_device_memory()
         vocab = loaded.model.config.vocab_size
         for batch in [int(b) for b in batches.split(",")]:
             tokens = batch * (args.context + args.new_tokens + args.k + 64)
