@@ -2,7 +2,7 @@
 
 `schemes.py` defines each scheme once, in the form every loader produces and every kernel consumes (a format's
 own tensors are read into these, exactly); `compressed_tensors.py` reads a checkpoint's `quantization_config`;
-`linear.py` is the module that holds a quantised weight; `int4_kernels.py` and `fp8_kernels.py` are the
-products (Triton / torch on CUDA, references elsewhere), `launch.py` where they run and how grids
-split K. Below `models/`, above the small leaves.
+`linear.py` is the module that holds a quantised weight; `int4_kernels.py`, `int8_kernels.py` and
+`fp8_kernels.py` are the products (Triton / torch on CUDA, references elsewhere), `launch.py` where they run and
+how grids split K. Below `models/`, above the small leaves.
 """

@@ -7,12 +7,17 @@
     INT4 offset   w[n, k] = scale[n, k // g] * q[n, k] - offset[n, k // g]
                   the same q and scale, a float offset [N, K/g] instead of a zero point (never both): GGUF's
                   Q4_K (s = d * sc, offset = dmin * m, fp32) and Q4_1 (s = d, offset = -m, fp16). g = 32.
+    INT8 groups   w[n, k] = scale[n, k // g] * q[n, k]
+                  q int8 [N, K] (-128..127), scale [N, K/g] float (fp16 or fp32, as the source gives), g a
+                  power of two >= 16. GGUF's Q8_0 (q, d fp16 per 32) and Q6_K (q - 32, d * sc fp32 per 16:
+                  an fp16 times an int8, exact) are exactly this; so is Q4_0 (q - 8, d fp16 per 32).
     FP8 (e4m3)    w[n, k] = float(q[n, k]) * scale[n]                       per output channel, scale [N]
                   w[n, k] = float(q[n, k]) * scale[n // bn, k // bk]        blocks, scale [ceil(N/bn), ceil(K/bk)]
                   activations quantised per token at run time (dynamic): x = float(xq[m, k]) * xs[m]
 
 The reference dequantisation computes in fp32 (each product above is exact there: a bf16/fp16 scale times a
-4-bit integer, or an fp8 value times an fp32 scale rounded once) and then casts: the same bits a format's own
+4-bit integer or an int8 (at most 11 + 7 significant bits), Q6_K's fp32 d * sc times q - 32 (at most
+11 + 7 + 5 bits), or an fp8 value times an fp32 scale rounded once) and then casts: the same bits a format's own
 dequantisation gives when it computes in the target dtype, since both round the exact value once. The offset
 form's scale * q is exact in fp32 too (Q4_K's d * sc has at most 17 significant bits, times 4 bits) and its
 subtraction rounds once, as gguf's own fp32 dequantisation does: the same fp32 bits; a cast to bf16/fp16 then
@@ -32,6 +37,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 class Scheme(enum.Enum):
     W4A16 = "w4a16"   # int4 weight groups, activations in the model's dtype
     FP8 = "fp8"       # fp8 e4m3 weights, per channel or in blocks; activations fp8 per token at run time
+    W8A16 = "w8a16"   # int8 weight groups (GGUF Q8_0 / Q6_K), activations in the model's dtype
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,59 @@ class Int4Weight:
             return (scale * self.q.float() - self.offset.float().repeat_interleave(self.group, dim=1)).to(dtype)
         zero = 8.0 if self.zero is None else self.zero.float().repeat_interleave(self.group, dim=1)
         return (scale * (self.q.float() - zero)).to(dtype)
+
+
+def check_group(group: int, k: int, what: str) -> None:
+    """A kernel group: a power of two >= 16 (a tl.dot step) that divides the input width K."""
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"{what} group size {group} is not a power of two >= 16")
+    if k <= 0 or k % group:
+        raise ValueError(f"{what} group size {group} does not divide the input width K = {k}")
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    q: torch.Tensor       # int8 [N, K]
+    scale: torch.Tensor   # [N, K // group], float (fp16 or fp32, as the source gives)
+    group: int            # a power of two >= 16
+
+    def __post_init__(self) -> None:
+        if self.q.dtype != torch.int8 or self.q.dim() != 2:
+            raise ValueError(f"int8 weight values {self.q.dtype} {tuple(self.q.shape)}, expected torch.int8 [N, K]")
+        n, k = self.q.shape
+        check_group(self.group, k, "int8")
+        if tuple(self.scale.shape) != (n, k // self.group) or not self.scale.is_floating_point():
+            raise ValueError(f"int8 scale {self.scale.dtype} {tuple(self.scale.shape)}, expected a float "
+                             f"{(n, k // self.group)} (one per {self.group} inputs)")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def to(self, device: torch.device | str) -> "Int8Weight":
+        """The same weight on `device` (every tensor copied as it is)."""
+        return Int8Weight(self.q.to(device), self.scale.to(device), self.group)
+
+    def regroup(self, group: int, scale_dtype: torch.dtype | None = None) -> "Int8Weight":
+        """The same weight in groups of `group` (dividing this one's: each scale repeated) with scales cast to
+        `scale_dtype` (default: kept); exact where the cast is (fp16 -> fp32)."""
+        if group > self.group or self.group % group:
+            raise ValueError(f"int8 groups of {self.group} cannot be split into groups of {group}")
+        scale = self.scale.repeat_interleave(self.group // group, dim=1)
+        return Int8Weight(self.q, scale.to(scale_dtype or scale.dtype), group)
+
+    @staticmethod
+    def cat(parts: list["Int8Weight"]) -> "Int8Weight":
+        """Parts stacked along the output rows (fused q/k/v, gate/up): the smallest group of any part, scales
+        fp16 where every part's are, else fp32 (exact: a float of <= 24 significant bits)."""
+        group = min(p.group for p in parts)
+        dtype = torch.float16 if all(p.scale.dtype == torch.float16 for p in parts) else torch.float32
+        parts = [p.regroup(group, dtype) for p in parts]
+        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), group)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """fp32 scale * q (exact for the formats above), cast to `dtype`: the format's reference."""
+        return (self.scale.float().repeat_interleave(self.group, dim=1) * self.q.float()).to(dtype)
 
 
 @dataclass(frozen=True)
