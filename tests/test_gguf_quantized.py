@@ -1,5 +1,5 @@
-"""A GGUF file's 4-bit projections kept 4-bit (models/gguf_int4.py, the CUDA load), run here on the CPU: the loader
-is told that it is on CUDA in bf16 (`keeps_int4` answers for that) and builds the same modules on the CPU, where a
+"""A GGUF file's 4-bit projections kept 4-bit (models/gguf_packed.py, the CUDA load), run here on the CPU: the loader
+is told that it is on CUDA in bf16 (`keeps_packed` answers for that) and builds the same modules on the CPU, where a
 QuantizedLinear multiplies by the fp32 reference of its exact weight. Tiny Gemma 3 files written with gguf's
 writer: Q4_0 and Q4_1 quantised by gguf.quants, Q4_K as random valid blocks (gguf-py cannot quantise to Q4_K).
 Each weight equals gguf's own dequantisation bit for bit; the model's logits equal those of the file loaded
@@ -18,7 +18,7 @@ import torch
 
 from gemmaserve import LLM, SamplingParams
 from gemmaserve.errors import UserInputError
-from gemmaserve.models import gguf_int4
+from gemmaserve.models import gguf_packed
 from gemmaserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from gemmaserve.models.gguf_file import GGUFFile
 from gemmaserve.models.layers import Linear
@@ -94,10 +94,10 @@ def _write_gguf(hf, path: Path, type_of, seed: int) -> Path:
 
 @pytest.fixture
 def as_on_cuda(monkeypatch, tmp_path):
-    """The loader decides as it would on CUDA in bf16 (keeps_int4), while building on the CPU in fp32."""
+    """The loader decides as it would on CUDA in bf16 (keeps_packed), while building on the CPU in fp32."""
     monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(tmp_path / "cache"))
-    real = gguf_int4.keeps_int4
-    monkeypatch.setattr(gguf_int4, "keeps_int4", lambda device, dtype, quantization, shard:
+    real = gguf_packed.keeps_packed
+    monkeypatch.setattr(gguf_packed, "keeps_packed", lambda device, dtype, quantization, shard:
                         real(torch.device("cuda"), torch.bfloat16, quantization, shard))
 
 
@@ -123,14 +123,14 @@ def _dequantized_parts(path: Path, names) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([p.reshape(-1, p.shape[-1]) for p in parts]))
 
 
-def test_keeps_int4_on_cuda_in_bf16_and_fp16_with_auto_only():
+def test_keeps_packed_on_cuda_in_bf16_and_fp16_with_auto_only():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert gguf_int4.keeps_int4(cuda, torch.bfloat16, "auto", None)
-    assert gguf_int4.keeps_int4(cuda, torch.float16, "auto", None)
-    assert not gguf_int4.keeps_int4(cuda, torch.bfloat16, "none", None)        # --quantization none: dequantise
-    assert not gguf_int4.keeps_int4(cuda, torch.float32, "auto", None)         # --dtype float32: as before
-    assert not gguf_int4.keeps_int4(cpu, torch.bfloat16, "auto", None)         # the CPU: models/quant.py's formats
-    assert not gguf_int4.keeps_int4(cuda, torch.bfloat16, "auto", object())    # a tensor-parallel rank
+    assert gguf_packed.keeps_packed(cuda, torch.bfloat16, "auto", None)
+    assert gguf_packed.keeps_packed(cuda, torch.float16, "auto", None)
+    assert not gguf_packed.keeps_packed(cuda, torch.bfloat16, "none", None)        # --quantization none: dequantise
+    assert not gguf_packed.keeps_packed(cuda, torch.float32, "auto", None)         # --dtype float32: as before
+    assert not gguf_packed.keeps_packed(cpu, torch.bfloat16, "auto", None)         # the CPU: models/quant.py's formats
+    assert not gguf_packed.keeps_packed(cuda, torch.bfloat16, "auto", object())    # a tensor-parallel rank
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "mixed"])
@@ -143,7 +143,7 @@ def test_int4_weights_are_gguf_dequantisation_and_logits_the_fp32_load(tmp_path,
     f = GGUFFile(path)
     quantized, ref = _load(path), _load(path, "none")
     model = quantized.model
-    planned = gguf_int4.plan_int4(ref.model, f)
+    planned = gguf_packed.plan_packed(ref.model, f)
     kept = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     assert kept == set(planned) and kept
     for name in kept:
@@ -217,12 +217,12 @@ def test_int4_kernel_multiplies_by_the_files_weights(tmp_path):
     seed = fresh_seed()
     path = _file(tmp_path, "mixed", seed)
     f = GGUFFile(path)
-    with torch.device("meta"):   # plan_int4 reads only the model's structure and shapes
-        planned = gguf_int4.plan_int4(Gemma3ForCausalLM(Gemma3Config.from_gguf(f)), f)
+    with torch.device("meta"):   # plan_packed reads only the model's structure and shapes
+        planned = gguf_packed.plan_packed(Gemma3ForCausalLM(Gemma3Config.from_gguf(f)), f)
     gen = torch.Generator().manual_seed(seed)
     for module in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         name = f"model.layers.1.{module}"
-        w = gguf_int4.int4_weight(f, planned[name])
+        w = gguf_packed.int4_weight(f, planned[name])
         x = torch.randn(3, w.shape[1], generator=gen)
         ref = x.double() @ w.dequantize().double().t()
         y = I4.int4_linear(x, I4.pack_int4(w), I4.Int4Config(16, 64, 32, w.shape[1] // 4, 4, 2))

@@ -74,7 +74,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
     `quantization` (`--quantization`): auto = what a checkpoint declares (compressed-tensors), compressed-tensors
     = the same but the checkpoint must declare it, fp8 = a float checkpoint's projections to FP8 at load, none =
     float weights only (a quantised checkpoint is refused). For a GGUF file on CUDA (bf16/fp16), auto keeps its
-    Q4_0/Q4_1/Q4_K projections 4-bit (gguf_int4.py) and none dequantises every weight."""
+    Q4_0/Q4_1/Q4_K projections 4-bit (gguf_packed.py) and none dequantises every weight."""
     start = time.perf_counter()
     source = resolve_model(name)
     log.info("loading %s from %s", name, source.path)
@@ -83,10 +83,10 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
         if quantization in ("fp8", "compressed-tensors"):
             raise UserInputError(f"--quantization {quantization} needs a Hugging Face checkpoint directory; "
                                  f"{name!r} is a GGUF file (its own quantisation is read as saved: use auto)")
-        from .gguf_int4 import keeps_int4
+        from .gguf_packed import keeps_packed
 
         model, tokenizer, formats = _load_gguf(source.path, dtype, device, quantized, shard,
-                                               keeps_int4(device, dtype, quantization, shard))
+                                               keeps_packed(device, dtype, quantization, shard))
     else:
         model, tokenizer, formats = _load_hf_dir(source.path, dtype, device, shard, quantization)
     if shard is not None:
@@ -141,10 +141,10 @@ def check_tensor_parallel(name: str, tp: int) -> None:
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: bool,
                shard: TensorParallelShard | None,
-               keep_int4: bool = False) -> tuple[CausalLM, Tokenizer, dict[str, int] | None]:
+               keep_packed: bool = False) -> tuple[CausalLM, Tokenizer, dict[str, int] | None]:
     """A tensor-parallel rank dequantises each tensor whole, then keeps its slice (GGUF blocks do
-    not align with every slice; the exact 4-bit groups are sliced where they do). `keep_int4`
-    (gguf_int4.keeps_int4: CUDA): 4-bit projections become QuantizedLinears on `device`, the rest
+    not align with every slice; the exact 4-bit groups are sliced where they do). `keep_packed`
+    (gguf_packed.keeps_packed: CUDA): 4-bit projections become QuantizedLinears on `device`, the rest
     is dequantised to `dtype`."""
     from .gguf_file import GGUFFile
 
@@ -154,7 +154,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
     # Only a file with quantised matrices is kept quantised: an F32/F16 file keeps its exact weights.
     quantized = quantized and any(t.quant_type not in ("F32", "F16", "BF16") for t in gguf.tensors())
     int4 = {}
-    kept: set[str] = set()   # GGUF tensors held 4-bit by QuantizedLinears (keep_int4): never dequantised
+    kept: set[str] = set()   # GGUF tensors held 4-bit by QuantizedLinears (keep_packed): never dequantised
 
     def weights(model: CausalLM, plan: ShardPlan | None) -> Iterator[tuple[str, torch.Tensor]]:
         for t in gguf.tensors():
@@ -177,8 +177,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
     if cached is not None:
         model, formats = cached
         log.info("quantised weights loaded from %s", cache_file)
-    elif keep_int4:
-        model, formats = _build_gguf_int4(model_class, config, gguf, weights, dtype, device, kept)
+    elif keep_packed:
+        model, formats = _build_gguf_packed(model_class, config, gguf, weights, dtype, device, kept)
     else:
         model = build_model(model_class, config, weights, dtype, device, shard)
         release_freed_memory()   # the dequantised tensors just copied into the model (hostmem.py)
@@ -197,18 +197,18 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
     return model, tokenizer, formats
 
 
-def _build_gguf_int4(model_class: type[CausalLM], config, gguf, weights: Weights, dtype: torch.dtype,
-                     device: torch.device, kept: set[str]) -> tuple[CausalLM, dict[str, int] | None]:
+def _build_gguf_packed(model_class: type[CausalLM], config, gguf, weights: Weights, dtype: torch.dtype,
+                       device: torch.device, kept: set[str]) -> tuple[CausalLM, dict[str, int] | None]:
     """Built on the CPU (untouched torch.empty pages cost nothing), the 4-bit projections swapped for
     QuantizedLinears on the device before any float weight of theirs exists, the rest moved, then filled
     from the other tensors (`kept` tells `weights` which to skip)."""
-    from . import gguf_int4
+    from . import gguf_packed
     from .quantized import formats
 
     model = model_class(config, dtype)
-    planned = gguf_int4.plan_int4(model, gguf)
+    planned = gguf_packed.plan_packed(model, gguf)
     kept.update(name for entry in planned.values() for name in entry.tensors)
-    quants = gguf_int4.install_int4(model, gguf, planned, device)
+    quants = gguf_packed.install_packed(model, gguf, planned, device)
     model.to(device)
     model.load_weights(weights(model, None))
     release_freed_memory()   # the dequantised tensors just copied into the model (hostmem.py)

@@ -6,7 +6,7 @@ Life cycle: built empty on its device with parameters named as a compressed-tens
 many rows of each tensor a part takes); then `finish_loading()` reads them into the canonical weight of
 schemes.py (exactly: unpacking, no arithmetic) and hands that to the product, dropping the checkpoint's form.
 (`from_weight` builds one from a canonical weight directly: `--quantization fp8` at load, and a GGUF file's 4-bit
-blocks on CUDA, models/gguf_int4.py, whose Q4_K and Q4_1 weights take the int4 offset form of schemes.py.)
+blocks on CUDA, models/gguf_packed.py, whose Q4_K and Q4_1 weights take the int4 offset form of schemes.py.)
 
 The products: on CUDA the kernels (int4_kernels.py: packed int4 with dequantisation fused into the product;
 fp8_kernels.py: activations quantised per token, then cuBLASLt's or our block kernel). On the CPU the references:

@@ -2,11 +2,11 @@
 fused part: q/k/v, gate/up) are Q4_0, Q4_1 or Q4_K becomes a QuantizedLinear over its exact int4 weight
 (schemes.Int4Weight, groups of 32), which the Triton int4 kernel multiplies without a dequantised copy.
 
-    keeps_int4(device, dtype, quantization, shard)   whether a load does this (CUDA, bf16/fp16, --quantization auto,
+    keeps_packed(device, dtype, quantization, shard)   whether a load does this (CUDA, bf16/fp16, --quantization auto,
                                                      one process)
-    planned = plan_int4(model, gguf)                 which of our projections qualify (checked against the model's
+    planned = plan_packed(model, gguf)                 which of our projections qualify (checked against the model's
                                                      shapes before anything is read)
-    quants = install_int4(model, gguf, planned, device)   those projections become QuantizedLinears on `device`
+    quants = install_packed(model, gguf, planned, device)   those projections become QuantizedLinears on `device`
 
 Each weight is the file's own, exactly (gguf's fp32 dequantisation, bit for bit, read from the blocks by
 models/quant.py's readers):
@@ -42,7 +42,7 @@ from .quantized import our_module, replace_module
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
-def keeps_int4(device: torch.device, dtype: torch.dtype, quantization: str, shard: object | None) -> bool:
+def keeps_packed(device: torch.device, dtype: torch.dtype, quantization: str, shard: object | None) -> bool:
     """Whether a GGUF load keeps its 4-bit projections 4-bit: on CUDA, in bf16 or fp16, with `--quantization auto`,
     in one process (a tensor-parallel rank dequantises, as before: packed weights are not split over ranks yet).
     `none` dequantises everything. (The CPU keeps its own formats, models/quant.py, as --dtype says.)"""
@@ -51,7 +51,7 @@ def keeps_int4(device: torch.device, dtype: torch.dtype, quantization: str, shar
 
 
 @dataclass(frozen=True)
-class Int4Module:
+class PackedModule:
     """One of our projections held 4-bit: its GGUF tensors, fused parts in order, and their types."""
     tensors: tuple[str, ...]
     types: tuple[str, ...]
@@ -62,7 +62,7 @@ class Int4Module:
         return ModuleQuant(Scheme.W4A16, GROUP, symmetric=kinds == ["Q4_0"], gguf_type="+".join(kinds).lower())
 
 
-def plan_int4(model: nn.Module, gguf: GGUFFile) -> dict[str, Int4Module]:
+def plan_packed(model: nn.Module, gguf: GGUFFile) -> dict[str, PackedModule]:
     """Our module name -> its GGUF tensors, for each projection whose parts are all present and all 4-bit. A 4-bit
     tensor whose shape is not its part's is an error naming it (before anything is read)."""
     projections = {f"{n}.{child}": c for n, m in model.named_modules() if isinstance(m, (Attention, GeGLU))
@@ -79,7 +79,7 @@ def plan_int4(model: nn.Module, gguf: GGUFFile) -> dict[str, Int4Module]:
             parts.setdefault(target, {})[index] = t
             if fused:
                 fused_modules.add(target)
-    planned: dict[str, Int4Module] = {}
+    planned: dict[str, PackedModule] = {}
     for target, found in parts.items():
         lin = projections[target]
         sizes = model.shard_sizes(f"{target}.weight") if target in fused_modules else (lin.out_features,)
@@ -90,13 +90,13 @@ def plan_int4(model: nn.Module, gguf: GGUFFile) -> dict[str, Int4Module]:
             if t.shape != (rows, lin.in_features):
                 raise UserInputError(f"GGUF tensor {t.name} ({t.quant_type}) has shape {t.shape}, but {target} "
                                      f"expects {(rows, lin.in_features)} from the file's config")
-        planned[target] = Int4Module(tuple(t.name for t in tensors), tuple(t.quant_type for t in tensors))
+        planned[target] = PackedModule(tuple(t.name for t in tensors), tuple(t.quant_type for t in tensors))
     return planned
 
 
-def int4_weight(gguf: GGUFFile, entry: Int4Module) -> Int4Weight:
+def int4_weight(gguf: GGUFFile, entry: PackedModule) -> Int4Weight:
     """The module's exact weight on the CPU, its parts stacked along the output rows (module docstring)."""
-    g = Int4Groups.cat([gguf.int4_groups(name) for name in entry.tensors])   # 2-D 4-bit types: plan_int4
+    g = Int4Groups.cat([gguf.int4_groups(name) for name in entry.tensors])   # 2-D 4-bit types: plan_packed
     kinds = set(entry.types)
     if kinds == {"Q4_0"}:   # w = d (q - 8): the symmetric form; d was an fp16 value
         return Int4Weight(g.q, g.scale.to(torch.float16), None, GROUP)
@@ -105,7 +105,7 @@ def int4_weight(gguf: GGUFFile, entry: Int4Module) -> Int4Weight:
     return Int4Weight(g.q, g.scale, None, GROUP, g.minus)   # Q4_K, or mixed types: fp32 (exact products)
 
 
-def install_int4(model: nn.Module, gguf: GGUFFile, planned: dict[str, Int4Module],
+def install_packed(model: nn.Module, gguf: GGUFFile, planned: dict[str, PackedModule],
                  device: torch.device) -> dict[str, ModuleQuant]:
     """Each planned projection becomes a QuantizedLinear holding its weight on `device` (packed for the kernel there;
     on the CPU the fp32 reference with the row-invariant product), one module at a time: the Linear it replaces is
