@@ -158,3 +158,30 @@ def test_int8_reference_without_the_interpreter(monkeypatch):
     ref = (x.double() @ w.dequantize().double().t()).float()
     assert torch.allclose(I8.int8_linear(x, I8.pack_int8(w)), ref, rtol=1e-6, atol=1e-6)
     assert I8.int8_linear(x.to(torch.bfloat16), I8.pack_int8(w)).dtype == torch.bfloat16
+
+
+def test_quantized_linear_holds_int8_groups():
+    """QuantizedLinear over an Int8Weight: on the CPU the fp32 reference with the module's `matmul` (the loader's
+    row-invariant product); packed (as on CUDA) the kernel, here in the interpreter; the label; no checkpoint form."""
+    from gemmaserve.quantization.compressed_tensors import ModuleQuant
+    from gemmaserve.quantization.linear import QuantizedLinear
+    from gemmaserve.quantization.schemes import Scheme
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    w = _int8(gen, 40, 128, 16)
+    quant = ModuleQuant(Scheme.W8A16, 16)
+    mod = QuantizedLinear.from_weight("proj", w, quant)
+    assert mod.kernel_weight is w and (mod.in_features, mod.out_features) == (128, 40)
+    assert torch.equal(mod.dequantize(), w.dequantize()) and quant.label == "w8a16 g16"
+    calls = []
+    mod.matmul = lambda a, b: calls.append(a.shape) or torch.nn.functional.linear(a, b)
+    x = torch.randn(2, 3, 128, generator=gen)
+    ref = (x.reshape(6, 128).double() @ w.dequantize().double().t()).reshape(2, 3, 40)
+    y = mod(x)
+    assert calls == [(6, 128)] and y.shape == (2, 3, 40) and _rel(y, ref) < 1e-6
+    mod.kernel_weight = I8.pack_int8(w)   # the layout a CUDA module holds
+    assert torch.equal(mod.dequantize(), w.dequantize())
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert _rel(mod(x), ref) < 1e-6 and len(calls) == 1
+    with pytest.raises(ValueError, match="W8A16 has no checkpoint tensors"):
+        QuantizedLinear("proj", 128, 40, quant, torch.float32)

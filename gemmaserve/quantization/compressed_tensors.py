@@ -48,7 +48,7 @@ class ModuleQuant:
     """How one Linear module's weight is saved."""
 
     scheme: Scheme
-    group: int | None = None                 # W4A16: inputs per scale
+    group: int | None = None                 # W4A16, W8A16: inputs per scale
     symmetric: bool = True                   # W4A16: False -> weight_zero_point (or, from GGUF, an offset)
     block: tuple[int, int] | None = None     # FP8: (bn, bk); None: per output channel
     gguf_type: str | None = None             # read from a GGUF file's blocks instead: its types ("q4_k", "q4_0+q4_k")
@@ -61,11 +61,16 @@ class ModuleQuant:
             return f"gguf {self.gguf_type}"
         if self.scheme is Scheme.W4A16:
             return f"w4a16 g{self.group}" + ("" if self.symmetric else " asym")
+        if self.scheme is Scheme.W8A16:
+            return f"w8a16 g{self.group}"
         return "fp8 channel" if self.block is None else f"fp8 block {self.block[0]}x{self.block[1]}"
 
     @property
     def leaves(self) -> tuple[str, ...]:
-        """The tensors the checkpoint holds for such a module (after the module's name)."""
+        """The tensors the checkpoint holds for such a module (after the module's name). W8A16 has none: it is
+        read from a GGUF file's blocks only (models/gguf_packed.py)."""
+        if self.scheme is Scheme.W8A16:
+            raise ValueError("W8A16 weights have no compressed-tensors form (they come from GGUF blocks)")
         if self.scheme is Scheme.W4A16:
             return ("weight_packed", "weight_scale", "weight_shape") + (() if self.symmetric else ("weight_zero_point",))
         return ("weight", "weight_scale")

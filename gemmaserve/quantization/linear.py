@@ -6,14 +6,17 @@ Life cycle: built empty on its device with parameters named as a compressed-tens
 many rows of each tensor a part takes); then `finish_loading()` reads them into the canonical weight of
 schemes.py (exactly: unpacking, no arithmetic) and hands that to the product, dropping the checkpoint's form.
 (`from_weight` builds one from a canonical weight directly: `--quantization fp8` at load, and a GGUF file's 4-bit
-blocks on CUDA, models/gguf_packed.py, whose Q4_K and Q4_1 weights take the int4 offset form of schemes.py.)
+and 8-bit blocks on CUDA, models/gguf_packed.py, whose Q4_K and Q4_1 weights take the int4 offset form of
+schemes.py, and Q8_0 and Q6_K weights the int8 groups (W8A16, which has no checkpoint form).)
 
-The products: on CUDA the kernels (int4_kernels.py: packed int4 with dequantisation fused into the product;
-fp8_kernels.py: activations quantised per token, then cuBLASLt's or our block kernel). On the CPU the references:
+The products: on CUDA the kernels (int4_kernels.py, int8_kernels.py: packed integers with dequantisation fused into
+the product; fp8_kernels.py: activations quantised per token, then cuBLASLt's or our block kernel). On the CPU the
+references:
 
     W4A16   dequantise in fp32 (any form: symmetric, zero points, offsets), multiply, cast. (On the CPU the
             loader does not use this module for W4A16 where the format maps exactly onto the CPU's own INT4
             kernel, models/quant.py; see models/quantized.py.)
+    W8A16   the same: dequantise in fp32 (scale * q), multiply, cast.
     FP8     the scheme itself, activation quantisation included: x quantised per token (per token and bk-column
             group for block weights) to e4m3 with scale amax / 448 (1 for a zero row), then the fp32 product of
             the dequantised operands. The CPU runs these semantics rather than dense dequantised weights so that its
@@ -38,14 +41,18 @@ from ..errors import UserInputError
 from .compressed_tensors import ModuleQuant
 from .fp8_kernels import dequantize_activations, fp8_linear, quantize_activations_torch
 from .int4_kernels import Int4Packed, int4_linear, pack_int4, unpack_int4
-from .schemes import FP8_DTYPE, Fp8Weight, Int4Weight, Scheme
+from .int8_kernels import Int8Packed, int8_linear, pack_int8, unpack_int8
+from .schemes import FP8_DTYPE, Fp8Weight, Int4Weight, Int8Weight, Scheme
+
+Weight = Int4Weight | Int8Weight | Fp8Weight   # schemes.py's canonical weights
 
 
 # -- the references (the CPU's products: the row-invariant `matmul` keeps a row's result off its batch) -------
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def int4_reference(x: torch.Tensor, w: Int4Weight, matmul: Matmul) -> torch.Tensor:
+def weight_only_reference(x: torch.Tensor, w: Int4Weight | Int8Weight, matmul: Matmul) -> torch.Tensor:
+    """The weight-only schemes' reference (int4 and int8 groups alike): fp32 dequantisation, product, cast."""
     return matmul(x.float(), w.dequantize(torch.float32)).to(x.dtype)
 
 
@@ -54,6 +61,14 @@ def fp8_reference(x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype, matmul:
     group = x.shape[1] if w.block is None else w.block[1]
     xq, xs = quantize_activations_torch(x, group)
     return matmul(dequantize_activations(xq, xs, group), w.dequantize()).to(out_dtype)
+
+
+def kernel_layout(w: Weight) -> Weight | Int4Packed | Int8Packed:
+    """What a module's product reads: int4 and int8 groups packed for their Triton kernel off the CPU; on the CPU,
+    and for fp8 (cuBLASLt or our block kernel take it as it is), the canonical weight."""
+    if isinstance(w, Fp8Weight) or w.q.device.type == "cpu":
+        return w
+    return pack_int8(w) if isinstance(w, Int8Weight) else pack_int4(w)
 
 
 # -- the checkpoint's packing ---------------------------------------------------------------------------------
@@ -73,6 +88,8 @@ def element_span(quant: ModuleQuant, leaf: str) -> tuple[int | None, int | None]
     scale groups (1, g), zero points packed eight rows a word (8, g), fp8 blocks' scales (bn, bk); None in a place:
     one element spans that whole dim (a per-channel scale's single column). None: not one of the format's tensors.
     (What a slice of the weight must align with to be a slice of the tensor: tensor parallelism.)"""
+    if quant.scheme is Scheme.W8A16:   # no checkpoint tensors (GGUF blocks, one process only)
+        return None
     if quant.scheme is Scheme.W4A16:
         return {"weight_packed": (1, 8), "weight_scale": (1, quant.group),
                 "weight_zero_point": (8, quant.group)}.get(leaf)
@@ -93,6 +110,8 @@ class QuantizedLinear(nn.Module):
         self.name, self.in_features, self.out_features, self.quant = name, in_features, out_features, quant
         self.parts = parts or (out_features,)
         n, k = out_features, in_features
+        if quant.scheme is Scheme.W8A16:
+            raise ValueError(f"{name}: W8A16 has no checkpoint tensors to load; build it with from_weight")
         if quant.scheme is Scheme.W4A16:
             g = quant.group
             if k % g:
@@ -153,34 +172,44 @@ class QuantizedLinear(nn.Module):
         w = self.canonical()
         for leaf in list(self._parameters):
             delattr(self, leaf)
-        self.kernel_weight = w if isinstance(w, Fp8Weight) or w.q.device.type == "cpu" else pack_int4(w)
+        self.kernel_weight = kernel_layout(w)
         return w
 
     @classmethod
-    def from_weight(cls, name: str, w: Int4Weight | Fp8Weight, quant: ModuleQuant) -> "QuantizedLinear":
+    def from_weight(cls, name: str, w: Weight, quant: ModuleQuant) -> "QuantizedLinear":
         """A loaded module holding canonical weight `w` (quantised at load, or read elsewhere)."""
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)
         mod.name, mod.quant, mod.matmul = name, quant, F.linear
         mod.out_features, mod.in_features = w.shape
         mod.parts = (mod.out_features,)
-        mod.kernel_weight = w if isinstance(w, Fp8Weight) or w.q.device.type == "cpu" else pack_int4(w)
+        mod.kernel_weight = kernel_layout(w)
         return mod
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] the product multiplies by (after finish_loading; before it, `canonical()`)."""
         w = self.kernel_weight
-        return (unpack_int4(w) if isinstance(w, Int4Packed) else w).dequantize(dtype)
+        if isinstance(w, Int4Packed):
+            w = unpack_int4(w)
+        elif isinstance(w, Int8Packed):
+            w = unpack_int8(w)
+        return w.dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         w = self.kernel_weight
-        if x.device.type == "cpu":   # the references, with the CPU's row-invariant product
-            y = int4_reference(x2, w, self.matmul) if isinstance(w, Int4Weight) else \
-                fp8_reference(x2, w, x.dtype, self.matmul)
-        elif self.quant.scheme is Scheme.W4A16:
+        # By the weight's layout (kernel_layout): packed weights go to their kernel (whose own fallback, off
+        # CUDA and outside Triton's interpreter, is the fp32 reference), canonical ones to the references with
+        # the CPU's row-invariant product.
+        if isinstance(w, Int4Packed):
             y = int4_linear(x2, w)
+        elif isinstance(w, Int8Packed):
+            y = int8_linear(x2, w)
+        elif isinstance(w, (Int4Weight, Int8Weight)):
+            y = weight_only_reference(x2, w, self.matmul)
+        elif x.device.type == "cpu":
+            y = fp8_reference(x2, w, x.dtype, self.matmul)
         else:
             y = fp8_linear(x2, w, x.dtype)
         return y.view(*shape[:-1], self.out_features)
