@@ -1,11 +1,12 @@
-"""A GGUF file's 4-bit projections kept 4-bit (models/gguf_packed.py, the CUDA load), run here on the CPU: the loader
-is told that it is on CUDA in bf16 (`keeps_packed` answers for that) and builds the same modules on the CPU, where a
-QuantizedLinear multiplies by the fp32 reference of its exact weight. Tiny Gemma 3 files written with gguf's
-writer: Q4_0 and Q4_1 quantised by gguf.quants, Q4_K as random valid blocks (gguf-py cannot quantise to Q4_K).
-Each weight equals gguf's own dequantisation bit for bit; the model's logits equal those of the file loaded
-dequantised to fp32; a fused module with a part of another type is dequantised and the counts say so; the Triton
-kernel (interpreter) multiplies by the file's own weights; `--quantization none` dequantises; Gemma 4's structures
-(K = V, MoE, KV sharing) are found from the model as Gemma 3's are."""
+"""A GGUF file's 4-bit and 8-bit projections kept packed (models/gguf_packed.py, the CUDA load), run here on the CPU:
+the loader is told that it is on CUDA in bf16 (`keeps_packed` answers for that) and builds the same modules on the
+CPU, where a QuantizedLinear multiplies by the fp32 reference of its exact weight (or, repacked as on CUDA, by the
+Triton kernel in the interpreter). Tiny Gemma 3 files written with gguf's writer: Q4_0, Q4_1 and Q8_0 quantised by
+gguf.quants, Q4_K and Q6_K as random valid blocks (gguf-py cannot quantise to them). Each weight equals gguf's own
+dequantisation bit for bit; the model's logits equal those of the file loaded dequantised to fp32; a fused module
+with a part of another type (or offset-form 4-bit parts beside 8-bit ones) is dequantised and the counts say so; the
+Triton kernels (interpreter) multiply by the file's own weights; `--quantization none` dequantises; Gemma 4's
+structures (K = V, MoE, KV sharing) are found from the model as Gemma 3's are."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ MIXED = {  # (layer, GGUF tensor) -> type; the rest Q4_0
     (1, "attn_q"): "Q4_K", (1, "attn_k"): "Q4_0", (1, "attn_v"): "Q4_1",   # all 4-bit: kept, offset form
     (1, "ffn_gate"): "Q4_0", (1, "ffn_up"): "Q4_1",
 }
+MIXED8 = {  # (layer, GGUF tensor) -> type; the rest Q8_0
+    (0, "attn_q"): "Q4_0", (0, "attn_v"): "Q6_K",                            # qkv: int8 groups of 16, fp32 scales
+    (0, "attn_output"): "Q6_K", (0, "ffn_up"): "Q4_0",                       # gate_up: int8 groups of 32, fp16
+    (1, "attn_q"): "Q4_K",                                                   # qkv: Q4_K beside Q8_0, dequantised
+    (1, "attn_output"): "Q4_0",                                              # 4-bit alone: int4
+    (1, "ffn_gate"): "Q4_1", (1, "ffn_up"): "Q6_K", (1, "ffn_down"): "Q5_0",  # dequantised
+}
 
 
 def _random_q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -50,6 +58,13 @@ def _random_q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     for col in (0, 2):
         blocks[:, col:col + 2] = np.float16(rng.uniform(1e-4, 3e-4, len(blocks))).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(n, k // 256 * 144)
+
+
+def _random_q6_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Valid Q6_K blocks (any bytes are, given a finite fp16 d; int8 scales -128..127 included), |w| below ~0.2."""
+    blocks = rng.integers(0, 256, size=(n * k // 256, 210), dtype=np.uint8)
+    blocks[:, 208:210] = np.float16(rng.uniform(1e-5, 5e-5, len(blocks))).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, k // 256 * 210)
 
 
 def _write_gguf(hf, path: Path, type_of, seed: int) -> Path:
@@ -83,7 +98,8 @@ def _write_gguf(hf, path: Path, type_of, seed: int) -> Path:
             w.add_tensor(f"{kind}.weight", value.astype(np.float16))
         else:
             t_ = getattr(gguf.GGMLQuantizationType, qtype)
-            raw = _random_q4_k(rng, *value.shape) if qtype == "Q4_K" else gguf.quants.quantize(value, t_)
+            random = {"Q4_K": _random_q4_k, "Q6_K": _random_q6_k}.get(qtype)
+            raw = random(rng, *value.shape) if random else gguf.quants.quantize(value, t_)
             w.add_tensor(f"{kind}.weight", raw, raw_dtype=t_)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -102,7 +118,11 @@ def as_on_cuda(monkeypatch, tmp_path):
 
 
 def _file(tmp_path: Path, kind: str, seed: int) -> Path:
-    type_of = (lambda layer, t: MIXED.get((layer, t), "Q4_0")) if kind == "mixed" else (lambda layer, t: kind)
+    if kind in ("mixed", "mixed8"):
+        table, rest = (MIXED, "Q4_0") if kind == "mixed" else (MIXED8, "Q8_0")
+        type_of = lambda layer, t: table.get((layer, t), rest)   # noqa: E731
+    else:
+        type_of = lambda layer, t: kind   # noqa: E731
     return _write_gguf(tiny_hf_model(seed, **CONFIG), tmp_path / f"{kind}.gguf", type_of, seed)
 
 
@@ -161,6 +181,79 @@ def test_int4_weights_are_gguf_dequantisation_and_logits_the_fp32_load(tmp_path,
     assert err <= 1e-5 * theirs.abs().max().item(), f"seed={seed}: {err}"
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "mixed8"])
+def test_int8_weights_are_gguf_dequantisation_and_logits_the_fp32_load(tmp_path, as_on_cuda, monkeypatch, kind):
+    """(a) every int8 module's weight is gguf.quants.dequantize of its parts, bit for bit: Q8_0 groups of 32 with its
+    fp16 d, Q6_K groups of 16 with d * sc in fp32, fused parts mixing Q8_0, Q6_K and Q4_0 in the smallest group;
+    (b) the logits equal the fp32 load's, through the reference (the CPU's module) and through the Triton kernels in
+    the interpreter (the modules repacked as on CUDA): the tiled kernel over the whole prompt, the GEMV three tokens
+    a step. Wide tiles, K split in two: the interpreter's time goes by program steps (the kernels' own tile choices
+    are tested in test_int8_kernels.py)."""
+    import triton
+
+    from gemmaserve.quantization import int8_kernels as I8
+    from gemmaserve.quantization.schemes import Int8Weight, Scheme
+
+    def wide(m, n, k, group, sms):
+        if m <= I8.GEMV_M:
+            return I8.Int8Config(triton.next_power_of_2(m), 512, 128, k // 2, 4, 1, gemv=True)
+        return I8.Int8Config(max(16, triton.next_power_of_2(m)), 512, min(group, 64), k // 2, 4, 1)
+
+    monkeypatch.setattr(I8, "int8_config", wide)
+
+    seed = fresh_seed()
+    path = _file(tmp_path, kind, seed)
+    f = GGUFFile(path)
+    quantized, ref = _load(path), _load(path, "none")
+    model = quantized.model
+    planned = gguf_packed.plan_packed(ref.model, f)
+    int8 = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear) and m.quant.scheme is Scheme.W8A16}
+    assert int8 == {n for n, e in planned.items() if e.bits == 8} and int8
+    if kind != "mixed8":
+        assert int8 == set(planned) and len(int8) == 8
+    for name in int8:
+        mod = model.get_submodule(name)
+        w = mod.kernel_weight
+        assert isinstance(w, Int8Weight), name
+        assert torch.equal(w.dequantize(torch.float32), _dequantized_parts(path, planned[name].tensors)), name
+        assert torch.equal(w.dequantize(torch.float32), ref.model.get_submodule(name).weight), name
+        types = set(planned[name].types)
+        assert w.group == mod.quant.group == (16 if "Q6_K" in types else 32), name
+        assert w.scale.dtype == (torch.float32 if "Q6_K" in types else torch.float16), name
+    theirs = _logits(ref.model, ref.tokenizer)
+    assert torch.isfinite(theirs).all()
+    tol = 1e-5 * theirs.abs().max().item()
+    ours = _logits(model, quantized.tokenizer)
+    assert (ours - theirs).abs().max().item() <= tol, f"seed={seed} reference"
+    for name in int8:   # the layout a CUDA load holds: forward runs int8_linear (the interpreter here)
+        mod = model.get_submodule(name)
+        mod.kernel_weight = I8.pack_int8(mod.kernel_weight)
+    ids = quantized.tokenizer.encode(PROMPT)
+    assert len(ids) > I8.GEMV_M
+    for chunk in (None, 3):   # the whole prompt (M > 4: the tiled kernel), then three tokens a step (the GEMV)
+        ours = paged_logits(model, [ids], chunk=chunk)[0]
+        err = (ours - theirs).abs().max().item()
+        assert err <= tol, f"seed={seed} chunk={chunk}: {err}"
+
+
+def test_mixed_8bit_file_keeps_exact_int8_modules_and_counts_them(tmp_path, as_on_cuda):
+    """(c) Q8_0, Q6_K and Q4_0 parts fuse into int8 groups; a Q4_0 matrix alone stays int4; Q4_K or Q4_1 beside 8-bit
+    parts (offset forms, not int8 times a scale) and Q5_0 stay dequantised Linears; weight_formats counts them."""
+    path = _file(tmp_path, "mixed8", fresh_seed())
+    loaded = _load(path)
+    kinds = {n: (m.quant.label, m.quant.scheme.value, m.quant.group) if isinstance(m, QuantizedLinear) else "float"
+             for n, m in loaded.model.named_modules() if isinstance(m, (Linear, QuantizedLinear))}
+    want = {0: {"self_attn.qkv_proj": ("gguf q4_0+q6_k+q8_0", "w8a16", 16),
+                "self_attn.o_proj": ("gguf q6_k", "w8a16", 16),
+                "mlp.gate_up_proj": ("gguf q4_0+q8_0", "w8a16", 32), "mlp.down_proj": ("gguf q8_0", "w8a16", 32)},
+            1: {"self_attn.qkv_proj": "float", "self_attn.o_proj": ("gguf q4_0", "w4a16", 32),
+                "mlp.gate_up_proj": "float", "mlp.down_proj": "float"}}
+    assert kinds == {f"model.layers.{i}.{m}": v for i, mods in want.items() for m, v in mods.items()}
+    assert loaded.weight_formats == {"gguf q4_0+q6_k+q8_0": 1, "gguf q6_k": 1, "gguf q4_0+q8_0": 1, "gguf q8_0": 1,
+                                     "gguf q4_0": 1, "float32": 4}
+
+
 def test_mixed_file_keeps_only_all_4bit_modules_and_counts_them(tmp_path, as_on_cuda):
     """(c) layer 0's qkv has a Q8_0 part and its o_proj is Q5_0, down F16: those stay dequantised Linears; layer 1's
     fused parts mixing Q4_K, Q4_0 and Q4_1 are kept in the offset form; weight_formats and EngineInfo count them."""
@@ -197,13 +290,14 @@ def test_quantization_none_dequantizes_and_fp8_is_refused(tmp_path, as_on_cuda):
             _load(path, option)
 
 
-def test_a_4bit_tensor_of_the_wrong_shape_is_named(tmp_path, as_on_cuda):
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_a_packed_tensor_of_the_wrong_shape_is_named(tmp_path, as_on_cuda, qtype):
     seed = fresh_seed()
     hf = tiny_hf_model(seed, **CONFIG)
     with torch.no_grad():   # k_proj with twice its rows: the file's config says one KV head
         hf.model.layers[1].self_attn.k_proj.weight = torch.nn.Parameter(torch.randn(128, 256) * 0.03)
-    path = _write_gguf(hf, tmp_path / "bad.gguf", lambda layer, t: "Q4_0", seed)
-    with pytest.raises(UserInputError, match=r"GGUF tensor blk\.1\.attn_k\.weight \(Q4_0\) has shape \(128, 256\), "
+    path = _write_gguf(hf, tmp_path / "bad.gguf", lambda layer, t: qtype, seed)
+    with pytest.raises(UserInputError, match=rf"GGUF tensor blk\.1\.attn_k\.weight \({qtype}\) has shape \(128, 256\), "
                                              r"but model\.layers\.1\.self_attn\.qkv_proj expects \(64, 256\)"):
         _load(path)
 

@@ -80,8 +80,9 @@ class EngineConfig:
              "nothing); compressed-tensors = the same, an error if it declares nothing; fp8 = quantise a float "
              "checkpoint's attention and MLP projections to FP8 per channel at load (nothing saved); none = float "
              "weights only (a quantised checkpoint is refused). GGUF files: on CUDA auto keeps their Q4_0, Q4_1 "
-             "and Q4_K projections 4-bit (the int4 kernel; other types dequantised to --dtype) and none dequantises "
-             "every weight; on the CPU --dtype decides (fp8 and compressed-tensors are refused for GGUF)")
+             "and Q4_K projections 4-bit and their Q8_0 and Q6_K ones 8-bit (the int4 / int8 kernels; other types "
+             "dequantised to --dtype) and none dequantises every weight; on the CPU --dtype decides (fp8 and "
+             "compressed-tensors are refused for GGUF)")
     max_model_len: int | None = option(None, parse=positive_int,
                                        help="longest sequence (prompt + output); default: the model's context length")
     max_num_seqs: int = option(64, parse=positive_int, help="most sequences in one batch")

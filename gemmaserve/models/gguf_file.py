@@ -138,6 +138,17 @@ class GGUFFile:
             return None
         return read(np.asarray(t.data), tuple(int(d) for d in reversed(t.shape.tolist())))
 
+    def int8_groups(self, name: str):
+        """A Q8_0, Q6_K or Q4_0 matrix as its exact int8 groups (`schemes.Int8Weight`: Q8_0 d fp16 per 32, Q6_K
+        d * sc fp32 per 16, Q4_0 q - 8 with d fp16 per 32), or None for other types."""
+        from .quant import q4_0_int8, q6_k_int8, q8_0_int8
+
+        t = self._tensors[name]
+        read = {"Q8_0": q8_0_int8, "Q6_K": q6_k_int8, "Q4_0": q4_0_int8}.get(t.tensor_type.name)
+        if read is None or len(t.shape) != 2:
+            return None
+        return read(np.asarray(t.data), tuple(int(d) for d in reversed(t.shape.tolist())))
+
 
 def dequantize_q8_0(raw: np.ndarray) -> torch.Tensor:
     """Q8_0 blocks of 34 bytes: fp16 scale d, then 32 int8 q; value = d * q (fp32)."""

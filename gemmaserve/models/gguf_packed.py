@@ -1,26 +1,33 @@
-"""A GGUF file's 4-bit projections kept 4-bit on CUDA: each attention or MLP projection whose GGUF tensors (every
-fused part: q/k/v, gate/up) are Q4_0, Q4_1 or Q4_K becomes a QuantizedLinear over its exact int4 weight
-(schemes.Int4Weight, groups of 32), which the Triton int4 kernel multiplies without a dequantised copy.
+"""A GGUF file's 4-bit and 8-bit projections kept packed on CUDA: each attention or MLP projection whose GGUF tensors
+(every fused part: q/k/v, gate/up) are all of the types below becomes a QuantizedLinear over its exact weight, which
+a Triton kernel multiplies without a dequantised copy: Q4_0, Q4_1 and Q4_K as int4 groups of 32 (schemes.Int4Weight,
+int4_kernels.py), Q8_0 and Q6_K as int8 groups (schemes.Int8Weight, int8_kernels.py).
 
-    keeps_packed(device, dtype, quantization, shard)   whether a load does this (CUDA, bf16/fp16, --quantization auto,
-                                                     one process)
-    planned = plan_packed(model, gguf)                 which of our projections qualify (checked against the model's
-                                                     shapes before anything is read)
+    keeps_packed(device, dtype, quantization, shard)   whether a load does this (CUDA, bf16/fp16, --quantization
+                                                       auto, one process)
+    planned = plan_packed(model, gguf)                 which of our projections qualify, in which form (checked
+                                                       against the model's shapes before anything is read)
     quants = install_packed(model, gguf, planned, device)   those projections become QuantizedLinears on `device`
 
 Each weight is the file's own, exactly (gguf's fp32 dequantisation, bit for bit, read from the blocks by
 models/quant.py's readers):
 
-    Q4_0   w = d (q - 8)          symmetric form: scale d (fp16, as saved), zero 8
-    Q4_1   w = d q + m            offset form: scale d, offset -m (fp16 both, as saved)
-    Q4_K   w = d sc q - dmin m    offset form: scale d * sc, offset dmin * m (fp32: each an exact product of an fp16
-                                  value and a 6-bit integer)
+    Q4_0   w = d (q - 8)          int4 symmetric form: scale d (fp16, as saved), zero 8
+    Q4_1   w = d q + m            int4 offset form: scale d, offset -m (fp16 both, as saved)
+    Q4_K   w = d sc q - dmin m    int4 offset form: scale d * sc, offset dmin * m (fp32: each an exact product of an
+                                  fp16 value and a 6-bit integer)
+    Q8_0   w = d q                int8 groups of 32: q, scale d (fp16, as saved)
+    Q6_K   w = d sc (q - 32)      int8 groups of 16: q - 32 (-32..31), scale d * sc (fp32: an fp16 times an int8)
 
-A fused module whose parts mix these types takes the offset form in fp32 for all of them (a Q4_0 part's offset
-is 8 d, exact). Everything else is loaded as before, dequantised to the model's dtype: matrices of other types
-(Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, F16, F32...), a fused module with any part of such a type, the token embedding and
-an output head. Our modules are found from the model itself (the `Linear`s of its `Attention` and `GeGLU`
-modules, fused parts through `stacked`), never from names of models.
+A fused module whose parts are all 4-bit but of mixed types takes the int4 offset form in fp32 for all of them (a
+Q4_0 part's offset is 8 d, exact). One whose parts are Q8_0 and Q6_K, or those with Q4_0 (w = d (q - 8) is int8
+groups of 32 too), takes int8 groups of the smallest group among its parts, its scales fp16 if every part's is
+(Q8_0, Q4_0), else fp32: a group of 32 split into two of 16 with the same scale is the same weight. Q4_1 and Q4_K
+are offset forms, not int8 times a scale: a module mixing them with 8-bit parts is dequantised. Everything else is
+loaded as before, dequantised to the model's dtype: matrices of other types (Q5_0, Q5_1, Q5_K, F16, F32...), a
+fused module with any part of such a type, the token embedding and an output head. Our modules are found from the
+model itself (the `Linear`s of its `Attention` and `GeGLU` modules, fused parts through `stacked`), never from
+names of models.
 """
 
 from __future__ import annotations
@@ -33,38 +40,55 @@ from torch import nn
 from ..errors import UserInputError
 from ..quantization.compressed_tensors import ModuleQuant
 from ..quantization.linear import QuantizedLinear
-from ..quantization.schemes import Int4Weight, Scheme
+from ..quantization.schemes import Int4Weight, Int8Weight, Scheme
 from .gguf_file import GGUFFile, GGUFTensor
 from .layers import Attention, GeGLU, Linear, linear
 from .quant import GROUP, Int4Groups
 from .quantized import our_module, replace_module
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_TYPES = ("Q8_0", "Q6_K", "Q4_0")   # exactly int8 times a scale (Q4_0 alone stays 4-bit)
+INT8_GROUPS = {"Q8_0": 32, "Q6_K": 16, "Q4_0": 32}
 
 
 def keeps_packed(device: torch.device, dtype: torch.dtype, quantization: str, shard: object | None) -> bool:
-    """Whether a GGUF load keeps its 4-bit projections 4-bit: on CUDA, in bf16 or fp16, with `--quantization auto`,
-    in one process (a tensor-parallel rank dequantises, as before: packed weights are not split over ranks yet).
-    `none` dequantises everything. (The CPU keeps its own formats, models/quant.py, as --dtype says.)"""
+    """Whether a GGUF load keeps its 4-bit and 8-bit projections packed: on CUDA, in bf16 or fp16, with
+    `--quantization auto`, in one process (a tensor-parallel rank dequantises, as before: packed weights are not
+    split over ranks yet). `none` dequantises everything. (The CPU keeps its own formats, models/quant.py, as
+    --dtype says.)"""
     return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and quantization == "auto" \
         and shard is None
 
 
 @dataclass(frozen=True)
 class PackedModule:
-    """One of our projections held 4-bit: its GGUF tensors, fused parts in order, and their types."""
+    """One of our projections held packed: its GGUF tensors, fused parts in order, their types, and whether it is
+    held as int4 (all parts 4-bit) or int8 groups."""
     tensors: tuple[str, ...]
     types: tuple[str, ...]
 
     @property
+    def bits(self) -> int:
+        return 4 if all(t in INT4_TYPES for t in self.types) else 8
+
+    @property
     def quant(self) -> ModuleQuant:
         kinds = sorted(set(self.types))
-        return ModuleQuant(Scheme.W4A16, GROUP, symmetric=kinds == ["Q4_0"], gguf_type="+".join(kinds).lower())
+        label = "+".join(kinds).lower()
+        if self.bits == 8:
+            return ModuleQuant(Scheme.W8A16, min(INT8_GROUPS[t] for t in kinds), gguf_type=label)
+        return ModuleQuant(Scheme.W4A16, GROUP, symmetric=kinds == ["Q4_0"], gguf_type=label)
+
+
+def packed_types(types: list[str]) -> bool:
+    """Whether a module with parts of these GGUF types is held packed: all 4-bit (int4), or all exactly int8."""
+    return all(t in INT4_TYPES for t in types) or all(t in INT8_TYPES for t in types)
 
 
 def plan_packed(model: nn.Module, gguf: GGUFFile) -> dict[str, PackedModule]:
-    """Our module name -> its GGUF tensors, for each projection whose parts are all present and all 4-bit. A 4-bit
-    tensor whose shape is not its part's is an error naming it (before anything is read)."""
+    """Our module name -> its GGUF tensors, for each projection whose parts are all present and of types held
+    packed (`packed_types`). A tensor of such a type whose shape is not its part's is an error naming it (before
+    anything is read)."""
     projections = {f"{n}.{child}": c for n, m in model.named_modules() if isinstance(m, (Attention, GeGLU))
                    for child, c in m.named_children() if isinstance(c, Linear)}
     parts: dict[str, dict[int, GGUFTensor]] = {}
@@ -83,7 +107,7 @@ def plan_packed(model: nn.Module, gguf: GGUFFile) -> dict[str, PackedModule]:
     for target, found in parts.items():
         lin = projections[target]
         sizes = model.shard_sizes(f"{target}.weight") if target in fused_modules else (lin.out_features,)
-        if sorted(found) != list(range(len(sizes))) or any(t.quant_type not in INT4_TYPES for t in found.values()):
+        if sorted(found) != list(range(len(sizes))) or not packed_types([t.quant_type for t in found.values()]):
             continue   # a part missing (load_weights names it) or of another type: dequantised as before
         tensors = [found[i] for i in range(len(sizes))]
         for t, rows in zip(tensors, sizes):
@@ -95,7 +119,7 @@ def plan_packed(model: nn.Module, gguf: GGUFFile) -> dict[str, PackedModule]:
 
 
 def int4_weight(gguf: GGUFFile, entry: PackedModule) -> Int4Weight:
-    """The module's exact weight on the CPU, its parts stacked along the output rows (module docstring)."""
+    """An int4 module's exact weight on the CPU, its parts stacked along the output rows (module docstring)."""
     g = Int4Groups.cat([gguf.int4_groups(name) for name in entry.tensors])   # 2-D 4-bit types: plan_packed
     kinds = set(entry.types)
     if kinds == {"Q4_0"}:   # w = d (q - 8): the symmetric form; d was an fp16 value
@@ -105,14 +129,24 @@ def int4_weight(gguf: GGUFFile, entry: PackedModule) -> Int4Weight:
     return Int4Weight(g.q, g.scale, None, GROUP, g.minus)   # Q4_K, or mixed types: fp32 (exact products)
 
 
+def int8_weight(gguf: GGUFFile, entry: PackedModule) -> Int8Weight:
+    """An int8 module's exact weight on the CPU, its parts stacked along the output rows (Int8Weight.cat: the
+    smallest group, fp16 scales only where every part's are)."""
+    return Int8Weight.cat([gguf.int8_groups(name) for name in entry.tensors])   # 2-D int8 types: plan_packed
+
+
+def packed_weight(gguf: GGUFFile, entry: PackedModule) -> Int4Weight | Int8Weight:
+    return int4_weight(gguf, entry) if entry.bits == 4 else int8_weight(gguf, entry)
+
+
 def install_packed(model: nn.Module, gguf: GGUFFile, planned: dict[str, PackedModule],
-                 device: torch.device) -> dict[str, ModuleQuant]:
+                   device: torch.device) -> dict[str, ModuleQuant]:
     """Each planned projection becomes a QuantizedLinear holding its weight on `device` (packed for the kernel there;
     on the CPU the fp32 reference with the row-invariant product), one module at a time: the Linear it replaces is
     never filled. Returns the modules installed and their labels' ModuleQuant."""
     quants: dict[str, ModuleQuant] = {}
     for name, entry in planned.items():
-        new = QuantizedLinear.from_weight(name, int4_weight(gguf, entry).to(device), entry.quant)
+        new = QuantizedLinear.from_weight(name, packed_weight(gguf, entry).to(device), entry.quant)
         if device.type == "cpu":
             new.matmul = linear
         replace_module(model, name, new)

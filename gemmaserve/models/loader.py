@@ -74,7 +74,8 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
     `quantization` (`--quantization`): auto = what a checkpoint declares (compressed-tensors), compressed-tensors
     = the same but the checkpoint must declare it, fp8 = a float checkpoint's projections to FP8 at load, none =
     float weights only (a quantised checkpoint is refused). For a GGUF file on CUDA (bf16/fp16), auto keeps its
-    Q4_0/Q4_1/Q4_K projections 4-bit (gguf_packed.py) and none dequantises every weight."""
+    Q4_0/Q4_1/Q4_K projections 4-bit and its Q8_0/Q6_K ones 8-bit (gguf_packed.py) and none dequantises every
+    weight."""
     start = time.perf_counter()
     source = resolve_model(name)
     log.info("loading %s from %s", name, source.path)
@@ -144,7 +145,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
                keep_packed: bool = False) -> tuple[CausalLM, Tokenizer, dict[str, int] | None]:
     """A tensor-parallel rank dequantises each tensor whole, then keeps its slice (GGUF blocks do
     not align with every slice; the exact 4-bit groups are sliced where they do). `keep_packed`
-    (gguf_packed.keeps_packed: CUDA): 4-bit projections become QuantizedLinears on `device`, the rest
+    (gguf_packed.keeps_packed: CUDA): 4-bit and 8-bit projections become QuantizedLinears on `device`, the rest
     is dequantised to `dtype`."""
     from .gguf_file import GGUFFile
 
@@ -154,7 +155,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
     # Only a file with quantised matrices is kept quantised: an F32/F16 file keeps its exact weights.
     quantized = quantized and any(t.quant_type not in ("F32", "F16", "BF16") for t in gguf.tensors())
     int4 = {}
-    kept: set[str] = set()   # GGUF tensors held 4-bit by QuantizedLinears (keep_packed): never dequantised
+    kept: set[str] = set()   # GGUF tensors held packed by QuantizedLinears (keep_packed): never dequantised
 
     def weights(model: CausalLM, plan: ShardPlan | None) -> Iterator[tuple[str, torch.Tensor]]:
         for t in gguf.tensors():
@@ -199,7 +200,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
 
 def _build_gguf_packed(model_class: type[CausalLM], config, gguf, weights: Weights, dtype: torch.dtype,
                        device: torch.device, kept: set[str]) -> tuple[CausalLM, dict[str, int] | None]:
-    """Built on the CPU (untouched torch.empty pages cost nothing), the 4-bit projections swapped for
+    """Built on the CPU (untouched torch.empty pages cost nothing), the packed projections swapped for
     QuantizedLinears on the device before any float weight of theirs exists, the rest moved, then filled
     from the other tensors (`kept` tells `weights` which to skip)."""
     from . import gguf_packed
@@ -212,7 +213,7 @@ def _build_gguf_packed(model_class: type[CausalLM], config, gguf, weights: Weigh
     model.to(device)
     model.load_weights(weights(model, None))
     release_freed_memory()   # the dequantised tensors just copied into the model (hostmem.py)
-    return model, formats(model, quants, dtype) if quants else None   # None: no 4-bit projection, all as `dtype`
+    return model, formats(model, quants, dtype) if quants else None   # None: no packed projection, all as `dtype`
 
 
 def _quant_cache_file(path: Path, quantized: bool, dtype: torch.dtype, device: torch.device,

@@ -66,6 +66,7 @@ from .. import opaque
 from . import cpu_kernels  # noqa: F401  (defines gemmaserve::row_affine)
 from . import cpu_products
 from ..hostmem import release_freed_memory
+from ..quantization.schemes import Int8Weight
 from ..rowops import row_topk_indices
 
 GROUP = 32
@@ -134,6 +135,42 @@ def _q4_blocks(raw: np.ndarray, shape: tuple[int, int], with_min: bool) -> Int4G
     n, k = shape
     return Int4Groups(torch.from_numpy(q.reshape(n, k).copy()), torch.from_numpy(d.reshape(n, k // GROUP).copy()),
                       torch.from_numpy(np.asarray(minus, dtype=np.float32).reshape(n, k // GROUP).copy()))
+
+
+def q8_0_int8(raw: np.ndarray, shape: tuple[int, int]) -> Int8Weight:
+    """Q8_0 blocks (34 bytes: fp16 d, then 32 int8 q; w = d * q) -> exact int8 groups of 32, d kept in fp16 (for
+    CUDA's int8 kernel: models/gguf_packed.py)."""
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, 34)
+    n, k = shape
+    d = blocks[:, 0:2].copy().view(np.float16).reshape(n, k // 32)
+    q = blocks[:, 2:].copy().view(np.int8).reshape(n, k)
+    return Int8Weight(torch.from_numpy(q), torch.from_numpy(d), 32)
+
+
+def q6_k_int8(raw: np.ndarray, shape: tuple[int, int]) -> Int8Weight:
+    """Q6_K blocks (256 values in 210 bytes: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales sc,
+    fp16 d; w = d * sc * (q - 32) per 16 values) -> exact int8 groups of 16: q - 32 (-32..31) and d * sc in fp32
+    (an fp16 times an int8: exact).
+
+    Value e = 128 h + 32 j + c of a block (half h, quarter j, column c < 32) takes its low 4 bits from nibble
+    j // 2 of low byte 64 h + 32 (j % 2) + c and its high 2 bits from bits 2j, 2j + 1 of high byte 32 h + c."""
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, 210)
+    nb = blocks.shape[0]
+    low = blocks[:, :128].reshape(nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    high = blocks[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = ((low & np.uint8(0x0F)).reshape(nb, 256) | ((high & np.uint8(0x03)).reshape(nb, 256) << np.uint8(4)))
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    n, k = shape
+    return Int8Weight(torch.from_numpy((q.astype(np.int8) - np.int8(32)).reshape(n, k)),
+                      torch.from_numpy((d * sc).reshape(n, k // 16)), 16)
+
+
+def q4_0_int8(raw: np.ndarray, shape: tuple[int, int]) -> Int8Weight:
+    """Q4_0 blocks as int8 groups of 32: q - 8 (-8..7) and d (fp16, as saved), exactly w = d * (q - 8). For a
+    fused module that mixes Q4_0 with 8-bit parts (models/gguf_packed.py); alone, Q4_0 stays 4-bit."""
+    g = q4_0_groups(raw, shape)
+    return Int8Weight((g.q.to(torch.int8) - 8).contiguous(), g.scale.to(torch.float16), GROUP)
 
 
 def _int8_scale(amax: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
