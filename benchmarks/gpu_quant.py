@@ -5,14 +5,16 @@ Sections (default: all; about 3 minutes on one H100, Triton compilation included
   hbm     device-to-device copy bandwidth (read + write), the roofline the timings are read against
   check   each product on the device against its fp32 reference at every shape and M (bf16 activations):
           int4 (group 32 / 128, symmetric, group 128 asymmetric, and group 32 in the offset form with fp32
-          scales and offsets, as GGUF's Q4_K loads) against schemes' fp32 dequantisation,
+          scales and offsets, as GGUF's Q4_K loads) and int8 groups (int8_q8_0: group 32, fp16 scales, as GGUF's
+          Q8_0 loads; int8_q6_k: q - 32 in groups of 16, fp32 scales, as Q6_K) against schemes' fp32
+          dequantisation,
           fp8 per channel and in 128 x 128 blocks against the fp32 product of both operands quantised the
           same way; the relative error of the bf16 output, and bf16 F.linear's against fp32 for scale;
           each call repeated: the same bits every time (split-K sums its slices in a fixed order)
-  timing  bf16 F.linear, int4_linear (g32, g128, g32 offset), fp8_linear (per channel, blocks), each call replayed in a
-          CUDA graph (weights cycled over copies that exceed L2, so every call reads HBM): median microseconds
-          per call, effective bandwidth (weight + scale bytes / time), fraction of the copy bandwidth, speedup
-          over bf16
+  timing  bf16 F.linear, int4_linear (g32, g128, g32 offset), int8_linear (int8_q8_0), fp8_linear (per channel,
+          blocks), each call replayed in a CUDA graph (weights cycled over copies that exceed L2, so every call
+          reads HBM): median microseconds per call, effective bandwidth (weight + scale bytes / time), fraction of
+          the copy bandwidth, speedup over bf16
   sweep   int4 g32 GEMV tile configurations at M = 1 on the 31B and E4B shapes (what the heuristic could choose)
   tiled   the tiled int4 kernel's configurations at M = 16 and 64 on the 31B shapes (group 32)
 
@@ -37,8 +39,9 @@ import triton
 from gemmaserve.bench.sections import exit_status, run_sections
 from gemmaserve.quantization import fp8_kernels as F8
 from gemmaserve.quantization import int4_kernels as I4
+from gemmaserve.quantization import int8_kernels as I8
 from gemmaserve.quantization.launch import split_k
-from gemmaserve.quantization.schemes import FP8_DTYPE, Fp8Weight, Int4Weight, quantize_fp8_per_channel
+from gemmaserve.quantization.schemes import FP8_DTYPE, Fp8Weight, Int4Weight, Int8Weight, quantize_fp8_per_channel
 
 # (model, projection, N, K) for the sliding-window layers (5 of every 6), docs/gemma-architecture's table:
 # qkv = heads * 256 + 2 * kv_heads * 256, o = hidden x heads * 256, gate_up = 2 * intermediate.
@@ -51,7 +54,7 @@ SHAPES = (
     ("gemma4-e4b", "gate_up", 2 * 10240, 2560), ("gemma4-e4b", "down", 2560, 10240),
 )
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-METHODS = ("bf16", "int4_g32", "int4_g128", "int4_g32_offset", "fp8_channel", "fp8_block")
+METHODS = ("bf16", "int4_g32", "int4_g128", "int4_g32_offset", "int8_q8_0", "fp8_channel", "fp8_block")
 CHECK_TOL = 8e-3   # bf16 output rounding (~2e-3 relative) with margin; a wrong kernel is off by O(1)
 L2_BYTES = 256 << 20   # cycle weight copies until a graph's calls read at least this much (H100 L2: 50 MB)
 
@@ -65,6 +68,13 @@ def _int4(gen: torch.Generator, n: int, k: int, group: int, asym: bool | str) ->
     scale = (torch.rand(n, k // group, generator=gen, device="cuda") * 0.02 + 1e-3).to(torch.bfloat16)
     zero = torch.randint(0, 16, (n, k // group), generator=gen, device="cuda", dtype=torch.uint8) if asym else None
     return Int4Weight(q, scale, zero, group)
+
+
+def _int8(gen: torch.Generator, n: int, k: int, group: int, scale_dtype: torch.dtype, levels: int) -> Int8Weight:
+    """Values -levels..levels-1 (128: Q8_0's int8, 32: Q6_K's q - 32), one `scale_dtype` scale per group."""
+    q = torch.randint(-levels, levels, (n, k), generator=gen, device="cuda", dtype=torch.int8)
+    scale = (torch.rand(n, k // group, generator=gen, device="cuda") * 2e-3 + 1e-4).to(scale_dtype)
+    return Int8Weight(q, scale, group)
 
 
 def _fp8_block(gen: torch.Generator, n: int, k: int) -> Fp8Weight:
@@ -95,6 +105,13 @@ def _methods(n: int, k: int, seed: int) -> dict[str, Method]:
         out[name] = Method(I4.int4_linear, I4.pack_int4(w), I4.pack_int4(w).nbytes,
                            lambda x, ref=ref: F.linear(x.float(), ref))
         del w
+    for name, group, scale_dtype, levels in (("int8_q8_0", 32, torch.float16, 128),
+                                             ("int8_q6_k", 16, torch.float32, 32)):
+        w8 = _int8(gen, n, k, group, scale_dtype, levels)
+        ref = w8.dequantize(torch.float32)
+        packed = I8.pack_int8(w8)
+        out[name] = Method(I8.int8_linear, packed, packed.nbytes, lambda x, ref=ref: F.linear(x.float(), ref))
+        del w8
     fc = quantize_fp8_per_channel(dense)
     out["fp8_channel"] = Method(F8.fp8_linear, fc, n * k + n * 4,
                                 lambda x, w=fc: F8.fp8_linear_reference(x, w, torch.float32))
