@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantization.launch import grouped_tile
+from ..quantization.launch import expert_tile, expert_tiles, grouped_tile
 
 
 @dataclass(frozen=True)
@@ -97,19 +97,11 @@ def _grouped_matmul_kernel(x_ptr, w_ptr, y_ptr, row_ends_ptr, tile_ends_ptr, M, 
                            s_xm, s_xk, s_we, s_wk, s_wn, s_ym, s_yn,
                            E: tl.constexpr, E_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            BK: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    experts = tl.arange(0, E_BLOCK)
-    tile_ends = tl.load(tile_ends_ptr + experts, mask=experts < E, other=2147483647)
-    e = tl.sum((tile_ends <= tile).to(tl.int32), 0)   # the expert whose tiles hold this one
+    e, rm, mm = expert_tile(tl.program_id(0), row_ends_ptr, tile_ends_ptr, E, E_BLOCK, BM)
     if e < E:   # else: a program past the last tile (the grid is an upper bound)
-        first_tile = tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)
-        row_begin = tl.load(row_ends_ptr + e - 1, mask=e > 0, other=0)
-        row_end = tl.load(row_ends_ptr + e)
-        rm = (row_begin + (tile - first_tile) * BM + tl.arange(0, BM)).to(tl.int64)
+        pid_n = tl.program_id(1)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         rk = tl.arange(0, BK)
-        mm = rm < row_end
         nm = rn < N
         w_e = w_ptr + e.to(tl.int64) * s_we
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -133,10 +125,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_ends: torch.Tensor) -> 
     if m == 0:
         return y
     cfg = gemm_config(n, k, w.dtype)
-    counts = torch.diff(row_ends.long(), prepend=row_ends.new_zeros(1).long())
-    tile_ends = torch.cumsum(torch.div(counts + cfg.block_m - 1, cfg.block_m, rounding_mode="floor"), 0).to(torch.int32)
-    # An upper bound on the tiles: each expert adds at most one partial tile, and a tile holds a row.
-    tiles = min(triton.cdiv(m, cfg.block_m) + e, m)
+    tile_ends, tiles = expert_tiles(row_ends, m, cfg.block_m)
     _grouped_matmul_kernel[(tiles, triton.cdiv(n, cfg.block_n))](
         x, w, y, row_ends.to(torch.int32), tile_ends, m, n, k, x.stride(0), x.stride(1),
         w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1), E=e,

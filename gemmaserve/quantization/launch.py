@@ -1,6 +1,7 @@
 """Where the quantised products run and how their grids are cut: Triton on CUDA, and on the CPU only under
 TRITON_INTERPRET=1 (tests); the multiprocessor count; the split-K rule shared by the int4 and fp8 kernels; and
-the grouped tile order every tiled GEMM of ours uses (`grouped_tile`, also models/invariant_kernels.py's).
+the grouped tile order every tiled GEMM of ours uses (`grouped_tile`, also models/invariant_kernels.py's); and how
+a grouped (per-expert) GEMM cuts rows sorted by expert into tiles on the device (`expert_tiles`, `expert_tile`).
 
 A small-batch product over quantised weights is a stream of weight bytes: its time is the bytes over the HBM
 bandwidth only if enough programs are reading at once. A tile of output columns is one program's work; when
@@ -50,3 +51,27 @@ def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.cons
     first_m = (pid // per_group) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
     return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+def expert_tiles(row_ends: torch.Tensor, m: int, block_m: int) -> tuple[torch.Tensor, int]:
+    """`m` rows sorted by expert (expert e owns rows [row_ends[e-1], row_ends[e])) cut into tiles of `block_m` rows
+    of one expert each: the running count of tiles by expert (int32 [E], computed on the device: nothing is read
+    back, so a CUDA graph can capture it) and the grid's row-tile count, an upper bound known from the shapes alone
+    (each expert adds at most one partial tile, and every tile holds a row)."""
+    counts = torch.diff(row_ends.long(), prepend=row_ends.new_zeros(1).long())
+    tile_ends = torch.cumsum(torch.div(counts + block_m - 1, block_m, rounding_mode="floor"), 0).to(torch.int32)
+    return tile_ends, min(triton.cdiv(m, block_m) + row_ends.numel(), m)
+
+
+@triton.jit
+def expert_tile(tile, row_ends_ptr, tile_ends_ptr, E: tl.constexpr, E_BLOCK: tl.constexpr, BM: tl.constexpr):
+    """Row tile `tile` of a grouped GEMM: (its expert e, its rows [BM] as int64, their mask). e == E for a program
+    past the last tile (the grid is an upper bound): then no row is in the mask."""
+    experts = tl.arange(0, E_BLOCK)
+    tile_ends = tl.load(tile_ends_ptr + experts, mask=experts < E, other=2147483647)
+    e = tl.sum((tile_ends <= tile).to(tl.int32), 0)   # the expert whose tiles hold this one
+    first_tile = tl.load(tile_ends_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+    row_begin = tl.load(row_ends_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+    row_end = tl.load(row_ends_ptr + e, mask=e < E, other=0)
+    rm = (row_begin + (tile - first_tile) * BM + tl.arange(0, BM)).to(tl.int64)
+    return e, rm, rm < row_end
