@@ -68,15 +68,15 @@ def projections(model: nn.Module) -> dict[str, Projection]:
 
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Every MoE experts block of the text layers (moe.Experts, unwrapped from a tensor-parallel collective),
-    by its path: what an adapter's target_parameters may adapt."""
-    from .moe import Experts
+    """Every MoE experts block of the text layers (moe.Experts or quantized_experts.QuantizedExperts, unwrapped from a
+    tensor-parallel collective), by its path: what an adapter's target_parameters may adapt."""
+    from .moe import GroupedExperts
 
     out: dict[str, nn.Module] = {}
     for i, layer in enumerate(model.model.layers):
         experts = getattr(layer, "experts", None)
         experts = getattr(experts, "inner", experts)
-        if isinstance(experts, Experts):
+        if isinstance(experts, GroupedExperts):
             out[f"model.layers.{i}.experts"] = experts
     return out
 

@@ -215,7 +215,7 @@ def _experts(name: str, cfg: dict, ours: str, module: nn.Module, nested: dict[st
     """One experts block's LoRA, per expert: gate_up_proj and down_proj told apart by their shapes."""
     hf_name = ours.removeprefix("model.")
     n_exp, full_i = module.num_experts, module.intermediate
-    hidden = module.down_proj.shape[1]
+    hidden = module.hidden
     if plan is not None:
         full_i = plan.experts.get(ours, full_i)
     out, rank = ExpertWeights(), 0

@@ -102,18 +102,25 @@ class Router(nn.Module):
         return weights * self.per_expert_scale[idx], idx
 
 
-class Experts(nn.Module):
-    """Expert weights as HF stores them: gate_up_proj [E, 2I, H] ([gate; up] rows), down_proj [E, H, I]."""
+class GroupedExperts(nn.Module):
+    """What every experts block does around its two grouped products (`product`, by the subclass: bf16 weights here,
+    quantised ones in quantized_experts.py): sort the (token, expert) pairs by expert, gate/up, GeLU-gate, down
+    (each with the LoRA deltas of the experts, models/lora.py), weight, unsort and sum each token's k outputs in
+    a fixed order. `hidden`, `intermediate`, `num_experts`: the block's geometry (a tensor-parallel rank's share of
+    the intermediate)."""
 
     batch_invariant = False
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int):
         super().__init__()
+        self.hidden = hidden
         self.intermediate = intermediate
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype), requires_grad=False)
+
+    def product(self, which: str, a: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        """Rows `a` sorted by expert (expert e's at [offsets[e-1], offsets[e])) times their expert's `which` matrix
+        ("gate_up": [E, 2I, H], "down": [E, H, I]), transposed: [M, 2I] or [M, H] in a's dtype."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                 lora: "LoRABatch | None" = None) -> torch.Tensor:
@@ -126,18 +133,11 @@ class Experts(nn.Module):
             0, flat, torch.ones_like(flat, dtype=torch.int32))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = x[token_of_row]
-        if self.batch_invariant:
-            from .invariant_kernels import grouped_matmul
-
-            mm = lambda a, w: grouped_matmul(a, w, offsets)   # noqa: E731
-        else:
-            mm = lambda a, w: grouped_mm(a, w, offsets, expert_of_row)   # noqa: E731
-        # w^T views: [E, H, 2I] and [E, I, H], column-major per expert, as grouped_mm wants them.
-        gate_up = mm(rows, self.gate_up_proj.transpose(1, 2))
+        gate_up = self.product("gate_up", rows, offsets, expert_of_row)
         if lora is not None:   # adapters of the experts (models/lora.py), on the rows in this order
             gate_up = lora.add_experts(self, "gate_up", rows, gate_up, t, token_of_row, expert_of_row)
         h = gelu_mul(gate_up, self.intermediate)
-        y = mm(h, self.down_proj.transpose(1, 2))
+        y = self.product("down", h, offsets, expert_of_row)
         if lora is not None:
             y = lora.add_experts(self, "down", h, y, t, token_of_row, expert_of_row)
         y = y.float() * weights.reshape(-1)[order, None]
@@ -146,3 +146,29 @@ class Experts(nn.Module):
         if self.batch_invariant or per_pair.device.type == "cpu":   # (a reduction's order is the library's)
             return ordered_sum(per_pair, 1).squeeze(1).to(x.dtype)
         return per_pair.sum(dim=1).to(x.dtype)
+
+
+def float_product(w: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor,
+                  batch_invariant: bool) -> torch.Tensor:
+    """a (sorted by expert) times w[e]^T for float experts w [E, N, K]: the batch-invariant grouped GEMM, or
+    `grouped_mm` (the CPU's row-invariant product for fp32)."""
+    wt = w.transpose(1, 2)   # [E, K, N] views, column-major per expert, as grouped_mm wants them
+    if batch_invariant:
+        from .invariant_kernels import grouped_matmul
+
+        return grouped_matmul(a, wt, offsets)
+    return grouped_mm(a, wt, offsets, expert_of_row)
+
+
+class Experts(GroupedExperts):
+    """Expert weights as HF stores them: gate_up_proj [E, 2I, H] ([gate; up] rows), down_proj [E, H, I]."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, dtype: torch.dtype):
+        super().__init__(hidden, intermediate, num_experts)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype), requires_grad=False)
+
+    def product(self, which: str, a: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        w = self.gate_up_proj if which == "gate_up" else self.down_proj
+        return float_product(w, a, offsets, expert_of_row, self.batch_invariant)
