@@ -201,15 +201,18 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
 def _build_gguf_packed(model_class: type[CausalLM], config, gguf, weights: Weights, dtype: torch.dtype,
                        device: torch.device, kept: set[str]) -> tuple[CausalLM, dict[str, int] | None]:
     """Built on the CPU (untouched torch.empty pages cost nothing), the packed projections swapped for
-    QuantizedLinears on the device before any float weight of theirs exists, the rest moved, then filled
-    from the other tensors (`kept` tells `weights` which to skip)."""
+    QuantizedLinears (4-bit MoE expert tensors: QuantizedExperts) on the device before any float weight of theirs
+    exists, the rest moved, then filled from the other tensors (`kept` tells `weights` which to skip)."""
     from . import gguf_packed
     from .quantized import formats
 
     model = model_class(config, dtype)
     planned = gguf_packed.plan_packed(model, gguf)
+    experts = gguf_packed.plan_int4_experts(model, gguf)
     kept.update(name for entry in planned.values() for name in entry.tensors)
+    kept.update(name for entry in experts.values() for name in entry.tensors)
     quants = gguf_packed.install_packed(model, gguf, planned, device)
+    quants |= gguf_packed.install_int4_experts(model, gguf, experts, device, dtype)
     model.to(device)
     model.load_weights(weights(model, None))
     release_freed_memory()   # the dequantised tensors just copied into the model (hostmem.py)
@@ -319,11 +322,11 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, shard: Te
 
     formats = None
     if plan is None and quantization == "fp8" and shard is None:
-        # Built on the CPU (untouched torch.empty pages cost nothing); everything but the projections moved to the
-        # device; the projections filled on the CPU, then each moved and quantised in turn: the device never holds
-        # more than one float projection (a 31B's bf16 weights would take 62 GB of it).
+        # Built on the CPU (untouched torch.empty pages cost nothing); everything but the projections and MoE experts
+        # moved to the device; those filled on the CPU, then each moved and quantised in turn: the device never holds
+        # more than one float projection or experts block (a 31B's bf16 weights would take 62 GB of it).
         model = model_class(config, dtype)
-        _to_device_except(model, set(q.projection_names(model)), device)
+        _to_device_except(model, set(q.projection_names(model)) | set(q.expert_block_names(model)), device)
         model.load_weights(weights(model, None))
         quantized = q.quantize_fp8_online(model, device=device)
         release_freed_memory()

@@ -14,10 +14,11 @@ products are exact in fp32 for bf16/fp16 scales, so the kernel multiplies by the
 (fp32 scales with zero points may not be: those stay on the reference of quantization/linear.py.)
 
 `quantize_fp8_online` is `--quantization fp8`: every attention and MLP projection of the loaded model to FP8
-per output channel (schemes.quantize_fp8_per_channel), one module at a time; nothing is written to disk. A
-tensor-parallel rank quantises the slices it loaded; a row-parallel slice (o_proj, down_proj: some of each row's
-columns) takes its rows' amax over every rank's columns (one all_gather of [N] per module at load), so every rank
-holds exactly the tp=1 weight's slice, scales whole.
+per output channel (schemes.quantize_fp8_per_channel), and every MoE experts block per (expert, output channel)
+into a QuantizedExperts (quantized_experts.py), one module at a time; nothing is written to disk. A
+tensor-parallel rank quantises the slices it loaded; a row-parallel slice (o_proj, down_proj, the experts'
+down_proj: some of each row's columns) takes its rows' amax over every rank's columns (one all_gather of [N] per
+module at load), so every rank holds exactly the tp=1 weight's slice, scales whole.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from torch import nn
 
 from ..errors import UserInputError
 from ..quantization.compressed_tensors import ModuleQuant, QuantPlan
+from ..quantization.grouped_kernels import QuantExperts
 from ..quantization.linear import QuantizedLinear
 from ..quantization.schemes import Fp8Weight, Int4Weight, Scheme, quantize_fp8_per_channel
 from .layers import Attention, GeGLU, Linear, linear
+from .moe import Experts
 from .tensor_parallel import ShardPlan
 
 _SCALE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -163,12 +166,17 @@ def finish(model: nn.Module, planned: dict[str, PlannedModule]) -> None:
 
 def formats(model: nn.Module, quantized: dict[str, ModuleQuant], dtype: torch.dtype) -> dict[str, int]:
     """Modules per weight format, as EngineInfo.weights shows them: {"w4a16 g32": 126, "bfloat16": 3} (the float
-    ones: Linear layers and embedding tables left as saved)."""
+    ones: Linear layers and embedding tables left as saved); quantised MoE experts blocks apart, by their own label
+    ("fp8 channel experts": 30)."""
     from .layers import Embedding
+    from .quantized_experts import QuantizedExperts
 
     out: dict[str, int] = {}
-    for quant in quantized.values():
-        out[quant.label] = out.get(quant.label, 0) + 1
+    for name, quant in quantized.items():
+        mod = model.get_submodule(name)
+        mod = getattr(mod, "inner", mod)   # (a tensor-parallel collective's wrapper)
+        label = mod.label if isinstance(mod, QuantizedExperts) else quant.label
+        out[label] = out.get(label, 0) + 1
     plain = sum(isinstance(m, (Linear, Embedding)) for m in model.modules())
     if plain:
         out[str(dtype).removeprefix("torch.")] = plain
@@ -181,6 +189,7 @@ def quantize_fp8_online(model: nn.Module, plan: ShardPlan | None = None,
     tensor-parallel rank's (before `parallelize`): row-parallel slices are scaled by their whole rows' amax, every
     rank gathering them in the same module order. `device`: where the fp8 weights go (see quantize_projections)."""
     row_parallel = set(plan.row_parallel()) if plan is not None else set()
+    row_parallel |= {f"{n}.down_proj" for n in plan.experts} if plan is not None else set()
 
     def quantize(name: str, w: torch.Tensor) -> Fp8Weight:
         if name not in row_parallel:
@@ -188,7 +197,12 @@ def quantize_fp8_online(model: nn.Module, plan: ShardPlan | None = None,
         amax = plan.shard.comm.all_gather_last(w.float().abs().amax(dim=1, keepdim=True))   # [N, ranks]
         return quantize_fp8_per_channel(w, amax.amax(dim=1))
 
-    return quantize_projections(model, ModuleQuant(Scheme.FP8), quantize, device)
+    def quantize_experts(name: str, w: torch.Tensor) -> QuantExperts:   # w [E, N, K]: its rows [E * N, K]
+        return QuantExperts(quantize(name, w.reshape(-1, w.shape[2])), w.shape[0])
+
+    quant = ModuleQuant(Scheme.FP8)
+    return quantize_projections(model, quant, quantize, device) | \
+        quantize_expert_blocks(model, quant, quantize_experts, device)
 
 
 def projection_names(model: nn.Module) -> list[str]:
@@ -213,6 +227,35 @@ def quantize_projections(model: nn.Module, quant: ModuleQuant,
         new = QuantizedLinear.from_weight(name, quantize(name, w), quant)
         if w.device.type == "cpu":
             new.matmul = linear
+        del old
+        replace_module(model, name, new)
+    return {name: quant for name in names}
+
+
+def expert_block_names(model: nn.Module) -> list[str]:
+    """The float MoE experts blocks of a model (moe.Experts), in module order: what --quantization fp8 quantises
+    besides the projections."""
+    return [n for n, m in model.named_modules() if isinstance(m, Experts)]
+
+
+def quantize_expert_blocks(model: nn.Module, quant: ModuleQuant, quantize: Callable[[str, torch.Tensor], QuantExperts],
+                           device: torch.device | None = None) -> dict[str, ModuleQuant]:
+    """Every MoE experts block of a loaded model into a QuantizedExperts, each of its two matrices quantised by
+    `quantize` (its name, "<block>.gate_up_proj" or "<block>.down_proj", and its float weight [E, N, K] -> the
+    experts' quantised weight), one block at a time in module order (as quantize_projections; `device` likewise).
+    Returns the blocks quantised."""
+    from .quantized_experts import WHICH, QuantizedExperts
+
+    names = expert_block_names(model)
+    for name in names:
+        old = model.get_submodule(name)
+        weights = []
+        for which in WHICH:
+            w = getattr(old, f"{which}_proj").data
+            weights.append(quantize(f"{name}.{which}_proj", w if device is None else w.to(device)))
+            del w
+        new = QuantizedExperts(name, old.hidden, old.intermediate, old.num_experts, *weights, quant,
+                               old.gate_up_proj.dtype)
         del old
         replace_module(model, name, new)
     return {name: quant for name in names}
