@@ -114,14 +114,6 @@ class Int4ExpertsPacked:
     group: int
 
     @property
-    def has_zero(self) -> bool:
-        return self.zero is not None
-
-    @property
-    def has_offset(self) -> bool:
-        return self.offset is not None
-
-    @property
     def shape(self) -> tuple[int, int, int]:
         return self.num_experts, self.n, self.k
 
@@ -130,10 +122,6 @@ class Int4ExpertsPacked:
         return Int4Packed(self.qweight[e], self.scale[e], pick(self.zero), self.n, self.k, self.group,
                           pick(self.offset))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero, self.offset)
-                   if t is not None)
 
 
 def pack_int4_experts(w: QuantExperts) -> Int4ExpertsPacked:
@@ -307,7 +295,7 @@ def int4_grouped_linear(x: torch.Tensor, w: Int4ExpertsPacked, row_ends: torch.T
     _int4_grouped_kernel[(tiles, triton.cdiv(n, cfg.block_n))](
         x, w.qweight, w.scale, w.zero if w.zero is not None else w.scale, w.offset if w.offset is not None else w.scale,
         y, row_ends.to(torch.int32), tile_ends, m, n, k, x.stride(0), x.stride(1), y.stride(0), GROUP=w.group,
-        HAS_ZERO=w.has_zero, HAS_OFFSET=w.has_offset, E=e, E_BLOCK=max(16, triton.next_power_of_2(e)),
+        HAS_ZERO=w.zero is not None, HAS_OFFSET=w.offset is not None, E=e, E_BLOCK=max(16, triton.next_power_of_2(e)),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
