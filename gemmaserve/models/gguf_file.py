@@ -127,16 +127,17 @@ class GGUFFile:
             return dequantize_q8_0(raw).reshape(shape)
         return torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(shape)
 
-    def int4_groups(self, name: str):
+    def int4_groups(self, name: str, stacked: bool = False):
         """A Q4_K, Q4_0 or Q4_1 matrix as its exact 4-bit groups of 32 (`quant.Int4Groups`), or None for other
-        types."""
+        types. `stacked`: a 3-D tensor (MoE experts [E, N, K]) too, as its rows stacked [E * N, K]."""
         from .quant import q4_0_groups, q4_1_groups, q4_k_groups
 
         t = self._tensors[name]
         read = {"Q4_K": q4_k_groups, "Q4_0": q4_0_groups, "Q4_1": q4_1_groups}.get(t.tensor_type.name)
-        if read is None or len(t.shape) != 2:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if read is None or not (len(shape) == 2 or (stacked and len(shape) == 3)):
             return None
-        return read(np.asarray(t.data), tuple(int(d) for d in reversed(t.shape.tolist())))
+        return read(np.asarray(t.data), (int(np.prod(shape[:-1])), shape[-1]))
 
     def int8_groups(self, name: str):
         """A Q8_0, Q6_K or Q4_0 matrix as its exact int8 groups (`schemes.Int8Weight`: Q8_0 d fp16 per 32, Q6_K

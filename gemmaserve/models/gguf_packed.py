@@ -39,6 +39,7 @@ from torch import nn
 
 from ..errors import UserInputError
 from ..quantization.compressed_tensors import ModuleQuant
+from ..quantization.grouped_kernels import QuantExperts
 from ..quantization.linear import QuantizedLinear
 from ..quantization.schemes import Int4Weight, Int8Weight, Scheme
 from .gguf_file import GGUFFile, GGUFTensor
@@ -149,6 +150,86 @@ def install_packed(model: nn.Module, gguf: GGUFFile, planned: dict[str, PackedMo
         new = QuantizedLinear.from_weight(name, packed_weight(gguf, entry).to(device), entry.quant)
         if device.type == "cpu":
             new.matmul = linear
+        replace_module(model, name, new)
+        quants[name] = entry.quant
+    return quants
+
+
+# -- MoE experts ---------------------------------------------------------------------------------------------------
+# A Gemma 4 file's experts are two 3-D tensors per layer, ffn_gate_up_exps [E, 2I, H] and ffn_down_exps [E, H, I]
+# (models/gemma4.py maps them onto moe.Experts' gate_up_proj and down_proj). Each that is Q4_0, Q4_1 or Q4_K is kept
+# 4-bit, exactly as a projection is (the forms above, over the experts' stacked rows), in a QuantizedExperts
+# (quantized_experts.py, the grouped int4 kernel on CUDA); one of another type stays a float parameter of that
+# block, dequantised as before; a block with neither stays moe.Experts.
+@dataclass(frozen=True)
+class Int4ExpertsPlan:
+    """One experts block's 4-bit GGUF tensors: gate_up's and down's (None: another type, dequantised)."""
+    gate_up: PackedModule | None
+    down: PackedModule | None
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        return tuple(name for part in (self.gate_up, self.down) if part is not None for name in part.tensors)
+
+    @property
+    def quant(self) -> ModuleQuant:
+        parts = [p for p in (self.gate_up, self.down) if p is not None]
+        return PackedModule(self.tensors, tuple(t for p in parts for t in p.types)).quant
+
+
+class _StackedRows:
+    """A GGUF file whose 3-D expert tensors read as their stacked rows [E * N, K] (what `int4_weight` reads)."""
+
+    def __init__(self, gguf: GGUFFile):
+        self._gguf = gguf
+
+    def int4_groups(self, name: str):
+        return self._gguf.int4_groups(name, stacked=True)
+
+
+def plan_int4_experts(model: nn.Module, gguf: GGUFFile) -> dict[str, Int4ExpertsPlan]:
+    """Our experts block name -> its 4-bit GGUF tensors, for each block with at least one. A 4-bit tensor whose shape
+    is not its block's is an error naming it (before anything is read)."""
+    from .moe import Experts
+
+    blocks = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
+    found: dict[str, dict[str, PackedModule]] = {}
+    for t in gguf.tensors():
+        ours, _ = model.gguf_name(t.name)
+        if ours is None or t.quant_type not in INT4_TYPES:
+            continue
+        block, _, leaf = ours.rpartition(".")
+        if block not in blocks or leaf not in ("gate_up_proj", "down_proj"):
+            continue
+        m = blocks[block]
+        want = (m.num_experts, 2 * m.intermediate, m.hidden) if leaf == "gate_up_proj" else \
+            (m.num_experts, m.hidden, m.intermediate)
+        if t.shape != want:
+            raise UserInputError(f"GGUF tensor {t.name} ({t.quant_type}) has shape {t.shape}, but {block}.{leaf} "
+                                 f"expects {want} from the file's config")
+        found.setdefault(block, {})[leaf.removesuffix("_proj")] = PackedModule((t.name,), (t.quant_type,))
+    return {block: Int4ExpertsPlan(parts.get("gate_up"), parts.get("down")) for block, parts in found.items()}
+
+
+def int4_experts(gguf: GGUFFile, part: PackedModule, num_experts: int) -> QuantExperts:
+    """One expert tensor's exact weight on the CPU, its experts' rows stacked (the forms of `int4_weight`)."""
+    return QuantExperts(int4_weight(_StackedRows(gguf), part), num_experts)
+
+
+def install_int4_experts(model: nn.Module, gguf: GGUFFile, planned: dict[str, Int4ExpertsPlan], device: torch.device,
+                         dtype: torch.dtype) -> dict[str, ModuleQuant]:
+    """Each planned experts block becomes a QuantizedExperts holding its 4-bit tensors on `device` (packed for the
+    kernel there), one block at a time, its other tensor (if any) a float parameter of `dtype` that load_weights
+    fills. Returns the blocks installed and their ModuleQuant."""
+    from .quantized_experts import QuantizedExperts
+
+    quants: dict[str, ModuleQuant] = {}
+    for name, entry in planned.items():
+        old = model.get_submodule(name)
+        weights = [None if part is None else int4_experts(gguf, part, old.num_experts).to(device)
+                   for part in (entry.gate_up, entry.down)]
+        new = QuantizedExperts(name, old.hidden, old.intermediate, old.num_experts, *weights, entry.quant, dtype)
+        del old
         replace_module(model, name, new)
         quants[name] = entry.quant
     return quants

@@ -1,5 +1,5 @@
 """`QuantizedExperts`: a MoE experts block (moe.py) whose weights stay quantised: FP8 per (expert, output channel)
-from `--quantization fp8`, or a GGUF file's 4-bit expert tensors kept 4-bit on CUDA (gguf_int4.py).
+from `--quantization fp8`, or a GGUF file's 4-bit expert tensors kept 4-bit on CUDA (gguf_packed.py).
 
 Everything around the two grouped products is moe.GroupedExperts' (sorting the (token, expert) pairs, LoRA deltas
 of the experts, unsorting, the ordered sum); only `product` differs:
