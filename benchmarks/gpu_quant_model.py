@@ -1,15 +1,18 @@
 """Quantised weights in the whole engine on CUDA (`python -m benchmarks.gpu_quant_model [shapes] [--schemes ...]`):
 random bf16 weights at real Gemma 4 shapes, then every attention and MLP projection quantised in place (W4A16: int4
-groups of 32 by rounding to nearest; FP8: e4m3 per output channel, activations per token), the head and
-embeddings as they are, as a W4A16 / FP8 checkpoint would load. For each shape and scheme, in the same run:
+groups of 32 by rounding to nearest; FP8: e4m3 per output channel, activations per token), and a MoE model's
+experts too (26B-A4B: each expert's gate_up and down the same way, per expert, into QuantizedExperts and the grouped
+kernels of quantization/grouped_kernels.py), the head and embeddings as they are, as a W4A16 / FP8 checkpoint would
+load. For each shape and scheme, in the same run:
 
   * the batch-1 decode step (1K-token context) as the engine runs it and as its captured CUDA graph replays,
-    against the roofline: bytes of weights (packed weights and scales) + KV read per step over the HBM copy
-    bandwidth measured in this run;
+    against the roofline: bytes of weights (packed weights and scales; of a MoE's experts, the top-k a token
+    reads) + KV read per step over the HBM copy bandwidth measured in this run;
   * batch-1 tokens/s (the engine's step) and, with `--batch64`, batch-64 throughput (1K in, 128 out);
   * each ratio against bf16 of the same shape.
 
-Shapes (default: gemma4-e4b gemma4-31b); schemes (default: bf16 w4a16 fp8). Writes $OUT/gpu_quant_model.json
+Shapes (default: gemma4-e4b gemma4-31b; also gemma4-26b-a4b, the MoE, or any of testing/synthetic.py's); schemes
+(default: bf16 w4a16 fp8). Writes $OUT/gpu_quant_model.json
 after every row; a table last. The 31B's bf16 weights take 62 GB: run it on an 80 GB card alone."""
 
 from __future__ import annotations
@@ -34,30 +37,54 @@ SCHEMES = ("bf16", "w4a16", "fp8")
 
 
 def _quantize(loaded, scheme: str) -> None:
-    from gemmaserve.models.quantized import formats, quantize_projections
+    from gemmaserve.models.quantized import formats, quantize_expert_blocks, quantize_projections
     from gemmaserve.quantization.compressed_tensors import ModuleQuant
+    from gemmaserve.quantization.grouped_kernels import QuantExperts
     from gemmaserve.quantization.schemes import Scheme, quantize_fp8_per_channel, quantize_int4_groups
 
     if scheme == "w4a16":
-        done = quantize_projections(loaded.model, ModuleQuant(Scheme.W4A16, group=32),
-                                    lambda _, w: quantize_int4_groups(w, 32, torch.bfloat16))
+        quant, quantize = ModuleQuant(Scheme.W4A16, group=32), lambda _, w: quantize_int4_groups(w, 32, torch.bfloat16)
     elif scheme == "fp8":
-        done = quantize_projections(loaded.model, ModuleQuant(Scheme.FP8), lambda _, w: quantize_fp8_per_channel(w))
+        quant, quantize = ModuleQuant(Scheme.FP8), lambda _, w: quantize_fp8_per_channel(w)
     else:
         return
+    done = quantize_projections(loaded.model, quant, quantize)
+    # Experts [E, N, K]: the same scheme over their stacked rows [E * N, K] (per expert and output channel / group).
+    done |= quantize_expert_blocks(loaded.model, quant,
+                                   lambda name, w: QuantExperts(quantize(name, w.reshape(-1, w.shape[2])), w.shape[0]))
     loaded.weight_formats = formats(loaded.model, done, torch.bfloat16)
 
 
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors a kernel's weight dataclass holds (0 for None)."""
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if dataclasses.is_dataclass(obj):
+        return sum(_tensor_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return 0
+
+
 def _weight_bytes(model) -> int:
-    """Bytes a decode step reads of the weights: parameters, plus each quantised layer's kernel tensors."""
+    """Bytes a decode step reads of the weights: parameters, plus each quantised layer's kernel tensors; of a MoE
+    experts block (bf16 or quantised), the top-k experts' share that one token reads."""
+    from gemmaserve.models.moe import GroupedExperts
+    from gemmaserve.models.quantized_experts import QuantizedExperts
     from gemmaserve.quantization.linear import QuantizedLinear
 
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    in_experts = {id(p) for m in experts for p in m.parameters()}
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_experts)
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
-            w = m.kernel_weight
-            fields = [getattr(w, f.name) for f in dataclasses.fields(w)] if dataclasses.is_dataclass(w) else []
-            total += sum(t.numel() * t.element_size() for t in fields if isinstance(t, torch.Tensor))
+            total += _tensor_bytes(m.kernel_weight)
+    top_k = getattr(model.config, "top_k_experts", 0)
+    for m in experts:
+        block = sum(p.numel() * p.element_size() for p in m.parameters())
+        if isinstance(m, QuantizedExperts):
+            block += sum(_tensor_bytes(w) for w in m.kernel_weights.values())
+        total += block * min(top_k, m.num_experts) // m.num_experts
     return total
 
 
