@@ -8,7 +8,8 @@ load into.
       (activations quantised per token the same way); a row's bits whatever the other experts' rows;
   (b) --quantization fp8 on a tiny random 26B-A4B-style checkpoint: every experts block per (expert, channel), its
       logits those of the float model with the scheme applied by hand (weights dequantised, activations quantised
-      per token), its rows' logits independent of the batch, greedy tokens unchanged by the other requests;
+      per token), with a LoRA adapter of the experts too; its rows' logits independent of the batch, greedy tokens
+      unchanged by the other requests;
   (c) a GGUF file's Q4_0 / Q4_1 / Q4_K expert tensors kept 4-bit (as on CUDA): each weight gguf's own
       dequantisation bit for bit, a block with a tensor of another type keeping that one float, logits those of the
       file dequantised; the kernel over the file's weights.
@@ -126,33 +127,64 @@ def _per_token(x: torch.Tensor) -> torch.Tensor:
     return dequantize_activations(*quantize_activations_torch(x2, x2.shape[1])).view(x.shape)
 
 
-def test_fp8_online_quantises_the_experts_and_matches_the_scheme(moe_checkpoint):
-    from gemmaserve.models.lora import expert_modules
+@pytest.fixture(scope="module")
+def fp8_and_scheme(moe_checkpoint):
+    """(the checkpoint loaded with --quantization fp8, the float model with the scheme applied by hand: weights
+    dequantised, every product's activations quantised per token, the experts' inside their grouped products)."""
     from gemmaserve.quantization.schemes import quantize_fp8_per_channel
 
     plain = load_model(str(moe_checkpoint), torch.float32, CPU).model
     loaded = load_model(str(moe_checkpoint), torch.float32, CPU, quantization="fp8")
+    for layer, ours in zip(plain.model.layers, loaded.model.model.layers):
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            m.weight.data.copy_(quantize_fp8_per_channel(m.weight.data).dequantize())
+            m.register_forward_pre_hook(lambda mod, inp: (_per_token(inp[0]),))
+        experts = layer.experts
+        for which in ("gate_up", "down"):   # per (expert, output channel)
+            p = getattr(experts, f"{which}_proj")
+            p.data.copy_(G.quantize_fp8_experts(p.data).dequantize())
+            assert torch.equal(ours.experts.dequantize(which), p.data)
+        experts.product = (lambda orig: lambda which, a, *rest: orig(which, _per_token(a), *rest))(experts.product)
+    return loaded, plain
+
+
+def test_fp8_online_quantises_the_experts_and_matches_the_scheme(fp8_and_scheme):
+    from gemmaserve.models.lora import expert_modules
+
+    loaded, plain = fp8_and_scheme
     layers = loaded.model.model.layers
     # 4 projections a layer (qkv, o, gate_up, down), one experts block a layer; the routers and the table as saved.
     assert loaded.weight_formats == {"fp8 channel": 4 * len(layers), "fp8 channel experts": len(layers),
                                      "float32": len(layers) + 1}
     assert all(isinstance(layer.experts, QuantizedExperts) for layer in layers)
     assert set(expert_modules(loaded.model)) == {f"model.layers.{i}.experts" for i in range(len(layers))}
-    for layer, ours in zip(plain.model.layers, layers):
-        for which in ("gate_up", "down"):   # per (expert, output channel)
-            w = getattr(layer.experts, f"{which}_proj").data
-            assert torch.equal(ours.experts.dequantize(which), G.quantize_fp8_experts(w).dequantize())
-        # the scheme by hand on the float model: weights dequantised, every product's activations per token
-        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            m.weight.data.copy_(quantize_fp8_per_channel(m.weight.data).dequantize())
-            m.register_forward_pre_hook(lambda mod, inp: (_per_token(inp[0]),))
-        experts = layer.experts
-        for which in ("gate_up", "down"):
-            p = getattr(experts, f"{which}_proj")
-            p.data.copy_(G.quantize_fp8_experts(p.data).dequantize())
-        experts.product = (lambda orig: lambda which, a, *rest: orig(which, _per_token(a), *rest))(experts.product)
     ours, ref = paged_logits(loaded.model, [IDS])[0], paged_logits(plain, [IDS])[0]
     assert (ours - ref).abs().max().item() < 2e-5 * ref.abs().max().item()
+
+
+def test_lora_of_the_experts_over_fp8_experts(fp8_and_scheme, tmp_path):
+    """A PEFT adapter of the experts (target_parameters) and o_proj: its deltas over the quantised experts are those
+    over the scheme's float reference (the adapter reads the unquantised activations, as over bf16 experts)."""
+    pytest.importorskip("peft")
+    from test_lora import _adapter
+
+    from gemmaserve.engine.lora import RunnerLoRA
+    from gemmaserve.engine.step import LoRALoad
+
+    loaded, plain = fp8_and_scheme
+    seed = fresh_seed()
+    _adapter(tiny_gemma4_hf(seed, "26b_a4b"), tmp_path / "e", seed + 1, target_modules=["o_proj"], r=3, lora_alpha=5,
+             target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    logits = []
+    for model in (loaded.model, plain):
+        runner = RunnerLoRA(model, CPU, 1, 8, 1, stacked=False)
+        runner.load(LoRALoad(0, "e", str(tmp_path / "e"), None))
+        assert runner.weights.expert_slots() == {0}
+        logits.append(paged_logits(model, [IDS], chunk=4, lora=(runner.weights, [0]))[0])
+    ours, ref = logits
+    scale = ref.abs().max().item()
+    assert (ours - paged_logits(loaded.model, [IDS])[0]).abs().max().item() > 0.05 * scale   # the adapter matters
+    assert (ours - ref).abs().max().item() < 2e-5 * scale
 
 
 def test_fp8_experts_rows_do_not_depend_on_the_batch(moe_checkpoint):
