@@ -37,9 +37,8 @@ SCHEMES = ("bf16", "w4a16", "fp8")
 
 
 def _quantize(loaded, scheme: str) -> None:
-    from gemmaserve.models.quantized import formats, quantize_expert_blocks, quantize_projections
+    from gemmaserve.models.quantized import formats, over_stacked_rows, quantize_expert_blocks, quantize_projections
     from gemmaserve.quantization.compressed_tensors import ModuleQuant
-    from gemmaserve.quantization.grouped_kernels import QuantExperts
     from gemmaserve.quantization.schemes import Scheme, quantize_fp8_per_channel, quantize_int4_groups
 
     if scheme == "w4a16":
@@ -50,8 +49,7 @@ def _quantize(loaded, scheme: str) -> None:
         return
     done = quantize_projections(loaded.model, quant, quantize)
     # Experts [E, N, K]: the same scheme over their stacked rows [E * N, K] (per expert and output channel / group).
-    done |= quantize_expert_blocks(loaded.model, quant,
-                                   lambda name, w: QuantExperts(quantize(name, w.reshape(-1, w.shape[2])), w.shape[0]))
+    done |= quantize_expert_blocks(loaded.model, quant, over_stacked_rows(quantize))
     loaded.weight_formats = formats(loaded.model, done, torch.bfloat16)
 
 

@@ -197,12 +197,9 @@ def quantize_fp8_online(model: nn.Module, plan: ShardPlan | None = None,
         amax = plan.shard.comm.all_gather_last(w.float().abs().amax(dim=1, keepdim=True))   # [N, ranks]
         return quantize_fp8_per_channel(w, amax.amax(dim=1))
 
-    def quantize_experts(name: str, w: torch.Tensor) -> QuantExperts:   # w [E, N, K]: its rows [E * N, K]
-        return QuantExperts(quantize(name, w.reshape(-1, w.shape[2])), w.shape[0])
-
     quant = ModuleQuant(Scheme.FP8)
     return quantize_projections(model, quant, quantize, device) | \
-        quantize_expert_blocks(model, quant, quantize_experts, device)
+        quantize_expert_blocks(model, quant, over_stacked_rows(quantize), device)
 
 
 def projection_names(model: nn.Module) -> list[str]:
@@ -236,6 +233,13 @@ def expert_block_names(model: nn.Module) -> list[str]:
     """The float MoE experts blocks of a model (moe.Experts), in module order: what --quantization fp8 quantises
     besides the projections."""
     return [n for n, m in model.named_modules() if isinstance(m, Experts)]
+
+
+def over_stacked_rows(quantize: Callable[[str, torch.Tensor], Int4Weight | Fp8Weight]
+                      ) -> Callable[[str, torch.Tensor], QuantExperts]:
+    """A projection's quantiser (name, weight [N, K]) applied to experts [E, N, K] as their stacked rows [E * N, K]:
+    per (expert, output channel) or per (expert, row, group), as QuantExperts holds them."""
+    return lambda name, w: QuantExperts(quantize(name, w.reshape(-1, w.shape[2])), w.shape[0])
 
 
 def quantize_expert_blocks(model: nn.Module, quant: ModuleQuant, quantize: Callable[[str, torch.Tensor], QuantExperts],
