@@ -8,7 +8,8 @@ The T x k (token, expert) pairs are sorted by expert, so each expert's rows are 
 grouped matmuls (`torch._grouped_mm` with per-expert row offsets) run every expert at once. The
 outputs go back to (token, k) order and each token's k outputs are summed in fp32 in a fixed order:
 no atomics, so the same batch gives the same bits every run (an index_add would not, on the GPU).
-Nothing reads a count back to the host, so a CUDA graph can capture it.
+Nothing reads a count back to the host, so a CUDA graph can capture it. `GroupedExperts` is all of this but the
+two products: `Experts` multiplies by bf16/fp32 weights, quantized_experts.QuantizedExperts by quantised ones.
 
 `batch_invariant` (`--batch-invariant`, set by the engine): the expert matmuls run on the batch-invariant
 grouped GEMM (invariant_kernels.py) instead of `torch._grouped_mm`, whose kernel choice depends on the
