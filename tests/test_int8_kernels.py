@@ -39,7 +39,7 @@ def _regimes(m, k, group):
     bk = min(group, 32)
     regimes = {"split_k": I8.Int8Config(16, 32, bk, max(bk, k // 4), 4, 2),
                "gemm": I8.Int8Config(64, 64, min(group, 64), k, 4, 2)}
-    if m <= I8.GEMV_M:
+    if m <= 4:   # the GEMV takes up to 4 rows (its heuristic gives it one)
         regimes["gemv"] = I8.Int8Config(triton.next_power_of_2(m), 32, 32, k // 4, 4, 1, gemv=True)
         regimes["gemv_ragged"] = I8.Int8Config(4, 32, 64, 96, 4, 1, gemv=True)
     return regimes

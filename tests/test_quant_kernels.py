@@ -48,7 +48,8 @@ def _regimes(m, n, k, group):
                # steps spanning groups, weights dequantised in the tile (exact in fp32 for fp32 x)
                "gemm_scaled": I4.Int4Config(16, 32, 64, k, 4, 2, nibble_major=True, scaled=True),
                "split_k_scaled": I4.Int4Config(16, 32, 64, max(64, k // 2 // 64 * 64), 4, 2, scaled=True)}
-    if m <= I4.GEMV_M:   # a step of 64 K values crossing groups of 32, a slice ending inside a step
+    if m <= 4:   # the GEMV takes up to 4 rows (its heuristic gives it one); a step of 64 K values crossing
+                 # groups of 32, a slice ending inside a step
         regimes["gemv"] = I4.Int4Config(triton.next_power_of_2(m), 32, 64, max(64, k // 4), 4, 1, gemv=True)
         regimes["gemv_ragged"] = I4.Int4Config(4, 32, 128, 192 if k > 192 else k, 4, 1, gemv=True)
     return regimes

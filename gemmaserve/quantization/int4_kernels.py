@@ -49,7 +49,7 @@ import triton.language as tl
 from .launch import grouped_tile, sm_count, split_k, triton_enabled
 from .schemes import Int4Weight
 
-GEMV_M = 4     # rows up to which the GEMV kernel serves (one token, or a few: speculative verification)
+GEMV_M = 1     # rows up to which the GEMV kernel serves (one token; at 2-4 rows the tiled kernel is faster)
 SMALL_M = 16   # rows up to which the decode configuration of the tiled kernel (BM = 16, split-K) serves
 
 
@@ -156,22 +156,27 @@ class Int4Config:
 
 
 def int4_config(m: int, n: int, k: int, group: int, sms: int) -> Int4Config:
-    """Tiles by batch regime (no autotuning: one compile per regime and shape). Decode streams weights, so
-    its rows go through the GEMV kernel (M <= GEMV_M) or narrow tl.dot tiles, the grid widened by split-K;
-    larger M tiles for tl.dot throughput, still split while their count is below two waves (M <= 64)."""
-    if m <= GEMV_M:   # the accumulator holds rows x word rows x columns: fewer word rows per step as M grows
-        bm = triton.next_power_of_2(m)
-        bn, bk = 128, max(64, 256 // bm)
-        return Int4Config(bm, bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2), 4, 1, gemv=True)
+    """Tiles by batch regime (no autotuning: one compile per regime and shape), from gpu_quant's sweeps on an
+    H100 (docs/gpu_quant_*.json): one row takes the GEMV (64 columns, 16 word rows per step, about four waves of
+    programs by split-K); up to SMALL_M rows 16-row tl.dot tiles split along K; then 64- and 128-row tiles, split
+    while M <= 64. Steps of one group of 32 are too short to stream weights: groups below 64 take `scaled` steps
+    of 64 (128 for narrow outputs at small M), which measured 10-25% faster at M = 16 and 64."""
+    if m <= GEMV_M:
+        bn, bk = 64, 128
+        return Int4Config(1, bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2, waves=4), 4, 1, gemv=True)
+    scaled = group < 64
     if m <= SMALL_M:
-        bm, bn, bk, warps, stages = 16, 64, min(group, 128), 4, 4
+        bm, bn, warps = 16, (128 if n >= 16384 else 64), 4
+        bk = (64 if bn == 128 else 128) if scaled else min(group, 128)
     elif m <= 64:
-        bm, bn, bk, warps, stages = 64, 64, min(group, 64), 4, 4
+        bm, bn, bk, warps = 64, 64, 64 if scaled else min(group, 64), 4
     else:
-        bm, bn, bk, warps, stages = 128, 128, min(group, 64), 8, 3
+        bm, bn, bk, warps = 128, 128, 64 if scaled else min(group, 64), 8
+    if scaled and k % bk:
+        bk = group   # whole steps: one group always divides K
     tiles = -(-m // bm) * -(-n // bn)
     per_split = split_k(tiles, k, bk, sms) if m <= 64 else k
-    return Int4Config(bm, bn, bk, per_split, warps, stages)
+    return Int4Config(bm, bn, bk, per_split, warps, 3, scaled=scaled)
 
 
 def _precision(dtype: torch.dtype) -> str:

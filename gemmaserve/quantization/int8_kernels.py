@@ -39,7 +39,7 @@ import triton.language as tl
 from .launch import grouped_tile, sm_count, split_k, triton_enabled
 from .schemes import Int8Weight, check_group
 
-GEMV_M = 4     # rows up to which the GEMV kernel serves (one token, or a few: speculative verification)
+GEMV_M = 1     # rows up to which the GEMV kernel serves (one token; 2-4 rows spilled on an H100)
 SMALL_M = 16   # rows up to which the tiled kernel's decode configuration (BM = 16, split-K) serves
 
 
@@ -106,11 +106,11 @@ class Int8Config:
 def int8_config(m: int, n: int, k: int, group: int, sms: int) -> Int8Config:
     """Tiles by batch regime (no autotuning: one compile per regime and shape), as int4_config: the GEMV kernel
     for M <= GEMV_M (steps of 128 K values: 32 word rows, the int4 GEMV's bytes per step), narrow tl.dot tiles
-    split along K up to SMALL_M, then wider tiles, still split while M <= 64. Not yet tuned on a GPU."""
+    split along K up to SMALL_M, then wider tiles, still split while M <= 64. The GEMV's tiles follow the int4
+    GEMV's H100 sweep; the rest is untuned."""
     if m <= GEMV_M:
-        bn, bk = 128, 128
-        return Int8Config(triton.next_power_of_2(m), bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2),
-                          4, 1, gemv=True)
+        bn, bk = 64, 128
+        return Int8Config(1, bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2, waves=4), 4, 1, gemv=True)
     if m <= SMALL_M:
         bm, bn, bk, warps, stages = 16, 64, min(group, 128), 4, 4
     elif m <= 64:

@@ -31,12 +31,12 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_k(tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4) -> int:
-    """K slices per output tile: about two waves of programs over `sms` multiprocessors, each slice at least
+def split_k(tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4, waves: int = 2) -> int:
+    """K slices per output tile: about `waves` waves of programs over `sms` multiprocessors, each slice at least
     `min_steps` K steps long (a shorter loop cannot hide its own load latency), never more slices than
     steps. Returns the slice length in elements (a multiple of block_k); the slice count is cdiv(k, length)."""
     steps = -(-k // block_k)
-    want = max(1, -(-2 * sms // max(1, tiles)))
+    want = max(1, -(-waves * sms // max(1, tiles)))
     per_slice = max(min_steps, -(-steps // want))
     return min(steps, per_slice) * block_k
 
