@@ -3,7 +3,8 @@ Gemma 3 1B of random weights (testing/synthetic.py: no model package or download
 default `--gpu-memory-utilization` (the KV cache takes most of the card), run,
 and dropped with `del` (the garbage collector off, so only reference counts can free it), then with `close()`,
 then in a `with` block, then with speculation and CUDA graphs on; after each the GPU's free memory must come
-back to within 1 GiB of where it was before the first engine, and the next engine must start. Exit 1 otherwise.
+back to within 1 GiB of where it was before the first engine (torch's cache emptied first), a dropped engine must be
+gone (a weak reference to it dead), and the next engine must start. Exit 1 otherwise.
 Writes $OUT/gpu_lifetime.json."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -33,7 +35,10 @@ def _build(options: dict) -> LLM:
 
 
 def _free() -> int:
+    """Free device memory as the driver sees it, after torch's caching allocator hands back its unused blocks
+    (without empty_cache, memory a dropped engine freed stays reserved by torch and looks held)."""
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     return torch.cuda.mem_get_info()[0]
 
 
@@ -49,6 +54,7 @@ def main() -> int:
         llm = _build(options)
         held = start - _free()
         tokens = len(llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids)
+        engine = weakref.ref(llm.engine)
         if how == "del":
             del llm
         elif how == "close":
@@ -59,8 +65,10 @@ def main() -> int:
         back = _free()
         row = {"how": how, "options": options, "held_gib": round(held / 2**30, 2),
                "left_after_gib": round((start - back) / 2**30, 3), "seconds": round(time.perf_counter() - t0, 1),
-               "tokens": tokens}
-        row["ok"] = held > 10 * SLACK and start - back < SLACK and tokens == 16
+               "tokens": tokens, "engine_alive": engine() is not None,
+               "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3)}
+        row["ok"] = held > 10 * SLACK and start - back < SLACK and tokens == 16 and \
+            (how != "del" or not row["engine_alive"])
         ok &= row["ok"]
         rows.append(row)
         print(json.dumps(row), flush=True)
