@@ -11,6 +11,14 @@ Sources:
   user-defined tokens that look like control tokens are made special too (HTML tags such as `<b>`
   stay text). The result is cached as `tokenizer.json` beside the model in the user cache, so the
   merge rebuild (~2 s) happens once.
+* a Gemma 4 GGUF file (llama.cpp's tokenizer model "gemma4", written from the checkpoint's
+  tokenizer.json by convert_hf_to_gguf.py): the same byte-fallback BPE, but the file keeps the pieces
+  exactly as tokenizer.json spells them ("▁" for spaces) and the merges themselves
+  (`tokenizer.ggml.merges`, "left right" with the split at the first space after the first character),
+  so nothing is rebuilt. Special tokens are the CONTROL ones, plus those the converter typed otherwise
+  (it makes `<|channel>`, `<|tool_call>`, `<|"|>`... USER_DEFINED so that llama.cpp prints them) that
+  have Gemma 4's control look `<|name>` / `<name|>`. `<turn|>` ends a turn like EOS (the file keeps
+  one EOS id; the checkpoint's generation_config lists more).
 """
 
 from __future__ import annotations
@@ -25,15 +33,20 @@ from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, n
 from ..errors import UserInputError
 
 # GGUF token types (llama.cpp's llama_token_type).
+_NORMAL = 1
 _CONTROL = 3
 _USER_DEFINED = 4
 
 # Tokens that end a turn in Gemma's chat format; they stop generation like EOS when present.
 _TURN_END_TOKENS = ("<end_of_turn>",)
+_GEMMA4_TURN_END = "<turn|>"
 
 # A control token by its look: a snake_case name with an underscore in angle brackets, or a name in
 # square brackets (HTML tags like <table> or <b> have no underscore and are ordinary text).
 _CONTROL_LOOKING = re.compile(r"<[a-z]+(?:_[a-z]+)+>|\[[a-z_]+\]")
+# Gemma 4's control tokens: <|turn>, <turn|>, <|image>, <|image|>, <|"|>, <|tool_call>... (a bar after "<",
+# before ">" or both).
+_GEMMA4_CONTROL_LOOKING = re.compile(r"<\|[^\s<>|]+\|?>|<[^\s<>|]+\|>")
 # Special tokens that stand for non-text input (<start_of_image>, <image_soft_token>, Gemma 4's <|audio>).
 _MEDIA = re.compile(r"image|audio|video")
 _DECODE_BATCH_ABOVE = 4096   # ids; shorter decodes (the detokenizer's, every step) skip the batch overhead
@@ -142,11 +155,28 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, gguf, cache_file: Path | None = None) -> "Tokenizer":
         model_type = gguf.get("tokenizer.ggml.model")
-        if model_type != "llama":
-            raise UserInputError(f"GGUF tokenizer type {model_type!r} is not supported (expected SentencePiece 'llama')")
+        if model_type not in ("llama", "gemma4"):
+            raise UserInputError(f"GGUF tokenizer type {model_type!r} is not supported (expected SentencePiece "
+                                 "'llama' or Gemma 4's BPE 'gemma4')")
         bos = gguf.get("tokenizer.ggml.bos_token_id")
         eos = gguf.get("tokenizer.ggml.eos_token_id")
         pad = gguf.get("tokenizer.ggml.padding_token_id", 0)
+        if eos is None:
+            raise UserInputError("GGUF file lacks tokenizer.ggml.eos_token_id")
+        bos_id = bos if gguf.get("tokenizer.ggml.add_bos_token", True) else None
+        if model_type == "gemma4":   # the merges are in the file: nothing to rebuild, nothing to cache
+            if "tokenizer.ggml.merges" not in gguf.keys():
+                raise UserInputError("GGUF tokenizer 'gemma4' lacks tokenizer.ggml.merges")
+            backend = build_gemma4_bpe(gguf.strings("tokenizer.ggml.tokens"),
+                                       [int(t) for t in gguf.get("tokenizer.ggml.token_type")],
+                                       gguf.strings("tokenizer.ggml.merges"),
+                                       unk_id=gguf.get("tokenizer.ggml.unknown_token_id"), bos_id=bos_id)
+            stops = [backend.token_to_id(_GEMMA4_TURN_END)]
+            stops += [gguf.get("tokenizer.ggml.eot_token_id")]
+            tok = cls.from_backend(backend, bos, eos, [int(i) for i in stops if i is not None], pad or 0)
+            template = gguf.get("tokenizer.chat_template")
+            tok.chat_template = template if isinstance(template, str) and template.strip() else None
+            return tok
         if cache_file is not None:
             cache_file = cache_file.with_name(f"{cache_file.stem}.v{_GGUF_CACHE_VERSION}{cache_file.suffix}")
         if cache_file is not None and cache_file.is_file():
@@ -156,7 +186,7 @@ class Tokenizer:
                 gguf.strings("tokenizer.ggml.tokens"),
                 [int(t) for t in gguf.get("tokenizer.ggml.token_type")],
                 unk_id=gguf.get("tokenizer.ggml.unknown_token_id", 3),
-                bos_id=bos if gguf.get("tokenizer.ggml.add_bos_token", True) else None,
+                bos_id=bos_id,
             )
             if cache_file is not None:
                 _atomic_save(backend, cache_file)
@@ -187,6 +217,39 @@ def build_sentencepiece_bpe(tokens: list[str], token_types: list[int], unk_id: i
                                 for t, c in zip(spelled, control) if c])
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
                         for t, k, c in zip(tokens, token_types, control) if k == _USER_DEFINED and not c and t in vocab])
+    if bos_id is not None:
+        _set_bos_post_processor(backend, bos_id)
+    return backend
+
+
+def build_gemma4_bpe(tokens: list[str], token_types: list[int], merges: list[str], unk_id: int | None,
+                     bos_id: int | None) -> HFTokenizer:
+    """Gemma 4's tokenizer from a GGUF file's pieces and merges: byte-fallback BPE over the text with spaces
+    spelled "▁" (as the checkpoint's tokenizer.json; llama.cpp's own pre-split at newline runs changes no
+    result where no merge joins a newline to another character)."""
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    pairs: list[tuple[str, str]] = []
+    for i, m in enumerate(merges):
+        cut = m.find(" ", 1)   # llama.cpp's reading: the first space after the first character
+        if cut < 0:
+            raise UserInputError(f"GGUF merge {i} {m!r} is not 'left right'")
+        pairs.append((m[:cut], m[cut + 1:]))
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    try:
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True,
+                                         byte_fallback=True, dropout=None))
+    except Exception as exc:   # tokenizers refuses merges of pieces the vocabulary lacks
+        raise UserInputError(f"GGUF tokenizer merges do not fit its tokens: {exc}") from None
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    control = [k == _CONTROL or (k in (_USER_DEFINED, _NORMAL) and _GEMMA4_CONTROL_LOOKING.fullmatch(t) is not None)
+               for t, k in zip(tokens, token_types)]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, c in zip(tokens, control) if c])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, k, c in zip(tokens, token_types, control) if k == _USER_DEFINED and not c])
     if bos_id is not None:
         _set_bos_post_processor(backend, bos_id)
     return backend

@@ -1,0 +1,372 @@
+"""Gemma 4 GGUF files as llama.cpp's converter writes them, loaded on the CPU and checked against the same weights
+loaded from the Hugging Face directory they were converted from, and against transformers.
+
+`convert` below writes a tiny saved checkpoint the way convert_hf_to_gguf.py's Gemma4Model does (llama.cpp,
+conversion/gemma.py; the keys and tensor names are the `gguf` package's own):
+* metadata: context/embedding length, block count, head count, head_count_kv (one number, or one per layer where
+  the config has num_global_key_value_heads), key/value_length = global_head_dim and *_swa = head_dim,
+  rope.freq_base (full layers' theta) and rope.freq_base_swa, rope.dimension_count(_swa), sliding_window,
+  sliding_window_pattern (true = sliding, per layer), shared_kv_layers, embedding_length_per_layer_input (0 without
+  PLE), feed_forward_length (one per layer with the double-wide MLP), final_logit_softcapping, expert counts;
+* tokenizer "gemma4": tokenizer.json's pieces as they are (gguf.LlamaHfVocab), its merges and special ids
+  (gguf.SpecialVocab), `<|channel>`-style tokens retyped USER_DEFINED, add_bos_token true;
+* tensors: "model.language_model." (or "model.") stripped, names through gguf's tensor map, norms as stored (no +1),
+  router.scale as ffn_gate_inp.scale, router.per_expert_scale as ffn_down_exps.scale, layer_scalar as
+  layer_output_scale, the experts' 3-D gate_up / down as they are, the embedding cut to the tokenizer's size, and
+  `rope_freqs` (1 for the rotated frequency pairs of full layers, 1e30 for the others);
+* types: 1-D tensors F32; matrices F32, F16 or a block type (rows that are not whole blocks: F16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gemmaserve.models.gemma4 import Gemma4Config
+from gemmaserve.models.loader import load_model
+from gemmaserve.models.tokenizer import Tokenizer
+
+from helpers import fresh_seed, paged_logits, routing_margin, tiny_gemma4_hf
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+VOCAB = 384
+# Gemma 4's control tokens (ids 5-16); the converter types the last six USER_DEFINED ("visible" to llama.cpp).
+SPECIALS = ["<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|audio>",
+            "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", '<|"|>']
+WORDS = ["\u2581hello", "\u2581world", "\u2581this", "\u2581is", "\u2581a", "\u2581test", "\u2581of", "\u2581sliding",
+         "\u2581windows", "hello", "user", "model", "\u2581\u2581", "\n\n", "\u2581the", "\u2581thinking"]
+TEXTS = ["hello world this is a test of sliding windows",
+         "<|turn>user\nhello world<turn|>\n<|turn>model\n<|channel>thinking<channel|>the test",
+         "  two  spaces,\n\nnew lines!  and \u00e9\u00e8 bytes \U0001F680 <|tool_call>call<tool_call|> <|\"|>q<|\"|>",
+         "<bos>not a bos<eos> <unk> <|image|><|image|> <b>html</b>"]
+PROMPT = TEXTS[0]
+NEW_TOKENS = 10
+
+
+# -- a tiny Gemma 4 tokenizer and checkpoint ----------------------------------------------------------------
+
+def write_gemma4_tokenizer(path: Path) -> None:
+    """A byte-fallback BPE tokenizer shaped like Gemma 4's: <pad> <eos> <bos> <unk> <mask>, the control tokens,
+    256 byte tokens, characters, merged words (each through its chain of prefixes) and unused slots."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, processors
+
+    vocab: dict[str, int] = {}
+    for t in ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"] + SPECIALS:
+        vocab[t] = len(vocab)
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for ch in "\u2581abcdefghijklmnopqrstuvwxyz\n.,!":
+        vocab[ch] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    for word in WORDS:
+        for cut in range(2, len(word) + 1):
+            left, right = word[:cut - 1], word[cut - 1]
+            if word[:cut] not in vocab:
+                vocab[word[:cut]] = len(vocab)
+                merges.append((left, right))
+    while len(vocab) < VOCAB:
+        vocab[f"<unused{len(vocab)}>"] = len(vocab)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t in ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"] + SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "unk_token": "<unk>", "pad_token": "<pad>", "mask_token": "<mask>", "add_bos_token": True,
+        "extra_special_tokens": ["<|turn>", "<turn|>"],   # the others are special in tokenizer.json only
+        "chat_template": "{{ bos_token }}{% for m in messages %}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n"
+                         "{% endfor %}"}))
+
+
+def save_gemma4(hf, path: Path) -> Path:
+    """save_pretrained, with config.json in the released checkpoints' form (global_head_dim and
+    num_global_key_value_heads, which the converter reads, where transformers 5.x saves per_layer_config)."""
+    hf.save_pretrained(path, safe_serialization=True)
+    cfg = json.loads((path / "config.json").read_text())
+    per_layer = cfg.pop("per_layer_config")
+    full = per_layer[str(cfg["layer_types"].index(FULL))]
+    cfg["global_head_dim"] = full["head_dim"]
+    if "num_key_value_heads" in full:
+        cfg["num_global_key_value_heads"] = full["num_key_value_heads"]
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    write_gemma4_tokenizer(path)
+    return path
+
+
+def tiny(variant: str, seed: int):
+    return tiny_gemma4_hf(seed, variant, vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB)
+
+
+# -- the converter, as llama.cpp's Gemma4Model writes a file ---------------------------------------------------
+
+VISIBLE = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>'}
+
+
+def _store(w, name: str, value: np.ndarray, ftype: str) -> None:
+    import gguf
+
+    value = np.ascontiguousarray(value, dtype=np.float32)
+    if value.ndim == 1 or ftype == "F32":
+        w.add_tensor(name, value)
+        return
+    qtype = gguf.GGMLQuantizationType[ftype]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if ftype == "F16" or value.shape[-1] % block:
+        w.add_tensor(name, value.astype(np.float16))
+    else:
+        w.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+
+
+def gguf_name(name: str, n_layers: int) -> str:
+    """The converter's name for a checkpoint tensor."""
+    import gguf
+
+    name = name.replace("model.language_model.", "model.")
+    bid = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+    if name.endswith("router.scale"):
+        return f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].format(bid=bid)}.scale"
+    if name.endswith("router.per_expert_scale"):
+        return f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_DOWN_EXP].format(bid=bid)}.scale"
+    if name.endswith("layer_scalar") or (".experts." in name and not name.endswith(".weight")):
+        name += ".weight"
+    found = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n_layers).get_name(name, try_suffixes=(".weight",
+                                                                                                      ".bias"))
+    assert found is not None, name
+    return found
+
+
+def convert(hf_dir: Path, out: Path, ftype: str = "F32") -> Path:
+    import gguf
+
+    raw = json.loads((hf_dir / "config.json").read_text())
+    h = raw.get("text_config") or raw
+    n = h["num_hidden_layers"]
+    arch = gguf.MODEL_ARCH.GEMMA4
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    # metadata
+    w.add_context_length(h["max_position_embeddings"])
+    w.add_embedding_length(h["hidden_size"])
+    w.add_block_count(n)
+    w.add_head_count(h["num_attention_heads"])
+    w.add_layer_norm_rms_eps(h["rms_norm_eps"])
+    w.add_sliding_window(h["sliding_window"])
+    rope = h["rope_parameters"]
+    w.add_rope_freq_base(rope[FULL]["rope_theta"])
+    w.add_rope_freq_base_swa(rope[SLIDING]["rope_theta"])
+    if h.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(h["final_logit_softcapping"])
+    if h.get("enable_moe_block"):
+        w.add_expert_count(h["num_experts"])
+        w.add_expert_used_count(h["top_k_experts"])
+        w.add_expert_feed_forward_length(h["moe_intermediate_size"])
+    w.add_shared_kv_layers(h["num_kv_shared_layers"])
+    w.add_embedding_length_per_layer_input(h.get("hidden_size_per_layer_input") or 0)
+    swa = [t == SLIDING for t in h["layer_types"]]
+    w.add_sliding_window_pattern(swa)
+    d_full, d_swa = h["global_head_dim"], h["head_dim"]
+    w.add_key_length(d_full)
+    w.add_value_length(d_full)
+    w.add_key_length_swa(d_swa)
+    w.add_value_length_swa(d_swa)
+    first_shared = n - h["num_kv_shared_layers"]
+    ff = h["intermediate_size"]
+    w.add_feed_forward_length([ff if i < first_shared else 2 * ff for i in range(n)]
+                              if h.get("use_double_wide_mlp") else ff)
+    kv_full = h.get("num_global_key_value_heads")
+    w.add_head_count_kv([h["num_key_value_heads"] if s else kv_full for s in swa] if kv_full is not None
+                        else h["num_key_value_heads"])
+    w.add_rope_dimension_count(d_full)
+    w.add_rope_dimension_count_swa(int(d_swa * h.get("partial_rotary_factor", 1.0)))
+    # tokenizer
+    vocab = gguf.LlamaHfVocab(hf_dir)
+    tokens, scores, types = [], [], []
+    for text, score, kind in vocab.all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(gguf.TokenType.USER_DEFINED if text.decode() in VISIBLE else kind)
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    gguf.SpecialVocab(hf_dir, load_merges=True).add_to_gguf(w)
+    w.add_add_space_prefix(False)
+    w.add_add_bos_token(True)
+    # tensors
+    tok_json = json.loads((hf_dir / "tokenizer.json").read_text())
+    n_vocab = len(tok_json["model"]["vocab"]) + len(tok_json["added_tokens"])
+    tensors = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    for name, t in tensors.items():
+        value = t.to(torch.float32).numpy()
+        if name.endswith("embed_tokens.weight"):
+            value = value[:n_vocab]
+        _store(w, gguf_name(name, n), value, ftype)
+    d_rot = int(d_full * rope[FULL]["partial_rotary_factor"] / 2)
+    w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                 np.array([1.0] * d_rot + [1e30] * (d_full // 2 - d_rot), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _dequantised_copy(hf_dir: Path, gguf_path: Path, out: Path) -> Path:
+    """`hf_dir` with every weight replaced by what the GGUF file holds for it (gguf's own dequantisation)."""
+    import shutil
+
+    import gguf
+
+    shutil.copytree(hf_dir, out)
+    reader = gguf.GGUFReader(str(gguf_path))
+    held = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    raw = json.loads((hf_dir / "config.json").read_text())
+    n = (raw.get("text_config") or raw)["num_hidden_layers"]
+    (file,) = hf_dir.glob("*.safetensors")
+    tensors = load_file(str(file))
+    for name, t in tensors.items():
+        tensors[name] = torch.from_numpy(np.array(held[gguf_name(name, n)], dtype=np.float32)).reshape(t.shape)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(out / file.name), metadata={"format": "pt"})
+    return out
+
+
+# -- tests ------------------------------------------------------------------------------------------------------
+
+def _load(path: Path):
+    return load_model(str(path), torch.float32, torch.device("cpu"))
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Per variant: (seed, transformers model, HF dir, F32 GGUF file)."""
+    cache = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            seed = fresh_seed()
+            base = tmp_path_factory.mktemp(variant)
+            hf = tiny(variant, seed)
+            hf_dir = save_gemma4(hf, base / "hf")
+            cache[variant] = seed, hf, hf_dir, convert(hf_dir, base / "f32.gguf")
+        return cache[variant]
+    return get
+
+
+VARIANTS = ["e2b", "26b_a4b", "31b"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_f32_file_loads_as_the_hf_directory(converted, monkeypatch, tmp_path, variant):
+    """E2B-like (PLE, KV sharing, double-wide MLP), 26B-A4B-like (MoE, K = V), 31B-like (K = V, per-layer KV
+    heads): the config parsed from the file is the directory's; every weight is the directory's bit for bit;
+    logits equal the directory load's and transformers' (fp32 rounding); greedy tokens equal transformers'."""
+    monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    seed, hf, hf_dir, path = converted(variant)
+    ours, ref = _load(path), _load(hf_dir)
+
+    parsed, expected = ours.model.config, ref.model.config
+    carried = dict(rms_norm_eps=expected.rms_norm_eps, architecture=expected.architecture)   # eps: float32 in GGUF
+    assert parsed.rms_norm_eps == pytest.approx(expected.rms_norm_eps, rel=1e-6)
+    if not expected.hidden_size_per_layer_input:   # without PLE tensors GGUF has no per-layer vocabulary
+        carried["vocab_size_per_layer_input"] = expected.vocab_size_per_layer_input
+    assert dataclasses.replace(parsed, **carried) == expected, f"{variant} seed={seed}"
+
+    a, b = _state(ours.model), _state(ref.model)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{variant} seed={seed}: {k} differs from the directory's"
+
+    ids = ours.tokenizer.encode(PROMPT)
+    assert ids == ref.tokenizer.encode(PROMPT)
+    (got,), (want,) = paged_logits(ours.model, [ids]), paged_logits(ref.model, [ids])
+    assert torch.allclose(got, want, rtol=0, atol=1e-6 * want.abs().max().item()), f"{variant} seed={seed}"
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    err = (got - theirs).abs().max().item()
+    assert err <= 2e-5 * theirs.abs().max().item(), f"{variant} seed={seed}: {err} from transformers"
+
+    from gemmaserve import LLM, SamplingParams
+
+    llm = LLM(model=str(path))
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0].outputs[0].token_ids
+    with torch.no_grad():
+        expected_ids = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[],
+                                   pad_token_id=0)[0, len(ids):].tolist()
+    if out != expected_ids:   # only a near tie (fp32 rounding) or an MoE near-tie may part them
+        j = next(k for k, (x, y) in enumerate(zip(out, expected_ids)) if x != y)
+        with torch.no_grad():
+            last = hf(torch.tensor([ids + expected_ids[:j]])).logits[0, -1]
+        gap = (last[expected_ids[j]] - last[out[j]]).item()
+        assert gap < 1e-4 or routing_margin(hf, ids + expected_ids[:j]) < 1e-5, \
+            f"{variant} seed={seed}: token {j} is {out[j]}, transformers' {expected_ids[j]} (gap {gap:.3g})"
+
+
+@pytest.mark.parametrize("variant, ftype", [("e2b", "Q8_0"), ("26b_a4b", "Q4_0"), ("31b", "F16")])
+def test_quantised_file_holds_ggufs_dequantisation(converted, tmp_path, variant, ftype):
+    """Q8_0 / Q4_0 / F16 matrices (the MoE experts' 3-D ones too): each weight we load is gguf's dequantisation of
+    the file's blocks bit for bit (a directory holding those values loads to the same state), so logits match."""
+    seed, hf, hf_dir, _ = converted(variant)
+    path = convert(hf_dir, tmp_path / f"{ftype}.gguf", ftype)
+    import gguf
+
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert ftype in kinds, kinds
+    ours, ref = _load(path), _load(_dequantised_copy(hf_dir, path, tmp_path / "dequantised"))
+    a, b = _state(ours.model), _state(ref.model)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{variant} {ftype} seed={seed}: {k}"
+    ids = ours.tokenizer.encode(PROMPT)
+    (got,), (want,) = paged_logits(ours.model, [ids]), paged_logits(ref.model, [ids])
+    assert torch.equal(got, want), f"{variant} {ftype} seed={seed}"
+
+
+def test_tokenizer_is_the_checkpoints(converted, tmp_path):
+    """The file's "gemma4" tokenizer (pieces, merges, special ids) encodes and decodes as the directory's
+    tokenizer.json: merged words, byte fallback, runs of spaces and newlines, control tokens (typed CONTROL,
+    USER_DEFINED or NORMAL in the file) and the chat template; <turn|> ends a turn."""
+    from gemmaserve.models.gguf_file import GGUFFile
+
+    _, _, hf_dir, path = converted("e2b")
+    ours, ref = Tokenizer.from_gguf(GGUFFile(path)), Tokenizer.from_checkpoint_dir(hf_dir)
+    from tokenizers import Tokenizer as HFTokenizer
+
+    raw = HFTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text) == raw.encode(text).ids, text
+        assert ours.decode(ids) == ref.decode(ids) and ours.decode(ids, False) == ref.decode(ids, False), text
+    assert ours.encode(TEXTS[1])[:3] == [2, 5, ours.token_to_id("user")]   # <bos> <|turn> user: one token each
+    assert ours.special_ids == ref.special_ids
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (2, 1, 0)
+    assert ours.token_to_id("<turn|>") in ours.stop_token_ids
+    assert ours.chat_template == json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_config_reads_the_converters_keys(converted):
+    """The keys alone decide: 31B-like per-layer KV heads (an array), E2B-like one number; K = V from full layers
+    without attn_v; the rotated fraction from rope_freqs."""
+    from gemmaserve.models.gguf_file import GGUFFile
+
+    _, hf, _, path = converted("31b")
+    f = GGUFFile(path)
+    assert hasattr(f.get("gemma4.attention.head_count_kv"), "__len__")
+    cfg = Gemma4Config.from_gguf(f)
+    assert cfg.attention_k_eq_v and cfg.rope[FULL].partial_rotary_factor == 0.25
+    assert [cfg.kv_heads[i] for i, t in enumerate(cfg.layer_types) if t == FULL] == [1, 1]
