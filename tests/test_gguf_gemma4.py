@@ -144,7 +144,8 @@ def gguf_name(name: str, n_layers: int) -> str:
     return found
 
 
-def convert(hf_dir: Path, out: Path, ftype: str = "F32") -> Path:
+def convert(hf_dir: Path, out: Path, ftype: str = "F32", edit=None) -> Path:
+    """`edit(writer)`, if given, changes the metadata last (a key written again replaces the first)."""
     import gguf
 
     raw = json.loads((hf_dir / "config.json").read_text())
@@ -214,6 +215,8 @@ def convert(hf_dir: Path, out: Path, ftype: str = "F32") -> Path:
     d_rot = int(d_full * rope[FULL]["partial_rotary_factor"] / 2)
     w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                  np.array([1.0] * d_rot + [1e30] * (d_full // 2 - d_rot), dtype=np.float32))
+    if edit is not None:
+        edit(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -370,3 +373,24 @@ def test_config_reads_the_converters_keys(converted):
     cfg = Gemma4Config.from_gguf(f)
     assert cfg.attention_k_eq_v and cfg.rope[FULL].partial_rotary_factor == 0.25
     assert [cfg.kv_heads[i] for i, t in enumerate(cfg.layer_types) if t == FULL] == [1, 1]
+
+
+def test_unsupported_files_are_named(converted, tmp_path):
+    """Partial RoPE on sliding layers is refused by name; an mmproj file (architecture "clip") given as the model
+    is told apart from a language model."""
+    import gguf
+
+    from gemmaserve.errors import UserInputError
+
+    _, _, hf_dir, _ = converted("e2b")
+    path = convert(hf_dir, tmp_path / "partial.gguf", edit=lambda w: w.add_rope_dimension_count_swa(8))
+    with pytest.raises(UserInputError, match=r"rope.dimension_count_swa is 8: sliding layers rotating part"):
+        _load(path)
+    w = gguf.GGUFWriter(str(tmp_path / "mmproj.gguf"), "clip")
+    w.add_tensor("v.patch_embd.weight", np.zeros((4, 3), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UserInputError, match=r"multimodal projector \(mmproj"):
+        _load(tmp_path / "mmproj.gguf")

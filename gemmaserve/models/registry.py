@@ -50,5 +50,8 @@ def model_class_for_hf(architectures: list[str] | None, model_type: str | None) 
 def model_class_for_gguf(architecture: str | None) -> type:
     if architecture in GGUF_ARCHITECTURES:
         return GGUF_ARCHITECTURES[architecture]
+    if architecture == "clip":   # llama.cpp's mmproj files hold only the vision/audio encoders
+        raise UserInputError("this GGUF file is a multimodal projector (mmproj: vision/audio encoders only), not a "
+                             "language model: pass the model's own .gguf file as the model")
     raise UserInputError(
         f"unsupported GGUF architecture {architecture!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
