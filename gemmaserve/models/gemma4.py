@@ -212,7 +212,26 @@ class Gemma4Config:
 
     @classmethod
     def from_gguf(cls, gguf) -> "Gemma4Config":
-        """From llama.cpp's gemma4 metadata (per-layer arrays where the model varies by layer)."""
+        """From llama.cpp's gemma4 metadata, as its converter writes it (convert_hf_to_gguf.py's Gemma4Model,
+        llama.cpp conversion/gemma.py; read back by src/models/gemma4.cpp):
+
+        * gemma4.block_count, embedding_length, head_count, context_length, attention.layer_norm_rms_epsilon,
+          attention.sliding_window, final_logit_softcapping (absent: none);
+        * attention.sliding_window_pattern: per layer, true = sliding (the last layer is full attention);
+        * attention.key_length / value_length = global_head_dim (full layers), *_swa = head_dim (sliding);
+        * attention.head_count_kv: one number, or per layer where the checkpoint has num_global_key_value_heads;
+        * feed_forward_length: one number, or per layer with the double-wide MLP of the KV-shared layers;
+        * attention.shared_kv_layers: the last n layers read earlier layers' KV (HF's rule, `_kv_sources`);
+        * embedding_length_per_layer_input: PLE width (0: none); expert_count / expert_used_count /
+          expert_feed_forward_length: the MoE block;
+        * rope.freq_base (full layers) and rope.freq_base_swa; full layers' proportional RoPE is the tensor
+          rope_freqs (1 for each rotated frequency pair, 1e30 for the others); rope.dimension_count_swa is the
+          sliding layers' rotated width (all of head_dim: partial sliding RoPE is refused);
+        * K = V (attention_k_eq_v): full layers without attn_v; an untied head: output.weight present;
+          the vocabulary: token_embd's rows (the converter cuts them to the tokenizer's size).
+
+        Tensors keep HF's values: norms as stored (no 1 + w, unlike Gemma 3), the experts' 3-D gate_up
+        [E, 2I, H] and down [E, H, I] as they are; names in `Gemma4ForCausalLM.gguf_name`."""
         def key(name: str, default: Any = None, required: bool = True) -> Any:
             value = gguf.get(f"gemma4.{name}", default)
             if value is None and required:
@@ -247,6 +266,10 @@ class Gemma4Config:
         k_eq_v = f"blk.{first_full}.attn_v.weight" not in tensors   # full layers without v_proj: V = K
         if global_kv is not None and k_eq_v:
             kv_heads = [int(global_kv) if t == FULL else h for t, h in zip(layer_types, kv_heads)]
+        rotated_swa = key("rope.dimension_count_swa", None, required=False)
+        if rotated_swa is not None and int(rotated_swa) != d_sliding:
+            raise UserInputError(f"gemma4.rope.dimension_count_swa is {rotated_swa}: sliding layers rotating part "
+                                 f"of their {d_sliding} head dims are not supported")
         partial = key("rope.partial_rotary_factor", None, required=False)
         if partial is None:
             partial = _partial_from_rope_freqs(gguf, d_full) if "rope_freqs.weight" in tensors else 0.25
