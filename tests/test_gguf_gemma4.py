@@ -394,3 +394,33 @@ def test_unsupported_files_are_named(converted, tmp_path):
     w.close()
     with pytest.raises(UserInputError, match=r"multimodal projector \(mmproj"):
         _load(tmp_path / "mmproj.gguf")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_q4_0_projections_stay_4bit_as_on_cuda(converted, monkeypatch, tmp_path, variant):
+    """A Q4_0 file loaded as on CUDA in bf16 (gguf_int4.keeps_int4 told so; built on the CPU in fp32): every
+    attention and MLP projection of every layer (q alone where K/V are shared, q+k where K = V) stored Q4_0 (rows
+    of whole blocks; the converter stores the others F16) becomes a 4-bit
+    QuantizedLinear found from the model (gguf_int4 keeps Attention/GeGLU projections only: the PLE gates, the
+    router and the 3-D experts are dequantised); logits equal the dequantised load's."""
+    from gemmaserve.models import gguf_int4
+    from gemmaserve.quantization.linear import QuantizedLinear
+
+    real = gguf_int4.keeps_int4
+    monkeypatch.setattr(gguf_int4, "keeps_int4", lambda device, dtype, quantization, shard:
+                        real(torch.device("cuda"), torch.bfloat16, quantization, shard))
+    monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    seed, _, hf_dir, _ = converted(variant)
+    path = convert(hf_dir, tmp_path / "q4_0.gguf", "Q4_0")
+    kept = load_model(str(path), torch.float32, torch.device("cpu"))
+    ref = load_model(str(path), torch.float32, torch.device("cpu"), quantization="none")
+    for i, layer in enumerate(kept.model.model.layers):
+        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            whole_blocks = ref.model.model.layers[i].get_submodule(m).in_features % 32 == 0   # else the file has F16
+            assert isinstance(layer.get_submodule(m), QuantizedLinear) == whole_blocks, \
+                f"{variant} seed={seed}: layer {i} {m}"
+    assert kept.weight_formats["gguf q4_0"] > 0
+    ids = kept.tokenizer.encode(PROMPT)
+    (got,), (want,) = paged_logits(kept.model, [ids]), paged_logits(ref.model, [ids])
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * want.abs().max().item(), f"{variant} seed={seed}: {err}"
