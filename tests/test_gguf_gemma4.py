@@ -36,9 +36,9 @@ from helpers import fresh_seed, paged_logits, routing_margin, tiny_gemma4_hf
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 VOCAB = 384
-# Gemma 4's control tokens (ids 5-16); the converter types the last six USER_DEFINED ("visible" to llama.cpp).
+# Gemma 4's control tokens (ids 5-17); the converter types six USER_DEFINED ("visible" to llama.cpp).
 SPECIALS = ["<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|audio>",
-            "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", '<|"|>']
+            "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", '<|"|>', "<|video|>"]
 WORDS = ["\u2581hello", "\u2581world", "\u2581this", "\u2581is", "\u2581a", "\u2581test", "\u2581of", "\u2581sliding",
          "\u2581windows", "hello", "user", "model", "\u2581\u2581", "\n\n", "\u2581the", "\u2581thinking"]
 TEXTS = ["hello world this is a test of sliding windows",
@@ -91,13 +91,14 @@ def save_gemma4(hf, path: Path) -> Path:
     """save_pretrained, with config.json in the released checkpoints' form (global_head_dim and
     num_global_key_value_heads, which the converter reads, where transformers 5.x saves per_layer_config)."""
     hf.save_pretrained(path, safe_serialization=True)
-    cfg = json.loads((path / "config.json").read_text())
+    top = json.loads((path / "config.json").read_text())
+    cfg = top.get("text_config") or top
     per_layer = cfg.pop("per_layer_config")
     full = per_layer[str(cfg["layer_types"].index(FULL))]
     cfg["global_head_dim"] = full["head_dim"]
     if "num_key_value_heads" in full:
         cfg["num_global_key_value_heads"] = full["num_key_value_heads"]
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    (path / "config.json").write_text(json.dumps(top, indent=1))
     write_gemma4_tokenizer(path)
     return path
 
@@ -124,6 +125,9 @@ def _store(w, name: str, value: np.ndarray, ftype: str) -> None:
         w.add_tensor(name, value.astype(np.float16))
     else:
         w.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+
+
+ENCODERS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
 
 def gguf_name(name: str, n_layers: int) -> str:
@@ -208,6 +212,8 @@ def convert(hf_dir: Path, out: Path, ftype: str = "F32", edit=None) -> Path:
     for file in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     for name, t in tensors.items():
+        if name.startswith(ENCODERS):
+            continue   # the mmproj file's
         value = t.to(torch.float32).numpy()
         if name.endswith("embed_tokens.weight"):
             value = value[:n_vocab]
@@ -238,7 +244,8 @@ def _dequantised_copy(hf_dir: Path, gguf_path: Path, out: Path) -> Path:
     (file,) = hf_dir.glob("*.safetensors")
     tensors = load_file(str(file))
     for name, t in tensors.items():
-        tensors[name] = torch.from_numpy(np.array(held[gguf_name(name, n)], dtype=np.float32)).reshape(t.shape)
+        if not name.startswith(ENCODERS):
+            tensors[name] = torch.from_numpy(np.array(held[gguf_name(name, n)], dtype=np.float32)).reshape(t.shape)
     from safetensors.torch import save_file
 
     save_file(tensors, str(out / file.name), metadata={"format": "pt"})
@@ -424,3 +431,139 @@ def test_q4_0_projections_stay_4bit_as_on_cuda(converted, monkeypatch, tmp_path,
     (got,), (want,) = paged_logits(kept.model, [ids]), paged_logits(ref.model, [ids])
     err = (got - want).abs().max().item()
     assert err <= 1e-5 * want.abs().max().item(), f"{variant} seed={seed}: {err}"
+
+
+# -- the image encoder's mmproj file ------------------------------------------------------------------------------
+
+def convert_mmproj(hf_dir: Path, out: Path) -> Path:
+    """The checkpoint's image encoder as the converter's Gemma4VisionAudioModel writes it (architecture "clip",
+    projector type gemma4v): the tower's sizes under clip.vision.*, tensors renamed (encoder layers as
+    vision_model.model.layers, `.linear.weight` as `.weight`, through gguf's mmproj map), the patch embedding as a
+    conv kernel [H, 3, p, p], scalars as [1], the position table F32; the text model's tensors left out."""
+    import gguf
+
+    raw = json.loads((hf_dir / "config.json").read_text())
+    v = raw["vision_config"]
+    w = gguf.GGUFWriter(str(out), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_clip_has_vision_encoder(True)
+    w.add_vision_projection_dim(raw["text_config"]["hidden_size"])
+    w.add_vision_image_size(224)   # the converter writes 224 (unused)
+    w.add_vision_patch_size(v["patch_size"])
+    w.add_vision_embedding_length(v["hidden_size"])
+    w.add_vision_feed_forward_length(v["intermediate_size"])
+    w.add_vision_block_count(v["num_hidden_layers"])
+    w.add_vision_head_count(v["num_attention_heads"])
+    w.add_vision_image_mean([0.0, 0.0, 0.0])
+    w.add_vision_image_std([1.0, 1.0, 1.0])
+    w.add_clip_vision_projector_type(gguf.VisionProjectorType.GEMMA4V)
+    w.add_vision_attention_layernorm_eps(v.get("rms_norm_eps", 1e-6))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, v["num_hidden_layers"])
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        for name, t in load_file(str(file)).items():
+            if not name.startswith(("model.vision_tower.", "model.embed_vision.")):
+                continue
+            value = t.to(torch.float32)
+            if value.ndim == 0:
+                value = value.unsqueeze(0)
+            name = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(".linear.weight",
+                                                                                            ".weight")
+            if name.endswith(("layer_scalar", "position_embedding_table")):
+                name += ".weight"
+            if name.endswith("patch_embedder.input_proj.weight"):
+                h, k = value.shape
+                p = int((k // 3) ** 0.5)
+                value = value.reshape(h, p, p, 3).permute(0, 3, 1, 2).contiguous()
+            gname = names.get_name(name, try_suffixes=(".weight", ".bias", ".input_max", ".input_min",
+                                                       ".output_max", ".output_min"))
+            assert gname is not None, name
+            w.add_tensor(gname, value.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def tiny_vision(variant: str, seed: int):
+    """transformers' Gemma4ForConditionalGeneration with the ViT encoder, E2B-like (PLE, KV sharing, clipped
+    encoder linears, causal images) or 31B-like (K = V, standardised features, bidirectional images), over this
+    file's tokenizer ids, 280 soft tokens per image (what the mmproj file implies), every weight random."""
+    import transformers
+
+    from helpers import GEMMA4_BASE, GEMMA4_VARIANTS, GEMMA4_VISION_TOWER, GEMMA4_VISION_VARIANTS, _gemma4_random
+
+    text, vision = GEMMA4_VISION_VARIANTS[variant]
+    tid = {t: 5 + i for i, t in enumerate(SPECIALS)}
+    cfg = transformers.Gemma4Config(
+        text_config={**GEMMA4_BASE, **GEMMA4_VARIANTS[variant], **text, "vocab_size": VOCAB,
+                     "vocab_size_per_layer_input": VOCAB},
+        vision_config={**GEMMA4_VISION_TOWER, **vision}, audio_config=None, image_token_id=tid["<|image|>"],
+        boi_token_id=tid["<|image>"], eoi_token_id=tid["<image|>"], video_token_id=tid["<|video|>"])
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = _gemma4_random(transformers.Gemma4ForConditionalGeneration(cfg).eval(), seed, 0.5)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("std_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen))
+            elif name.endswith("std_scale"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
+            elif name.endswith(("input_min", "output_min")):
+                b.fill_(-1.5)
+            elif name.endswith(("input_max", "output_max")):
+                b.fill_(1.5)
+    return model
+
+
+def _images(seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w_, 3), dtype=np.uint8)) for w_, h in ((40, 30), (13, 50))]
+
+
+@pytest.mark.parametrize("variant", ["e2b", "31b"])
+def test_mmproj_file_gives_the_model_images(tmp_path, monkeypatch, variant):
+    """A checkpoint with an image encoder converted to the text GGUF plus its mmproj file, loaded with --mmproj:
+    the encoder's config and every weight equal the directory load's, prompt logits with two images equal it (fp32
+    rounding) and greedy tokens are the same; the same file without --mmproj refuses images and says why."""
+    from gemmaserve import LLM, SamplingParams
+    from gemmaserve.errors import UserInputError
+
+    from helpers import chunked_prompt_logits
+
+    monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    seed = fresh_seed()
+    hf_dir = save_gemma4(tiny_vision(variant, seed), tmp_path / "hf")
+    raw = json.loads((hf_dir / "config.json").read_text())
+    raw["vision_soft_tokens_per_image"] = 280
+    (hf_dir / "config.json").write_text(json.dumps(raw))
+    text, proj = convert(hf_dir, tmp_path / "model.gguf"), convert_mmproj(hf_dir, tmp_path / "mmproj.gguf")
+    opts = dict(page_size=4, max_num_batched_tokens=1024, kv_cache_memory=16 << 20)
+    ours, ref = LLM(model=str(text), mmproj=str(proj), **opts), LLM(model=str(hf_dir), **opts)
+    a, b = ours.engine._model, ref.engine._model
+    assert dataclasses.replace(a.mm_config, text=b.mm_config.text) == b.mm_config, f"{variant} seed={seed}"
+    assert a.config.bidirectional_vision == b.config.bidirectional_vision == (variant == "31b")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), f"{variant} seed={seed}: {k}"
+
+    prompt, images = "hello world this is a test", _images(seed)
+    ids, items = ours.engine.inputs.prepare_images(prompt, images)
+    ref_ids, ref_items = ref.engine.inputs.prepare_images(prompt, images)
+    assert ids == ref_ids and len(items) == 2
+    got, want = chunked_prompt_logits(a, ids, items, 1024), chunked_prompt_logits(b, ref_ids, ref_items, 1024)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5 * want.abs().max().item()), f"{variant} seed={seed}"
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = [llm.generate([prompt], params, use_tqdm=False, images=[images])[0].outputs[0].token_ids
+            for llm in (ours, ref)]
+    assert outs[0] == outs[1], f"{variant} seed={seed}"
+
+    text_only = LLM(model=str(text), **opts)
+    with pytest.raises(UserInputError, match=r"does not take images \(a GGUF file holds the text model only: give "
+                                             r"the model's mmproj .gguf file with --mmproj"):
+        text_only.generate([prompt], params, use_tqdm=False, images=[images])

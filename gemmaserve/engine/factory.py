@@ -107,6 +107,16 @@ class EngineParts:
     info: EngineInfo
 
 
+def _media_hint(loaded: LoadedModel, layouts: dict) -> str:
+    """A Gemma 4 GGUF file loaded without its mmproj file is text-only: say how to give it images."""
+    from ..models.gemma4 import Gemma4ForCausalLM
+    from ..models.loader import SourceKind
+
+    if layouts or loaded.source.kind is not SourceKind.GGUF or not isinstance(loaded.model, Gemma4ForCausalLM):
+        return ""
+    return "a GGUF file holds the text model only: give the model's mmproj .gguf file with --mmproj for images"
+
+
 def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     """`loaded`: reuse weights another engine already loaded (same model, dtype and device)."""
     device = config.torch_device()
@@ -207,5 +217,5 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                             create_proposer(spec), spec.disable_by_batch_size if spec else 1,
                             LoRASlots(config.max_loras)),
         loras=LoRARegistry(model, config.max_lora_rank),
-        inputs=InputProcessor(config.model, tokenizer, layouts), validator=validator,
+        inputs=InputProcessor(config.model, tokenizer, layouts, _media_hint(loaded, layouts)), validator=validator,
         outputs=OutputProcessor(tokenizer), async_scheduling=async_scheduling, info=info)

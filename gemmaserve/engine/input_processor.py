@@ -27,6 +27,7 @@ class InputProcessor:
     model_name: str
     tokenizer: object
     layouts: dict[Modality, MediaLayout] = field(default_factory=dict)   # what the model reads besides text
+    media_hint: str = ""   # how the model could take media it does not take as loaded (a GGUF file's --mmproj)
 
     @property
     def image_layout(self) -> MediaLayout | None:
@@ -34,7 +35,8 @@ class InputProcessor:
 
     def _layout(self, modality: Modality) -> MediaLayout:
         if modality not in self.layouts:
-            raise UserInputError(f"model {self.model_name!r} does not take {modality.inputs}")
+            hint = f" ({self.media_hint})" if self.media_hint and modality is not Modality.AUDIO else ""
+            raise UserInputError(f"model {self.model_name!r} does not take {modality.inputs}{hint}")
         return self.layouts[modality]
 
     def tokenize(self, prompt: str) -> list[int]:

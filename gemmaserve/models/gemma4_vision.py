@@ -18,6 +18,8 @@ layers (audio tokens stay causal).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import warnings
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ from .gemma4_audio import checkpoint_name as audio_checkpoint_name
 from .image_processing import to_rgb
 from .layers import RMSNorm
 from .multimodal import EncoderInput, MediaLayout, Modality
+
+log = logging.getLogger(__name__)
 
 SOFT_TOKEN_CHOICES = (70, 140, 280, 560, 1120)
 
@@ -125,6 +129,69 @@ class Gemma4VisionConfig:
                    boa_token_id=token("boa_token_id", "boa_token_index", default=256000),
                    eoa_token_id=token("eoa_token_id", "eoa_token_index", default=258883), audio_features=features,
                    video_token_id=token("video_token_id", default=258884), video_soft_tokens=per_frame)
+
+
+    @classmethod
+    def from_gguf(cls, text: Gemma4Config, mmproj, tokenizer) -> "Gemma4VisionConfig":
+        """The text model of a gemma4 GGUF file plus the image encoder of llama.cpp's mmproj file for it (its
+        converter's Gemma4VisionAudioModel, llama.cpp conversion/gemma.py; read by tools/mtmd/clip.cpp and
+        models/gemma4v.cpp). The mmproj file keeps the tower's sizes (clip.vision.embedding_length,
+        feed_forward_length, block_count, attention.head_count, attention.layer_norm_epsilon, patch_size,
+        projection_dim = the text width, projector.scale_factor = the pooling kernel, 3 when absent) and its
+        tensors say the rest: head_dim (attn_q_norm), KV heads (attn_k), the position table's size, clipped
+        linears (*.input_min present), standardisation (v.std_bias present). What neither file keeps is taken as
+        llama.cpp takes it: RoPE theta 100, 280 soft tokens per image at most; the image token ids are the
+        tokenizer's `<|image>`, `<|image|>`, `<image|>` and `<|video|>`. Bidirectional image attention is what
+        HF configures for the models without per-layer inputs (12B/26B/31B; E2B/E4B keep images causal,
+        which llama.cpp does not: it makes every gemma4v image bidirectional)."""
+        if mmproj.get("general.architecture") != "clip":
+            raise UserInputError(f"{mmproj.path} is not an mmproj file (general.architecture "
+                                 f"{mmproj.get('general.architecture')!r}, expected 'clip')")
+        kind = mmproj.get("clip.vision.projector_type", mmproj.get("clip.projector_type"))
+        if not mmproj.get("clip.has_vision_encoder", False) or kind != "gemma4v":
+            raise UserInputError(f"{mmproj.path} holds no Gemma 4 image encoder (projector type {kind!r}, "
+                                 "expected 'gemma4v')")
+        if mmproj.get("clip.has_audio_encoder", False):
+            log.warning("%s: its audio encoder is not loaded (audio from mmproj files is not supported yet); "
+                        "images are", mmproj.path)
+        width = mmproj.get("clip.vision.projection_dim")
+        if width is not None and int(width) != text.hidden_size:
+            raise UserInputError(f"{mmproj.path} projects images to width {width}, but the model's is "
+                                 f"{text.hidden_size}: it belongs to another model")
+        tensors = mmproj.tensors_by_name()
+
+        def shape(name: str) -> tuple[int, ...]:
+            if name not in tensors:
+                raise UserInputError(f"{mmproj.path} lacks tensor {name!r}")
+            return tensors[name].shape
+
+        def key(name: str, default: Any = None) -> Any:
+            value = mmproj.get(f"clip.vision.{name}", default)
+            if value is None:
+                raise UserInputError(f"{mmproj.path} lacks clip.vision.{name}")
+            return value
+
+        head_dim = shape("v.blk.0.attn_q_norm.weight")[0]
+        vision = Gemma4VisionTowerConfig(
+            hidden_size=int(key("embedding_length")), intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=int(key("block_count")), num_attention_heads=int(key("attention.head_count")),
+            num_key_value_heads=shape("v.blk.0.attn_k.weight")[0] // head_dim, head_dim=head_dim,
+            patch_size=int(key("patch_size")), position_embedding_size=shape("v.position_embd.weight")[1],
+            pooling_kernel_size=int(key("projector.scale_factor", 3)),
+            rms_norm_eps=float(f"{float(key('attention.layer_norm_epsilon', 1e-6)):.7g}"),   # GGUF: float32
+            use_clipped_linears=any(n.endswith(".input_min") for n in tensors), standardize="v.std_bias" in tensors)
+
+        def token(text_: str) -> int:
+            tid = tokenizer.token_to_id(text_)
+            if tid is None:
+                raise UserInputError(f"the model's tokenizer has no {text_!r} token, which images need")
+            return tid
+
+        text = dataclasses.replace(text, multimodal=True, bidirectional_vision=text.hidden_size_per_layer_input == 0,
+                                   architecture="Gemma4ForConditionalGeneration")
+        return cls(text=text, vision=vision, image_token_id=token("<|image|>"), boi_token_id=token("<|image>"),
+                   eoi_token_id=token("<image|>"), pad_token_id=tokenizer.pad_token_id,
+                   video_token_id=tokenizer.token_to_id("<|video|>") or -1)
 
 
 @dataclass(frozen=True)
@@ -342,6 +409,17 @@ _RENAMES = (("self_attn.q_proj.", "query."), ("self_attn.k_proj.", "key."), ("se
             ("mlp.gate_proj.", "gate."), ("mlp.up_proj.", "up."), ("mlp.down_proj.", "down."), ("linear.weight", "weight"))
 
 
+# llama.cpp's mmproj names of a vision layer's tensors (v.blk.N.<name>) -> ours (vision_tower.layers.N.<ours>).
+_MMPROJ_LAYER = {"attn_q": "query", "attn_k": "key", "attn_v": "value", "attn_out": "out", "attn_q_norm": "q_norm",
+                 "attn_k_norm": "k_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+                 "ln1": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                 "ln2": "pre_feedforward_layernorm", "ffn_post_norm": "post_feedforward_layernorm"}
+_MMPROJ_GLOBAL = {"v.std_bias": "vision_tower.std_bias", "v.std_scale": "vision_tower.std_scale",
+                  "v.position_embd.weight": "vision_tower.position_embedding_table",
+                  "v.patch_embd.weight": "vision_tower.input_proj",
+                  "mm.input_projection.weight": "embed_vision.embedding_projection"}
+
+
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     config_class = Gemma4VisionConfig
 
@@ -432,6 +510,25 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         if self.config.hidden_size_per_layer_input:
             inputs.input_ids = self._text_ids(inputs.input_ids)
         return super().forward(inputs)
+
+    def mmproj_tensor(self, name: str, value: torch.Tensor) -> tuple[str | None, torch.Tensor]:
+        """An mmproj file's tensor -> (our name, its value in our layout), None for the audio encoder's (a.*, mm.a.*:
+        not loaded). The converter stores the patch embedding as a conv kernel [H, 3, p, p] (HF's linear over
+        (py, px, c) permuted), and scalar clip bounds as [1]: both undone exactly."""
+        if name.startswith(("a.", "mm.a.")):
+            return None, value
+        if name in _MMPROJ_GLOBAL:
+            if name == "v.patch_embd.weight":
+                value = value.permute(0, 2, 3, 1).reshape(value.shape[0], -1)
+            return _MMPROJ_GLOBAL[name], value
+        parts = name.split(".")
+        if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and parts[3] in _MMPROJ_LAYER:
+            leaf = parts[4]
+            if leaf in ("input_min", "input_max", "output_min", "output_max"):
+                return f"vision_tower.layers.{parts[2]}.{_MMPROJ_LAYER[parts[3]]}.{leaf}", value.reshape(())
+            if leaf == "weight":
+                return f"vision_tower.layers.{parts[2]}.{_MMPROJ_LAYER[parts[3]]}.weight", value
+        raise UserInputError(f"unexpected tensor {name!r} in a Gemma 4 mmproj file")
 
     def checkpoint_name(self, name: str) -> str | None:
         for prefix, ours in (("model.vision_tower.", "vision_tower."), ("vision_tower.", "vision_tower."),

@@ -68,16 +68,18 @@ def resolve_model(name: str) -> ModelSource:
 
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: bool = False,
-               shard: TensorParallelShard | None = None, quantization: str = "auto") -> LoadedModel:
+               shard: TensorParallelShard | None = None, quantization: str = "auto",
+               mmproj: str | None = None) -> LoadedModel:
     """`quantized` (CPU, fp32 activations): a GGUF file's weights stay quantised (`quant.py`).
     `shard`: load this tensor-parallel rank's slices only (models/tensor_parallel.py).
     `quantization` (`--quantization`): auto = what a checkpoint declares (compressed-tensors), compressed-tensors
     = the same but the checkpoint must declare it, fp8 = a float checkpoint's projections to FP8 at load, none =
     float weights only (a quantised checkpoint is refused). For a GGUF file on CUDA (bf16/fp16), auto keeps its
     Q4_0/Q4_1/Q4_K projections 4-bit and its Q8_0/Q6_K ones 8-bit (gguf_packed.py) and none dequantises every
-    weight."""
+    weight. `mmproj` (`--mmproj`): llama.cpp's file of a GGUF model's image encoder (Gemma 4; gemma4_vision.py)."""
     start = time.perf_counter()
     source = resolve_model(name)
+    mmproj_path = _mmproj_path(mmproj, source, shard)
     log.info("loading %s from %s", name, source.path)
     formats = None
     if source.kind is SourceKind.GGUF:
@@ -87,7 +89,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
         from .gguf_packed import keeps_packed
 
         model, tokenizer, formats = _load_gguf(source.path, dtype, device, quantized, shard,
-                                               keeps_packed(device, dtype, quantization, shard))
+                                               keeps_packed(device, dtype, quantization, shard), mmproj_path)
     else:
         model, tokenizer, formats = _load_hf_dir(source.path, dtype, device, shard, quantization)
     if shard is not None:
@@ -105,6 +107,20 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
 
         cpu_invariance.check()   # logs a warning where this host's kernels make a row follow its batch
     return LoadedModel(model.eval(), tokenizer, source, time.perf_counter() - start, formats)
+
+
+def _mmproj_path(mmproj: str | None, source: ModelSource, shard: TensorParallelShard | None) -> Path | None:
+    if mmproj is None:
+        return None
+    path = Path(mmproj).expanduser()
+    if source.kind is not SourceKind.GGUF:
+        raise UserInputError(f"--mmproj goes with a .gguf model; {source.name!r} is a checkpoint directory, whose "
+                             "own config says which encoders it has")
+    if not path.is_file() or path.suffix.lower() != ".gguf":
+        raise UserInputError(f"--mmproj {mmproj!r} is not a .gguf file")
+    if shard is not None:
+        raise UserInputError("--mmproj is not supported with tensor parallelism yet")
+    return path
 
 
 def build_model(model_class: type[CausalLM], config, weights: Weights, dtype: torch.dtype, device: torch.device,
@@ -141,17 +157,31 @@ def check_tensor_parallel(name: str, tp: int) -> None:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: bool,
-               shard: TensorParallelShard | None,
-               keep_packed: bool = False) -> tuple[CausalLM, Tokenizer, dict[str, int] | None]:
+               shard: TensorParallelShard | None, keep_packed: bool = False,
+               mmproj: Path | None = None) -> tuple[CausalLM, Tokenizer, dict[str, int] | None]:
     """A tensor-parallel rank dequantises each tensor whole, then keeps its slice (GGUF blocks do
     not align with every slice; the exact 4-bit groups are sliced where they do). `keep_packed`
     (gguf_packed.keeps_packed: CUDA): 4-bit and 8-bit projections become QuantizedLinears on `device`, the rest
-    is dequantised to `dtype`."""
+    is dequantised to `dtype`. `mmproj`: the image encoder's file (its tensors dequantised to `dtype`)."""
     from .gguf_file import GGUFFile
 
     gguf = GGUFFile(path)
     model_class = model_class_for_gguf(gguf.get("general.architecture"))
     config = model_class.config_class.from_gguf(gguf)
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    tokenizer = Tokenizer.from_gguf(gguf, cache_dir() / "tokenizers" / f"{key}.json")
+    proj = None
+    if mmproj is not None:
+        from .gemma4 import Gemma4ForCausalLM
+        from .gemma4_vision import Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+        if model_class is not Gemma4ForCausalLM:
+            raise UserInputError(f"--mmproj is supported for Gemma 4 GGUF files; {path.name} is "
+                                 f"{gguf.get('general.architecture')!r}")
+        proj = GGUFFile(mmproj)
+        config = Gemma4VisionConfig.from_gguf(config, proj, tokenizer)
+        model_class = Gemma4ForConditionalGeneration
     # Only a file with quantised matrices is kept quantised: an F32/F16 file keeps its exact weights.
     quantized = quantized and any(t.quant_type not in ("F32", "F16", "BF16") for t in gguf.tensors())
     int4 = {}
@@ -171,10 +201,14 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
             if part is not None:
                 tensor = part.read(tensor)
             yield name, tensor - 1.0 if one_plus_w else tensor  # GGUF stores Gemma 3 norms as 1 + w
+        for t in proj.tensors() if proj is not None else ():
+            name, tensor = model.mmproj_tensor(t.name, proj.load(t.name))
+            if name is not None:
+                yield name, tensor
 
     formats = None
-    cached = quant_cache.load(cache_file, model_class, config) if (cache_file := _quant_cache_file(
-        path, quantized, dtype, device, shard)) else None
+    cache_file = _quant_cache_file(path, quantized, dtype, device, shard) if proj is None else None
+    cached = quant_cache.load(cache_file, model_class, config) if cache_file else None
     if cached is not None:
         model, formats = cached
         log.info("quantised weights loaded from %s", cache_file)
@@ -192,9 +226,6 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
         release_freed_memory()
         if cache_file:
             quant_cache.save(cache_file, model, record, formats)
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    tokenizer = Tokenizer.from_gguf(gguf, cache_dir() / "tokenizers" / f"{key}.json")
     return model, tokenizer, formats
 
 

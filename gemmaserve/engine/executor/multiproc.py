@@ -107,7 +107,8 @@ class MultiprocExecutor:
     # -- the Executor interface ---------------------------------------------------------------------
     def load_model(self, dtype: torch.dtype, device: torch.device) -> LoadedModel:
         return load_model(self.config.model, dtype, device, self.config.quantized_weights(device),
-                          shard=TensorParallelShard(0, self.world_size, self.comm), quantization=self.config.quantization)
+                          shard=TensorParallelShard(0, self.world_size, self.comm), quantization=self.config.quantization,
+                          mmproj=self.config.mmproj)
 
     def local_kv_specs(self, specs: list[LayerSpec]) -> list[LayerSpec]:
         return [dataclasses.replace(s, num_kv_heads=local_kv_heads(s.num_kv_heads, self.world_size)) for s in specs]

@@ -109,7 +109,8 @@ def _serve(args: WorkerArgs, device: torch.device, comm: DistributedCommunicator
     config = args.config
     dtype = config.torch_dtype(device)
     loaded = load_model(config.model, dtype, device, config.quantized_weights(device),
-                        shard=TensorParallelShard(args.rank, args.world_size, comm), quantization=config.quantization)
+                        shard=TensorParallelShard(args.rank, args.world_size, comm), quantization=config.quantization,
+                        mmproj=config.mmproj)
     conn.send(("loaded",))
     spec: RunnerSpec | tuple = conn.recv()
     if spec == ("stop",):   # rank 0 gave up while this rank was loading
