@@ -367,6 +367,11 @@ def test_tokenizer_is_the_checkpoints(converted, tmp_path):
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (2, 1, 0)
     assert ours.token_to_id("<turn|>") in ours.stop_token_ids
     assert ours.chat_template == json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"]
+    for _ in range(2):   # built and cached, then read from the cache: the same tokenizer
+        cached = Tokenizer.from_gguf(GGUFFile(path), tmp_path / "tok.json")
+        assert [cached.encode(t) for t in TEXTS] == [ours.encode(t) for t in TEXTS]
+        assert (cached.special_ids, cached.stop_token_ids) == (ours.special_ids, ours.stop_token_ids)
+    assert [p.name for p in tmp_path.glob("tok*.json")] == ["tok.gemma4.v1.json"]
 
 
 def test_config_reads_the_converters_keys(converted):
