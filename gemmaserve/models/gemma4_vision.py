@@ -148,6 +148,9 @@ class Gemma4VisionConfig:
             raise UserInputError(f"{mmproj.path} is not an mmproj file (general.architecture "
                                  f"{mmproj.get('general.architecture')!r}, expected 'clip')")
         kind = mmproj.get("clip.vision.projector_type", mmproj.get("clip.projector_type"))
+        if kind == "gemma4uv":
+            raise UserInputError(f"{mmproj.path} holds the 12B unified model's patch embedder (gemma4uv), which is "
+                                 "not supported from mmproj files yet: serve its checkpoint directory for images")
         if not mmproj.get("clip.has_vision_encoder", False) or kind != "gemma4v":
             raise UserInputError(f"{mmproj.path} holds no Gemma 4 image encoder (projector type {kind!r}, "
                                  "expected 'gemma4v')")
