@@ -440,11 +440,12 @@ def test_q4_0_projections_stay_4bit_as_on_cuda(converted, monkeypatch, tmp_path,
 
 # -- the image encoder's mmproj file ------------------------------------------------------------------------------
 
-def convert_mmproj(hf_dir: Path, out: Path) -> Path:
+def convert_mmproj(hf_dir: Path, out: Path, audio: bool = False) -> Path:
     """The checkpoint's image encoder as the converter's Gemma4VisionAudioModel writes it (architecture "clip",
     projector type gemma4v): the tower's sizes under clip.vision.*, tensors renamed (encoder layers as
     vision_model.model.layers, `.linear.weight` as `.weight`, through gguf's mmproj map), the patch embedding as a
-    conv kernel [H, 3, p, p], scalars as [1], the position table F32; the text model's tensors left out."""
+    conv kernel [H, 3, p, p], scalars as [1], the position table F32; the text model's tensors left out.
+    `audio`: also a stand-in audio encoder (clip.has_audio_encoder, a few a.* / mm.a.* tensors)."""
     import gguf
 
     raw = json.loads((hf_dir / "config.json").read_text())
@@ -465,6 +466,11 @@ def convert_mmproj(hf_dir: Path, out: Path) -> Path:
     w.add_clip_vision_projector_type(gguf.VisionProjectorType.GEMMA4V)
     w.add_vision_attention_layernorm_eps(v.get("rms_norm_eps", 1e-6))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, v["num_hidden_layers"])
+    if audio:
+        w.add_clip_has_audio_encoder(True)
+        w.add_clip_audio_projector_type(gguf.VisionProjectorType.GEMMA4A)
+        for name in ("a.blk.0.attn_q.weight", "mm.a.input_projection.weight"):
+            w.add_tensor(name, np.full((4, 4), 7.0, dtype=np.float32))
     for file in sorted(hf_dir.glob("*.safetensors")):
         for name, t in load_file(str(file)).items():
             if not name.startswith(("model.vision_tower.", "model.embed_vision.")):
@@ -546,7 +552,8 @@ def test_mmproj_file_gives_the_model_images(tmp_path, monkeypatch, variant):
     raw = json.loads((hf_dir / "config.json").read_text())
     raw["vision_soft_tokens_per_image"] = 280
     (hf_dir / "config.json").write_text(json.dumps(raw))
-    text, proj = convert(hf_dir, tmp_path / "model.gguf"), convert_mmproj(hf_dir, tmp_path / "mmproj.gguf")
+    text = convert(hf_dir, tmp_path / "model.gguf")
+    proj = convert_mmproj(hf_dir, tmp_path / "mmproj.gguf", audio=variant == "e2b")   # its audio part: not loaded
     opts = dict(page_size=4, max_num_batched_tokens=1024, kv_cache_memory=16 << 20)
     ours, ref = LLM(model=str(text), mmproj=str(proj), **opts), LLM(model=str(hf_dir), **opts)
     a, b = ours.engine._model, ref.engine._model
