@@ -387,25 +387,48 @@ def test_config_reads_the_converters_keys(converted):
     assert [cfg.kv_heads[i] for i, t in enumerate(cfg.layer_types) if t == FULL] == [1, 1]
 
 
-def test_unsupported_files_are_named(converted, tmp_path):
-    """Partial RoPE on sliding layers is refused by name; an mmproj file (architecture "clip") given as the model
-    is told apart from a language model."""
+def _clip_file(path: Path, projector: str, width: int) -> Path:
     import gguf
 
-    from gemmaserve.errors import UserInputError
-
-    _, _, hf_dir, _ = converted("e2b")
-    path = convert(hf_dir, tmp_path / "partial.gguf", edit=lambda w: w.add_rope_dimension_count_swa(8))
-    with pytest.raises(UserInputError, match=r"rope.dimension_count_swa is 8: sliding layers rotating part"):
-        _load(path)
-    w = gguf.GGUFWriter(str(tmp_path / "mmproj.gguf"), "clip")
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_vision_projector_type(projector)
+    w.add_vision_projection_dim(width)
     w.add_tensor("v.patch_embd.weight", np.zeros((4, 3), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_unsupported_files_are_named(converted, tmp_path):
+    """Partial RoPE on sliding layers is refused by name; an mmproj file (architecture "clip") given as the model
+    is told apart from a language model; --mmproj with a checkpoint directory, a file that is not GGUF, the 12B
+    unified model's projector or another model's encoder are each refused by name."""
+    from gemmaserve.errors import UserInputError
+
+    _, hf, hf_dir, text = converted("e2b")
+    path = convert(hf_dir, tmp_path / "partial.gguf", edit=lambda w: w.add_rope_dimension_count_swa(8))
+    with pytest.raises(UserInputError, match=r"rope.dimension_count_swa is 8: sliding layers rotating part"):
+        _load(path)
+    mmproj = _clip_file(tmp_path / "mmproj.gguf", "gemma4v", hf.config.hidden_size + 1)
     with pytest.raises(UserInputError, match=r"multimodal projector \(mmproj"):
-        _load(tmp_path / "mmproj.gguf")
+        _load(mmproj)
+
+    def load(model, proj):
+        return load_model(str(model), torch.float32, torch.device("cpu"), mmproj=str(proj))
+
+    with pytest.raises(UserInputError, match=r"--mmproj goes with a \.gguf model"):
+        load(hf_dir, mmproj)
+    with pytest.raises(UserInputError, match=r"--mmproj '.*config\.json' is not a \.gguf file"):
+        load(text, hf_dir / "config.json")
+    with pytest.raises(UserInputError, match=r"projects images to width 65, but the model's is 64"):
+        load(text, mmproj)
+    with pytest.raises(UserInputError, match=r"12B unified model's patch embedder \(gemma4uv\)"):
+        load(text, _clip_file(tmp_path / "unified.gguf", "gemma4uv", hf.config.hidden_size))
+    with pytest.raises(UserInputError, match=r"holds no Gemma 4 image encoder \(projector type 'gemma3'"):
+        load(text, _clip_file(tmp_path / "g3.gguf", "gemma3", hf.config.hidden_size))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
