@@ -433,16 +433,16 @@ def test_unsupported_files_are_named(converted, tmp_path):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_q4_0_projections_stay_4bit_as_on_cuda(converted, monkeypatch, tmp_path, variant):
-    """A Q4_0 file loaded as on CUDA in bf16 (gguf_int4.keeps_int4 told so; built on the CPU in fp32): every
+    """A Q4_0 file loaded as on CUDA in bf16 (gguf_packed.keeps_packed told so; built on the CPU in fp32): every
     attention and MLP projection of every layer (q alone where K/V are shared, q+k where K = V) stored Q4_0 (rows
     of whole blocks; the converter stores the others F16) becomes a 4-bit
-    QuantizedLinear found from the model (gguf_int4 keeps Attention/GeGLU projections only: the PLE gates, the
-    router and the 3-D experts are dequantised); logits equal the dequantised load's."""
-    from gemmaserve.models import gguf_int4
+    QuantizedLinear found from the model (gguf_packed keeps Attention/GeGLU projections, and 4-bit 3-D experts
+    as QuantizedExperts; the PLE gates and the router are dequantised); logits equal the dequantised load's."""
+    from gemmaserve.models import gguf_packed
     from gemmaserve.quantization.linear import QuantizedLinear
 
-    real = gguf_int4.keeps_int4
-    monkeypatch.setattr(gguf_int4, "keeps_int4", lambda device, dtype, quantization, shard:
+    real = gguf_packed.keeps_packed
+    monkeypatch.setattr(gguf_packed, "keeps_packed", lambda device, dtype, quantization, shard:
                         real(torch.device("cuda"), torch.bfloat16, quantization, shard))
     monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(tmp_path / "cache"))
     seed, _, hf_dir, _ = converted(variant)
