@@ -155,16 +155,17 @@ class Int4Config:
         return -(-k // self.k_per_split)
 
 
-def int4_config(m: int, n: int, k: int, group: int, sms: int) -> Int4Config:
+def int4_config(m: int, n: int, k: int, group: int, sms: int, offset: bool = False) -> Int4Config:
     """Tiles by batch regime (no autotuning: one compile per regime and shape), from gpu_quant's sweeps on an
     H100 (docs/gpu_quant_*.json): one row takes the GEMV (64 columns, 16 word rows per step, about four waves of
     programs by split-K); up to SMALL_M rows 16-row tl.dot tiles split along K; then 64- and 128-row tiles, split
     while M <= 64. Steps of one group of 32 are too short to stream weights: groups below 64 take `scaled` steps
-    of 64 (128 for narrow outputs at small M), which measured 10-25% faster at M = 16 and 64."""
+    of 64 (128 for narrow outputs at small M), which measured 10-25% faster at M = 16 and 64, except in the
+    offset form (`offset`: two gathers per weight there made it 1.3-2x slower than one-group steps)."""
     if m <= GEMV_M:
         bn, bk = 64, 128
         return Int4Config(1, bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2, waves=4), 4, 1, gemv=True)
-    scaled = group < 64
+    scaled = group < 64 and not offset
     if m <= SMALL_M:
         bm, bn, warps = 16, (128 if n >= 16384 else 64), 4
         bk = (64 if bn == 128 else 128) if scaled else min(group, 128)
@@ -313,7 +314,7 @@ def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*x.shape[:-1], w.n)
-    cfg = config or int4_config(m, w.n, w.k, w.group, sm_count(x.device))
+    cfg = config or int4_config(m, w.n, w.k, w.group, sm_count(x.device), w.has_offset)
     if cfg.gemv:
         bad = cfg.k_per_split % 8 or cfg.block_k % 8
     else:
