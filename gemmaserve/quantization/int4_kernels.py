@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .launch import grouped_tile, sm_count, split_k, triton_enabled
+from .launch import check_input, grouped_tile, sm_count, split_k, split_output, sum_splits, triton_enabled
 from .schemes import Int4Weight
 
 GEMV_M = 1     # rows up to which the GEMV kernel serves (one token; at 2-4 rows the tiled kernel is faster)
@@ -303,11 +303,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_
 def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32) @ dequant(w)^T -> [..., N] in x's dtype. `config` overrides the tile
     choice (tests force each regime; benchmarks sweep); without Triton (CPU, no interpreter) the reference."""
-    if x.shape[-1] != w.k:
-        raise ValueError(f"int4_linear: input {tuple(x.shape)} has K = {x.shape[-1]}, the weight "
-                         f"[N={w.n}, K={w.k}] expects K = {w.k}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"int4_linear: input dtype {x.dtype}, expected bf16, fp16 or fp32")
+    check_input(x, w.n, w.k, "int4_linear")
     if not triton_enabled(x.device):
         return int4_linear_reference(x, w)
     x2 = x.reshape(-1, w.k)
@@ -325,10 +321,7 @@ def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None
     if cfg.gemv and m > cfg.block_m:
         raise ValueError(f"int4 config {cfg}: the GEMV kernel takes at most block_m = {cfg.block_m} rows, got {m}")
     splits = cfg.splits(w.k)
-    # Split K: one fp32 partial per slice, summed below in a fixed order (atomics would make the bits vary from
-    # run to run: the same request could decode other tokens).
-    y = torch.empty(splits, m, w.n, device=x.device, dtype=torch.float32) if splits > 1 else \
-        torch.empty(m, w.n, device=x.device, dtype=x.dtype)
+    y = split_output(splits, m, w.n, x)
     args = (x2, w.qweight, w.scale, w.zero if w.zero is not None else w.scale,
             w.offset if w.offset is not None else w.scale, y, m, w.n, w.k,
             cfg.k_per_split, x2.stride(0), x2.stride(1), y.stride(-2), y.stride(-1))
@@ -342,9 +335,7 @@ def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None
                            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8,
                            PRECISION=_precision(x.dtype), NIBBLE_MAJOR=cfg.nibble_major, SCALED=cfg.scaled,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        y = y.sum(0)
-    return y.to(x.dtype).view(*x.shape[:-1], w.n)
+    return sum_splits(y, splits, x, w.n)
 
 
 def int4_linear_reference(x: torch.Tensor, w: Int4Packed | Int4Weight) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .launch import grouped_tile, sm_count, split_k, triton_enabled
+from .launch import check_input, grouped_tile, sm_count, split_k, split_output, sum_splits, triton_enabled
 from .schemes import Int8Weight, check_group
 
 GEMV_M = 1     # rows up to which the GEMV kernel serves (one token; 2-4 rows spilled on an H100)
@@ -195,11 +195,7 @@ def _int8_gemv_kernel(x_ptr, qw_ptr, s_ptr, y_ptr, M, N, K, k_per_split, s_xm, s
 def int8_linear(x: torch.Tensor, w: Int8Packed, config: Int8Config | None = None) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32) @ dequant(w)^T -> [..., N] in x's dtype. `config` overrides the tile
     choice (tests force each regime; benchmarks sweep); without Triton (CPU, no interpreter) the reference."""
-    if x.shape[-1] != w.k:
-        raise ValueError(f"int8_linear: input {tuple(x.shape)} has K = {x.shape[-1]}, the weight "
-                         f"[N={w.n}, K={w.k}] expects K = {w.k}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"int8_linear: input dtype {x.dtype}, expected bf16, fp16 or fp32")
+    check_input(x, w.n, w.k, "int8_linear")
     if not triton_enabled(x.device):
         return int8_linear_reference(x, w)
     x2 = x.reshape(-1, w.k)
@@ -214,10 +210,7 @@ def int8_linear(x: torch.Tensor, w: Int8Packed, config: Int8Config | None = None
     if cfg.gemv and m > cfg.block_m:
         raise ValueError(f"int8 config {cfg}: the GEMV kernel takes at most block_m = {cfg.block_m} rows, got {m}")
     splits = cfg.splits(w.k)
-    # Split K: one fp32 partial per slice, summed below in a fixed order (atomics would make the bits vary from
-    # run to run: the same request could decode other tokens).
-    y = torch.empty(splits, m, w.n, device=x.device, dtype=torch.float32) if splits > 1 else \
-        torch.empty(m, w.n, device=x.device, dtype=x.dtype)
+    y = split_output(splits, m, w.n, x)
     args = (x2, w.qweight, w.scale, y, m, w.n, w.k, cfg.k_per_split, x2.stride(0), x2.stride(1),
             y.stride(-2), y.stride(-1))
     if cfg.gemv:
@@ -228,9 +221,7 @@ def int8_linear(x: torch.Tensor, w: Int8Packed, config: Int8Config | None = None
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n), splits)
         _int8_kernel[grid](*args, GROUP=w.group, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8,
                            PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        y = y.sum(0)
-    return y.to(x.dtype).view(*x.shape[:-1], w.n)
+    return sum_splits(y, splits, x, w.n)
 
 
 def int8_linear_reference(x: torch.Tensor, w: Int8Packed | Int8Weight) -> torch.Tensor:

@@ -41,6 +41,30 @@ def split_k(tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4, wave
     return min(steps, per_slice) * block_k
 
 
+def check_input(x: torch.Tensor, n: int, k: int, what: str) -> None:
+    """A weight-only product's input: K columns, a float dtype the kernels take."""
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: input {tuple(x.shape)} has K = {x.shape[-1]}, the weight [N={n}, K={k}] "
+                         f"expects K = {k}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{what}: input dtype {x.dtype}, expected bf16, fp16 or fp32")
+
+
+def split_output(splits: int, m: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    """Where a launch writes: one fp32 partial per K slice ([splits, M, N], summed by `sum_splits` in a fixed order:
+    atomics would let the bits, hence a greedy token, vary from run to run), or y itself when K is not split."""
+    if splits > 1:
+        return torch.empty(splits, m, n, device=like.device, dtype=torch.float32)
+    return torch.empty(m, n, device=like.device, dtype=like.dtype)
+
+
+def sum_splits(y: torch.Tensor, splits: int, x: torch.Tensor, n: int) -> torch.Tensor:
+    """`split_output`'s partials summed in slice order, as x's dtype with x's leading dims."""
+    if splits > 1:
+        y = y.sum(0)
+    return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
 @triton.jit
 def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """Program `pid`'s output tile (row tile, column tile) in grouped order: GROUP_M row tiles in turn take one
