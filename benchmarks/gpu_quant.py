@@ -17,6 +17,7 @@ Sections (default: all; about 3 minutes on one H100, Triton compilation included
           the copy bandwidth, speedup over bf16
   sweep   int4 g32 GEMV tile configurations at M = 1 on the 31B and E4B shapes (what the heuristic could choose)
   tiled   the tiled int4 kernel's configurations at M = 16 and 64 on the 31B shapes (group 32)
+  prefetch  the int4 GEMV at M = 1 with its next step's words loaded ahead, or Triton's pipelining, or neither
   experts the grouped MoE expert products (int4, fp8) at the 26B-A4B's shapes: checked as `check` does, and timed
           against bf16 torch._grouped_mm
 
@@ -252,6 +253,42 @@ def section_sweep(res: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def section_prefetch(res: dict) -> None:
+    """The int4 GEMV (group 32, M = 1) with the next step's words loaded ahead (`prefetch`) or Triton's own
+    pipelining (num_stages 2) against neither, over column tiles, steps and warps, on the 31B and E4B shapes
+    (K slices as the heuristic cuts them: about four waves)."""
+    rows = res["prefetch"] = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for i, (model, proj, n, k) in enumerate(SHAPES[:4] + SHAPES[8:]):
+        gen = torch.Generator(device="cuda").manual_seed(i)
+        packed = I4.pack_int4(_int4(gen, n, k, 32, False))
+        weights = [packed] + [_copies(packed) for _ in range(max(0, -(-L2_BYTES // packed.nbytes) - 1))]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        auto = I4.int4_config(1, n, k, 32, sms)
+        row: dict = {"model": model, "proj": proj, "N": n, "K": k, "auto": dataclasses.astuple(auto)}
+        row["auto_us"] = round(graph_us(I4.int4_linear, x, weights), 2)
+        for bn in (64, 128):
+            for bk in (128, 256):
+                per = split_k(-(-n // bn), k, bk, sms, min_steps=2, waves=4)
+                for prefetch, stages in ((False, 1), (True, 1), (False, 2)):
+                    for warps in (4, 8):
+                        cfg = I4.Int4Config(1, bn, bk, per, warps, stages, gemv=True, prefetch=prefetch)
+                        try:
+                            us = graph_us(lambda x_, w_, cfg=cfg: I4.int4_linear(x_, w_, cfg), x, weights, reps=7)
+                        except Exception as exc:   # a config that does not compile: skip
+                            row[str(dataclasses.astuple(cfg))] = repr(exc)[:80]
+                            continue
+                        row[str(dataclasses.astuple(cfg))] = round(us, 2)
+        best = min((v, key) for key, v in row.items() if key.startswith("(") and isinstance(v, float))
+        row["best"], row["best_us"] = best[1], best[0]
+        row["best_GBs"] = round(packed.nbytes / (best[0] * 1e-6) / 1e9)
+        rows.append(row)
+        print("prefetch", {key: row[key] for key in ("model", "proj", "auto_us", "best", "best_us", "best_GBs")},
+              flush=True)
+        del weights, packed
+        torch.cuda.empty_cache()
+
+
 def section_tiled(res: dict) -> None:
     """The tiled int4 kernel (group 32) at M = 16 and 64 on the 31B shapes: step width (32 = one group per
     step, 64 / 128 = the tile dequantised first, `scaled`), nibble order, column tile, warps; against auto."""
@@ -391,6 +428,7 @@ def main(argv: list[str]) -> int:
         "timing": lambda: section_timing(res, res.get("hbm_GBs")),
         "sweep": lambda: section_sweep(res),
         "tiled": lambda: section_tiled(res),
+        "prefetch": lambda: section_prefetch(res),
         "experts": lambda: section_experts(res),
     }, out)
     print(summary(res))

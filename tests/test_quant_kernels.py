@@ -52,6 +52,8 @@ def _regimes(m, n, k, group):
                  # groups of 32, a slice ending inside a step
         regimes["gemv"] = I4.Int4Config(triton.next_power_of_2(m), 32, 64, max(64, k // 4), 4, 1, gemv=True)
         regimes["gemv_ragged"] = I4.Int4Config(4, 32, 128, 192 if k > 192 else k, 4, 1, gemv=True)
+        regimes["gemv_prefetch"] = I4.Int4Config(triton.next_power_of_2(m), 32, 64, max(64, k // 4) + 32, 4, 1,
+                                                 gemv=True, prefetch=True)
     return regimes
 
 

@@ -150,6 +150,7 @@ class Int4Config:
     gemv: bool = False   # the decode GEMV kernel (block_m rows at once, no tl.dot) instead of the tiled one
     nibble_major: bool = False   # tiled kernel: unpack nibble-major and gather x's columns to match
     scaled: bool = False   # tiled kernel: dequantise the tile into x's dtype first (block_k may span groups)
+    prefetch: bool = False   # GEMV: load the next step's words before this step's arithmetic
 
     def splits(self, k: int) -> int:
         return -(-k // self.k_per_split)
@@ -249,13 +250,14 @@ def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_split
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_split, s_xm, s_xk, s_ym, s_yn,
                       GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, PREFETCH: tl.constexpr):
     """Decode rows without tl.dot: a program owns BN columns and a K slice for all BM (<= 4) rows; each step
     loads BKW word rows [BKW, BN] (8 K values per word) and, nibble by nibble, multiplies them into the rows
     on the FMA units. A nibble becomes a float by the exponent trick: (q | 0x4B000000) read as fp32 is 2^23 + q,
     so subtracting (2^23 + zero) gives q - zero exactly in one add (no int-to-float conversion, which runs
     at a quarter of the FMA rate). Per word row the 8 products are summed, then scaled by the word row's
-    group scale: all 8 nibbles of a word lie in one group (the group is a multiple of 8)."""
+    group scale: all 8 nibbles of a word lie in one group (the group is a multiple of 8). PREFETCH: the next
+    step's words are loaded before this step's arithmetic (two loads in flight per program)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -267,11 +269,19 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, k_per_
     w_lo = pid_k * (k_per_split // 8)
     w_hi = tl.minimum(w_lo + k_per_split // 8, words_total)
     acc = tl.zeros((BM, BKW, BN), dtype=tl.float32)
+    if PREFETCH:
+        ahead = tl.load(qw_ptr + (w_lo + rw).to(tl.int64)[:, None] * N + rn[None, :],
+                        mask=((w_lo + rw) < w_hi)[:, None] & nm[None, :], other=0)
     for w0 in range(w_lo, w_hi, BKW):
         wr = w0 + rw
         wm = wr < w_hi
         lm = wm[:, None] & nm[None, :]
-        words = tl.load(qw_ptr + wr.to(tl.int64)[:, None] * N + rn[None, :], mask=lm, other=0)
+        if PREFETCH:
+            words = ahead
+            ahead = tl.load(qw_ptr + (wr + BKW).to(tl.int64)[:, None] * N + rn[None, :],
+                            mask=((wr + BKW) < w_hi)[:, None] & nm[None, :], other=0)
+        else:
+            words = tl.load(qw_ptr + wr.to(tl.int64)[:, None] * N + rn[None, :], mask=lm, other=0)
         g = (wr * 8) // GROUP
         gidx = g[:, None] * N + rn[None, :]
         scale = tl.load(s_ptr + gidx, mask=lm, other=0.0).to(tl.float32)
@@ -328,7 +338,8 @@ def int4_linear(x: torch.Tensor, w: Int4Packed, config: Int4Config | None = None
     if cfg.gemv:
         _int4_gemv_kernel[(triton.cdiv(w.n, cfg.block_n), splits)](
             *args, GROUP=w.group, HAS_ZERO=w.has_zero, HAS_OFFSET=w.has_offset, BM=cfg.block_m,
-            BN=cfg.block_n, BKW=cfg.block_k // 8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BN=cfg.block_n, BKW=cfg.block_k // 8, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     else:
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n), splits)
         _int4_kernel[grid](*args, GROUP=w.group, HAS_ZERO=w.has_zero, HAS_OFFSET=w.has_offset,
