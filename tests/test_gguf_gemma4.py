@@ -423,6 +423,8 @@ def test_unsupported_files_are_named(converted, tmp_path):
         load(hf_dir, mmproj)
     with pytest.raises(UserInputError, match=r"--mmproj '.*config\.json' is not a \.gguf file"):
         load(text, hf_dir / "config.json")
+    with pytest.raises(UserInputError, match=r"--mmproj '.*absent\.gguf': no such file"):
+        load(text, hf_dir / "absent.gguf")
     with pytest.raises(UserInputError, match=r"projects images to width 65, but the model's is 64"):
         load(text, mmproj)
     with pytest.raises(UserInputError, match=r"12B unified model's patch embedder \(gemma4uv\)"):

@@ -116,6 +116,8 @@ def _mmproj_path(mmproj: str | None, source: ModelSource, shard: TensorParallelS
     if source.kind is not SourceKind.GGUF:
         raise UserInputError(f"--mmproj goes with a .gguf model; {source.name!r} is a checkpoint directory, whose "
                              "own config says which encoders it has")
+    if not path.exists():
+        raise UserInputError(f"--mmproj {mmproj!r}: no such file")
     if not path.is_file() or path.suffix.lower() != ".gguf":
         raise UserInputError(f"--mmproj {mmproj!r} is not a .gguf file")
     if shard is not None:
