@@ -36,9 +36,10 @@ from helpers import fresh_seed, paged_logits, routing_margin, tiny_gemma4_hf
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 VOCAB = 384
-# Gemma 4's control tokens (ids 5-17); the converter types six USER_DEFINED ("visible" to llama.cpp).
+# Gemma 4's control tokens (ids 5-19); the converter types six USER_DEFINED ("visible" to llama.cpp).
 SPECIALS = ["<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|audio>",
-            "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", '<|"|>', "<|video|>"]
+            "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", '<|"|>', "<|video|>",
+            "<audio|>", "<|audio|>"]
 WORDS = ["\u2581hello", "\u2581world", "\u2581this", "\u2581is", "\u2581a", "\u2581test", "\u2581of", "\u2581sliding",
          "\u2581windows", "hello", "user", "model", "\u2581\u2581", "\n\n", "\u2581the", "\u2581thinking"]
 TEXTS = ["hello world this is a test of sliding windows",
@@ -465,16 +466,21 @@ def test_q4_0_projections_stay_4bit_as_on_cuda(converted, monkeypatch, tmp_path,
 
 # -- the image encoder's mmproj file ------------------------------------------------------------------------------
 
-def convert_mmproj(hf_dir: Path, out: Path, audio: bool = False) -> Path:
+def convert_mmproj(hf_dir: Path, out: Path) -> Path:
     """The checkpoint's image encoder as the converter's Gemma4VisionAudioModel writes it (architecture "clip",
     projector type gemma4v): the tower's sizes under clip.vision.*, tensors renamed (encoder layers as
     vision_model.model.layers, `.linear.weight` as `.weight`, through gguf's mmproj map), the patch embedding as a
     conv kernel [H, 3, p, p], scalars as [1], the position table F32; the text model's tensors left out.
-    `audio`: also a stand-in audio encoder (clip.has_audio_encoder, a few a.* / mm.a.* tensors)."""
+    Its audio encoder where the checkpoint has one (llama.cpp conversion/gemma.py, Gemma4VisionAudioModel and
+    MmprojModel): projector type gemma4a, clip.audio.* sizes (projection_dim the text width, embedding_length,
+    feed_forward_length 4 x hidden, block_count, head_count, num_mel_bins = input_feat_size or 128, layer-norm
+    epsilon 1e-5 written as a constant), tensors renamed (model.audio_tower. as conformer., `.linear.` dropped,
+    through gguf's mmproj map), per_dim_scale passed through softplus, the depthwise kernel [C, 1, K] as [C, K],
+    scalars as [1]."""
     import gguf
 
     raw = json.loads((hf_dir / "config.json").read_text())
-    v = raw["vision_config"]
+    v, a = raw["vision_config"], raw.get("audio_config")
     w = gguf.GGUFWriter(str(out), "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -490,19 +496,37 @@ def convert_mmproj(hf_dir: Path, out: Path, audio: bool = False) -> Path:
     w.add_vision_image_std([1.0, 1.0, 1.0])
     w.add_clip_vision_projector_type(gguf.VisionProjectorType.GEMMA4V)
     w.add_vision_attention_layernorm_eps(v.get("rms_norm_eps", 1e-6))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, v["num_hidden_layers"])
-    if audio:
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(v["num_hidden_layers"],
+                                                                  a["num_hidden_layers"] if a else 0))
+    suffixes = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
+    if a:
         w.add_clip_has_audio_encoder(True)
+        w.add_audio_projection_dim(raw["text_config"]["hidden_size"])
+        w.add_audio_embedding_length(a["hidden_size"])
+        w.add_audio_feed_forward_length(a["hidden_size"] * 4)
+        w.add_audio_block_count(a["num_hidden_layers"])
+        w.add_audio_head_count(a["num_attention_heads"])
         w.add_clip_audio_projector_type(gguf.VisionProjectorType.GEMMA4A)
-        for name in ("a.blk.0.attn_q.weight", "mm.a.input_projection.weight"):
-            w.add_tensor(name, np.full((4, 4), 7.0, dtype=np.float32))
+        w.add_audio_num_mel_bins(a.get("input_feat_size", 128))
+        w.add_audio_attention_layernorm_eps(1e-5)
     for file in sorted(hf_dir.glob("*.safetensors")):
         for name, t in load_file(str(file)).items():
-            if not name.startswith(("model.vision_tower.", "model.embed_vision.")):
-                continue
             value = t.to(torch.float32)
             if value.ndim == 0:
                 value = value.unsqueeze(0)
+            if name.startswith(("model.audio_tower.", "model.embed_audio.")):
+                name = name.replace("model.audio_tower.", "conformer.").replace(".linear.", ".")
+                if name.endswith(("per_dim_key_scale", "per_dim_scale")):
+                    name += ".weight"
+                    value = torch.nn.functional.softplus(value)
+                if "lconv1d.depthwise_conv1d" in name and name.endswith(".weight"):
+                    value = value.reshape(value.shape[0], value.shape[2])
+                gname = names.get_name(name, try_suffixes=suffixes)
+                assert gname is not None, name
+                w.add_tensor(gname, value.numpy())
+                continue
+            if not name.startswith(("model.vision_tower.", "model.embed_vision.")):
+                continue
             name = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(".linear.weight",
                                                                                             ".weight")
             if name.endswith(("layer_scalar", "position_embedding_table")):
@@ -511,8 +535,7 @@ def convert_mmproj(hf_dir: Path, out: Path, audio: bool = False) -> Path:
                 h, k = value.shape
                 p = int((k // 3) ** 0.5)
                 value = value.reshape(h, p, p, 3).permute(0, 3, 1, 2).contiguous()
-            gname = names.get_name(name, try_suffixes=(".weight", ".bias", ".input_max", ".input_min",
-                                                       ".output_max", ".output_min"))
+            gname = names.get_name(name, try_suffixes=suffixes)
             assert gname is not None, name
             w.add_tensor(gname, value.numpy())
     w.write_header_to_file()
@@ -524,19 +547,24 @@ def convert_mmproj(hf_dir: Path, out: Path, audio: bool = False) -> Path:
 
 def tiny_vision(variant: str, seed: int):
     """transformers' Gemma4ForConditionalGeneration with the ViT encoder, E2B-like (PLE, KV sharing, clipped
-    encoder linears, causal images) or 31B-like (K = V, standardised features, bidirectional images), over this
-    file's tokenizer ids, 280 soft tokens per image (what the mmproj file implies), every weight random."""
+    encoder linears, causal images, and an audio tower: a 2-layer conformer with clipped linears, as E2B has) or
+    31B-like (K = V, standardised features, bidirectional images, no audio), over this file's tokenizer ids, 280
+    soft tokens per image (what the mmproj file implies), every weight random (clip bounds +-1.5)."""
     import transformers
 
-    from helpers import GEMMA4_BASE, GEMMA4_VARIANTS, GEMMA4_VISION_TOWER, GEMMA4_VISION_VARIANTS, _gemma4_random
+    from helpers import GEMMA4_AUDIO_TOWER, GEMMA4_BASE, GEMMA4_VARIANTS, GEMMA4_VISION_TOWER, \
+        GEMMA4_VISION_VARIANTS, _gemma4_random
 
     text, vision = GEMMA4_VISION_VARIANTS[variant]
     tid = {t: 5 + i for i, t in enumerate(SPECIALS)}
+    audio = {**GEMMA4_AUDIO_TOWER, "use_clipped_linears": True} if variant == "e2b" else None
     cfg = transformers.Gemma4Config(
         text_config={**GEMMA4_BASE, **GEMMA4_VARIANTS[variant], **text, "vocab_size": VOCAB,
                      "vocab_size_per_layer_input": VOCAB},
-        vision_config={**GEMMA4_VISION_TOWER, **vision}, audio_config=None, image_token_id=tid["<|image|>"],
-        boi_token_id=tid["<|image>"], eoi_token_id=tid["<image|>"], video_token_id=tid["<|video|>"])
+        vision_config={**GEMMA4_VISION_TOWER, **vision}, audio_config=audio, image_token_id=tid["<|image|>"],
+        boi_token_id=tid["<|image>"], eoi_token_id=tid["<image|>"], video_token_id=tid["<|video|>"],
+        **(dict(audio_token_id=tid["<|audio|>"], boa_token_id=tid["<|audio>"], eoa_token_index=tid["<audio|>"])
+           if audio else {}))
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = _gemma4_random(transformers.Gemma4ForConditionalGeneration(cfg).eval(), seed, 0.5)
@@ -561,12 +589,20 @@ def _images(seed: int):
     return [Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))]
 
 
+SPEECH = Path(__file__).parent / "data" / "speech_16k.wav"
+
+
 @pytest.mark.parametrize("variant", ["e2b", "31b"])
 def test_mmproj_file_gives_the_model_images(tmp_path, monkeypatch, variant):
     """A checkpoint with an image encoder converted to the text GGUF plus its mmproj file, loaded with --mmproj:
     the encoder's config and every weight equal the directory load's, prompt logits with an image (280 soft tokens)
     equal it (fp32 rounding) and greedy tokens are the same; the same file without --mmproj refuses images and
-    says why."""
+    says why. E2B's file also holds its audio encoder: its config equals the directory load's (but for
+    per_dim_scale, which the file holds as softplus(raw)), so do its weights (per_dim_scale: the softplus of the
+    directory's, bit for bit), and a spoken prompt's logits and greedy tokens; 31B's file has no audio encoder and
+    audio is refused."""
+    import soundfile
+
     from gemmaserve import LLM, SamplingParams
     from gemmaserve.errors import UserInputError
 
@@ -578,17 +614,28 @@ def test_mmproj_file_gives_the_model_images(tmp_path, monkeypatch, variant):
     raw = json.loads((hf_dir / "config.json").read_text())
     raw["vision_soft_tokens_per_image"] = 280
     (hf_dir / "config.json").write_text(json.dumps(raw))
+    if variant == "e2b":
+        from transformers import Gemma4AudioFeatureExtractor
+
+        Gemma4AudioFeatureExtractor().save_pretrained(hf_dir)   # as transformers' processor saves it
     text = convert(hf_dir, tmp_path / "model.gguf")
-    proj = convert_mmproj(hf_dir, tmp_path / "mmproj.gguf", audio=variant == "e2b")   # its audio part: not loaded
+    proj = convert_mmproj(hf_dir, tmp_path / "mmproj.gguf")
     opts = dict(page_size=4, max_num_batched_tokens=1024, kv_cache_memory=16 << 20)
     ours, ref = LLM(model=str(text), mmproj=str(proj), **opts), LLM(model=str(hf_dir), **opts)
     a, b = ours.engine._model, ref.engine._model
-    assert dataclasses.replace(a.mm_config, text=b.mm_config.text) == b.mm_config, f"{variant} seed={seed}"
+    assert (a.mm_config.audio is not None) == (b.mm_config.audio is not None) == (variant == "e2b")
+    if variant == "e2b":
+        assert not a.mm_config.audio.raw_per_dim_scale and b.mm_config.audio.raw_per_dim_scale
+    audio = b.mm_config.audio and dataclasses.replace(b.mm_config.audio, raw_per_dim_scale=False)
+    assert dataclasses.replace(a.mm_config, text=b.mm_config.text) == dataclasses.replace(b.mm_config, audio=audio), \
+        f"{variant} seed={seed}"
     assert a.config.bidirectional_vision == b.config.bidirectional_vision == (variant == "31b")
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     for k in sa:
-        assert torch.equal(sa[k], sb[k]), f"{variant} seed={seed}: {k}"
+        want = torch.nn.functional.softplus(sb[k]) if k.endswith("per_dim_scale") else sb[k]
+        assert torch.equal(sa[k], want), f"{variant} seed={seed}: {k}"
+    assert any(k.startswith("audio_tower.") for k in sa) == (variant == "e2b")
 
     prompt, images = "hello world this is a test", _images(seed)
     ids, items = ours.engine.inputs.prepare_images(prompt, images)
@@ -601,8 +648,21 @@ def test_mmproj_file_gives_the_model_images(tmp_path, monkeypatch, variant):
             for llm in (ours, ref)]
     assert outs[0] == outs[1], f"{variant} seed={seed}"
 
+    clip = soundfile.read(SPEECH, dtype="float32")[0][:19_988]   # 1.25 s of espeak-ng speech: 31 tokens
+    spoken = "hello <|audio|> world"
     if variant != "e2b":
+        with pytest.raises(UserInputError, match=r"does not take audio"):
+            ours.generate([spoken], params, use_tqdm=False, audio=[[clip]])
         return
+    ids, items = ours.engine.inputs.prepare(spoken, audio=[clip])
+    ref_ids, ref_items = ref.engine.inputs.prepare(spoken, audio=[clip])
+    assert ids == ref_ids and len(items) == 1 and ids.count(a.mm_config.audio_token_id) == 31
+    got, want = chunked_prompt_logits(a, ids, items, 1024), chunked_prompt_logits(b, ref_ids, ref_items, 1024)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5 * want.abs().max().item()), f"audio seed={seed}"
+    outs = [llm.generate([spoken], params, use_tqdm=False, audio=[[clip]])[0].outputs[0].token_ids
+            for llm in (ours, ref)]
+    assert outs[0] == outs[1], f"audio seed={seed}"
+
     text_only = LLM(model=str(text), **opts)
     with pytest.raises(UserInputError, match=r"does not take images \(a GGUF file holds the text model only: give "
                                              r"the model's mmproj .gguf file with --mmproj"):

@@ -55,6 +55,9 @@ class AudioTowerConfig:
     gradient_clipping: float = 1e10
     output_proj_dims: int = 1536
     feature_size: int = 128   # mel bins of the features it reads
+    # per_dim_scale as stored: the checkpoint's raw parameter (softplus applied at run time), or False where it
+    # is already softplus(raw) (llama.cpp's mmproj files: its converter applies softplus when converting)
+    raw_per_dim_scale: bool = True
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "AudioTowerConfig":
@@ -69,6 +72,44 @@ class AudioTowerConfig:
         if "subsampling_conv_channels" in fields:
             fields["subsampling_conv_channels"] = tuple(fields["subsampling_conv_channels"])
         return cls(**fields)
+
+    @classmethod
+    def from_gguf(cls, mmproj) -> "AudioTowerConfig":
+        """From llama.cpp's mmproj file of a Gemma 4 model (projector type gemma4a; its converter's
+        Gemma4VisionAudioModel, llama.cpp conversion/gemma.py). The file keeps hidden_size
+        (clip.audio.embedding_length), num_hidden_layers (block_count), num_attention_heads (attention.head_count)
+        and feature_size (num_mel_bins); the tensors say the subsampling channels (a.conv1d.0/1), the depthwise
+        kernel (a.blk.0.conv_dw), output_proj_dims (a.pre_encode.out) and clipped linears (*.input_min present).
+        clip.audio.feed_forward_length is the converter's 4 x hidden (ours too: checked against a.blk.0.ffn_up);
+        clip.audio.attention.layer_norm_epsilon is a constant the converter writes (1e-5), not the model's, so it
+        is not read. What the file does not keep is fixed for every Gemma 4 audio tower and taken from this
+        class's defaults (those of transformers' Gemma4AudioConfig): rms_norm_eps 1e-6, attention chunk 12,
+        left context 13, no right context, logit cap 50, invalid logit -1e9, residual weight 0.5, gradient
+        clipping 1e10. per_dim_scale is stored as softplus(raw) (raw_per_dim_scale=False)."""
+        tensors = mmproj.tensors_by_name()
+
+        def shape(name: str) -> tuple[int, ...]:
+            if name not in tensors:
+                raise ValueError(f"lacks tensor {name!r}")
+            return tensors[name].shape
+
+        def key(name: str) -> int:
+            value = mmproj.get(f"clip.audio.{name}")
+            if value is None:
+                raise ValueError(f"lacks clip.audio.{name}")
+            return int(value)
+
+        cfg = cls(hidden_size=key("embedding_length"), num_hidden_layers=key("block_count"),
+                  num_attention_heads=key("attention.head_count"), feature_size=key("num_mel_bins"),
+                  subsampling_conv_channels=(shape("a.conv1d.0.weight")[0], shape("a.conv1d.1.weight")[0]),
+                  conv_kernel_size=shape("a.blk.0.conv_dw.weight")[-1],
+                  output_proj_dims=shape("a.pre_encode.out.weight")[0],
+                  use_clipped_linears=any(n.startswith("a.") and n.endswith(".input_min") for n in tensors),
+                  raw_per_dim_scale=False)
+        if shape("a.blk.0.ffn_up.weight") != (4 * cfg.hidden_size, cfg.hidden_size):
+            raise ValueError(f"a.blk.0.ffn_up is {shape('a.blk.0.ffn_up.weight')}, expected "
+                             f"{(4 * cfg.hidden_size, cfg.hidden_size)} (4 x the width {cfg.hidden_size})")
+        return cfg
 
     @property
     def head_dim(self) -> int:
@@ -164,7 +205,8 @@ class LocalAttention(nn.Module):
         q = self.q(x).float().view(t, heads, d)
         k = self.k(x).float().view(t, heads, d)
         v = self.v(x).float().view(t, heads, d)
-        q = q * ((d ** -0.5) / math.log(2)) * F.softplus(self.per_dim_scale)
+        scale = F.softplus(self.per_dim_scale) if cfg.raw_per_dim_scale else self.per_dim_scale
+        q = q * ((d ** -0.5) / math.log(2)) * scale
         k = k * (math.log(1 + math.e) / math.log(2))
         # the band: key j = i - dist for dist 0 .. w - 1 (keys before the clip read zeros, masked)
         index = torch.arange(t, device=x.device)[:, None] - torch.arange(w, device=x.device)[None, :]   # [T, w]
@@ -252,6 +294,54 @@ def checkpoint_name(name: str) -> str:
     for part in ("q", "k", "v"):
         name = name.replace(f".self_attn.{part}_proj.", f".self_attn.{part}.")
     return name
+
+
+# llama.cpp's mmproj names of a conformer layer's tensors (a.blk.N.<name>) -> ours (audio_tower.layers.N.<ours>),
+# and whether ours is a ClippedLinear (its matrix under .linear, clip bounds beside it)
+_MMPROJ_LAYER = {"ffn_up": ("feed_forward1.ffw_layer_1", True), "ffn_down": ("feed_forward1.ffw_layer_2", True),
+                 "ffn_norm": ("feed_forward1.pre_layer_norm", False),
+                 "ffn_post_norm": ("feed_forward1.post_layer_norm", False),
+                 "ffn_up_1": ("feed_forward2.ffw_layer_1", True), "ffn_down_1": ("feed_forward2.ffw_layer_2", True),
+                 "ffn_norm_1": ("feed_forward2.pre_layer_norm", False),
+                 "ffn_post_norm_1": ("feed_forward2.post_layer_norm", False),
+                 "attn_q": ("self_attn.q", True), "attn_k": ("self_attn.k", True), "attn_v": ("self_attn.v", True),
+                 "attn_out": ("self_attn.post", True), "attn_k_rel": ("self_attn.relative_k_proj", False),
+                 "conv_pw1": ("lconv1d.linear_start", True), "conv_pw2": ("lconv1d.linear_end", True),
+                 "conv_dw": ("lconv1d.depthwise_conv1d", False), "conv_norm": ("lconv1d.pre_layer_norm", False),
+                 "norm_conv": ("lconv1d.conv_norm", False), "attn_pre_norm": ("norm_pre_attn", False),
+                 "attn_post_norm": ("norm_post_attn", False), "ln2": ("norm_out", False)}
+_MMPROJ_GLOBAL = {"a.conv1d.0.weight": "subsample_conv_projection.layer0.conv.weight",
+                  "a.conv1d.0.norm.weight": "subsample_conv_projection.layer0.norm.weight",
+                  "a.conv1d.1.weight": "subsample_conv_projection.layer1.conv.weight",
+                  "a.conv1d.1.norm.weight": "subsample_conv_projection.layer1.norm.weight",
+                  "a.input_projection.weight": "subsample_conv_projection.input_proj_linear.weight",
+                  "a.pre_encode.out.weight": "output_proj.weight", "a.pre_encode.out.bias": "output_proj.bias"}
+_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
+
+
+def mmproj_name(name: str, value: torch.Tensor) -> tuple[str | None, torch.Tensor]:
+    """An mmproj file's audio tensor (a.*) -> (our name under `audio_tower.`, its value in our layout), None where
+    it is not one. The converter renames the checkpoint's (gguf's tensor map), drops `.linear` from the clipped
+    linears, stores scalar clip bounds as [1] and the depthwise kernel [C, 1, K] as [C, K]: both undone exactly;
+    per_dim_scale is softplus(raw), kept as it is (AudioTowerConfig.raw_per_dim_scale)."""
+    if name in _MMPROJ_GLOBAL:
+        return _MMPROJ_GLOBAL[name], value
+    parts = name.split(".")
+    if len(parts) != 5 or parts[:2] != ["a", "blk"] or not parts[2].isdigit():
+        return None, value
+    prefix, leaf = f"layers.{parts[2]}.", parts[4]
+    if parts[3] == "per_dim_scale" and leaf == "weight":
+        return prefix + "self_attn.per_dim_scale", value
+    if parts[3] not in _MMPROJ_LAYER:
+        return None, value
+    ours, clipped = _MMPROJ_LAYER[parts[3]]
+    if clipped and leaf in _BOUNDS:
+        return f"{prefix}{ours}.{leaf}", value.reshape(())
+    if leaf != "weight":
+        return None, value
+    if parts[3] == "conv_dw":
+        value = value.unsqueeze(1)
+    return f"{prefix}{ours}{'.linear' if clipped else ''}.weight", value
 
 
 class AudioTower(nn.Module):

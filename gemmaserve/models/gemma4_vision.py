@@ -37,6 +37,7 @@ from .gemma4 import Gemma4Config, Gemma4ForCausalLM
 from .audio_features import AudioFeatureConfig
 from .gemma4_audio import AudioEmbedder, AudioProcessor, AudioTower, AudioTowerConfig
 from .gemma4_audio import checkpoint_name as audio_checkpoint_name
+from .gemma4_audio import mmproj_name as audio_mmproj_name
 from .image_processing import to_rgb
 from .layers import RMSNorm
 from .multimodal import EncoderInput, MediaLayout, Modality
@@ -143,7 +144,13 @@ class Gemma4VisionConfig:
         llama.cpp takes it: RoPE theta 100, 280 soft tokens per image at most; the image token ids are the
         tokenizer's `<|image>`, `<|image|>`, `<image|>` and `<|video|>`. Bidirectional image attention is what
         HF configures for the models without per-layer inputs (12B/26B/31B; E2B/E4B keep images causal,
-        which llama.cpp does not: it makes every gemma4v image bidirectional)."""
+        which llama.cpp does not: it makes every gemma4v image bidirectional).
+
+        Its audio encoder (E2B/E4B: clip.has_audio_encoder, projector type gemma4a, tensors a.* and mm.a.*) is
+        loaded too: the tower's sizes as AudioTowerConfig.from_gguf reads them, the feature extractor's defaults
+        (those of transformers' Gemma4AudioFeatureExtractor: 16 kHz, 20 ms frames every 10 ms, ...; the file
+        keeps none of them) with the file's mel bins, the audio token ids the tokenizer's `<|audio>`,
+        `<|audio|>`, `<audio|>`."""
         if mmproj.get("general.architecture") != "clip":
             raise UserInputError(f"{mmproj.path} is not an mmproj file (general.architecture "
                                  f"{mmproj.get('general.architecture')!r}, expected 'clip')")
@@ -154,9 +161,6 @@ class Gemma4VisionConfig:
         if not mmproj.get("clip.has_vision_encoder", False) or kind != "gemma4v":
             raise UserInputError(f"{mmproj.path} holds no Gemma 4 image encoder (projector type {kind!r}, "
                                  "expected 'gemma4v')")
-        if mmproj.get("clip.has_audio_encoder", False):
-            log.warning("%s: its audio encoder is not loaded (audio from mmproj files is not supported yet); "
-                        "images are", mmproj.path)
         width = mmproj.get("clip.vision.projection_dim")
         if width is not None and int(width) != text.hidden_size:
             raise UserInputError(f"{mmproj.path} projects images to width {width}, but the model's is "
@@ -187,14 +191,32 @@ class Gemma4VisionConfig:
         def token(text_: str) -> int:
             tid = tokenizer.token_to_id(text_)
             if tid is None:
-                raise UserInputError(f"the model's tokenizer has no {text_!r} token, which images need")
+                raise UserInputError(f"the model's tokenizer has no {text_!r} token, which "
+                                     f"{'audio needs' if 'audio' in text_ else 'images need'}")
             return tid
 
         text = dataclasses.replace(text, multimodal=True, bidirectional_vision=text.hidden_size_per_layer_input == 0,
                                    architecture="Gemma4ForConditionalGeneration")
+        audio, audio_ids = None, {}
+        if mmproj.get("clip.has_audio_encoder", False):
+            akind = mmproj.get("clip.audio.projector_type", mmproj.get("clip.projector_type"))
+            if akind != "gemma4a":
+                raise UserInputError(f"{mmproj.path} holds an audio encoder of projector type {akind!r}, not "
+                                     "Gemma 4's ('gemma4a')")
+            awidth = mmproj.get("clip.audio.projection_dim")
+            if awidth is not None and int(awidth) != text.hidden_size:
+                raise UserInputError(f"{mmproj.path} projects audio to width {awidth}, but the model's is "
+                                     f"{text.hidden_size}: it belongs to another model")
+            try:
+                audio = AudioTowerConfig.from_gguf(mmproj)
+            except ValueError as exc:
+                raise UserInputError(f"{mmproj.path}'s audio encoder: {exc}") from None
+            audio_ids = dict(audio_token_id=token("<|audio|>"), boa_token_id=token("<|audio>"),
+                             eoa_token_id=token("<audio|>"),
+                             audio_features=AudioFeatureConfig(feature_size=audio.feature_size))
         return cls(text=text, vision=vision, image_token_id=token("<|image|>"), boi_token_id=token("<|image>"),
                    eoi_token_id=token("<image|>"), pad_token_id=tokenizer.pad_token_id,
-                   video_token_id=tokenizer.token_to_id("<|video|>") or -1)
+                   video_token_id=tokenizer.token_to_id("<|video|>") or -1, audio=audio, **audio_ids)
 
 
 @dataclass(frozen=True)
@@ -515,11 +537,16 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         return super().forward(inputs)
 
     def mmproj_tensor(self, name: str, value: torch.Tensor) -> tuple[str | None, torch.Tensor]:
-        """An mmproj file's tensor -> (our name, its value in our layout), None for the audio encoder's (a.*, mm.a.*:
-        not loaded). The converter stores the patch embedding as a conv kernel [H, 3, p, p] (HF's linear over
-        (py, px, c) permuted), and scalar clip bounds as [1]: both undone exactly."""
-        if name.startswith(("a.", "mm.a.")):
-            return None, value
+        """An mmproj file's tensor -> (our name, its value in our layout). The converter stores the patch embedding
+        as a conv kernel [H, 3, p, p] (HF's linear over (py, px, c) permuted), and scalar clip bounds as [1]: both
+        undone exactly. The audio encoder's (a.*, mm.a.*): gemma4_audio.mmproj_name."""
+        if name == "mm.a.input_projection.weight":
+            return "embed_audio.embedding_projection.weight", value
+        if name.startswith("a."):
+            ours, value = audio_mmproj_name(name, value)
+            if ours is None:
+                raise UserInputError(f"unexpected tensor {name!r} in a Gemma 4 mmproj file")
+            return "audio_tower." + ours, value
         if name in _MMPROJ_GLOBAL:
             if name == "v.patch_embd.weight":
                 value = value.permute(0, 2, 3, 1).reshape(value.shape[0], -1)
