@@ -597,10 +597,10 @@ def test_mmproj_file_gives_the_model_images(tmp_path, monkeypatch, variant):
     """A checkpoint with an image encoder converted to the text GGUF plus its mmproj file, loaded with --mmproj:
     the encoder's config and every weight equal the directory load's, prompt logits with an image (280 soft tokens)
     equal it (fp32 rounding) and greedy tokens are the same; the same file without --mmproj refuses images and
-    says why. E2B's file also holds its audio encoder: its config equals the directory load's (but for
+    says why (audio too). E2B's file also holds its audio encoder: its config equals the directory load's (but for
     per_dim_scale, which the file holds as softplus(raw)), so do its weights (per_dim_scale: the softplus of the
     directory's, bit for bit), and a spoken prompt's logits and greedy tokens; 31B's file has no audio encoder and
-    audio is refused."""
+    audio is refused, saying so."""
     import soundfile
 
     from gemmaserve import LLM, SamplingParams
@@ -651,7 +651,7 @@ def test_mmproj_file_gives_the_model_images(tmp_path, monkeypatch, variant):
     clip = soundfile.read(SPEECH, dtype="float32")[0][:19_988]   # 1.25 s of espeak-ng speech: 31 tokens
     spoken = "hello <|audio|> world"
     if variant != "e2b":
-        with pytest.raises(UserInputError, match=r"does not take audio"):
+        with pytest.raises(UserInputError, match=r"does not take audio \(its --mmproj file holds no audio encoder"):
             ours.generate([spoken], params, use_tqdm=False, audio=[[clip]])
         return
     ids, items = ours.engine.inputs.prepare(spoken, audio=[clip])
@@ -667,3 +667,6 @@ def test_mmproj_file_gives_the_model_images(tmp_path, monkeypatch, variant):
     with pytest.raises(UserInputError, match=r"does not take images \(a GGUF file holds the text model only: give "
                                              r"the model's mmproj .gguf file with --mmproj"):
         text_only.generate([prompt], params, use_tqdm=False, images=[images])
+    with pytest.raises(UserInputError, match=r"does not take audio \(a GGUF file holds the text model only: .* "
+                                             r"--mmproj for images \(and audio, E2B/E4B\)"):
+        text_only.generate([spoken], params, use_tqdm=False, audio=[[clip]])

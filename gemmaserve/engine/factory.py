@@ -108,13 +108,20 @@ class EngineParts:
 
 
 def _media_hint(loaded: LoadedModel, layouts: dict) -> str:
-    """A Gemma 4 GGUF file loaded without its mmproj file is text-only: say how to give it images."""
+    """A Gemma 4 GGUF file loaded without its mmproj file is text-only: say how to give it images and audio; one
+    loaded with an mmproj file that holds no audio encoder (only E2B/E4B's hold one) takes images only: say so."""
     from ..models.gemma4 import Gemma4ForCausalLM
     from ..models.loader import SourceKind
+    from ..models.multimodal import Modality
 
-    if layouts or loaded.source.kind is not SourceKind.GGUF or not isinstance(loaded.model, Gemma4ForCausalLM):
+    if loaded.source.kind is not SourceKind.GGUF or not isinstance(loaded.model, Gemma4ForCausalLM):
         return ""
-    return "a GGUF file holds the text model only: give the model's mmproj .gguf file with --mmproj for images"
+    if not layouts:
+        return ("a GGUF file holds the text model only: give the model's mmproj .gguf file with --mmproj for images "
+                "(and audio, E2B/E4B)")
+    if Modality.AUDIO not in layouts:
+        return "its --mmproj file holds no audio encoder (only E2B/E4B's mmproj files hold one)"
+    return ""
 
 
 def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:

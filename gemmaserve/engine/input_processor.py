@@ -35,7 +35,7 @@ class InputProcessor:
 
     def _layout(self, modality: Modality) -> MediaLayout:
         if modality not in self.layouts:
-            hint = f" ({self.media_hint})" if self.media_hint and modality is not Modality.AUDIO else ""
+            hint = f" ({self.media_hint})" if self.media_hint else ""
             raise UserInputError(f"model {self.model_name!r} does not take {modality.inputs}{hint}")
         return self.layouts[modality]
 
