@@ -69,8 +69,8 @@ def _lora_modules(value) -> dict[str, str] | None:
 class EngineConfig:
     model: str = option(DEFAULT_MODEL, help="model alias, .gguf file or Hugging Face checkpoint directory")
     mmproj: str | None = option(None, help="with a Gemma 4 .gguf model: llama.cpp's mmproj .gguf file of its image "
-                                           "encoder, so that requests may carry images and video (without it a "
-                                           "GGUF model is text-only)")
+                                           "encoder (and audio encoder, E2B/E4B), so that requests may carry images "
+                                           "and video (and audio) (without it a GGUF model is text-only)")
     dtype: str = option("auto", choices=DTYPE_CHOICES, parse=refusing(_REFUSED_DTYPES),
                         help="weight and activation dtype; auto = bfloat16 on CUDA, float32 on the CPU with a "
                              "GGUF file's quantised weights kept quantised (int8/int4 CPU kernels); float32 = "

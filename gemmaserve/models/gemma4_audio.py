@@ -1,7 +1,8 @@
 """Gemma 4's audio tower (E2B/E4B, a Universal Speech Model conformer): log-mel frames to soft tokens
 (gemma-architecture.md §5.6). Module and parameter names are the checkpoint's (`model.audio_tower.*`,
 `model.embed_audio.*`) but for the attention's q/k/v projections (`q`, `k`, `v`: the text model's loader fuses
-whatever it finds named q_proj/k_proj/v_proj); `checkpoint_name` maps them.
+whatever it finds named q_proj/k_proj/v_proj); `checkpoint_name` maps them. From llama.cpp's mmproj file
+(`--mmproj`): `AudioTowerConfig.from_gguf` and `mmproj_name`.
 
     features [T, 128] -> 2 x (conv 3x3 stride 2, LayerNorm, ReLU) -> [T/4, 32 x 32] -> linear -> [T/4, 1024]
     12 x conformer layer:

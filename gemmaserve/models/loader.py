@@ -76,7 +76,8 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
     = the same but the checkpoint must declare it, fp8 = a float checkpoint's projections to FP8 at load, none =
     float weights only (a quantised checkpoint is refused). For a GGUF file on CUDA (bf16/fp16), auto keeps its
     Q4_0/Q4_1/Q4_K projections 4-bit and its Q8_0/Q6_K ones 8-bit (gguf_packed.py) and none dequantises every
-    weight. `mmproj` (`--mmproj`): llama.cpp's file of a GGUF model's image encoder (Gemma 4; gemma4_vision.py)."""
+    weight. `mmproj` (`--mmproj`): llama.cpp's file of a GGUF model's image encoder and, where it holds
+    one, audio encoder (Gemma 4; gemma4_vision.py, gemma4_audio.py)."""
     start = time.perf_counter()
     source = resolve_model(name)
     mmproj_path = _mmproj_path(mmproj, source, shard)
@@ -164,7 +165,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
     """A tensor-parallel rank dequantises each tensor whole, then keeps its slice (GGUF blocks do
     not align with every slice; the exact 4-bit groups are sliced where they do). `keep_packed`
     (gguf_packed.keeps_packed: CUDA): 4-bit and 8-bit projections become QuantizedLinears on `device`, the rest
-    is dequantised to `dtype`. `mmproj`: the image encoder's file (its tensors dequantised to `dtype`)."""
+    is dequantised to `dtype`. `mmproj`: the image (and audio) encoder's file (its tensors dequantised to
+    `dtype`)."""
     from .gguf_file import GGUFFile
 
     gguf = GGUFFile(path)
