@@ -388,13 +388,18 @@ def test_config_reads_the_converters_keys(converted):
     assert [cfg.kv_heads[i] for i, t in enumerate(cfg.layer_types) if t == FULL] == [1, 1]
 
 
-def _clip_file(path: Path, projector: str, width: int) -> Path:
+def _clip_file(path: Path, projector: str, width: int, audio: tuple[str, int] | None = None) -> Path:
+    """An mmproj file's header: its image projector and width, and `audio`'s (projector, width) if given."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_clip_has_vision_encoder(True)
     w.add_clip_vision_projector_type(projector)
     w.add_vision_projection_dim(width)
+    if audio is not None:
+        w.add_clip_has_audio_encoder(True)
+        w.add_clip_audio_projector_type(audio[0])
+        w.add_audio_projection_dim(audio[1])
     w.add_tensor("v.patch_embd.weight", np.zeros((4, 3), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -406,7 +411,7 @@ def _clip_file(path: Path, projector: str, width: int) -> Path:
 def test_unsupported_files_are_named(converted, tmp_path):
     """Partial RoPE on sliding layers is refused by name; an mmproj file (architecture "clip") given as the model
     is told apart from a language model; --mmproj with a checkpoint directory, a file that is not GGUF, the 12B
-    unified model's projector or another model's encoder are each refused by name."""
+    unified model's projector or another model's (image or audio) encoder are each refused by name."""
     from gemmaserve.errors import UserInputError
 
     _, hf, hf_dir, text = converted("e2b")
@@ -432,6 +437,11 @@ def test_unsupported_files_are_named(converted, tmp_path):
         load(text, _clip_file(tmp_path / "unified.gguf", "gemma4uv", hf.config.hidden_size))
     with pytest.raises(UserInputError, match=r"holds no Gemma 4 image encoder \(projector type 'gemma3'"):
         load(text, _clip_file(tmp_path / "g3.gguf", "gemma3", hf.config.hidden_size))
+    width = hf.config.hidden_size
+    with pytest.raises(UserInputError, match=r"audio encoder of projector type 'gemma3na', not Gemma 4's"):
+        load(text, _clip_file(tmp_path / "a3n.gguf", "gemma4v", width, ("gemma3na", width)))
+    with pytest.raises(UserInputError, match=rf"projects audio to width {width + 1}, but the model's is {width}"):
+        load(text, _clip_file(tmp_path / "aw.gguf", "gemma4v", width, ("gemma4a", width + 1)))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

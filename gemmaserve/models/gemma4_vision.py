@@ -165,6 +165,16 @@ class Gemma4VisionConfig:
         if width is not None and int(width) != text.hidden_size:
             raise UserInputError(f"{mmproj.path} projects images to width {width}, but the model's is "
                                  f"{text.hidden_size}: it belongs to another model")
+        has_audio = bool(mmproj.get("clip.has_audio_encoder", False))
+        if has_audio:
+            akind = mmproj.get("clip.audio.projector_type", mmproj.get("clip.projector_type"))
+            if akind != "gemma4a":
+                raise UserInputError(f"{mmproj.path} holds an audio encoder of projector type {akind!r}, not "
+                                     "Gemma 4's ('gemma4a')")
+            awidth = mmproj.get("clip.audio.projection_dim")
+            if awidth is not None and int(awidth) != text.hidden_size:
+                raise UserInputError(f"{mmproj.path} projects audio to width {awidth}, but the model's is "
+                                     f"{text.hidden_size}: it belongs to another model")
         tensors = mmproj.tensors_by_name()
 
         def shape(name: str) -> tuple[int, ...]:
@@ -198,15 +208,7 @@ class Gemma4VisionConfig:
         text = dataclasses.replace(text, multimodal=True, bidirectional_vision=text.hidden_size_per_layer_input == 0,
                                    architecture="Gemma4ForConditionalGeneration")
         audio, audio_ids = None, {}
-        if mmproj.get("clip.has_audio_encoder", False):
-            akind = mmproj.get("clip.audio.projector_type", mmproj.get("clip.projector_type"))
-            if akind != "gemma4a":
-                raise UserInputError(f"{mmproj.path} holds an audio encoder of projector type {akind!r}, not "
-                                     "Gemma 4's ('gemma4a')")
-            awidth = mmproj.get("clip.audio.projection_dim")
-            if awidth is not None and int(awidth) != text.hidden_size:
-                raise UserInputError(f"{mmproj.path} projects audio to width {awidth}, but the model's is "
-                                     f"{text.hidden_size}: it belongs to another model")
+        if has_audio:
             try:
                 audio = AudioTowerConfig.from_gguf(mmproj)
             except ValueError as exc:
