@@ -12,7 +12,7 @@ Layout (`Int8Packed`, made once at load by `pack_int8`):
 
 Two kernels:
 
-* GEMV (M <= GEMV_M: decode, a few rows of speculative verification): no tl.dot. A program owns BN columns and a
+* GEMV (M <= GEMV_M, one decode row; the kernel itself takes up to 4): no tl.dot. A program owns BN columns and a
   slice of K for all its rows; each step loads BKW word rows and, byte by byte, multiplies them into the rows on
   the FMA units. A byte becomes a float by the exponent trick: flipping its sign bit maps q (-128..127) onto
   q + 128 (0..255), and (q + 128) | 0x4B000000 read as fp32 is 2^23 + 128 + q, so one subtraction gives q
