@@ -14,7 +14,8 @@ Layout (`Int4Packed`, made once at load by `pack_int4`):
 Two kernels (which one, and its tiles, by `int4_config`; each slice of a split K writes its fp32 partial and
 the partials are summed in a fixed order, so the same input gives the same bits on every run):
 
-* GEMV (decode, M <= GEMV_M; the kernel itself takes up to 4 rows, which measured slower than tiles): no tl.dot. A program owns BN columns and a K slice for all rows; per word row it
+* GEMV (decode, M <= GEMV_M; the kernel itself takes up to 4 rows, which measured slower than tiles): no tl.dot.
+  A program owns BN columns and a K slice for all rows; per word row it
   turns each nibble into q - zero in fp32 by the exponent trick (no int-to-float conversion), multiplies the
   rows' x into it on the FMA units, sums the word's 8 products and scales that sum by the word's group scale.
   Column tiles times K slices (launch.split_k) keep every multiprocessor streaming packed weights.
