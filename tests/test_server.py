@@ -164,6 +164,32 @@ def test_checkpoint_chat_template_is_used_without_a_second_bos(llm_270m_q):
     assert ids == llm_270m_q.tokenizer.encode(gemma_turns(msgs)) and ids.count(tok.bos_token_id) == 1
 
 
+def test_tokenize_and_detokenize_as_vllm_shapes_them(server, client, llm_270m_q):
+    """/tokenize counts what the generation routes would feed the model: a prompt as /v1/completions tokenises it
+    (BOS unless add_special_tokens is false), messages as the chat route renders them (the usage it reports);
+    /detokenize gives the text back; bad input is a 400 naming the field, never a 5xx."""
+    tok = llm_270m_q.tokenizer
+    status, body = _raw(server, "POST", "/tokenize", {"prompt": "The sea is", "return_token_strs": True})
+    assert status == 200 and body["tokens"] == tok.encode("The sea is") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_MODEL_LEN and "".join(body["token_strs"]) == tok.decode(
+        body["tokens"], skip_special_tokens=False)
+    status, plain = _raw(server, "POST", "/tokenize", {"prompt": "The sea is", "add_special_tokens": False})
+    assert status == 200 and plain["tokens"] == body["tokens"][1:] and plain["token_strs"] is None
+    msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the sea?"}]
+    status, chat = _raw(server, "POST", "/tokenize", {"model": "gemma3-270m", "messages": msgs})
+    r = client.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=1, temperature=0)
+    assert status == 200 and chat["count"] == r.usage.prompt_tokens
+    status, back = _raw(server, "POST", "/detokenize", {"tokens": chat["tokens"]})
+    assert status == 200 and back["prompt"].startswith("<bos><start_of_turn>user\nAnswer briefly.")
+    for path, bad, param in (("/tokenize", {"prompt": "a", "messages": msgs}, "messages"), ("/tokenize", {}, "prompt"),
+                             ("/tokenize", {"prompt": 3}, "prompt"), ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
+                             ("/detokenize", {"tokens": "abc"}, "tokens"), ("/tokenize", {"prompt": "a", "model": "x"},
+                                                                           "model")):
+        status, err = _raw(server, "POST", path, bad)
+        assert 400 <= status < 500 and err["error"]["param"] == param, (path, bad, status, err)
+    assert _raw(server, "POST", "/tokenize", {"prompt": "a"}, {"Authorization": None})[0] == 401
+
+
 def test_n_seed_stop_and_logprobs(client, llm_270m_q):
     args = dict(model="gemma3-270m", prompt="My favourite food is", max_tokens=8, temperature=0.9, n=3, seed=11)
     a = client.completions.create(**args)

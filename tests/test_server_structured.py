@@ -40,7 +40,7 @@ NATIVE_TEMPLATE = ("{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t
 
 def _server(path):
     engine = LLMEngine(EngineConfig(model=str(path), page_size=4, max_num_seqs=8))
-    return BackgroundServer(engine, ServerConfig(served_model_name="m"))
+    return BackgroundServer(engine, ServerConfig(served_model_name=["m", "m-alias"]))   # several names: any works
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,14 @@ def srv(tiny_path):
 @pytest.fixture(scope="module")
 def client(srv):
     return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def test_several_served_names_are_each_accepted_and_responses_name_the_first(client):
+    assert [m.id for m in client.models.list().data] == ["m"]
+    r = client.completions.create(model="m-alias", prompt="abc", max_tokens=2)
+    assert r.model == "m"
+    with pytest.raises(openai.NotFoundError, match="model 'other' does not exist"):
+        client.completions.create(model="other", prompt="abc", max_tokens=2)
 
 
 def _complete(choices) -> list:

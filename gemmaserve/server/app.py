@@ -3,9 +3,10 @@
     POST /v1/completions        POST /v1/chat/completions     (JSON, or server-sent events with stream)
     POST /v1/audio/transcriptions, /v1/audio/translations     (multipart upload; models with an audio encoder)
     GET  /v1/models             GET  /health                  GET  /metrics (Prometheus text)
+    POST /tokenize, /detokenize (vLLM's)
 
 Each endpoint family is an object of its own module (serving_completion.py, serving_chat.py, serving_audio.py,
-serving_lora.py, serving_models.py), composed with serving.py's shared request plumbing, which holds the
+serving_lora.py, serving_models.py, serving_tokenize.py), composed with serving.py's shared request plumbing, which holds the
 engine's client (client.py: handlers never touch the engine). This module builds them once the engine is
 loaded, wires them to routes, and owns the app's lifecycle, authentication, errors, /health and /metrics.
 
@@ -51,7 +52,8 @@ from .async_engine import Admission, AsyncEngine, Generation
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import (
-    ApiError, ChatRequest, CompletionRequest, LoadLoRARequest, TranscriptionRequest, UnloadLoRARequest, now,
+    ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest, TokenizeRequest, TranscriptionRequest,
+    UnloadLoRARequest, now,
 )
 from .serving import RETRY_AFTER_S, ServedModel, ServingCommon
 from .serving_audio import AudioServing
@@ -59,6 +61,7 @@ from .serving_chat import ChatServing
 from .serving_completion import CompletionServing
 from .serving_lora import LoRAServing
 from .serving_models import ModelsServing
+from .serving_tokenize import TokenizeServing
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ class Endpoints:
     audio: AudioServing
     lora: LoRAServing
     models: ModelsServing
+    tokenize: TokenizeServing
 
 
 class OpenAIServer:
@@ -112,8 +116,9 @@ class OpenAIServer:
         self.model = ServedModel.of(self.async_engine, self.config.served_model_name)
         self.common = ServingCommon(self.config, self.metrics, self.async_engine, self.model, self._start)
         lora = LoRAServing(self.common)
-        self.endpoints = Endpoints(CompletionServing(self.common), ChatServing(self.common), AudioServing(self.common),
-                                   lora, ModelsServing(self.common, lora, self.created))
+        chat = ChatServing(self.common)
+        self.endpoints = Endpoints(CompletionServing(self.common), chat, AudioServing(self.common), lora,
+                                   ModelsServing(self.common, lora, self.created), TokenizeServing(self.common, chat))
 
     @property
     def model_name(self) -> str:
@@ -197,6 +202,13 @@ class OpenAIServer:
         v1.add_api_route("/unload_lora_adapter", to(lambda e: e.lora.unload_lora_adapter), methods=["POST"],
                          openapi_extra=_body(UnloadLoRARequest), responses=_LORA_ERRORS)
         app.include_router(v1)
+        # vLLM's routes, outside /v1, behind the same key and readiness
+        plain = APIRouter(dependencies=[Depends(self._authorize), Depends(self._require_ready)])
+        plain.add_api_route("/tokenize", to(lambda e: e.tokenize.tokenize), methods=["POST"],
+                            openapi_extra=_body(TokenizeRequest), responses=_ERRORS)
+        plain.add_api_route("/detokenize", to(lambda e: e.tokenize.detokenize), methods=["POST"],
+                            openapi_extra=_body(DetokenizeRequest), responses=_ERRORS)
+        app.include_router(plain)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_text, methods=["GET"])
         app.openapi = lambda: _openapi(app)
@@ -346,7 +358,8 @@ def _openapi(app: FastAPI) -> dict:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components["Error"] = _ERROR_SCHEMA
-        for model in (CompletionRequest, ChatRequest, LoadLoRARequest, UnloadLoRARequest):
+        for model in (CompletionRequest, ChatRequest, LoadLoRARequest, UnloadLoRARequest, TokenizeRequest,
+                      DetokenizeRequest):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js

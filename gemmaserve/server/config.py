@@ -14,7 +14,9 @@ class ServerConfig:
     host: str = option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     port: int = option(8000, parse=port_number, help="TCP port (0: any free port, printed at startup)")
     api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    served_model_name: str | None = option(None, help="the model name clients send (default: --model)")
+    served_model_name: list[str] | str | None = option(
+        None, nargs=True, help="the names clients may send for the model (several: any of them; responses name the "
+                               "first; default: --model)")
     max_request_bytes: int = option(8 << 20, parse=size, help="largest request body accepted (413 above)")
     max_images_per_request: int = option(8, parse=positive_int, help="most images in one chat request")
     max_image_pixels: int = option(40_000_000, parse=positive_int, help="most pixels (width x height) of one image")
@@ -50,6 +52,10 @@ class ServerConfig:
             raise UserInputError(f"port must be in [0, 65535], got {self.port!r}")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
             raise UserInputError("api_key must be a non-empty string (or unset for no authentication)")
+        names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
+        if names is not None and (not names or not all(isinstance(n, str) and n.strip() for n in names)):
+            raise UserInputError(f"served_model_name must be one or more non-empty names, got "
+                                 f"{self.served_model_name!r}")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise UserInputError(f"max_request_bytes must be at least 1KiB, got {self.max_request_bytes!r}")
         if self.max_queue_len is not None and (not isinstance(self.max_queue_len, int) or self.max_queue_len < 1):

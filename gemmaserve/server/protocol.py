@@ -221,6 +221,23 @@ class ChatRequest(_Common):
         return tools, choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's shape): a `prompt` as /v1/completions reads it, or chat `messages` through the chat
+    template as /v1/chat/completions renders them (images and audio expanded to their tokens), not both."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, json_schema_extra={"minItems": 1})
+    add_special_tokens: bool = True   # a prompt's BOS (messages: the template writes its own)
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's shape): token ids back to text, special tokens included."""
+    model: str | None = None
+    tokens: list[int]
+
+
 class LoadLoRARequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     lora_name: str = Field(min_length=1, max_length=256)

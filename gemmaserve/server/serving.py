@@ -54,11 +54,12 @@ class ServedModel:
     reasoning: ReasoningFormat | None   # the model's thought channel, if its tokenizer has one
 
     @classmethod
-    def of(cls, client: EngineClient, served_name: str | None) -> "ServedModel":
+    def of(cls, client: EngineClient, served_names: list[str] | str | None) -> "ServedModel":
+        """`served_names` (--served-model-name): what requests may name the model; responses name the first."""
         inputs = client.inputs
         model = client.info.model
-        name = served_name or model
-        return cls(name, frozenset({name, model}), inputs.tokenizer, inputs, ChatFormatter(inputs.tokenizer),
+        names = [served_names] if isinstance(served_names, str) else list(served_names or [model])
+        return cls(names[0], frozenset({*names, model}), inputs.tokenizer, inputs, ChatFormatter(inputs.tokenizer),
                    ReasoningFormat.from_tokenizer(inputs.tokenizer))
 
 

@@ -38,7 +38,7 @@ class ChatServing:
         lora = self.common.check_model(req.model)
         reject_unsupported(req)
         calling = self._tool_calling(req)
-        prompt, items = await asyncio.to_thread(self._chat_prompt, req.message_dicts(), calling, self._template_kwargs(req))
+        prompt, items = await asyncio.to_thread(self.chat_prompt, req.message_dicts(), calling, self._template_kwargs(req))
         ids = prompt.ids
         limit = self.client.info.max_model_len
         if len(ids) >= limit:
@@ -125,7 +125,7 @@ class ChatServing:
                     "finish_reason": None} for k in range(params.n)]
         return self.common.stream(rid, "chat.completion.chunk", req, [prompt], outputs, choices, opening)
 
-    def _chat_prompt(self, raw_messages: list, calling: ToolCalling | None = None,
+    def chat_prompt(self, raw_messages: list, calling: ToolCalling | None = None,
                      template_kwargs: dict | None = None) -> tuple[Prompt, list]:
         """Messages -> the prompt through the chat template (tools offered as `calling` says, `template_kwargs`
         passed to it), and its images and audio in place. Decodes them and tokenises: called on a worker
