@@ -238,7 +238,16 @@ def tiny_hf_gemma4_vision(seed: int, variant: str):
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand(b.shape, generator=gen))
-            elif name.endswith("std_bias"):
+        randomize_tower_buffers(model, gen)
+    return model
+
+
+def randomize_tower_buffers(model, gen: torch.Generator) -> None:
+    """A Gemma 4 media tower's buffers random or set: its standardisation (bias, scale) and the clipped linears'
+    bounds (+-1.5, so clipping happens)."""
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("std_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen))
             elif name.endswith("std_scale"):
                 b.copy_(0.5 + torch.rand(b.shape, generator=gen))
@@ -246,7 +255,6 @@ def tiny_hf_gemma4_vision(seed: int, variant: str):
                 b.fill_(-1.5)
             elif name.endswith(("input_max", "output_max")):
                 b.fill_(1.5)
-    return model
 
 
 GEMMA3_IMAGE_SPECIALS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")

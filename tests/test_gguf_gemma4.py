@@ -563,7 +563,7 @@ def tiny_vision(variant: str, seed: int):
     import transformers
 
     from helpers import GEMMA4_AUDIO_TOWER, GEMMA4_BASE, GEMMA4_VARIANTS, GEMMA4_VISION_TOWER, \
-        GEMMA4_VISION_VARIANTS, _gemma4_random
+        GEMMA4_VISION_VARIANTS, _gemma4_random, randomize_tower_buffers
 
     text, vision = GEMMA4_VISION_VARIANTS[variant]
     tid = {t: 5 + i for i, t in enumerate(SPECIALS)}
@@ -578,17 +578,7 @@ def tiny_vision(variant: str, seed: int):
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = _gemma4_random(transformers.Gemma4ForConditionalGeneration(cfg).eval(), seed, 0.5)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("std_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen))
-            elif name.endswith("std_scale"):
-                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
-            elif name.endswith(("input_min", "output_min")):
-                b.fill_(-1.5)
-            elif name.endswith(("input_max", "output_max")):
-                b.fill_(1.5)
+    randomize_tower_buffers(model, torch.Generator().manual_seed(seed))
     return model
 
 

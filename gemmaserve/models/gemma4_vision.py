@@ -161,20 +161,20 @@ class Gemma4VisionConfig:
         if not mmproj.get("clip.has_vision_encoder", False) or kind != "gemma4v":
             raise UserInputError(f"{mmproj.path} holds no Gemma 4 image encoder (projector type {kind!r}, "
                                  "expected 'gemma4v')")
-        width = mmproj.get("clip.vision.projection_dim")
-        if width is not None and int(width) != text.hidden_size:
-            raise UserInputError(f"{mmproj.path} projects images to width {width}, but the model's is "
-                                 f"{text.hidden_size}: it belongs to another model")
+        def check_width(key: str, what: str) -> None:
+            width = mmproj.get(key)
+            if width is not None and int(width) != text.hidden_size:
+                raise UserInputError(f"{mmproj.path} projects {what} to width {width}, but the model's is "
+                                     f"{text.hidden_size}: it belongs to another model")
+
+        check_width("clip.vision.projection_dim", "images")
         has_audio = bool(mmproj.get("clip.has_audio_encoder", False))
         if has_audio:
             akind = mmproj.get("clip.audio.projector_type", mmproj.get("clip.projector_type"))
             if akind != "gemma4a":
                 raise UserInputError(f"{mmproj.path} holds an audio encoder of projector type {akind!r}, not "
                                      "Gemma 4's ('gemma4a')")
-            awidth = mmproj.get("clip.audio.projection_dim")
-            if awidth is not None and int(awidth) != text.hidden_size:
-                raise UserInputError(f"{mmproj.path} projects audio to width {awidth}, but the model's is "
-                                     f"{text.hidden_size}: it belongs to another model")
+            check_width("clip.audio.projection_dim", "audio")
         tensors = mmproj.tensors_by_name()
 
         def shape(name: str) -> tuple[int, ...]:
