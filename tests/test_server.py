@@ -169,6 +169,7 @@ def test_tokenize_and_detokenize_as_vllm_shapes_them(server, client, llm_270m_q)
     (BOS unless add_special_tokens is false), messages as the chat route renders them (the usage it reports);
     /detokenize gives the text back; bad input is a 400 naming the field, never a 5xx."""
     tok = llm_270m_q.tokenizer
+    counted = metric_value(scrape_metrics(server.port), "gemmaserve_http_requests_total", '{status="200"}')
     status, body = _raw(server, "POST", "/tokenize", {"prompt": "The sea is", "return_token_strs": True})
     assert status == 200 and body["tokens"] == tok.encode("The sea is") and body["count"] == len(body["tokens"])
     assert body["max_model_len"] == MAX_MODEL_LEN and "".join(body["token_strs"]) == tok.decode(
@@ -188,6 +189,8 @@ def test_tokenize_and_detokenize_as_vllm_shapes_them(server, client, llm_270m_q)
         status, err = _raw(server, "POST", path, bad)
         assert 400 <= status < 500 and err["error"]["param"] == param, (path, bad, status, err)
     assert _raw(server, "POST", "/tokenize", {"prompt": "a"}, {"Authorization": None})[0] == 401
+    # counted as /v1 requests are (the chat completion above is one of the 5 answered with 200)
+    assert metric_value(scrape_metrics(server.port), "gemmaserve_http_requests_total", '{status="200"}') == counted + 5
 
 
 def test_n_seed_stop_and_logprobs(client, llm_270m_q):

@@ -294,8 +294,13 @@ class OpenAIServer:
         return Response(self.metrics.render(snap), media_type=CONTENT_TYPE_LATEST)
 
 
+def _api_path(path: str) -> bool:
+    """The routes that serve clients (not probes): /v1/*, and vLLM's /tokenize and /detokenize."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
 class _TrackRequests:
-    """ASGI middleware: keep `server.in_flight` (what a drain waits for), and count every /v1 request
+    """ASGI middleware: keep `server.in_flight` (what a drain waits for), and count every API request
     exactly once, when it ends, by the status it was answered with ("none" if the client left
     before any response), however it ended."""
 
@@ -304,7 +309,7 @@ class _TrackRequests:
         self.server = server
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not _api_path(scope["path"]):
             await self.app(scope, receive, send)
             return
         status = "none"

@@ -101,7 +101,8 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.admitted = Counter("gemmaserve_requests_admitted", "Completions handed to the engine (each ends once "
                                 "in gemmaserve_requests)", registry=r)
-        self.http_requests = Counter("gemmaserve_http_requests", "Requests to /v1 routes, each counted once when it "
+        self.http_requests = Counter("gemmaserve_http_requests", "Requests to the API routes (/v1, /tokenize, "
+                                     "/detokenize), each counted once when it "
                                      "ends, by response status (none: the client left before any response)",
                                      ["status"], registry=r)
         self.http_errors = Counter("gemmaserve_http_errors", "Error responses by status code", ["status"], registry=r)
