@@ -264,9 +264,9 @@ def section_prefetch(res: dict) -> None:
         packed = I4.pack_int4(_int4(gen, n, k, 32, False))
         weights = [packed] + [_copies(packed) for _ in range(max(0, -(-L2_BYTES // packed.nbytes) - 1))]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        auto = I4.int4_config(1, n, k, 32, sms)
+        auto = I4.int4_gemv_config(n, k, sms)
         row: dict = {"model": model, "proj": proj, "N": n, "K": k, "auto": dataclasses.astuple(auto)}
-        row["auto_us"] = round(graph_us(I4.int4_linear, x, weights), 2)
+        row["auto_us"] = round(graph_us(lambda x_, w_: I4.int4_linear(x_, w_, auto), x, weights), 2)
         for bn in (64, 128):
             for bk in (128, 256):
                 per = split_k(-(-n // bn), k, bk, sms, min_steps=2, waves=4)

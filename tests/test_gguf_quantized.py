@@ -196,7 +196,7 @@ def test_int8_weights_are_gguf_dequantisation_and_logits_the_fp32_load(tmp_path,
     from gemmaserve.quantization import int8_kernels as I8
     from gemmaserve.quantization.schemes import Int8Weight, Scheme
 
-    def wide(m, n, k, group, sms):   # the GEMV up to 4 rows (the kernel takes them; the heuristic gives it 1)
+    def wide(m, n, k, group, sms):   # the GEMV up to 4 rows (the kernel takes them; the heuristics give it none)
         if m <= 4:
             return I8.Int8Config(triton.next_power_of_2(m), 512, 128, k // 2, 4, 1, gemv=True)
         return I8.Int8Config(max(16, triton.next_power_of_2(m)), 512, min(group, 64), k // 2, 4, 1)

@@ -39,7 +39,7 @@ def _regimes(m, k, group):
     bk = min(group, 32)
     regimes = {"split_k": I8.Int8Config(16, 32, bk, max(bk, k // 4), 4, 2),
                "gemm": I8.Int8Config(64, 64, min(group, 64), k, 4, 2)}
-    if m <= 4:   # the GEMV takes up to 4 rows (its heuristic gives it one)
+    if m <= 4:   # the GEMV takes up to 4 rows (int8_gemv_config: one)
         regimes["gemv"] = I8.Int8Config(triton.next_power_of_2(m), 32, 32, k // 4, 4, 1, gemv=True)
         regimes["gemv_ragged"] = I8.Int8Config(4, 32, 64, 96, 4, 1, gemv=True)
     return regimes
@@ -76,8 +76,9 @@ def test_int8_leading_dims_and_half_activations():
     y = I8.int8_linear(x, packed)
     ref = x.reshape(6, 64).double() @ w.dequantize().double().t()
     assert y.shape == (2, 3, 24) and _rel(y.reshape(6, 24), ref) < 1e-6
-    for rows in (x[:1, :1].to(torch.bfloat16), x.to(torch.float16)):   # the GEMV, the tiled kernel
-        yh = I8.int8_linear(rows, packed)
+    gemv = I8.int8_gemv_config(24, 64, 8)
+    for rows, cfg in ((x[:1, :1].to(torch.bfloat16), gemv), (x.to(torch.float16), None)):   # GEMV, tiled kernel
+        yh = I8.int8_linear(rows, packed, cfg)
         assert yh.dtype == rows.dtype and yh.shape == rows.shape[:-1] + (24,)
         refh = rows.reshape(-1, 64).double() @ w.dequantize().double().t()
         assert _rel(yh.reshape(-1, 24), refh) < 1e-2, rows.dtype

@@ -48,7 +48,7 @@ def _regimes(m, n, k, group):
                # steps spanning groups, weights dequantised in the tile (exact in fp32 for fp32 x)
                "gemm_scaled": I4.Int4Config(16, 32, 64, k, 4, 2, nibble_major=True, scaled=True),
                "split_k_scaled": I4.Int4Config(16, 32, 64, max(64, k // 2 // 64 * 64), 4, 2, scaled=True)}
-    if m <= 4:   # the GEMV takes up to 4 rows (its heuristic gives it one); a step of 64 K values crossing
+    if m <= 4:   # the GEMV takes up to 4 rows (int4_gemv_config: one); a step of 64 K values crossing
                  # groups of 32, a slice ending inside a step
         regimes["gemv"] = I4.Int4Config(triton.next_power_of_2(m), 32, 64, max(64, k // 4), 4, 1, gemv=True)
         regimes["gemv_ragged"] = I4.Int4Config(4, 32, 128, 192 if k > 192 else k, 4, 1, gemv=True)
@@ -77,6 +77,19 @@ def test_int4_kernel_matches_the_fp32_dequantisation(m, n, k, group, asym):
         assert _rel(y, ref) < 1e-6, f"seed={seed} {name}: {_rel(y, ref)}"
     assert _rel(I4.int4_linear(x, packed), ref) < 1e-6   # the heuristic's own choice
     assert _rel(I4.int4_linear_reference(x, packed), ref) < 1e-6
+
+
+@interpreted
+@FORMS
+def test_a_rows_bits_do_not_depend_on_its_batch_up_to_small_m(asym):
+    """The heuristic gives every M up to SMALL_M the same tiles and split: a token decoded alone, beside others or
+    in a speculative verification gets the same bits (fails if one row took another kernel or split)."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packed = I4.pack_int4(_int4(gen, 40, 512, 32, asym))
+    x = torch.randn(I4.SMALL_M, 512, generator=gen)
+    full = I4.int4_linear(x, packed)
+    for m in (1, 2, 5):
+        assert torch.equal(I4.int4_linear(x[:m], packed), full[:m]), m
 
 
 @interpreted

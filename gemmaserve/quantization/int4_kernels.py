@@ -11,10 +11,11 @@ Layout (`Int4Packed`, made once at load by `pack_int4`):
     zero     uint8 [K/g, N]   0..15, or None: symmetric, zero = 8 (a compile-time constant)
     offset   [K/g, N]         the offset form's float offsets (w = s q - offset), or None; never with zero
 
-Two kernels (which one, and its tiles, by `int4_config`; each slice of a split K writes its fp32 partial and
+Two kernels (their tiles by `int4_config` and `int4_gemv_config`; each slice of a split K writes its fp32 partial and
 the partials are summed in a fixed order, so the same input gives the same bits on every run):
 
-* GEMV (decode, M <= GEMV_M; the kernel itself takes up to 4 rows, which measured slower than tiles): no tl.dot.
+* GEMV (up to 4 rows; chosen explicitly, `int4_gemv_config`: int4_config keeps one kernel for every decode
+  batch, see there): no tl.dot.
   A program owns BN columns and a K slice for all rows; per word row it
   turns each nibble into q - zero in fp32 by the exponent trick (no int-to-float conversion), multiplies the
   rows' x into it on the FMA units, sums the word's 8 products and scales that sum by the word's group scale.
@@ -50,7 +51,6 @@ import triton.language as tl
 from .launch import check_input, grouped_tile, sm_count, split_k, split_output, sum_splits, triton_enabled
 from .schemes import Int4Weight
 
-GEMV_M = 1     # rows up to which the GEMV kernel serves (one token; at 2-4 rows the tiled kernel is faster)
 SMALL_M = 16   # rows up to which the decode configuration of the tiled kernel (BM = 16, split-K) serves
 
 
@@ -157,16 +157,22 @@ class Int4Config:
         return -(-k // self.k_per_split)
 
 
+def int4_gemv_config(n: int, k: int, sms: int) -> Int4Config:
+    """The GEMV's tiles for one row, from gpu_quant's H100 sweep: 64 columns, 16 word rows per step, about four
+    waves of programs by split-K. Not int4_config's choice (see there); benchmarks and tests ask for it."""
+    bn, bk = 64, 128
+    return Int4Config(1, bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2, waves=4), 4, 1, gemv=True)
+
+
 def int4_config(m: int, n: int, k: int, group: int, sms: int, offset: bool = False) -> Int4Config:
     """Tiles by batch regime (no autotuning: one compile per regime and shape), from gpu_quant's sweeps on an
-    H100 (docs/gpu_quant_*.json): one row takes the GEMV (64 columns, 16 word rows per step, about four waves of
-    programs by split-K); up to SMALL_M rows 16-row tl.dot tiles split along K; then 64- and 128-row tiles, split
-    while M <= 64. Steps of one group of 32 are too short to stream weights: groups below 64 take `scaled` steps
-    of 64 (128 for narrow outputs at small M), which measured 10-25% faster at M = 16 and 64, except in the
-    offset form (`offset`: two gathers per weight there made it 1.3-2x slower than one-group steps)."""
-    if m <= GEMV_M:
-        bn, bk = 64, 128
-        return Int4Config(1, bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2, waves=4), 4, 1, gemv=True)
+    H100 (docs/gpu_quant_*.json): up to SMALL_M rows 16-row tl.dot tiles split along K; then 64- and 128-row
+    tiles, split while M <= 64. Every M up to SMALL_M gets the same tiles and split, so a row's bits do not
+    depend on how many rows share its step (a token decoded alone, beside others, or in a speculative
+    verification); the GEMV (int4_gemv_config) measured ~5% faster at one row but would break that. Steps of one
+    group of 32 are too short to stream weights: groups below 64 take `scaled` steps of 64 (128 for narrow
+    outputs at small M), which measured 10-25% faster at M = 16 and 64, except in the offset form (`offset`:
+    two gathers per weight there made it 1.3-2x slower than one-group steps)."""
     scaled = group < 64 and not offset
     if m <= SMALL_M:
         bm, bn, warps = 16, (128 if n >= 16384 else 64), 4

@@ -12,7 +12,7 @@ Layout (`Int8Packed`, made once at load by `pack_int8`):
 
 Two kernels:
 
-* GEMV (M <= GEMV_M, one decode row; the kernel itself takes up to 4): no tl.dot. A program owns BN columns and a
+* GEMV (up to 4 rows; chosen explicitly, `int8_gemv_config`): no tl.dot. A program owns BN columns and a
   slice of K for all its rows; each step loads BKW word rows and, byte by byte, multiplies them into the rows on
   the FMA units. A byte becomes a float by the exponent trick: flipping its sign bit maps q (-128..127) onto
   q + 128 (0..255), and (q + 128) | 0x4B000000 read as fp32 is 2^23 + 128 + q, so one subtraction gives q
@@ -39,7 +39,6 @@ import triton.language as tl
 from .launch import check_input, grouped_tile, sm_count, split_k, split_output, sum_splits, triton_enabled
 from .schemes import Int8Weight, check_group
 
-GEMV_M = 1     # rows up to which the GEMV kernel serves (one token; 2-4 rows spilled on an H100)
 SMALL_M = 16   # rows up to which the tiled kernel's decode configuration (BM = 16, split-K) serves
 
 
@@ -103,14 +102,17 @@ class Int8Config:
         return -(-k // self.k_per_split)
 
 
+def int8_gemv_config(n: int, k: int, sms: int) -> Int8Config:
+    """The GEMV's tiles for one row (the int4 GEMV's H100 sweep: 64 columns, 128 K values a step, about four
+    waves); not int8_config's choice, as for int4 (a row's bits would then depend on its batch)."""
+    bn, bk = 64, 128
+    return Int8Config(1, bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2, waves=4), 4, 1, gemv=True)
+
+
 def int8_config(m: int, n: int, k: int, group: int, sms: int) -> Int8Config:
-    """Tiles by batch regime (no autotuning: one compile per regime and shape), as int4_config: the GEMV kernel
-    for M <= GEMV_M (steps of 128 K values: 32 word rows, the int4 GEMV's bytes per step), narrow tl.dot tiles
-    split along K up to SMALL_M, then wider tiles, still split while M <= 64. The GEMV's tiles follow the int4
-    GEMV's H100 sweep; the rest is untuned."""
-    if m <= GEMV_M:
-        bn, bk = 64, 128
-        return Int8Config(1, bn, bk, split_k(-(-n // bn), k, bk, sms, min_steps=2, waves=4), 4, 1, gemv=True)
+    """Tiles by batch regime (no autotuning: one compile per regime and shape), as int4_config: narrow tl.dot
+    tiles split along K up to SMALL_M (the same for every M there: a row's bits do not depend on its batch), then
+    wider tiles, still split while M <= 64. Untuned on a GPU."""
     if m <= SMALL_M:
         bm, bn, bk, warps, stages = 16, 64, min(group, 128), 4, 4
     elif m <= 64:
