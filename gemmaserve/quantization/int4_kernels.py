@@ -11,14 +11,13 @@ Layout (`Int4Packed`, made once at load by `pack_int4`):
     zero     uint8 [K/g, N]   0..15, or None: symmetric, zero = 8 (a compile-time constant)
     offset   [K/g, N]         the offset form's float offsets (w = s q - offset), or None; never with zero
 
-Two kernels (their tiles by `int4_config` and `int4_gemv_config`; each slice of a split K writes its fp32 partial and
-the partials are summed in a fixed order, so the same input gives the same bits on every run):
+Two kernels (their tiles by `int4_config` and `int4_gemv_config`; each slice of a split K writes its fp32
+partial and the partials are summed in a fixed order, so the same input gives the same bits on every run):
 
-* GEMV (up to 4 rows; chosen explicitly, `int4_gemv_config`: int4_config keeps one kernel for every decode
-  batch, see there): no tl.dot.
-  A program owns BN columns and a K slice for all rows; per word row it
-  turns each nibble into q - zero in fp32 by the exponent trick (no int-to-float conversion), multiplies the
-  rows' x into it on the FMA units, sums the word's 8 products and scales that sum by the word's group scale.
+* GEMV (up to 4 rows; only when asked for, `int4_gemv_config`: int4_config keeps one kernel for every decode
+  batch, see there): no tl.dot. A program owns BN columns and a K slice for all rows; per word row it turns
+  each nibble into q - zero in fp32 by the exponent trick (no int-to-float conversion), multiplies the rows'
+  x into it on the FMA units, sums the word's 8 products and scales that sum by the word's group scale.
   Column tiles times K slices (launch.split_k) keep every multiprocessor streaming packed weights.
 * tiled (larger M, and M up to SMALL_M with BM = 16): a program owns a BM x BN output tile and a slice of K.
   Each step loads BK/8 word rows, unpacks them into the integers q - zero (-15..15, exact in bf16, fp16 and
