@@ -22,6 +22,7 @@ from ..models.chat_template import ChatMessage, parse_chat
 from ..models.multimodal import Modality
 from .protocol import ApiError, ChatRequest, chat_logprobs, now, parse, reject_unsupported, sampling_params
 from .reasoning import ReasoningFormat, ReasoningStream
+from .async_engine import Generation
 from .serving import Prompt, ServingCommon, sse
 from .tools import ToolCalling, ToolFormat, parse_tools
 
@@ -35,6 +36,32 @@ class ChatServing:
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: ChatRequest = parse(ChatRequest, await self.common.read_json(request))
+        job = await self.prepare(req)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = await self.start(job, rid, arrival)
+        if req.stream:
+            return sse(self._stream_chat(rid, job, outputs), outputs)
+        finals = await self.common.collect(request, outputs)
+        choices = []
+        for (_, k), out in sorted(finals.items()):
+            c = out.outputs[0]
+            read = job.read(c.text, c.finish_reason)
+            message: dict = {"role": "assistant", "content": read.content}
+            if read.tool_calls:
+                message["tool_calls"] = read.tool_calls
+            if job.answer.reasoning is not None:
+                message["reasoning_content"] = read.reasoning
+            choices.append({"index": k, "message": message, "finish_reason": read.finish_reason,
+                            "stop_reason": c.stop_reason,
+                            "logprobs": chat_logprobs(self.model.tokenizer, c.logprobs)
+                            if c.logprobs is not None else None})
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(),
+                             "model": self.common.answering(req), "choices": choices,
+                             "usage": self.common.usage([job.prompt], finals)})
+
+    async def prepare(self, req: ChatRequest) -> "ChatJob":
+        """A parsed chat request -> its prompt, sampling, tools and checked engine requests (400s for anything
+        wrong). Other APIs (Responses, Messages) translate their requests into a ChatRequest and come here."""
         lora = self.common.check_model(req.model)
         reject_unsupported(req)
         calling = self._tool_calling(req)
@@ -64,33 +91,19 @@ class ChatServing:
             params = params.replace(skip_special_tokens=False)
         checked = await self.common.validate([prompt], params, "messages",
                                              "tools" if calling is not None else "response_format", [items], lora)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        with self.common.admit(params.n) as admission:
-            outputs = await self.common.start(req, rid, checked, self.common.deadline(arrival, req), admission)
-        answer = _Answers(reasoning, show_special)
-        if req.stream:
-            return sse(self._stream_chat(rid, req, prompt, params, outputs, calling, answer), outputs)
-        finals = await self.common.collect(request, outputs)
-        choices = []
-        for (_, k), out in sorted(finals.items()):
-            c = out.outputs[0]
-            thought, text = answer.split(c.text, clean=calling is None)   # tool calls are parsed with their markers
-            message, finish = _assistant_message(text, c.finish_reason, calling)
-            message["content"] = answer.clean(message["content"]) if message["content"] else message["content"]
-            if reasoning is not None:
-                message["reasoning_content"] = thought
-            choices.append({"index": k, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
-                            "logprobs": chat_logprobs(self.model.tokenizer, c.logprobs)
-                            if c.logprobs is not None else None})
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(),
-                             "model": self.common.answering(req), "choices": choices,
-                             "usage": self.common.usage([prompt], finals)})
+        return ChatJob(req, prompt, params, calling, _Answers(reasoning, show_special), checked)
 
-    def _stream_chat(self, rid: str, req: ChatRequest, prompt: Prompt, params: SamplingParams,
-                     outputs, calling: ToolCalling | None, answer: "_Answers") -> AsyncIterator[str]:
+    async def start(self, job: "ChatJob", rid: str, arrival: float) -> Generation:
+        """Admit the prepared request and start generating: (prompt index, output) pairs (429 when full)."""
+        with self.common.admit(job.params.n) as admission:
+            return await self.common.start(job.req, rid, job.checked, self.common.deadline(arrival, job.req),
+                                           admission)
+
+    def _stream_chat(self, rid: str, job: "ChatJob", outputs) -> AsyncIterator[str]:
         """Reasoning streams as `reasoning_content` deltas, the answer as `content`. With tools offered, a
         choice's answer is held until it finishes: whether it is a call is known only then (its content and
         calls come in one delta)."""
+        req, calling, answer = job.req, job.calling, job.answer
         streams: dict[int, ReasoningStream] = {}
 
         def choices(_: int, c) -> list[dict]:
@@ -111,10 +124,11 @@ class ChatServing:
             if calling is None and (text or lp):
                 out.append({"index": c.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})
             elif calling is not None and c.finished:
-                message, finish = _assistant_message(answer.split(c.text, clean=False)[1], c.finish_reason, calling)
-                delta = {"content": answer.clean(message["content"]) if message["content"] else message["content"]}
-                if "tool_calls" in message:
-                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
+                read = job.read(c.text, c.finish_reason)
+                finish = read.finish_reason
+                delta = {"content": read.content}
+                if read.tool_calls:
+                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(read.tool_calls)]
                 out.append({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None})
             if c.finished:   # OpenAI closes each choice with an empty delta
                 out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish,
@@ -122,8 +136,8 @@ class ChatServing:
             return out
 
         opening = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None} for k in range(params.n)]
-        return self.common.stream(rid, "chat.completion.chunk", req, [prompt], outputs, choices, opening)
+                    "finish_reason": None} for k in range(job.params.n)]
+        return self.common.stream(rid, "chat.completion.chunk", req, [job.prompt], outputs, choices, opening)
 
     def chat_prompt(self, raw_messages: list, calling: ToolCalling | None = None,
                      template_kwargs: dict | None = None) -> tuple[Prompt, list]:
@@ -202,6 +216,36 @@ class _Answers:
 
     def clean(self, answer: str) -> str:
         return answer if self.show_special or self.reasoning is None else self.reasoning.clean(answer)
+
+
+@dataclass(frozen=True)
+class ChatAnswer:
+    """A finished completion read: its reasoning, its answer text and its tool calls (OpenAI's shape)."""
+
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[dict]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class ChatJob:
+    """A chat request made ready to generate (`ChatServing.prepare`): its prompt, sampling, tools, how its
+    outputs read as answers, and the engine's checked requests."""
+
+    req: ChatRequest
+    prompt: Prompt
+    params: SamplingParams
+    calling: ToolCalling | None
+    answer: _Answers
+    checked: list
+
+    def read(self, text: str, finish_reason: str | None) -> ChatAnswer:
+        """A finished completion's text -> its reasoning, answer and tool calls ("tool_calls" finish then)."""
+        thought, text = self.answer.split(text, clean=self.calling is None)   # calls are parsed with their markers
+        message, finish = _assistant_message(text, finish_reason, self.calling)
+        content = self.answer.clean(message["content"]) if message["content"] else message["content"]
+        return ChatAnswer(thought, content, message.get("tool_calls", []), finish)
 
 
 def _assistant_message(text: str, finish_reason: str | None, calling: ToolCalling | None) -> tuple[dict, str | None]:
