@@ -18,6 +18,8 @@ Sections (default: all; about 3 minutes on one H100, Triton compilation included
   sweep   int4 g32 GEMV tile configurations at M = 1 on the 31B and E4B shapes (what the heuristic could choose)
   tiled   the tiled int4 kernel's configurations at M = 16 and 64 on the 31B shapes (group 32)
   prefetch  the int4 GEMV at M = 1 with its next step's words loaded ahead, or Triton's pipelining, or neither
+  pairs   the int4 pairs kernel (int4_pairs: two weights per PTX instruction) for M <= 16: checked, timed
+          against bf16 and the tiled kernel, swept on the 31B's shapes
   experts the grouped MoE expert products (int4, fp8) at the 26B-A4B's shapes: checked as `check` does, and timed
           against bf16 torch._grouped_mm
 
@@ -326,6 +328,71 @@ def section_tiled(res: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def section_pairs(res: dict) -> None:
+    """The pairs kernel (int4_pairs: two weights per instruction, PTX) at M = 1, 4, 16 on every shape (group 32,
+    and group 128 with zero points on the 31B): checked against the fp32 product of the bf16-rounded dequantised
+    weights, row 0 of M = 16 bit-equal to M = 1, repeats bit-equal; timed against bf16 and the tiled kernel
+    (int4_config's choice); on the 31B's shapes a sweep of column tiles, steps, waves, stages and the swapped
+    (weights-left) form."""
+    from gemmaserve.quantization import int4_pairs as P
+
+    rows = res["pairs"] = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for i, (model, proj, n, k) in enumerate(SHAPES):
+        gen = torch.Generator(device="cuda").manual_seed(i)
+        dense = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+        forms = [("g32", _int4(gen, n, k, 32, False))]
+        if model == "gemma4-31b":
+            forms.append(("g128_asym", _int4(gen, n, k, 128, True)))
+        bf16_copies = [dense] + [dense.clone() for _ in range(max(0, -(-L2_BYTES // (n * k * 2)) - 1))]
+        for form, w in forms:
+            ref_w = w.dequantize(torch.float32).to(torch.bfloat16).float()
+            packed = I4.pack_int4(w)
+            weights = [packed] + [_copies(packed) for _ in range(max(0, -(-L2_BYTES // packed.nbytes) - 1))]
+            x16 = torch.randn(16, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+            row: dict = {"model": model, "proj": proj, "form": form, "N": n, "K": k}
+            try:
+                y16 = P.int4_pairs_linear(x16, packed)
+                y1 = P.int4_pairs_linear(x16[:1], packed)
+                row["max_rel_err"] = float(f"{_rel(y16, F.linear(x16.float(), ref_w)):.3g}")
+                row["deterministic"] = bool(torch.equal(y1[0], y16[0]) and torch.equal(y16, P.int4_pairs_linear(x16, packed)))
+            except Exception as exc:
+                row["max_rel_err"], row["deterministic"], row["error"] = 1.0, False, repr(exc)[:400]
+                rows.append(row)
+                print("pairs", row, flush=True)
+                continue
+            for m in (1, 4, 16):
+                x = x16[:m].contiguous()
+                row[f"M{m}_bf16_us"] = round(graph_us(lambda x_, w_: F.linear(x_, w_), x, bf16_copies), 2)
+                row[f"M{m}_tiled_us"] = round(graph_us(I4.int4_linear, x, weights), 2)
+                row[f"M{m}_pairs_us"] = round(graph_us(P.int4_pairs_linear, x, weights), 2)
+                row[f"M{m}_pairs_GBs"] = round(packed.nbytes / (row[f"M{m}_pairs_us"] * 1e-6) / 1e9)
+                if model == "gemma4-31b" and form == "g32" and m in (1, 16):
+                    sweep = {}
+                    for bn in (32, 64, 128):
+                        for bkw in (16, 32):
+                            for waves in (2, 4, 8):
+                                per = split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=waves)
+                                for warps, stages in ((4, 1), (4, 3)):
+                                    for swap in (False, True):
+                                        cfg = P.PairsConfig(bn, bkw, per, warps, stages, swap)
+                                        try:
+                                            us = graph_us(lambda x_, w_, cfg=cfg: P.int4_pairs_linear(x_, w_, cfg),
+                                                          x, weights, reps=5)
+                                        except Exception as exc:
+                                            sweep[str(dataclasses.astuple(cfg))] = repr(exc)[:80]
+                                            continue
+                                        sweep[str(dataclasses.astuple(cfg))] = round(us, 2)
+                    best = min((v, key) for key, v in sweep.items() if isinstance(v, float))
+                    row[f"M{m}_sweep"] = sweep
+                    row[f"M{m}_best"], row[f"M{m}_best_us"] = best[1], best[0]
+            rows.append(row)
+            print("pairs", {key: v for key, v in row.items() if not key.endswith("_sweep")}, flush=True)
+            del weights, packed
+        del forms, bf16_copies, dense
+        torch.cuda.empty_cache()
+
+
 def section_experts(res: dict) -> None:
     """The grouped expert products at the 26B-A4B's shapes (128 experts, gate_up [1408, 2816], down [2816, 704]):
     rows routed at random (top-8 of 128 per token) and sorted by expert, for 1 and 64 tokens; int4 groups of 32
@@ -402,7 +469,7 @@ def summary(res: dict) -> str:
     return "\n".join(lines)
 
 
-CHECKS = {"check": check_row_ok, "experts": check_row_ok}
+CHECKS = {"check": check_row_ok, "experts": check_row_ok, "pairs": check_row_ok}
 
 
 def main(argv: list[str]) -> int:
@@ -430,6 +497,7 @@ def main(argv: list[str]) -> int:
         "tiled": lambda: section_tiled(res),
         "prefetch": lambda: section_prefetch(res),
         "experts": lambda: section_experts(res),
+        "pairs": lambda: section_pairs(res),
     }, out)
     print(summary(res))
     return exit_status(res, CHECKS)
