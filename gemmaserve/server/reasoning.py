@@ -24,6 +24,7 @@ class ReasoningFormat:
     begin_id: int
     end_id: int
     hidden: re.Pattern | None = None   # the special token texts (an answer shows none unless asked to)
+    specials: tuple[str, ...] = ()      # the same texts, sorted (a stream holds what may begin one)
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "ReasoningFormat | None":
@@ -31,7 +32,7 @@ class ReasoningFormat:
         if BEGIN not in ids or END not in ids:
             return None
         texts = sorted((t for t in ids if t), key=len, reverse=True)
-        return cls(ids[BEGIN], ids[END], re.compile("|".join(map(re.escape, texts))))
+        return cls(ids[BEGIN], ids[END], re.compile("|".join(map(re.escape, texts))), tuple(sorted(texts)))
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning or None, answer) of a whole output."""

@@ -110,16 +110,21 @@ class ToolCalling:
             content = _NATIVE_CALL.sub("", text) if calls else text
             content = content.split(RESPONSE_BEGIN)[0].strip()
             return (content or None), calls
+        call = self.json_call(text)
+        return (None, [_call(*call)]) if call is not None else (text, [])
+
+    def json_call(self, text: str) -> tuple[str, dict] | None:
+        """(name, arguments) when the whole text is one call in the JSON format, else None."""
         body = text.strip()
         fenced = _FENCE.match(body)
         try:
             obj = json.loads(fenced.group(1) if fenced else body)
         except json.JSONDecodeError:
-            return text, []
+            return None
         args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-        if isinstance(obj, dict) and obj.get("name") in names and isinstance(args, dict):
-            return None, [_call(obj["name"], args)]
-        return text, []
+        if isinstance(obj, dict) and obj.get("name") in {t.name for t in self.tools} and isinstance(args, dict):
+            return obj["name"], args
+        return None
 
 
 def _call(name: str, arguments: dict) -> dict:
