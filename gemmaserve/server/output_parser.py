@@ -148,6 +148,11 @@ class OutputParser:
             sinks.append(_Hide(reasoning))
         self._sinks = sinks
 
+    @property
+    def calls(self) -> int:
+        """Calls started so far."""
+        return self._calls
+
     # -- input --------------------------------------------------------------------------------------------
 
     def feed(self, piece: str) -> list[Event]:

@@ -21,7 +21,9 @@ from ..errors import UserInputError
 from ..models.chat_template import ChatMessage, parse_chat
 from ..models.multimodal import Modality
 from .protocol import ApiError, ChatRequest, chat_logprobs, now, parse, reject_unsupported, sampling_params
-from .reasoning import ReasoningFormat, ReasoningStream
+from .output_parser import (ContentDelta, Event, OutputParser, ParsedOutput, ReasoningDelta, ToolCallDelta,
+                            ToolCallStart, fold)
+from .reasoning import ReasoningFormat
 from .async_engine import Generation
 from .serving import Prompt, ServingCommon, sse
 from .tools import ToolCalling, ToolFormat, parse_tools
@@ -91,7 +93,8 @@ class ChatServing:
             params = params.replace(skip_special_tokens=False)
         checked = await self.common.validate([prompt], params, "messages",
                                              "tools" if calling is not None else "response_format", [items], lora)
-        return ChatJob(req, prompt, params, calling, _Answers(reasoning, show_special), checked)
+        opened = reasoning is not None and _opens_channel(ids, reasoning)
+        return ChatJob(req, prompt, params, calling, _Answers(reasoning, show_special, opened), checked)
 
     async def start(self, job: "ChatJob", rid: str, arrival: float) -> Generation:
         """Admit the prepared request and start generating: (prompt index, output) pairs (429 when full)."""
@@ -100,39 +103,25 @@ class ChatServing:
                                            admission)
 
     def _stream_chat(self, rid: str, job: "ChatJob", outputs) -> AsyncIterator[str]:
-        """Reasoning streams as `reasoning_content` deltas, the answer as `content`. With tools offered, a
-        choice's answer is held until it finishes: whether it is a call is known only then (its content and
-        calls come in one delta)."""
-        req, calling, answer = job.req, job.calling, job.answer
-        streams: dict[int, ReasoningStream] = {}
+        """Each choice's output read as it comes (`OutputParser`): reasoning as `reasoning_content` deltas, the
+        answer as `content`, tool calls as OpenAI streams them (a call's first chunk has its index, id, type and
+        name; later ones its index and argument fragments). Only text that may still be a JSON-format call
+        waits."""
+        req = job.req
+        parsers: dict[int, OutputParser] = {}
 
         def choices(_: int, c) -> list[dict]:
-            out = []
+            parser = parsers.setdefault(c.index, job.parser())
+            events = parser.feed(c.delta_text) + (parser.finish() if c.finished else [])
             lp = chat_logprobs(self.model.tokenizer, c.delta_logprobs) if c.delta_logprobs else None
-            finish = c.finish_reason
-            text = c.delta_text
-            if answer.reasoning is not None:
-                stream = streams.setdefault(c.index, ReasoningStream(answer.reasoning))
-                thought, text = stream.feed(c.delta_text)
-                if c.finished:
-                    more_t, more_a = stream.finish()
-                    thought, text = thought + more_t, text + more_a
-                if thought:
-                    out.append({"index": c.index, "delta": {"reasoning_content": thought}, "logprobs": None,
-                                "finish_reason": None})
-                text = answer.clean(text)
-            if calling is None and (text or lp):
-                out.append({"index": c.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})
-            elif calling is not None and c.finished:
-                read = job.read(c.text, c.finish_reason)
-                finish = read.finish_reason
-                delta = {"content": read.content}
-                if read.tool_calls:
-                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(read.tool_calls)]
-                out.append({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None})
+            deltas = chat_deltas(events)
+            if lp and not deltas:
+                deltas = [{"content": ""}]
+            out = [{"index": c.index, "delta": d, "logprobs": lp if k == 0 else None, "finish_reason": None}
+                   for k, d in enumerate(deltas)]
             if c.finished:   # OpenAI closes each choice with an empty delta
-                out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish,
-                            "stop_reason": c.stop_reason})
+                out.append({"index": c.index, "delta": {}, "logprobs": None,
+                            "finish_reason": _finish(parser.calls > 0, c.finish_reason), "stop_reason": c.stop_reason})
             return out
 
         opening = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -202,20 +191,13 @@ class ChatServing:
 
 @dataclass(frozen=True)
 class _Answers:
-    """How a request's output text becomes its answer: the reasoning split off (reasoning models), and what is
-    left of special tokens removed unless the request asked for them."""
+    """How a request's output text becomes its answer: the reasoning split off (reasoning models; `opened`: the
+    prompt opened the thought channel), and what is left of special tokens removed unless the request asked for
+    them."""
 
     reasoning: ReasoningFormat | None
     show_special: bool
-
-    def split(self, text: str, clean: bool = True) -> tuple[str | None, str]:
-        if self.reasoning is None:
-            return None, text
-        thought, answer = self.reasoning.split(text)
-        return thought, self.clean(answer) if clean else answer
-
-    def clean(self, answer: str) -> str:
-        return answer if self.show_special or self.reasoning is None else self.reasoning.clean(answer)
+    opened: bool = False
 
 
 @dataclass(frozen=True)
@@ -240,21 +222,50 @@ class ChatJob:
     answer: _Answers
     checked: list
 
-    def read(self, text: str, finish_reason: str | None) -> ChatAnswer:
-        """A finished completion's text -> its reasoning, answer and tool calls ("tool_calls" finish then)."""
-        thought, text = self.answer.split(text, clean=self.calling is None)   # calls are parsed with their markers
-        message, finish = _assistant_message(text, finish_reason, self.calling)
-        content = self.answer.clean(message["content"]) if message["content"] else message["content"]
-        return ChatAnswer(thought, content, message.get("tool_calls", []), finish)
+    def parser(self, seed: str | None = None) -> OutputParser:
+        """A new parser for one choice's output (state is per choice: never share one)."""
+        return OutputParser(self.answer.reasoning, self.calling, self.answer.opened, not self.answer.show_special,
+                            seed)
+
+    def read(self, text: str, finish_reason: str | None, seed: str | None = None) -> ChatAnswer:
+        """A finished completion's text -> its reasoning, answer and tool calls ("tool_calls" finish then):
+        the streamed events folded, so a streamed answer and a whole one agree."""
+        parser = self.parser(seed)
+        parsed: ParsedOutput = fold(parser.feed(text) + parser.finish(), parser.thought, parser.content_optional)
+        return ChatAnswer(parsed.reasoning, parsed.content, parsed.tool_calls,
+                          _finish(bool(parsed.tool_calls), finish_reason))
 
 
-def _assistant_message(text: str, finish_reason: str | None, calling: ToolCalling | None) -> tuple[dict, str | None]:
-    """A finished completion's answer -> (the assistant message, finish_reason): tool calls parsed out of the
-    text when tools were offered ("tool_calls" then)."""
-    if calling is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = calling.parse(text)
-    message: dict = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = calls
-    return message, "tool_calls" if calls and finish_reason == "stop" else finish_reason
+def chat_deltas(events: list[Event]) -> list[dict]:
+    """Parser events -> chat.completion.chunk deltas: runs of one kind merged (a call's start and its arguments
+    of one step in one entry, which every client's accumulator reads)."""
+    deltas: list[dict] = []
+    for e in events:
+        if isinstance(e, (ReasoningDelta, ContentDelta)):
+            key = "reasoning_content" if isinstance(e, ReasoningDelta) else "content"
+            if deltas and list(deltas[-1]) == [key]:
+                deltas[-1][key] += e.text
+            else:
+                deltas.append({key: e.text})
+        elif isinstance(e, (ToolCallStart, ToolCallDelta)):
+            if not deltas or list(deltas[-1]) != ["tool_calls"]:
+                deltas.append({"tool_calls": []})
+            calls = deltas[-1]["tool_calls"]
+            if isinstance(e, ToolCallStart):
+                calls.append({"index": e.index, "id": e.id, "type": "function",
+                              "function": {"name": e.name, "arguments": ""}})
+            elif calls and calls[-1]["index"] == e.index:
+                calls[-1]["function"]["arguments"] += e.arguments
+            else:
+                calls.append({"index": e.index, "function": {"arguments": e.arguments}})
+    return deltas
+
+
+def _finish(called: bool, finish_reason: str | None) -> str | None:
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+def _opens_channel(ids: list[int], fmt: ReasoningFormat) -> bool:
+    """Whether the prompt ends inside the thought channel (a template that opens it for the model)."""
+    begin = max((i for i, t in enumerate(ids) if t == fmt.begin_id), default=-1)
+    return begin >= 0 and fmt.end_id not in ids[begin:]
