@@ -122,7 +122,8 @@ class ToolCalling:
         except json.JSONDecodeError:
             return None
         args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-        if isinstance(obj, dict) and obj.get("name") in {t.name for t in self.tools} and isinstance(args, dict):
+        name = obj.get("name") if isinstance(obj, dict) else None   # any JSON: a list is no name
+        if isinstance(name, str) and name in {t.name for t in self.tools} and isinstance(args, dict):
             return obj["name"], args
         return None
 
