@@ -192,7 +192,41 @@ def test_native_gemma4_tool_calls(tmp_path):
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
         for c in _complete(r.choices):
             assert [call.function.name for call in _valid_calls(c, allowed)] == ["get_weather"]
+        _streamed_calls_equal_whole_ones(client, allowed)
         assert_server_kv_clean(s)
+
+
+def _streamed_calls_equal_whole_ones(client, allowed: dict[str, dict]) -> None:
+    """The same seeded request streamed and not: openai's own accumulator rebuilds the same message from the
+    chunks (ids apart: each response makes its own); each call's first chunk carries its index, id, type and name,
+    later ones its index and argument fragments (OpenAI's shape: the accumulator joins repeated ids)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    kw = dict(model="m", messages=USER, tools=TOOLS, tool_choice="required", temperature=1.0, max_tokens=80)
+    calls = 0
+    base = fresh_seed()
+    for seed in (base, base + 1):
+        whole = client.chat.completions.create(seed=seed, **kw).choices[0]
+        state, seen = ChatCompletionStreamState(), {}
+        for chunk in client.chat.completions.create(seed=seed, stream=True, **kw):
+            state.handle_chunk(chunk)
+            for entry in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                if entry.index not in seen:
+                    assert entry.id.startswith("call_") and entry.type == "function" and entry.function.name, entry
+                    seen[entry.index] = entry.id
+                else:
+                    assert entry.id in (None, seen[entry.index]) and entry.function.name is None, entry
+        streamed = state.current_completion_snapshot.choices[0]   # (get_final_completion refuses "length")
+        assert streamed.finish_reason == whole.finish_reason
+        assert (streamed.message.content or None) == whole.message.content   # the opening delta's "" or None
+        got = [(c.id, c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []]
+        assert [(i, name, args) for i, (_, name, args) in enumerate(got)] == [
+            (i, c.function.name, c.function.arguments) for i, c in enumerate(whole.message.tool_calls or [])]
+        assert [c[0] for c in got] == [seen[i] for i in range(len(got))]
+        if whole.finish_reason == "tool_calls":
+            _valid_calls(streamed, allowed)
+        calls += len(got)
+    assert calls, "no seeded request called"
 
 
 def test_gemma_argument_syntax():
