@@ -12,8 +12,9 @@ Which format is read from the vocabulary, not the model's name:
                   NATIVE; JSON: parsed if the whole answer is a call)      "required" / a named function:
                   the answer is a call (to that function), its arguments valid against the schema.
 
-Calls are parsed from the finished text (specials kept: the markers are special tokens) and returned as
-`tool_calls` with finish_reason "tool_calls"; arguments are a JSON string, as OpenAI's are.
+Calls are read from the text (specials kept: the markers are special tokens) as it streams, by
+`output_parser.py`, and returned as `tool_calls` with finish_reason "tool_calls"; arguments are a JSON string,
+as OpenAI's are. `parse` reads a finished text at once.
 """
 
 from __future__ import annotations
