@@ -111,7 +111,9 @@ class ChatServing:
         parsers: dict[int, OutputParser] = {}
 
         def choices(_: int, c) -> list[dict]:
-            parser = parsers.setdefault(c.index, job.parser())
+            if c.index not in parsers:
+                parsers[c.index] = job.parser()
+            parser = parsers[c.index]
             events = parser.feed(c.delta_text) + (parser.finish() if c.finished else [])
             lp = chat_logprobs(self.model.tokenizer, c.delta_logprobs) if c.delta_logprobs else None
             deltas = chat_deltas(events)
