@@ -1,4 +1,4 @@
-"""Command line: `gemmaserve generate|serve|bench ...`. Engine and sampling options come from the
+"""Command line: `gemmaserve generate|serve|download|bench ...`. Engine and sampling options come from the
 `EngineConfig` and `SamplingParams` dataclasses, so every command shares them.
 
 Nothing here imports torch until a command runs (the benchmarks' own options are declared only when
@@ -80,6 +80,11 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     add_options(srv, EngineConfig, "engine")
     add_options(srv, KVTransferConfig, "disaggregated serving")
     srv.set_defaults(handler=_serve)
+
+    dl = commands.add_parser("download", help="fetch a Hugging Face Hub model into its cache and print the local path")
+    dl.add_argument("name", metavar="NAME", help="ORG/NAME, or ORG/NAME:FILE.gguf for one file of a GGUF repository")
+    add_options(dl, EngineConfig, "hub", only=("revision", "gguf_file", "hf_token", "download_dir"))
+    dl.set_defaults(handler=_download)
 
     rtr = commands.add_parser("router", help="one OpenAI endpoint over prefill and decode engines (serve --role)")
     from .server.router_config import add_arguments as add_router_arguments
@@ -186,6 +191,16 @@ def _serve(args: argparse.Namespace) -> int:
         serve_role(lambda: LLMEngine(engine_config), server_config, transfer)
         return 0
     serve(lambda: LLMEngine(engine_config), server_config)   # listens (503 "loading") while the model loads
+    return 0
+
+
+def _download(args: argparse.Namespace) -> int:
+    from .models.hub import HubSpec, fetch
+
+    spec = HubSpec.parse(args.name, from_namespace(EngineConfig, args).hub_options())
+    if spec is None:
+        raise UserInputError(f"{args.name!r} is not a Hugging Face Hub name (ORG/NAME or ORG/NAME:FILE.gguf)")
+    print(fetch(spec).path)
     return 0
 
 

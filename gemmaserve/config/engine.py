@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserInputError
 from ..hostmem import available_host_memory
 from ..models.embedded import DEFAULT_MODEL
+from ..models.hub import HubOptions
 from ..units import format_bytes
 from .options import argparse_type, number, option, positive_int, refusing, size
 from .speculative import SpeculativeConfig
@@ -67,7 +68,14 @@ def _lora_modules(value) -> dict[str, str] | None:
 
 @dataclass
 class EngineConfig:
-    model: str = option(DEFAULT_MODEL, help="model alias, .gguf file or Hugging Face checkpoint directory")
+    model: str = option(DEFAULT_MODEL, help="model alias, .gguf file, Hugging Face checkpoint directory or Hub name "
+                                            "(ORG/NAME, ORG/NAME:FILE.gguf: fetched into the Hugging Face cache)")
+    revision: str | None = option(None, help="with a Hub name: the branch, tag or commit to fetch (default: main)")
+    gguf_file: str | None = option(None, help="with a Hub name of a GGUF repository: which .gguf file to fetch")
+    hf_token: str | None = option(None, help="with a Hub name: the token for gated or private repositories "
+                                             "(default: $HF_TOKEN or the saved login)")
+    download_dir: str | None = option(None, help="with a Hub name: the Hugging Face cache directory to use "
+                                                 "(default: $HF_HUB_CACHE, else $HF_HOME/hub)")
     mmproj: str | None = option(None, help="with a Gemma 4 .gguf model: llama.cpp's mmproj .gguf file of its image "
                                            "encoder (and audio encoder, E2B/E4B), so that requests may carry images "
                                            "and video (and audio) (without it a GGUF model is text-only)")
@@ -173,6 +181,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
             raise UserInputError("model must be a non-empty string")
+        self.hub_options()   # checks them
         if isinstance(self.dtype, str) and self.dtype in _REFUSED_DTYPES:
             raise UserInputError(_REFUSED_DTYPES[self.dtype])
         if self.dtype not in DTYPE_CHOICES:
@@ -240,6 +249,9 @@ class EngineConfig:
             raise UserInputError(f"max_cpu_loras must be a positive integer, got {self.max_cpu_loras!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise UserInputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+
+    def hub_options(self) -> HubOptions:
+        return HubOptions(self.revision, self.gguf_file, self.hf_token, self.download_dir)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -42,11 +42,12 @@ def option(default: Any, *, help: str, parse: Callable[[str], Any] | None = None
     return dataclasses.field(default=default, metadata={_META: meta})
 
 
-def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+def add_options(parser: argparse.ArgumentParser, cls: type, title: str, only: Sequence[str] | None = None) -> None:
+    """`only`: these fields' options alone."""
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
         meta: OptionMeta | None = f.metadata.get(_META)
-        if meta is None:
+        if meta is None or (only is not None and f.name not in only):
             continue
         flag = meta.flag or "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}

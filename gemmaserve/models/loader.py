@@ -1,4 +1,4 @@
-"""From `--model` (alias, .gguf file, or Hugging Face checkpoint directory) to a model and tokenizer."""
+"""From `--model` (alias, .gguf file, Hugging Face checkpoint directory or Hub name) to a model and tokenizer."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ..errors import UserInputError
 from ..hostmem import release_freed_memory
 from .base import CausalLM
 from .embedded import EMBEDDED_MODELS, cache_dir, resolve_embedded
+from .hub import HubFormat, HubModel, HubOptions, HubSpec, fetch, fetch_file
 from .registry import model_class_for_gguf, model_class_for_hf
 from .tensor_parallel import ShardPlan, Slice, TensorParallelShard, check_shardable, parallelize, shard_model
 from . import quant_cache
@@ -39,6 +40,7 @@ class ModelSource:
     name: str          # what the user asked for
     kind: SourceKind
     path: Path
+    hub: HubModel | None = None   # where a Hub name was fetched from (models/hub.py)
 
 
 @dataclass
@@ -50,7 +52,25 @@ class LoadedModel:
     weight_formats: dict[str, int] | None = None   # quantised modules per format (None: dtype as asked)
 
 
-def resolve_model(name: str) -> ModelSource:
+def resolve_model(name: str, hub: HubOptions = HubOptions()) -> ModelSource:
+    """A local path wins over a Hub name of the same spelling; an alias wins over both."""
+    local = _resolve_local(name)
+    if local is not None:
+        if hub.given:
+            raise UserInputError(f"{' and '.join(hub.given)} go with a Hugging Face Hub name; {name!r} is "
+                                 f"{'a known alias' if name in EMBEDDED_MODELS else 'a local path'}")
+        return local
+    spec = HubSpec.parse(name, hub)
+    if spec is None:
+        aliases = ", ".join(EMBEDDED_MODELS)
+        raise UserInputError(f"model {name!r} is neither a known alias ({aliases}), an existing .gguf file or "
+                             "checkpoint directory, nor a Hugging Face Hub name (ORG/NAME)")
+    model = fetch(spec)
+    kind = SourceKind.HF_DIR if model.format is HubFormat.CHECKPOINT else SourceKind.GGUF
+    return ModelSource(name, kind, model.path, model)
+
+
+def _resolve_local(name: str) -> ModelSource | None:
     if name in EMBEDDED_MODELS:
         return ModelSource(name, SourceKind.GGUF, resolve_embedded(name))
     path = Path(name).expanduser()
@@ -62,15 +82,13 @@ def resolve_model(name: str) -> ModelSource:
         if not (path / "config.json").is_file():
             raise UserInputError(f"model directory {name!r} has no config.json")
         return ModelSource(name, SourceKind.HF_DIR, path)
-    aliases = ", ".join(EMBEDDED_MODELS)
-    raise UserInputError(f"model {name!r} is neither a known alias ({aliases}) nor an existing .gguf file "
-                         "or checkpoint directory")
+    return None
 
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: bool = False,
                shard: TensorParallelShard | None = None, quantization: str = "auto",
-               mmproj: str | None = None) -> LoadedModel:
-    """`quantized` (CPU, fp32 activations): a GGUF file's weights stay quantised (`quant.py`).
+               mmproj: str | None = None, hub: HubOptions = HubOptions()) -> LoadedModel:
+    """`hub`: how to fetch a Hub name (models/hub.py). `quantized` (CPU, fp32 activations): a GGUF file's weights stay quantised (`quant.py`).
     `shard`: load this tensor-parallel rank's slices only (models/tensor_parallel.py).
     `quantization` (`--quantization`): auto = what a checkpoint declares (compressed-tensors), compressed-tensors
     = the same but the checkpoint must declare it, fp8 = a float checkpoint's projections to FP8 at load, none =
@@ -79,7 +97,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
     weight. `mmproj` (`--mmproj`): llama.cpp's file of a GGUF model's image encoder and, where it holds
     one, audio encoder (Gemma 4; gemma4_vision.py, gemma4_audio.py)."""
     start = time.perf_counter()
-    source = resolve_model(name)
+    source = resolve_model(name, hub)
     mmproj_path = _mmproj_path(mmproj, source, shard)
     log.info("loading %s from %s", name, source.path)
     formats = None
@@ -114,6 +132,8 @@ def _mmproj_path(mmproj: str | None, source: ModelSource, shard: TensorParallelS
     if mmproj is None:
         return None
     path = Path(mmproj).expanduser()
+    if source.hub is not None and source.kind is SourceKind.GGUF and not path.exists():
+        path = fetch_file(source.hub, mmproj)   # a file of the model's own repository
     if source.kind is not SourceKind.GGUF:
         raise UserInputError(f"--mmproj goes with a .gguf model; {source.name!r} is a checkpoint directory, whose "
                              "own config says which encoders it has")
@@ -143,10 +163,10 @@ def build_model(model_class: type[CausalLM], config, weights: Weights, dtype: to
     return model
 
 
-def check_tensor_parallel(name: str, tp: int) -> None:
+def check_tensor_parallel(name: str, tp: int, hub: HubOptions = HubOptions()) -> None:
     """UserInputError if model `name` cannot be split over `tp` ranks; reads only its config (the
-    model is built on the meta device, no weights)."""
-    source = resolve_model(name)
+    model is built on the meta device, no weights; a Hub name is fetched, once for every rank)."""
+    source = resolve_model(name, hub)
     if source.kind is SourceKind.GGUF:
         from .gguf_file import GGUFFile
 

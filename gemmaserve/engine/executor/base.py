@@ -60,7 +60,8 @@ class InProcessExecutor:
 
     def load_model(self, dtype: torch.dtype, device: torch.device) -> LoadedModel:
         return load_model(self.config.model, dtype, device, self.config.quantized_weights(device),
-                          quantization=self.config.quantization, mmproj=self.config.mmproj)
+                          quantization=self.config.quantization, mmproj=self.config.mmproj,
+                          hub=self.config.hub_options())
 
     def local_kv_specs(self, specs: list[LayerSpec]) -> list[LayerSpec]:
         return specs

@@ -75,7 +75,7 @@ class MultiprocExecutor:
         import torch.multiprocessing as mp
 
         tp = config.tensor_parallel_size
-        check_tensor_parallel(config.model, tp)
+        check_tensor_parallel(config.model, tp, config.hub_options())
         if dist.is_initialized():
             raise UserInputError("a tensor-parallel engine is already running in this process (one group per "
                                  "process: shut the other one down first)")
@@ -108,7 +108,7 @@ class MultiprocExecutor:
     def load_model(self, dtype: torch.dtype, device: torch.device) -> LoadedModel:
         return load_model(self.config.model, dtype, device, self.config.quantized_weights(device),
                           shard=TensorParallelShard(0, self.world_size, self.comm), quantization=self.config.quantization,
-                          mmproj=self.config.mmproj)
+                          mmproj=self.config.mmproj, hub=self.config.hub_options())
 
     def local_kv_specs(self, specs: list[LayerSpec]) -> list[LayerSpec]:
         return [dataclasses.replace(s, num_kv_heads=local_kv_heads(s.num_kv_heads, self.world_size)) for s in specs]

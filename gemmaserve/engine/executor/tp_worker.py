@@ -110,7 +110,7 @@ def _serve(args: WorkerArgs, device: torch.device, comm: DistributedCommunicator
     dtype = config.torch_dtype(device)
     loaded = load_model(config.model, dtype, device, config.quantized_weights(device),
                         shard=TensorParallelShard(args.rank, args.world_size, comm), quantization=config.quantization,
-                        mmproj=config.mmproj)
+                        mmproj=config.mmproj, hub=config.hub_options())
     conn.send(("loaded",))
     spec: RunnerSpec | tuple = conn.recv()
     if spec == ("stop",):   # rank 0 gave up while this rank was loading

@@ -14,6 +14,7 @@ from ...config.engine import EngineConfig
 from ...errors import UserInputError
 from ...models.gemma4 import Gemma4Config
 from ...models.gemma4_assistant import load_assistant
+from ...models.hub import HubOptions
 from ...models.loader import LoadedModel, load_model
 from ...models.tensor_parallel import shard_attention_heads
 from .mtp import MtpDrafter
@@ -55,7 +56,8 @@ def draft_model(config: EngineConfig, target: LoadedModel, dtype: torch.dtype,
     plan = getattr(target.model, "tensor_parallel_plan", None)
     try:
         draft = load_model(spec.model, dtype, device, config.quantized_weights(device),
-                           shard=plan.shard if plan is not None else None)
+                           shard=plan.shard if plan is not None else None,
+                           hub=HubOptions(token=config.hf_token, download_dir=config.download_dir))
     except UserInputError as exc:   # the loader names the model, not which one of the two it is
         raise UserInputError(f"speculative config: draft model: {exc}") from None
     ours, theirs = target.tokenizer, draft.tokenizer
