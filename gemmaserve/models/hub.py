@@ -7,8 +7,10 @@ and the weights of one format (safetensors when the repository has them, else on
 gives its model file only, text-only like a local .gguf file: `--mmproj NAME` fetches that file of the same
 repository (a repository's several mmproj files differ in precision, so none is picked for the user).
 
-huggingface_hub writes each file to `blobs/<etag>.incomplete` and links it into the snapshot only once whole:
-an interrupted download leaves nothing in the snapshot directory, and the next run resumes the blob by Range.
+huggingface_hub writes each file to a temporary `blobs/<etag>.<id>.incomplete` and links it into the snapshot
+only once whole. A dropped connection is resumed by Range within the run (a few tries); a download that fails
+anyway deletes its temporary file (huggingface_hub >= 1.x: one name per process, so no two processes append to
+one file), so nothing partial is left and the next run fetches that file again (files already whole are kept).
 
 The environment is read when a model is fetched, not when huggingface_hub is imported (its module constants
 are frozen at import): a process that changes HF_ENDPOINT, HF_HOME or HF_HUB_OFFLINE is obeyed.
@@ -183,8 +185,7 @@ def fetch(spec: HubSpec) -> HubModel:
         try:
             kind, chosen = select_files(spec, listed)
         except UserInputError as exc:
-            raise UserInputError(f"HF_HUB_OFFLINE is set and the cached snapshot of {spec.label} ({snapshot}) is "
-                                 f"incomplete: {exc}") from None
+            raise UserInputError(f"HF_HUB_OFFLINE is set, and in the cache ({snapshot}) {exc}") from None
     else:
         with _errors(spec, None, local):
             listed = api.list_repo_files(spec.repo_id, revision=revision.resolved, token=spec.token)
@@ -202,7 +203,7 @@ def fetch_file(model: HubModel, name: str) -> Path:
     return _download(model.spec, revision, name, cache_dir(model.spec), offline())
 
 
-def _download(spec: HubSpec, revision, name: str, cache: Path, local: bool) -> Path:
+def _download(spec: HubSpec, revision: str, name: str, cache: Path, local: bool) -> Path:
     from huggingface_hub import hf_hub_download
 
     with _errors(spec, name, local):
@@ -252,11 +253,11 @@ def _message(exc: Exception, spec: HubSpec, name: str | None, local: bool) -> st
         return f"{what}: no such file in the repository at this revision"
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
         return (f"{what}: the Hub at {endpoint()} answered HTTP {exc.response.status_code}; nothing partial is left "
-                "in the model's directory, and running again resumes the download")
+                "behind: run again to fetch it")
     if isinstance(exc, PermissionError):
         return f"{what}: cannot write the Hugging Face cache ({exc}); choose another with --download-dir"
     if isinstance(exc, (httpx2.TransportError, RevisionResolutionError, LocalEntryNotFoundError, OSError)):
         first = str(exc).splitlines()[0] if str(exc) else ""
         return (f"{what}: could not download from the Hub at {endpoint()} ({type(exc).__name__}: {first}); nothing "
-                "partial is left in the model's directory, and running again resumes the download")
+                "partial is left behind: run again to fetch it")
     return None
