@@ -9,7 +9,7 @@ repository (a repository's several mmproj files differ in precision, so none is 
 
 huggingface_hub writes each file to a temporary `blobs/<etag>.<id>.incomplete` and links it into the snapshot
 only once whole. A dropped connection is resumed by Range within the run (a few tries); a download that fails
-anyway deletes its temporary file (huggingface_hub >= 1.x: one name per process, so no two processes append to
+anyway deletes its temporary file (huggingface_hub 2.x names it per process, so that no two processes append to
 one file), so nothing partial is left and the next run fetches that file again (files already whole are kept).
 
 The environment is read when a model is fetched, not when huggingface_hub is imported (its module constants
