@@ -4,6 +4,7 @@
     POST /v1/audio/transcriptions, /v1/audio/translations     (multipart upload; models with an audio encoder)
     GET  /v1/models             GET  /health                  GET  /metrics (Prometheus text)
     POST /tokenize, /detokenize (vLLM's)
+    POST /v1/responses, GET and DELETE /v1/responses/{id}     (OpenAI's Responses API: server/responses/)
 
 Each endpoint family is an object of its own module (serving_completion.py, serving_chat.py, serving_audio.py,
 serving_lora.py, serving_models.py, serving_tokenize.py), composed with serving.py's shared request plumbing, which holds the
@@ -62,6 +63,8 @@ from .serving_completion import CompletionServing
 from .serving_lora import LoRAServing
 from .serving_models import ModelsServing
 from .serving_tokenize import TokenizeServing
+from .responses.protocol import ResponsesRequest
+from .responses.serving import ResponsesServing
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ class Endpoints:
     lora: LoRAServing
     models: ModelsServing
     tokenize: TokenizeServing
+    responses: ResponsesServing
 
 
 class OpenAIServer:
@@ -118,7 +122,8 @@ class OpenAIServer:
         lora = LoRAServing(self.common)
         chat = ChatServing(self.common)
         self.endpoints = Endpoints(CompletionServing(self.common), chat, AudioServing(self.common), lora,
-                                   ModelsServing(self.common, lora, self.created), TokenizeServing(self.common, chat))
+                                   ModelsServing(self.common, lora, self.created), TokenizeServing(self.common, chat),
+                                   ResponsesServing(self.common, chat))
 
     @property
     def model_name(self) -> str:
@@ -201,6 +206,11 @@ class OpenAIServer:
                          openapi_extra=_body(LoadLoRARequest), responses=_LORA_ERRORS)
         v1.add_api_route("/unload_lora_adapter", to(lambda e: e.lora.unload_lora_adapter), methods=["POST"],
                          openapi_extra=_body(UnloadLoRARequest), responses=_LORA_ERRORS)
+        v1.add_api_route("/responses", to(lambda e: e.responses.create), methods=["POST"],
+                         openapi_extra=_body(ResponsesRequest), responses=_ERRORS)
+        for method, handler in (("GET", to(lambda e: e.responses.retrieve)), ("DELETE", to(lambda e: e.responses.delete))):
+            v1.add_api_route("/responses/{response_id}", handler, methods=[method], openapi_extra=_PATH_ID,
+                             responses=_ERRORS)
         app.include_router(v1)
         # vLLM's routes, outside /v1, behind the same key and readiness
         plain = APIRouter(dependencies=[Depends(self._authorize), Depends(self._require_ready)])
@@ -348,6 +358,9 @@ def _body(model: type) -> dict:
         "$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
+_PATH_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
+
+
 def _form_body(model: type) -> dict:
     """A multipart upload's schema: the audio `file` and the model's fields (converted from text)."""
     js = model.model_json_schema()
@@ -364,7 +377,7 @@ def _openapi(app: FastAPI) -> dict:
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components["Error"] = _ERROR_SCHEMA
         for model in (CompletionRequest, ChatRequest, LoadLoRARequest, UnloadLoRARequest, TokenizeRequest,
-                      DetokenizeRequest):
+                      DetokenizeRequest, ResponsesRequest):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js

@@ -44,6 +44,11 @@ class ServerConfig:
     shutdown_timeout: float = option(
         30.0, parse=number,
         help="on SIGTERM, seconds to let running requests finish (new ones get 503) before aborting them")
+    responses_store_max_items: int = option(
+        1000, parse=positive_int, help="most responses /v1/responses keeps for previous_response_id and GET (the "
+                                       "oldest are dropped first)")
+    responses_store_max_bytes: int = option(64 << 20, parse=size, help="most bytes of stored responses (as JSON)")
+    responses_store_ttl: float = option(3600.0, parse=number, help="seconds a stored response is kept")
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -66,6 +71,13 @@ class ServerConfig:
             raise UserInputError(f"max_audio_seconds must be a positive number, got {self.max_audio_seconds!r}")
         if self.lora_root is not None and not (isinstance(self.lora_root, str) and self.lora_root.strip()):
             raise UserInputError("lora_root must be a directory")
+        for name in ("responses_store_max_items", "responses_store_max_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserInputError(f"{name} must be a positive integer, got {value!r}")
+        if not _positive(self.responses_store_ttl):
+            raise UserInputError(f"responses_store_ttl must be a positive number of seconds, got "
+                                 f"{self.responses_store_ttl!r}")
         if not _positive(self.shutdown_timeout, zero_ok=True):
             raise UserInputError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
 
