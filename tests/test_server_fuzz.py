@@ -54,9 +54,13 @@ def _check(response, case) -> None:
     ctype = response.headers.get("content-type") or ""
     if (ctype[0] if isinstance(ctype, list) else ctype).startswith("text/event-stream"):
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-        assert events and (events[-1] == "[DONE]" or "error" in json.loads(events[-1])), response.text[-300:]
+        # chat and completions end with [DONE] or an error; the Responses API with its final or error event
+        ends = {"response.completed", "response.incomplete", "response.failed", "error"}
+        last = None if not events or events[-1] == "[DONE]" else json.loads(events[-1])
+        assert events and (last is None or "error" in last or last.get("type") in ends), response.text[-300:]
         for e in events[:-1]:
-            assert "error" not in json.loads(e), e
+            body = json.loads(e)
+            assert "error" not in body and body.get("type") not in ends, e
     elif case.path != "/metrics":
         assert isinstance(response.json(), dict)
 
@@ -216,7 +220,8 @@ def test_wrong_types_at_every_nested_field_are_400s_naming_it(server):
                  ("/v1/chat/completions", "tool_choice.function.name"),
                  ("/v1/chat/completions", "response_format.json_schema.schema"),
                  ("/v1/completions", "stream_options.include_usage"), ("/v1/completions", "logit_bias.k"),
-                 ("/v1/completions", "prompt[0][0]"), ("/v1/load_lora_adapter", "lora_path")]:
+                 ("/v1/completions", "prompt[0][0]"), ("/v1/load_lora_adapter", "lora_path"),
+                 ("/v1/responses", "input[0].content[0].image_url"), ("/v1/responses", "text.format.schema")]:
         assert want in paths, want
     failures: list[tuple[int, str]] = []
     with requests.Session() as client:

@@ -358,7 +358,8 @@ def _body(model: type) -> dict:
         "$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-_PATH_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
+_PATH_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True,   # (as the server makes them)
+                            "schema": {"type": "string", "pattern": "^resp_[0-9a-f]{32}$"}}]}
 
 
 def _form_body(model: type) -> dict:
