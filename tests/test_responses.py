@@ -19,7 +19,9 @@ from gemmaserve.config.engine import EngineConfig
 from gemmaserve.engine.llm_engine import LLMEngine
 from gemmaserve.server.background import BackgroundServer
 from gemmaserve.server.config import ServerConfig
+from gemmaserve.server.protocol import ApiError
 from gemmaserve.server.responses.store import ResponseStore, StoredResponse, StoreLimits
+from gemmaserve.server.responses.translate import chat_messages, output_items
 
 from helpers import (CHANNEL_BEGIN, CHANNEL_END, add_special_tokens, assert_server_kv_clean,
                      save_gemma4_vision_checkpoint, scripted_logits, tiny_hf_gemma4_vision)
@@ -305,6 +307,47 @@ def test_the_store_is_bounded_and_expires():
     now[0] += 1
     assert store.get("r4") is None and len(store) == 0 and store.bytes == 0
     assert store.put(entry(1)) and store.get("r1").body == {"id": "r1", "pad": ""}   # a freed id is taken again
+
+
+def test_a_stream_that_fails_ends_with_an_error_event(served):
+    """Past its deadline mid-stream: the events so far, then OpenAI's `error` event (no completion event)."""
+    body = {"model": "m", "input": "hello", "stream": True, "max_output_tokens": 4000,
+            "request_timeout": 0.3}
+    r = requests.post(served[0].base_url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "error", events[-1]
+    assert events[-1]["code"] == "request_timeout" and events[-1]["param"] == "request_timeout"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert not any(e["type"] in ("response.completed", "response.incomplete") for e in events)
+    assert_server_kv_clean(served[0])
+
+
+def test_items_translate_to_chat_messages():
+    """Audio parts (no model here hears), an answer's text then its calls as one assistant message, reasoning
+    dropped, a call's output naming its function (from an earlier turn's calls too)."""
+    items = output_items([
+        {"role": "user", "content": [{"type": "input_text", "text": "hear"},
+                                     {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok", "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"a": 1}'},
+        {"type": "function_call_output", "call_id": "c2", "output": "2"},
+        {"type": "function_call_output", "call_id": "c0", "output": [{"type": "input_text", "text": "0"}]}])
+    calls = {"c0": "h"}
+    assert chat_messages(items, calls) == [
+        {"role": "user", "content": [{"type": "text", "text": "hear"},
+                                     {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"}], "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c2", "name": "g", "content": "2"},
+        {"role": "tool", "tool_call_id": "c0", "name": "h", "content": [{"type": "text", "text": "0"}]}]
+    assert calls == {"c0": "h", "c1": "f", "c2": "g"}
+    assert chat_messages("hi", {}) == [{"role": "user", "content": "hi"}]
+    with pytest.raises(ApiError, match=r"input\[0\]\.call_id"):
+        chat_messages(output_items([{"type": "function_call_output", "call_id": "c9", "output": "x"}]), {})
 
 
 def test_kv_is_clean_after_everything(served):
