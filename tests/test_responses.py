@@ -235,8 +235,9 @@ def test_an_image_item(client):
     url = _png(16, 1)
     content = [{"type": "input_text", "text": "look"}, {"type": "input_image", "image_url": url}]
     r = client.responses.create(input=[{"role": "user", "content": content}], **GREEDY)
-    chat = client.chat.completions.create(model="m", temperature=0, max_tokens=6, messages=[{"role": "user", "content": [
-        {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}}]
+    chat = client.chat.completions.create(model="m", temperature=0, max_tokens=6,
+                                          messages=[{"role": "user", "content": parts}])
     text_only = client.responses.create(input="look", **GREEDY)
     assert r.usage.input_tokens == chat.usage.prompt_tokens > text_only.usage.input_tokens + 50
     assert r.output_text == chat.choices[0].message.content

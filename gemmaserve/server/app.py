@@ -4,7 +4,7 @@
     POST /v1/audio/transcriptions, /v1/audio/translations     (multipart upload; models with an audio encoder)
     GET  /v1/models             GET  /health                  GET  /metrics (Prometheus text)
     POST /tokenize, /detokenize (vLLM's)
-    POST /v1/responses, GET and DELETE /v1/responses/{id}     (OpenAI's Responses API: server/responses/)
+    POST /v1/responses, GET and DELETE /v1/responses/{id}     (OpenAI's Responses API, server/responses/)
 
 Each endpoint family is an object of its own module (serving_completion.py, serving_chat.py, serving_audio.py,
 serving_lora.py, serving_models.py, serving_tokenize.py), composed with serving.py's shared request plumbing, which holds the
@@ -208,7 +208,8 @@ class OpenAIServer:
                          openapi_extra=_body(UnloadLoRARequest), responses=_LORA_ERRORS)
         v1.add_api_route("/responses", to(lambda e: e.responses.create), methods=["POST"],
                          openapi_extra=_body(ResponsesRequest), responses=_ERRORS)
-        for method, handler in (("GET", to(lambda e: e.responses.retrieve)), ("DELETE", to(lambda e: e.responses.delete))):
+        for method, handler in (("GET", to(lambda e: e.responses.retrieve)),
+                                ("DELETE", to(lambda e: e.responses.delete))):
             v1.add_api_route("/responses/{response_id}", handler, methods=[method], openapi_extra=_PATH_ID,
                              responses=_ERRORS)
         app.include_router(v1)

@@ -129,11 +129,11 @@ class ResponsesServing:
         """The Response object: in progress (no output yet) until the run has ended."""
         req, final = run.req, run.final
         status, incomplete = "in_progress", None
-        if final is not None:
-            reason = run.finish_reason
-            status = "completed" if reason in ("stop", "tool_calls") else "incomplete"
-            incomplete = {"reason": "max_output_tokens"} if reason == "length" else None if status == "completed" \
-                else {"reason": None}
+        if final is not None and run.finish_reason in ("stop", "tool_calls"):
+            status = "completed"
+        elif final is not None:   # cut at max_output_tokens, or aborted (a drain)
+            status = "incomplete"
+            incomplete = {"reason": "max_output_tokens" if run.finish_reason == "length" else None}
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
         choice = req.tool_choice
         return {

@@ -55,7 +55,8 @@ def chat_messages(items: str | list, calls: dict[str, str]) -> list[dict]:
             out.append({"role": item.role, "content": _content(item.content, where)})
             assistant_open = item.role == "assistant"
         elif isinstance(item, ResponsesFunctionCall):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             calls[item.call_id] = item.name
             if assistant_open:
                 out[-1].setdefault("tool_calls", []).append(call)
