@@ -5,6 +5,7 @@
     GET  /v1/models             GET  /health                  GET  /metrics (Prometheus text)
     POST /tokenize, /detokenize (vLLM's)
     POST /v1/responses, GET and DELETE /v1/responses/{id}     (OpenAI's Responses API, server/responses/)
+    POST /v1/messages, /v1/messages/count_tokens                (Anthropic's Messages API: server/messages/)
 
 Each endpoint family is an object of its own module (serving_completion.py, serving_chat.py, serving_audio.py,
 serving_lora.py, serving_models.py, serving_tokenize.py), composed with serving.py's shared request plumbing, which holds the
@@ -51,6 +52,9 @@ from ..engine.structured.structured_output import import_libraries
 from ..engine.validation import CheckedRequest
 from .async_engine import Admission, AsyncEngine, Generation
 from .config import ServerConfig
+from .messages.errors import ERROR_RESPONSES as _MESSAGES_ERRORS, error_body as messages_error, is_messages_path
+from .messages.protocol import MESSAGES_MODELS, CountTokensRequest, MessagesRequest
+from .messages.serving import MessagesServing
 from .metrics import ServerMetrics
 from .protocol import (
     ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest, TokenizeRequest, TranscriptionRequest,
@@ -86,6 +90,7 @@ class Endpoints:
     models: ModelsServing
     tokenize: TokenizeServing
     responses: ResponsesServing
+    messages: MessagesServing
 
 
 class OpenAIServer:
@@ -123,7 +128,7 @@ class OpenAIServer:
         chat = ChatServing(self.common)
         self.endpoints = Endpoints(CompletionServing(self.common), chat, AudioServing(self.common), lora,
                                    ModelsServing(self.common, lora, self.created), TokenizeServing(self.common, chat),
-                                   ResponsesServing(self.common, chat))
+                                   ResponsesServing(self.common, chat), MessagesServing(chat))
 
     @property
     def model_name(self) -> str:
@@ -212,6 +217,10 @@ class OpenAIServer:
                                 ("DELETE", to(lambda e: e.responses.delete))):
             v1.add_api_route("/responses/{response_id}", handler, methods=[method], openapi_extra=_PATH_ID,
                              responses=_ERRORS)
+        v1.add_api_route("/messages", to(lambda e: e.messages.create), methods=["POST"],
+                         openapi_extra=_body(MessagesRequest), responses=_MESSAGES_ERRORS)
+        v1.add_api_route("/messages/count_tokens", to(lambda e: e.messages.count_tokens), methods=["POST"],
+                         openapi_extra=_body(CountTokensRequest), responses=_MESSAGES_ERRORS)
         app.include_router(v1)
         # vLLM's routes, outside /v1, behind the same key and readiness
         plain = APIRouter(dependencies=[Depends(self._authorize), Depends(self._require_ready)])
@@ -229,33 +238,36 @@ class OpenAIServer:
         app.add_exception_handler(Exception, self._internal_error)
         return app
 
-    def _error_response(self, err: ApiError) -> JSONResponse:
+    def _error_response(self, err: ApiError, path: str = "") -> JSONResponse:
         self.metrics.http_errors.labels(str(err.status)).inc()
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        body = messages_error(err) if is_messages_path(path) else err.body()   # each API's own error shape
+        return JSONResponse(body, status_code=err.status, headers=err.headers)
 
     async def _api_error(self, request: Request, exc: ApiError) -> JSONResponse:
-        return self._error_response(exc)
+        return self._error_response(exc, request.url.path)
 
     async def _http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
                                                                                             str(exc.detail))
         return self._error_response(ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404
-                                             else None, headers=exc.headers))   # 405: Allow (RFC 9110)
+                                             else None, headers=exc.headers), request.url.path)   # 405: Allow
 
     async def _internal_error(self, request: Request, exc: Exception) -> JSONResponse:
         log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        return self._error_response(ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+        return self._error_response(ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error"),
+                                    request.url.path)
 
     async def _authorize(self, request: Request) -> None:
         key = self.config.api_key
         if key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":   # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>' or 'x-api-key: "
+                                "<key>')", code="invalid_api_key")
 
     def _route(self, handler: Callable[[Endpoints], Callable[[Request], Awaitable[Response]]]):
         """A /v1 route's function: the endpoint's handler (the route's dependencies saw the server ready, so the
@@ -379,7 +391,7 @@ def _openapi(app: FastAPI) -> dict:
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components["Error"] = _ERROR_SCHEMA
         for model in (CompletionRequest, ChatRequest, LoadLoRARequest, UnloadLoRARequest, TokenizeRequest,
-                      DetokenizeRequest, ResponsesRequest):
+                      DetokenizeRequest, ResponsesRequest, *MESSAGES_MODELS):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js

@@ -13,7 +13,7 @@ from ..errors import UserInputError
 class ServerConfig:
     host: str = option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     port: int = option(8000, parse=port_number, help="TCP port (0: any free port, printed at startup)")
-    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 routes")
     served_model_name: list[str] | str | None = option(
         None, nargs=True, help="the names clients may send for the model (several: any of them; responses name the "
                                "first; default: --model)")

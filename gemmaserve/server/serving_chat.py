@@ -96,6 +96,14 @@ class ChatServing:
         opened = reasoning is not None and _opens_channel(ids, reasoning)
         return ChatJob(req, prompt, params, calling, _Answers(reasoning, show_special, opened), checked)
 
+    async def render(self, req: ChatRequest) -> Prompt:
+        """The prompt `prepare` builds for `req` (tools and template kwargs included), unchecked against the
+        engine: what token counts read (Messages' count_tokens)."""
+        self.common.check_model(req.model)
+        calling = self._tool_calling(req)
+        prompt, _ = await asyncio.to_thread(self.chat_prompt, req.message_dicts(), calling, self._template_kwargs(req))
+        return prompt
+
     async def start(self, job: "ChatJob", rid: str, arrival: float) -> Generation:
         """Admit the prepared request and start generating: (prompt index, output) pairs (429 when full)."""
         with self.common.admit(job.params.n) as admission:

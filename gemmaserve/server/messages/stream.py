@@ -1,0 +1,75 @@
+"""Parser events -> Anthropic's server-sent events, each `event: TYPE` + `data: JSON`:
+
+    message_start (the message, content empty) · ping
+    per block: content_block_start · content_block_delta (text_delta | thinking_delta | input_json_delta;
+               a thinking block's signature_delta last) · content_block_stop
+    message_delta (stop_reason, stop_sequence, usage.output_tokens) · message_stop
+    on failure mid-stream: an `error` event, and nothing after it
+
+Blocks open when an event of another kind arrives and close when the next one opens, so thinking, text and each
+tool call are blocks of their own, indexed in order."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from .events import ContentDelta, ParserEvent, ReasoningDelta, ToolCallDelta, ToolCallDone, ToolCallStart
+
+
+def sse_event(kind: str, body: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's `signature`: opaque to clients, which must send it back unchanged. Ours is a digest of
+    the thought: earlier thoughts are not read back (Gemma's templates drop them), so nothing is verified."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
+@dataclass
+class BlockWriter:
+    """Tracks the open content block and writes the events of each parser event."""
+
+    index: int = -1
+    kind: str | None = None        # "thinking" | "text" | "tool_use" | None (no block open)
+    thought: str = ""              # the open thinking block's text (its signature is a digest of it)
+
+    def write(self, ev: ParserEvent) -> list[str]:
+        if isinstance(ev, ReasoningDelta):
+            return self._into("thinking", {"type": "thinking", "thinking": "", "signature": ""}) + [
+                self._delta({"type": "thinking_delta", "thinking": ev.text})]
+        if isinstance(ev, ContentDelta):
+            return self._into("text", {"type": "text", "text": ""}) + [self._delta({"type": "text_delta",
+                                                                                    "text": ev.text})]
+        if isinstance(ev, ToolCallStart):   # every call is a new block, even after another call
+            return self.close() + self._open("tool_use", {"type": "tool_use", "id": ev.id, "name": ev.name,
+                                                          "input": {}})
+        if isinstance(ev, ToolCallDelta):
+            return [self._delta({"type": "input_json_delta", "partial_json": ev.arguments})]
+        if isinstance(ev, ToolCallDone):
+            return self.close()
+        raise TypeError(f"not a parser event: {ev!r}")
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        out = [self._delta({"type": "signature_delta", "signature": signature(self.thought)})] \
+            if self.kind == "thinking" else []
+        self.kind, self.thought = None, ""
+        return out + [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _into(self, kind: str, block: dict) -> list[str]:
+        return [] if self.kind == kind else self.close() + self._open(kind, block)
+
+    def _open(self, kind: str, block: dict) -> list[str]:
+        self.index += 1
+        self.kind = kind
+        return [sse_event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                  "content_block": block})]
+
+    def _delta(self, delta: dict) -> str:
+        if delta["type"] == "thinking_delta":
+            self.thought += delta["thinking"]
+        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
