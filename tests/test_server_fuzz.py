@@ -1,6 +1,6 @@
 """Property-based API fuzzing (schemathesis) of the real server against its own OpenAPI schema, on a
-tiny random model: valid and invalid bodies for every operation; never a 5xx, every error in OpenAI's
-format, and afterwards no KV page leaked. Bounded for CI; GEMMASERVE_FUZZ_EXAMPLES raises the count.
+tiny random model: valid and invalid bodies for every operation; never a 5xx, every error in the route's API's
+format (OpenAI's; Anthropic's on /v1/messages), and afterwards no KV page leaked. Bounded for CI; GEMMASERVE_FUZZ_EXAMPLES raises the count.
 
 Schemathesis' negative cases rarely reach far into a body (a wrong `type` inside a chat content part gave a 500
 that 25 cases per route never found), so a second test walks every JSON route's schema to each nested field
@@ -43,16 +43,33 @@ def server(tmp_path_factory):
         yield srv
 
 
+def _anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def _error_message(body: dict, path: str) -> str | None:
+    """The error's message if `body` is an error in the route's API's format (None if it is not)."""
+    err = body.get("error")
+    if _anthropic(path):
+        ok = body.get("type") == "error" and isinstance(err, dict) and set(err) == {"type", "message"}
+    else:
+        ok = isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
+    return err["message"] if ok and isinstance(err["message"], str) and err["message"] else None
+
+
 def _check(response, case) -> None:
     status = response.status_code
     assert status < 500, f"{status} for {case.method} {case.path} body={case.body!r:.300}: {response.text[:300]}"
     if status >= 400:
-        err = response.json().get("error")
-        assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, response.text[:300]
-        assert isinstance(err["message"], str) and err["message"]
+        assert _error_message(response.json(), case.path), response.text[:300]
         return
     ctype = response.headers.get("content-type") or ""
-    if (ctype[0] if isinstance(ctype, list) else ctype).startswith("text/event-stream"):
+    if (ctype[0] if isinstance(ctype, list) else ctype).startswith("text/event-stream") and _anthropic(case.path):
+        frames = [f.split("\n") for f in response.text.strip().split("\n\n")]
+        kinds = [e.removeprefix("event: ") for e, *_ in frames]
+        assert kinds[0] == "message_start" and kinds[-1] in ("message_stop", "error"), response.text[-300:]
+        assert "error" not in kinds[:-1], response.text[:300]
+    elif (ctype[0] if isinstance(ctype, list) else ctype).startswith("text/event-stream"):
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
         # chat and completions end with [DONE] or an error; the Responses API with its final or error event
         ends = {"response.completed", "response.incomplete", "response.failed", "error"}
@@ -83,7 +100,7 @@ def test_fuzzed_requests_never_get_a_5xx(server, mode):
             seen["calls"] += 1
             seen["errors"] += response.status_code >= 400
             if response.status_code >= 400:
-                why[(response.status_code, (response.json().get("error") or {}).get("param"))] += 1
+                why[(response.status_code, (response.json().get("error") or {}).get("param", case.path))] += 1
             _check(response, case)
 
         run()
@@ -221,7 +238,10 @@ def test_wrong_types_at_every_nested_field_are_400s_naming_it(server):
                  ("/v1/chat/completions", "response_format.json_schema.schema"),
                  ("/v1/completions", "stream_options.include_usage"), ("/v1/completions", "logit_bias.k"),
                  ("/v1/completions", "prompt[0][0]"), ("/v1/load_lora_adapter", "lora_path"),
-                 ("/v1/responses", "input[0].content[0].image_url"), ("/v1/responses", "text.format.schema")]:
+                 ("/v1/responses", "input[0].content[0].image_url"), ("/v1/responses", "text.format.schema"),
+                 ("/v1/messages", "messages[0].content[0].source.data"),
+                 ("/v1/messages", "messages[0].content[0].content[0].type"), ("/v1/messages", "tool_choice.name"),
+                 ("/v1/messages", "thinking.budget_tokens"), ("/v1/messages/count_tokens", "tools[0].input_schema")]:
         assert want in paths, want
     failures: list[tuple[int, str]] = []
     with requests.Session() as client:
@@ -232,9 +252,10 @@ def test_wrong_types_at_every_nested_field_are_400s_naming_it(server):
             except requests.RequestException as exc:
                 failures.append((600, f"{type(exc).__name__} for {route} {where} body={json.dumps(body)[:200]}: {exc}"))
                 continue
-            err = r.json().get("error") if r.headers.get("content-type", "").startswith("application/json") else None
-            if not (r.status_code == 400 and isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
-                    and err["param"] == path[0] and err["message"].startswith(where + ":")):
+            body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+            message = _error_message(body, route)   # (Anthropic's errors name no param: the message does)
+            if not (r.status_code == 400 and message and message.startswith(where + ":")
+                    and (_anthropic(route) or body["error"]["param"] == path[0])):
                 failures.append((r.status_code, f"{r.status_code} for {route} {where} body={json.dumps(body)[:200]}: "
                                                 f"{r.text[:200]}"))
     failures.sort(key=lambda f: -f[0])   # 5xx and dropped connections first

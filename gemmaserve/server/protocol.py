@@ -290,7 +290,10 @@ def validation_error(exc: ValidationError, body: dict) -> ApiError:
     for err in exc.errors():
         path: list[str | int] = []
         node: object = body
-        for key in err["loc"]:
+        loc = err["loc"]
+        for i, key in enumerate(loc):
+            if isinstance(node, dict) and key == node.get("type") and i + 1 < len(loc) and loc[i + 1] in node:
+                continue   # a discriminated union's tag, not the field of that name (a thinking block's `thinking`)
             if (isinstance(node, dict) and isinstance(key, str) and key in node) or (
                     isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node)):
                 path.append(key)
