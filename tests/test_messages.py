@@ -217,6 +217,17 @@ def test_stop_sequences(served, client):
         assert _ask(client, max_tokens=20, stop_sequences=["zzzz"]).stop_reason == "end_turn"
 
 
+def test_output_format_is_enforced(served, client):
+    schema = {"type": "object", "properties": {"legs": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["legs"], "additionalProperties": False}
+    with _scripted(served, "{", end=False):   # (past a thought channel a random model might not end)
+        msg = _ask(client, max_tokens=200, output_config={"format": {"type": "json_schema", "schema": schema}},
+                   extra_body={"temperature": 1.0})
+    assert msg.stop_reason == "end_turn" and set(json.loads(msg.content[0].text)) == {"legs"}
+    with pytest.raises(anthropic.BadRequestError, match="output_config.format cannot be combined with tools"):
+        _ask(client, tools=TOOLS, output_config={"format": {"type": "json_schema", "schema": schema}})
+
+
 def _png(side: int, seed: int = 0) -> str:
     import numpy as np
     from PIL import Image
@@ -235,8 +246,8 @@ def test_images(client):
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == _count(client, messages=turn) > _count(
         client, messages=[{"role": "user", "content": "what is it"}]) + 10   # the image's soft tokens
     big = {**small, "source": {**small["source"], "data": _png(64)}}   # over the server's max_image_bytes
-    for image, match in ((big, "larger than 4096 bytes"), ({"type": "image", "source": {"type": "url", "url": "https://x.org/a.png"}},
-                                          "data: URL")):
+    remote = {"type": "image", "source": {"type": "url", "url": "https://x.org/a.png"}}   # the server fetches nothing
+    for image, match in ((big, "larger than 4096 bytes"), (remote, "data: URL")):
         with pytest.raises(anthropic.BadRequestError, match=match) as info:
             _ask(client, messages=[{"role": "user", "content": [image]}])
         assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "invalid_request_error"
@@ -263,7 +274,8 @@ def test_keys(served):
     ({"model": "gemma", "messages": HI}, r"max_tokens: field required"),
     ({"model": "gemma", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "video", "x": 1}]}]},
      r"messages\[0\]\.content\[0\]\.type: must be one of"),
-    ({"model": "gemma", "max_tokens": 4, "messages": HI, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
+    ({"model": "gemma", "max_tokens": 4, "messages": HI, "tools": TOOLS,
+      "tool_choice": {"type": "tool", "name": "nope"}},
      "'nope', which is not among the tools"),
     ({"model": "gemma", "max_tokens": 4, "messages": HI + [{"role": "assistant", "content": [
         {"type": "tool_use", "id": "t1", "name": "nope", "input": {}}]}, HI[0]], "tools": TOOLS},

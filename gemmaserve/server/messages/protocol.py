@@ -116,7 +116,7 @@ ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolCho
 
 class ThinkingConfigEnabled(_Strict):
     type: Literal["enabled"]
-    budget_tokens: int = Field(json_schema_extra={"minimum": 1})   # not enforced: Gemma's thinking is on or off (see translate.py)
+    budget_tokens: int = Field(json_schema_extra={"minimum": 1})   # not enforced: Gemma 4 thinks or does not
 
 
 class ThinkingConfigAdaptive(_Strict):
@@ -129,6 +129,16 @@ class ThinkingConfigDisabled(_Strict):
 
 ThinkingConfig = Annotated[ThinkingConfigEnabled | ThinkingConfigAdaptive | ThinkingConfigDisabled,
                            Field(discriminator="type")]
+
+
+class JSONOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: JSONOutputFormat | None = None   # the answer's JSON schema (enforced, as response_format is)
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None   # (accepted; Gemma has no such knob)
 
 
 class MessagesMetadata(_Strict):
@@ -154,6 +164,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = _doc(minimum=MIN_TOP_P, maximum=1)
     top_k: int | None = _doc(minimum=0)
     metadata: MessagesMetadata | None = None
+    output_config: OutputConfig | None = None
 
 
 MESSAGES_MODELS: tuple[type[BaseModel], ...] = (MessagesRequest, CountTokensRequest)   # their OpenAPI schemas

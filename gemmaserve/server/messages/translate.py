@@ -11,6 +11,7 @@
     thinking enabled / adaptive / disabled -> chat_template_kwargs enable_thinking (Gemma 4 thinks or does not:
                                              budget_tokens is not enforced)
     stop_sequences, max_tokens, temperature, top_p, top_k, metadata.user_id -> stop, max_tokens, ..., user
+    output_config.format (a JSON schema)  -> response_format json_schema
 
 What the chat path cannot say is a 400 here: a tool_result that answers no earlier tool_use, a tool_use of a tool
 not offered, a block in the wrong role, and a final assistant turn (Anthropic continues it; our template always
@@ -53,6 +54,11 @@ def to_chat_request(req: CountTokensRequest, reasoning: ReasoningFormat | None) 
                              ("top_k", req.top_k), ("user", req.metadata.user_id if req.metadata else None)):
             if theirs is not None:
                 body[ours] = theirs
+        fmt = req.output_config.format if req.output_config else None
+        if fmt is not None and req.tools and not isinstance(choice, ToolChoiceNone):
+            raise ApiError(400, "output_config.format cannot be combined with tools", param="output_config")
+        if fmt is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
     return parse(ChatRequest, body)
 
 
