@@ -7,6 +7,8 @@
     POST /v1/responses, GET and DELETE /v1/responses/{id}     (OpenAI's Responses API, server/responses/)
     POST /v1/messages, /v1/messages/count_tokens                (Anthropic's Messages API: server/messages/)
 
+    GET  /                      the chat page (chat_page.py: static/, a browser client of the routes above)
+
 Each endpoint family is an object of its own module (serving_completion.py, serving_chat.py, serving_audio.py,
 serving_lora.py, serving_models.py, serving_tokenize.py), composed with serving.py's shared request plumbing, which holds the
 engine's client (client.py: handlers never touch the engine). This module builds them once the engine is
@@ -51,6 +53,7 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.structured.structured_output import import_libraries
 from ..engine.validation import CheckedRequest
 from .async_engine import Admission, AsyncEngine, Generation
+from .chat_page import add_chat_page
 from .config import ServerConfig
 from .messages.errors import ERROR_RESPONSES as _MESSAGES_ERRORS, error_body as messages_error, is_messages_path
 from .messages.protocol import MESSAGES_MODELS, CountTokensRequest, MessagesRequest
@@ -231,6 +234,7 @@ class OpenAIServer:
         app.include_router(plain)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_text, methods=["GET"])
+        add_chat_page(app)
         app.openapi = lambda: _openapi(app)
         app.add_middleware(_TrackRequests, server=self)
         app.add_exception_handler(ApiError, self._api_error)
