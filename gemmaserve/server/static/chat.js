@@ -140,6 +140,7 @@ class ChatPage {
     this.history = [];       // the conversation so far, as OpenAI messages
     this.pending = [];       // attachments of the next message
     this.controller = null;  // the running request's, to stop it
+    this.modelsAsked = 0;    // model list requests made (an older one's answer is dropped)
     this.apiKey = $("api-key");
     this.apiKey.value = sessionStorage.getItem("gemmaserve.apiKey") ?? "";
     this.apiKey.addEventListener("change", () => {
@@ -168,16 +169,18 @@ class ChatPage {
 
   async loadModels() {
     const select = $("model");
+    const asked = ++this.modelsAsked;
     try {
       const response = await fetch("v1/models", { headers: this.headers() });
       if (!response.ok) throw new Error(await errorText(response));
       const ids = (await response.json()).data.map((m) => m.id);
+      if (asked !== this.modelsAsked) return;
       const keep = select.value;
       select.replaceChildren(...ids.map((id) => element("option", null, id)));
       if (ids.includes(keep)) select.value = keep;
       this.showError();
     } catch (err) {
-      this.showError(`models: ${err.message}`);
+      if (asked === this.modelsAsked) this.showError(`models: ${err.message}`);
     }
   }
 
