@@ -6,7 +6,6 @@
     POST /tokenize, /detokenize (vLLM's)
     POST /v1/responses, GET and DELETE /v1/responses/{id}     (OpenAI's Responses API, server/responses/)
     POST /v1/messages, /v1/messages/count_tokens                (Anthropic's Messages API: server/messages/)
-
     GET  /                      the chat page (chat_page.py: static/, a browser client of the routes above)
 
 Each endpoint family is an object of its own module (serving_completion.py, serving_chat.py, serving_audio.py,
