@@ -237,13 +237,37 @@ class ChatJob:
         return OutputParser(self.answer.reasoning, self.calling, self.answer.opened, not self.answer.show_special,
                             seed)
 
+    def reader(self, seed: str | None = None) -> "AnswerReader":
+        """A new reader for one choice's output: its events as they come, and the answer they fold into."""
+        return AnswerReader(self.parser(seed))
+
     def read(self, text: str, finish_reason: str | None, seed: str | None = None) -> ChatAnswer:
         """A finished completion's text -> its reasoning, answer and tool calls ("tool_calls" finish then):
         the streamed events folded, so a streamed answer and a whole one agree."""
-        parser = self.parser(seed)
-        parsed: ParsedOutput = fold(parser.feed(text) + parser.finish(), parser.thought, parser.content_optional)
-        return ChatAnswer(parsed.reasoning, parsed.content, parsed.tool_calls,
-                          _finish(bool(parsed.tool_calls), finish_reason))
+        reader = self.reader(seed)
+        reader.feed(text)
+        return reader.finish(finish_reason)[1]
+
+
+@dataclass
+class AnswerReader:
+    """One choice's output read as it comes (the Responses and Messages streams): the parser's events of each
+    piece, and at the end the answer all of them fold into, the very answer `ChatJob.read` gives the whole text."""
+
+    parser: OutputParser
+    events: list[Event] = dataclasses.field(default_factory=list)
+
+    def feed(self, piece: str) -> list[Event]:
+        out = self.parser.feed(piece)
+        self.events += out
+        return out
+
+    def finish(self, finish_reason: str | None) -> tuple[list[Event], ChatAnswer]:
+        out = self.parser.finish()
+        self.events += out
+        parsed: ParsedOutput = fold(self.events, self.parser.thought, self.parser.content_optional)
+        return out, ChatAnswer(parsed.reasoning, parsed.content, parsed.tool_calls,
+                               _finish(bool(parsed.tool_calls), finish_reason))
 
 
 def chat_deltas(events: list[Event]) -> list[dict]:

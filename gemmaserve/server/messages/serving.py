@@ -1,7 +1,7 @@
 """POST /v1/messages and /v1/messages/count_tokens: a Messages request is translated into a ChatRequest
 (translate.py), prepared and started by the chat endpoint, and its output read by `ChatJob.read`, so both APIs
 build the same prompt and parse the same tool calls; this module shapes Anthropic's message, its usage and stop
-reason, and its event stream (events.py, stream.py)."""
+reason, and its event stream (stream.py, from the output parser's events as they come)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ from ..protocol import ApiError, parse
 from ..serving import as_api_error, raise_if_failed, sse
 from ..serving_chat import ChatAnswer, ChatJob, ChatServing
 from .errors import error_body
-from .events import ChatEvents, tool_input
 from .protocol import CountTokensRequest, MessagesRequest
-from .stream import BlockWriter, signature, sse_event
+from .stream import BlockWriter, signature, sse_event, tool_input
 from .translate import to_chat_request
 
 
@@ -73,7 +72,7 @@ class MessagesServing:
         start = {**self._message(rid, job), "usage": self._usage(job, None)}
         yield sse_event("message_start", {"type": "message_start", "message": start})
         yield sse_event("ping", {"type": "ping"})
-        events, blocks = ChatEvents(job), BlockWriter()
+        events, blocks = job.reader(), BlockWriter()
         async with contextlib.aclosing(outputs):
             try:
                 async for _, out in outputs:
@@ -83,7 +82,7 @@ class MessagesServing:
                         for line in blocks.write(ev):
                             yield line
                     if c.finished:
-                        last, answer = events.finish(c.text, c.finish_reason)
+                        last, answer = events.finish(c.finish_reason)
                         for ev in last:
                             for line in blocks.write(ev):
                                 yield line

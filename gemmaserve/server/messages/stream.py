@@ -15,11 +15,21 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from .events import ContentDelta, ParserEvent, ReasoningDelta, ToolCallDelta, ToolCallDone, ToolCallStart
+from ..output_parser import ContentDelta, Event, ReasoningDelta, ToolCallDelta, ToolCallDone, ToolCallStart
 
 
 def sse_event(kind: str, body: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def tool_input(arguments: str) -> dict:
+    """A call's arguments (OpenAI's JSON text) as Anthropic's `input` object; a call cut short (its JSON
+    unfinished) has none."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def signature(thinking: str) -> str:
@@ -36,7 +46,7 @@ class BlockWriter:
     kind: str | None = None        # "thinking" | "text" | "tool_use" | None (no block open)
     thought: str = ""              # the open thinking block's text (its signature is a digest of it)
 
-    def write(self, ev: ParserEvent) -> list[str]:
+    def write(self, ev: Event) -> list[str]:
         if isinstance(ev, ReasoningDelta):
             return self._into("thinking", {"type": "thinking", "thinking": "", "signature": ""}) + [
                 self._delta({"type": "thinking_delta", "thinking": ev.text})]

@@ -1,4 +1,4 @@
-"""Output events (events.py) -> a response's output items, and the typed stream events that announce them:
+"""Output events (output_parser.py) -> a response's output items, and the typed stream events that announce them:
 
     reasoning  {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text"}]}
                response.output_item.added, .content_part.added, .reasoning_text.delta ... .done, .content_part.done,
@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import uuid
 
-from .events import ContentDelta, OutputEvent, ReasoningDelta, ToolCallDelta, ToolCallDone, ToolCallStart
+from ..output_parser import ContentDelta, Event, ReasoningDelta, ToolCallDelta, ToolCallDone, ToolCallStart
 
 
 def new_id(prefix: str) -> str:
@@ -30,7 +30,7 @@ class OutputBuilder:
         self._open: dict | None = None   # the item still receiving text (reasoning or message)
         self._calls: dict[int, dict] = {}   # open calls by their event index
 
-    def apply(self, event: OutputEvent) -> list[dict]:
+    def apply(self, event: Event) -> list[dict]:
         """The stream events (without sequence numbers) that `event` makes."""
         if isinstance(event, ReasoningDelta):
             return self._text("reasoning", event.text)
@@ -38,7 +38,7 @@ class OutputBuilder:
             return self._text("message", event.text)
         if isinstance(event, ToolCallStart):
             out = self._close_text()
-            item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": event.call_id,
+            item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": event.id,
                     "name": event.name, "arguments": ""}
             self._calls[event.index] = item
             return out + [self._add(item)]
@@ -58,8 +58,8 @@ class OutputBuilder:
         out = self._close_text()
         if not self.items:
             out += self._text("message", "") + self._close_text()
-        for k in list(self._calls):   # (a call left open by the parser: closed as it stands)
-            out += self.apply(ToolCallDone(k))
+        for k, item in list(self._calls.items()):   # a call cut short (no ToolCallDone): closed as it stands
+            out += self.apply(ToolCallDone(k, item["arguments"]))
         return out
 
     def _text(self, kind: str, text: str) -> list[dict]:

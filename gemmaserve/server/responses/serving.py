@@ -2,7 +2,7 @@
 
 A request (with the stored conversation of its `previous_response_id`) becomes a chat request
 (translate.py) that `ChatServing.prepare` checks and `ChatServing.start` runs; the completion's text becomes
-output events (events.py), and they become the output items and, streamed, the typed events (output.py). A
+output events (`ChatJob.reader`, the output parser's), and they become the output items and, streamed, the typed events (output.py). A
 response with `store` (the default) is kept for continuations, GET and DELETE (store.py).
 """
 
@@ -22,8 +22,7 @@ from ...errors import UserInputError
 from ..async_engine import DeadlineExceeded, EngineDeadError, Generation
 from ..protocol import ApiError, ChatRequest, parse
 from ..serving import ServingCommon, as_api_error, raise_if_failed, sse
-from ..serving_chat import ChatJob, ChatServing
-from .events import OutputEvents
+from ..serving_chat import AnswerReader, ChatJob, ChatServing
 from .output import OutputBuilder, new_id
 from .protocol import ResponsesRequest
 from .store import ResponseStore, StoreLimits, StoredResponse
@@ -61,7 +60,7 @@ class ResponsesServing:
             outputs = await self.chat.start(run.job, run.id, arrival)
         except ApiError as exc:
             raise _renamed(exc) from None
-        run.events = OutputEvents(run.job)
+        run.reader = run.job.reader()
         if req.stream:
             return sse(self._stream(run, outputs), outputs)
         finals = await self.common.collect(request, outputs)
@@ -171,17 +170,18 @@ class _Run:
         self.req, self.chat_req, self.id, self.created = req, chat_req, rid, created
         self.conversation = conversation   # the chat messages before this response's answer
         self.job: ChatJob | None = None
-        self.events: OutputEvents | None = None
+        self.reader: AnswerReader | None = None
         self.builder = OutputBuilder()
         self.final: RequestOutput | None = None
         self.finish_reason: str | None = None
 
     def feed(self, delta: str) -> list[dict]:
-        return [e for ev in self.events.feed(delta) for e in self.builder.apply(ev)] if delta else []
+        return [e for ev in self.reader.feed(delta) for e in self.builder.apply(ev)] if delta else []
 
     def end(self, out: RequestOutput) -> list[dict]:
         c = out.outputs[0]
-        events, self.finish_reason = self.events.finish(c.text, c.finish_reason)
+        events, answer = self.reader.finish(c.finish_reason)
+        self.finish_reason = answer.finish_reason
         self.final = out
         return [e for ev in events for e in self.builder.apply(ev)] + self.builder.finish()
 
