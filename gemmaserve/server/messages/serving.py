@@ -21,7 +21,7 @@ from ..serving import as_api_error, raise_if_failed, sse
 from ..serving_chat import ChatAnswer, ChatJob, ChatServing
 from .errors import error_body
 from .protocol import CountTokensRequest, MessagesRequest
-from .stream import BlockWriter, signature, sse_event, tool_input
+from .stream import BlockWriter, message_blocks, sse_event
 from .translate import to_chat_request
 
 
@@ -44,17 +44,12 @@ class MessagesServing:
             return sse(self._stream(rid, req, job, outputs), outputs)
         (out,) = (await self.common.collect(request, outputs)).values()
         c = out.outputs[0]
-        answer = job.read(c.text, c.finish_reason)
-        content: list[dict] = []
-        if answer.reasoning is not None:
-            content.append({"type": "thinking", "thinking": answer.reasoning, "signature": signature(answer.reasoning)})
-        if answer.content:
-            content.append({"type": "text", "text": answer.content})
-        content += [{"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                     "input": tool_input(call["function"]["arguments"])} for call in answer.tool_calls]
+        reader = job.reader()
+        events = reader.feed(c.text)
+        last, answer = reader.finish(c.finish_reason)
         reason, sequence = _stop(answer, c.stop_reason, req)
-        return JSONResponse({**self._message(rid, job), "content": content, "stop_reason": reason,
-                             "stop_sequence": sequence, "usage": self._usage(job, out)})
+        return JSONResponse({**self._message(rid, job), "content": message_blocks(events + last),
+                             "stop_reason": reason, "stop_sequence": sequence, "usage": self._usage(job, out)})
 
     def _message(self, rid: str, job: ChatJob) -> dict:
         return {"id": rid, "type": "message", "role": "assistant", "model": self.common.answering(job.req),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..output_parser import ContentDelta, Event, ReasoningDelta, ToolCallDelta, ToolCallDone, ToolCallStart
 
@@ -40,11 +40,13 @@ def signature(thinking: str) -> str:
 
 @dataclass
 class BlockWriter:
-    """Tracks the open content block and writes the events of each parser event."""
+    """Tracks the open content block, writes the events of each parser event, and keeps the blocks they make
+    (`blocks`: the message's content, so a whole answer is these same blocks, in the same order)."""
 
     index: int = -1
     kind: str | None = None        # "thinking" | "text" | "tool_use" | None (no block open)
-    thought: str = ""              # the open thinking block's text (its signature is a digest of it)
+    blocks: list[dict] = field(default_factory=list)
+    _json: str = ""                # the open tool_use block's arguments so far
 
     def write(self, ev: Event) -> list[str]:
         if isinstance(ev, ReasoningDelta):
@@ -65,9 +67,13 @@ class BlockWriter:
     def close(self) -> list[str]:
         if self.kind is None:
             return []
-        out = [self._delta({"type": "signature_delta", "signature": signature(self.thought)})] \
-            if self.kind == "thinking" else []
-        self.kind, self.thought = None, ""
+        block, out = self.blocks[-1], []
+        if self.kind == "thinking":
+            block["signature"] = signature(block["thinking"])
+            out.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
+        elif self.kind == "tool_use":
+            block["input"] = tool_input(self._json)
+        self.kind, self._json = None, ""
         return out + [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def _into(self, kind: str, block: dict) -> list[str]:
@@ -76,10 +82,25 @@ class BlockWriter:
     def _open(self, kind: str, block: dict) -> list[str]:
         self.index += 1
         self.kind = kind
+        self.blocks.append(dict(block))
         return [sse_event("content_block_start", {"type": "content_block_start", "index": self.index,
                                                   "content_block": block})]
 
     def _delta(self, delta: dict) -> str:
+        block = self.blocks[-1]
         if delta["type"] == "thinking_delta":
-            self.thought += delta["thinking"]
+            block["thinking"] += delta["thinking"]
+        elif delta["type"] == "text_delta":
+            block["text"] += delta["text"]
+        elif delta["type"] == "input_json_delta":
+            self._json += delta["partial_json"]
         return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+
+def message_blocks(events: list[Event]) -> list[dict]:
+    """A whole answer's events as the message's content blocks (what its stream's blocks add up to)."""
+    writer = BlockWriter()
+    for ev in events:
+        writer.write(ev)
+    writer.close()
+    return writer.blocks
