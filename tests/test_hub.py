@@ -209,3 +209,12 @@ def test_download_command(hub, env, tmp_path):
     refused = subprocess.run([sys.executable, "-m", "gemmaserve", "download", "tiny/gated"], env=base,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and f"accept its licence at {hub.url}/tiny/gated" in refused.stderr
+
+
+def test_a_benchmark_never_records_the_hub_token():
+    from gemmaserve.config.engine import EngineConfig
+
+    config = EngineConfig(model="org/name", hf_token="hf_secret_value")
+    recorded = config.recorded()
+    assert "hf_secret_value" not in repr(recorded) and recorded["hf_token"] == "<set>"
+    assert recorded["model"] == "org/name" and set(recorded) == set(vars(config))

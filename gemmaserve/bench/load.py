@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         "model": config.model, "dtype": engine.info.dtype, "kv_cache_dtype": engine.info.kv_cache_dtype,
         "max_tokens": args.max_tokens,
         "prompt_words": [MIN_WORDS, MAX_WORDS], "time_limit_s": args.time_limit,
-        "request_timeout_s": args.request_timeout, "engine": vars(config),
+        "request_timeout_s": args.request_timeout, "engine": config.recorded(),
         "engine_info": dataclasses.asdict(engine.info), "levels": [],
     }
     with BackgroundServer(engine) as srv:

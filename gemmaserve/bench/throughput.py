@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
               "model": config.model, "dtype": llm.engine.info.dtype, "weights": llm.engine.info.weights,
               "kv_cache_dtype": llm.engine.info.kv_cache_dtype, "prompts": len(prompts),
               "prompt_tokens": {"min": min(lens), "max": max(lens), "total": sum(lens)},
-              "new_tokens": args.new_tokens, "engine": vars(config), "runs": {}}
+              "new_tokens": args.new_tokens, "engine": config.recorded(), "runs": {}}
     no_cache = config.replace(enable_prefix_caching=False) if llm.engine.info.prefix_caching else config
     cold = LLM.from_config(no_cache, llm)   # distinct prompts: caching would only help the repeats below
     result["cpu_compile"] = cold.engine.info.cpu_compile

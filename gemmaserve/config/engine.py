@@ -253,6 +253,10 @@ class EngineConfig:
     def hub_options(self) -> HubOptions:
         return HubOptions(self.revision, self.gguf_file, self.hf_token, self.download_dir)
 
+    def recorded(self) -> dict:
+        """The options as a benchmark's JSON records them: a Hub token is never written down."""
+        return {**vars(self), "hf_token": "<set>" if self.hf_token else None}
+
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
