@@ -38,6 +38,7 @@ class Finding:
 def _kernels(gen: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Name -> f(x [M, K]) -> [M, ...]: each CPU product of a step, on random weights of a Gemma-like width."""
     from . import cpu_products, fused_ops
+    from .cpu_isa import cpu_class
     from .quant import FbgemmTensors, Int8Kernel, Int8Matmul, Rotation, int8_rows
 
     k, n = 256, 96
@@ -65,7 +66,7 @@ def _kernels(gen: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.T
         "gelu_mul": lambda x: fused_ops.gelu_mul(x, k // 2),
         "rms_norm": lambda x: fused_ops.rms_norm(x, w[0], fused_ops.NormKind(1e-6, 1.0)),
     }
-    if "fbgemm" in torch.backends.quantized.supported_engines:   # the quantised layers' int8 x int8 product
+    if cpu_class().fbgemm:   # the quantised layers' int8 x int8 product
         rot = Rotation.for_width(k)
         lin = Int8Matmul(*int8_rows(rot.apply(w)), Int8Kernel.FBGEMM_DYNAMIC, rot, keep_rows=False,
                          fbgemm_tensors=FbgemmTensors.available())

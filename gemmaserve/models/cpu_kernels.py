@@ -232,12 +232,15 @@ at::Tensor softcap(const at::Tensor& x, double cap) {
   return at::tanh(x / cap) * cap;
 }
 
-// quant.py's _int8_linear_ref: row_affine, fbgemm's product, its rows' scales, the map back.
+// quant.py's _int8_linear_ref: row_affine, fbgemm's product (beside the guard rows), its rows' scales, the map back.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& a_t, int64_t block, const at::Tensor& shape,
                        const at::Tensor& packed, const at::Tensor& col_offsets, const at::Tensor& bias,
-                       const at::Tensor& scales, const at::Tensor& row_sums) {
+                       const at::Tensor& scales, const at::Tensor& row_sums, const at::Tensor& guard) {
   auto [xn, lo, span] = row_affine(x, a_t, block);
+  const int64_t rows = xn.size(0);
+  if (guard.size(0) > 0) xn = at::cat({xn, guard});   // the 7-bit classes' guard row (quant.py)
   at::Tensor y = at::fbgemm_linear_int8_weight_fp32_activation(xn, shape, packed, col_offsets, 1.0, 0, bias);
+  if (guard.size(0) > 0) y = y.narrow(0, 0, rows);
   y.mul_(scales);
   return y * span + lo * row_sums;
 }

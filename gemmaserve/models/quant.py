@@ -40,10 +40,13 @@ Earlier versions chose kernels by row count (two passes and fp32 expansions in p
 greedy tokens alone and in a batch. (The 4-bit head copy, for every row, with its 1,024 highest
 recomputed: 6.9 vs 6.7 ms at one row, but 30 vs 13 ms at 8 rows, so it went, and its 84 MB.) (`bench quality` has the quality of this scheme against the
 fp32 path and llama.cpp: BENCHMARKS.md.) Without VNNI fbgemm's AVX2 kernel can saturate 8-bit x
-8-bit pairs, so activations use 7 bits there (`reduce_range`).
+8-bit pairs, so activations use 7 bits there: each call gets a guard row spanning [0, 2], so the
+call's step is 2/255 and a row on [0, 1] quantises to 0..127 (`FbgemmTensors.guard`), whoever shares
+the call. Which class of CPU the kernels are for: cpu_isa.py (`GEMMASERVE_CPU_ISA` forces one).
 
-fbgemm is entered through plain tensors where it can be (`FbgemmTensors`: VNNI CPUs) and through
-`quantized::linear_dynamic`'s quantized tensors elsewhere (7-bit activations); same products.
+fbgemm is entered through plain tensors (`FbgemmTensors`), which an exported graph holds like any other
+input; `quantized::linear_dynamic`'s quantized tensors (`PackedInt8`, 7-bit activations by `reduce_range`
+without VNNI) serve only where `fbgemm_tensors=False` or PyTorch lacks the tensor op.
 In a compiled decode step (engine/compile/compiled_decode.py) the same kernels run, through custom ops
 (`gemmaserve::row_affine`, `gemmaserve::fbgemm_int8_linear` with tensor inputs, or
 `gemmaserve::fbgemm_linear` with the packed object as an opaque reference): the same bits as eager.
@@ -56,7 +59,6 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -65,6 +67,7 @@ from torch import nn
 from .. import opaque
 from . import cpu_kernels  # noqa: F401  (defines gemmaserve::row_affine)
 from . import cpu_products
+from .cpu_isa import CpuClass, cpu_class
 from ..hostmem import release_freed_memory
 from ..quantization.schemes import Int8Weight
 from ..rowops import row_topk_indices
@@ -214,17 +217,12 @@ class Int8Kernel(enum.Enum):
 
 
 def default_int8_kernel() -> Int8Kernel:
-    return Int8Kernel.FBGEMM_DYNAMIC if "fbgemm" in torch.backends.quantized.supported_engines \
-        else Int8Kernel.WEIGHT_ONLY
+    return Int8Kernel.FBGEMM_DYNAMIC if cpu_class().fbgemm else Int8Kernel.WEIGHT_ONLY
 
 
-@functools.cache   # a fact of the machine: read /proc/cpuinfo once, not once per matrix
 def _cpu_has_vnni() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
+    """Whether fbgemm's 8-bit activations are exact here (the VNNI class, cpu_isa.py)."""
+    return cpu_class() is CpuClass.VNNI
 
 
 def _hadamard(n: int) -> torch.Tensor:
@@ -317,19 +315,23 @@ class FbgemmTensors:
     packed weight is a plain (uint8) tensor, so a compiled graph takes it as an input like any other
     (no opaque object), and a call skips `quantized::linear_dynamic`'s quantized-tensor machinery:
     25 vs 48 us for a 640 x 4096 matrix at one row, 14 vs 27 us for 2048 x 640 (same results to 5e-7).
-    The kernel's weight scale is 1; the per-row scales apply to its output. It has no 7-bit
-    activations, so it serves only CPUs whose fbgemm needs no `reduce_range` (VNNI). PyTorch marks
-    the op deprecated, like the quantized tensors `linear_dynamic` takes: whichever exists is used."""
+    The kernel's weight scale is 1; the per-row scales apply to its output. It quantises its input
+    on the call's range with 8 bits: without VNNI (AVX2 or AVX-512 alone) its int16 pair sums would
+    saturate, so there every call carries `guard`, one more row spanning [0, 2] whose output is
+    dropped: rows on [0, 1] then quantise to 0..127 (7 bits, as `reduce_range`), whatever the batch.
+    PyTorch marks the op deprecated, like the quantized tensors `linear_dynamic` takes: whichever
+    exists is used."""
 
     shape: torch.Tensor         # int8 [N, K] with zero strides: the op reads only the weight's shape
     packed: torch.Tensor        # fbgemm's packed matrix, held by a uint8 tensor
     col_offsets: torch.Tensor   # int32 [N]: the rows' sums
     scales: torch.Tensor        # fp32 [N]
     bias: torch.Tensor          # fp32 [N] zeros (the op requires one)
+    guard: torch.Tensor         # fp32 [0, K] (VNNI: 8-bit activations) or [1, K] (7 bits: `_guard_row`)
 
     @staticmethod
     def available() -> bool:
-        return hasattr(torch, "fbgemm_linear_int8_weight_fp32_activation") and _cpu_has_vnni()
+        return hasattr(torch, "fbgemm_linear_int8_weight_fp32_activation") and cpu_class().fbgemm
 
     @classmethod
     def pack(cls, q: torch.Tensor, s: torch.Tensor) -> "FbgemmTensors":
@@ -337,21 +339,28 @@ class FbgemmTensors:
         with warnings.catch_warnings():   # deprecation notes, once per process (see the docstring)
             warnings.simplefilter("ignore")
             sums = _int_row_sums(q)
-            t = cls(_zero_weight(n, k), torch.fbgemm_pack_quantized_matrix(q), sums, s.float(), _zero_bias(n))
+            t = cls(_zero_weight(n, k), torch.fbgemm_pack_quantized_matrix(q), sums, s.float(), _zero_bias(n),
+                    _guard_row(k, seven_bits=cpu_class() is not CpuClass.VNNI))
             t(torch.zeros(1, k))
         return t
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32, contiguous -> [M, N]."""
+        rows = len(x)
+        if len(self.guard):
+            x = torch.cat([x, self.guard])
         if torch.compiler.is_compiling():
             y = torch.ops.gemmaserve.fbgemm_int8_linear(x, self.shape, self.packed, self.col_offsets, self.bias)
-            return y * self.scales
-        return _fbgemm_int8_product(x, self.shape, self.packed, self.col_offsets, self.bias).mul_(self.scales)
+            return y[:rows] * self.scales
+        return _fbgemm_int8_product(x, self.shape, self.packed, self.col_offsets, self.bias)[:rows].mul_(self.scales)
 
     def dequantize(self) -> torch.Tensor:
         """The weight [N, K] read back through the kernel (the packed form has no unpack): each row of
-        the identity quantises exactly (scale 1/255), so the products are the stored integers."""
-        return self(torch.eye(self.shape.shape[1])).t().contiguous()
+        the identity quantises exactly (scale 1/255), so the products are the stored integers (with one
+        nonzero input per row no pair sum saturates: no guard needed)."""
+        eye = torch.eye(self.shape.shape[1])
+        y = _fbgemm_int8_product(eye, self.shape, self.packed, self.col_offsets, self.bias).mul_(self.scales)
+        return y.t().contiguous()
 
 
 @functools.cache   # one per shape, shared by every matrix of it: a compiled graph takes it as one input
@@ -363,6 +372,17 @@ def _zero_weight(n: int, k: int) -> torch.Tensor:
 @functools.cache   # as `_zero_weight`: read-only zeros
 def _zero_bias(n: int) -> torch.Tensor:
     return torch.zeros(n)
+
+
+@functools.cache   # as `_zero_weight`: read-only, one per width
+def _guard_row(k: int, seven_bits: bool) -> torch.Tensor:
+    """`FbgemmTensors.guard`: no row (8-bit activations), or a row of zeros and one 2, which makes every
+    call's input range [0, 2]: step 2/255, so a row on [0, 1] quantises to at most 127."""
+    if not seven_bits:
+        return torch.zeros(0, k)
+    row = torch.zeros(1, k)
+    row[0, 0] = 2.0
+    return row
 
 
 def _fbgemm_int8_product(x: torch.Tensor, shape: torch.Tensor, packed: torch.Tensor, col_offsets: torch.Tensor,
@@ -467,7 +487,7 @@ class Int8Matmul:
             t = self._tensors
             a_t, block = (self.rotation.a_t, self.rotation.block) if self.rotation is not None else (self._no_a_t, 0)
             y = torch.ops.gemmaserve.int8_linear(x2.float(), a_t, block, t.shape, t.packed, t.col_offsets, t.bias,
-                                                 t.scales, self.row_sums)
+                                                 t.scales, self.row_sums, t.guard)
         elif self.kernel is Int8Kernel.FBGEMM_DYNAMIC:
             xn, lo, span = row_affine(x2.float(), self.rotation)
             y = self._fbgemm(xn) * span + lo * self.row_sums
@@ -615,9 +635,12 @@ class QuantEmbedding(nn.Module):
 
 def _int8_linear_ref(x: torch.Tensor, a_t: torch.Tensor, block: int, shape: torch.Tensor, packed: torch.Tensor,
                      col_offsets: torch.Tensor, bias: torch.Tensor, scales: torch.Tensor,
-                     row_sums: torch.Tensor) -> torch.Tensor:
+                     row_sums: torch.Tensor, guard: torch.Tensor) -> torch.Tensor:
     xn, lo, span = torch.ops.gemmaserve.row_affine(x, a_t, block)
-    y = _fbgemm_int8_product(xn, shape, packed, col_offsets, bias).mul_(scales)
+    rows = len(xn)
+    if len(guard):
+        xn = torch.cat([xn, guard])
+    y = _fbgemm_int8_product(xn, shape, packed, col_offsets, bias)[:rows].mul_(scales)
     return y * span + lo * row_sums
 
 
@@ -625,14 +648,16 @@ if hasattr(torch, "fbgemm_linear_int8_weight_fp32_activation"):
     @torch.library.custom_op("gemmaserve::int8_linear", mutates_args=())
     def _int8_linear(x: torch.Tensor, a_t: torch.Tensor, block: int, shape: torch.Tensor, packed: torch.Tensor,
                      col_offsets: torch.Tensor, bias: torch.Tensor, scales: torch.Tensor,
-                     row_sums: torch.Tensor) -> torch.Tensor:
-        """`Int8Matmul` on fbgemm's tensor-packed weight as one op (row_affine, the product, the per-row
-        scales, the map back): one call from a compiled graph instead of three (~10 us each)."""
-        return _int8_linear_ref(x, a_t, block, shape, packed, col_offsets, bias, scales, row_sums)
+                     row_sums: torch.Tensor, guard: torch.Tensor) -> torch.Tensor:
+        """`Int8Matmul` on fbgemm's tensor-packed weight as one op (row_affine, the product with
+        `FbgemmTensors.guard`'s rows beside the input's, the per-row scales, the map back): one call
+        from a compiled graph instead of three (~10 us each)."""
+        return _int8_linear_ref(x, a_t, block, shape, packed, col_offsets, bias, scales, row_sums, guard)
 
     @_int8_linear.register_fake
     def _(x: torch.Tensor, a_t: torch.Tensor, block: int, shape: torch.Tensor, packed: torch.Tensor,
-          col_offsets: torch.Tensor, bias: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor) -> torch.Tensor:
+          col_offsets: torch.Tensor, bias: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor,
+          guard: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], shape.shape[0])
 
 

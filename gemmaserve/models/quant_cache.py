@@ -48,12 +48,13 @@ def code_fingerprint() -> str:
 
 
 def cache_path(gguf: Path) -> Path:
-    from .quant import _cpu_has_vnni, default_int8_kernel
+    from .cpu_isa import cpu_class
+    from .quant import default_int8_kernel
 
     st = gguf.stat()
     key = {"format": FORMAT, "file": [str(gguf.resolve()), st.st_size, st.st_mtime_ns], "torch": torch.__version__,
            "code": code_fingerprint(), "machine": platform.machine(), "int8": default_int8_kernel().value,
-           "vnni": _cpu_has_vnni()}
+           "isa": cpu_class().value}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "quantized" / f"{digest}.safetensors"
 

@@ -42,6 +42,7 @@ from ...attention.base import AttentionMetadata
 from ...attention.traced import MIN_WIDTH, DecodeLayout, DecodeTables, TracedDecodeAttention
 from ...kv.base import GroupTables
 from ...models.base import ModelInputs
+from ...models.cpu_isa import cpu_class
 from ...models.embedded import cache_dir
 from ...models.quant_cache import code_fingerprint
 
@@ -120,6 +121,9 @@ def artifact_key(source_path: Path, weights: str, layout: DecodeLayout) -> dict:
     return {
         "format": FORMAT, "code": code_fingerprint(), "torch": torch.__version__,
         "machine": platform.machine(), "cpu": _cpu_flags(),
+        # the kernels' class (models/cpu_isa.py: forced ones too) and PyTorch's (ATEN_CPU_CAPABILITY), which
+        # the graphs' code follows: a forced class never loads another class's packages
+        "isa": cpu_class().value, "aten_isa": torch.backends.cpu.get_cpu_capability(),
         "model": [str(source_path.resolve()), st.st_size, st.st_mtime_ns], "weights": weights,
         "layout": {"kv": list(layout.kv.shape[1:]), "kv_dtype": str(layout.kv.dtype),
                    "tokens_per_page": layout.tokens_per_page, "kinds": [list(k) for k in layout.kinds],
