@@ -64,7 +64,8 @@ def rows(llm: LLM, prompts: list[str]) -> list:
     out = []
     for o in llm.generate(prompts, PARAMS):
         c = o.outputs[0]
-        out.append([list(c.token_ids), [[lp.token_id, lp.logprob, [list(t) for t in (lp.top or ())]] for lp in c.logprobs]])
+        out.append([list(c.token_ids),
+                    [[lp.token_id, lp.logprob, [list(t) for t in (lp.top or ())]] for lp in c.logprobs]])
     return out
 
 

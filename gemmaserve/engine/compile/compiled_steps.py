@@ -55,7 +55,8 @@ class CompiledDecodeSteps:
         if spec is not None and spec.method == "draft_model":   # the build process lays out the target's KV alone
             return "a draft model's KV layers are not in the packages' layout yet"
         if any(isinstance(v, Int8Matmul) and v._packed is not None for m in self.model.modules() for v in vars(m).values()):
-            return "fbgemm's packed weights on a CPU without VNNI are Python objects, which an export cannot hold"
+            # every CPU class packs into tensors (models/quant.py); PyTorch without that op leaves Python objects
+            return "fbgemm's packed weights (no tensor-packed op in this PyTorch) are Python objects, which an export cannot hold"
         layout = DecodeLayout.of(self.specs, self.runner.kv_cache, self.kv.layer_slot, self.kv.layout.tokens_per_page,
                                  self.kv.layout.num_pages)
         if isinstance(layout, str):
