@@ -56,7 +56,8 @@ class CompiledDecodeSteps:
             return "a draft model's KV layers are not in the packages' layout yet"
         if any(isinstance(v, Int8Matmul) and v._packed is not None for m in self.model.modules() for v in vars(m).values()):
             # every CPU class packs into tensors (models/quant.py); PyTorch without that op leaves Python objects
-            return "fbgemm's packed weights (no tensor-packed op in this PyTorch) are Python objects, which an export cannot hold"
+            return ("fbgemm's packed weights (no tensor-packed op in this PyTorch) are Python objects, "
+                    "which an export cannot hold")
         layout = DecodeLayout.of(self.specs, self.runner.kv_cache, self.kv.layer_slot, self.kv.layout.tokens_per_page,
                                  self.kv.layout.num_pages)
         if isinstance(layout, str):
