@@ -187,7 +187,8 @@ def test_cpp_kernels_agree_with_their_python_kernels():
         lin = Int8Matmul(*int8_rows(torch.randn(96, 640, generator=gen)), Int8Kernel.FBGEMM_DYNAMIC,
                          Rotation.for_width(640), keep_rows=False)
         t, xs = lin._tensors, torch.randn(5, 640, generator=gen)
-        args = (lin.rotation.a_t, lin.rotation.block, t.shape, t.packed, t.col_offsets, t.bias, t.scales, lin.row_sums)
+        args = (lin.rotation.a_t, lin.rotation.block, t.shape, t.packed, t.col_offsets, t.bias, t.scales, lin.row_sums,
+                t.guard)
         assert torch.equal(torch.ops.gemmaserve.int8_linear(xs, *args), _int8_linear_ref(xs, *args))
     close = dict(rtol=1e-5, atol=1e-5)
     x, w = torch.randn(7, 64, generator=gen), torch.randn(96, 64, generator=gen)
