@@ -19,7 +19,7 @@ Sections (default: all; about 3 minutes on one H100, Triton compilation included
   tiled   the tiled int4 kernel's configurations at M = 16 and 64 on the 31B shapes (group 32)
   prefetch  the int4 GEMV at M = 1 with its next step's words loaded ahead, or Triton's pipelining, or neither
   pairs   the int4 pairs kernel (int4_pairs: two weights per PTX instruction) for M <= 16: checked, timed
-          against bf16 and the tiled kernel, swept on the 31B's shapes
+          against bf16 and the tiled kernel, swept on the 31B's qkv
   experts the grouped MoE expert products (int4, fp8) at the 26B-A4B's shapes: checked as `check` does, and timed
           against bf16 torch._grouped_mm
 
@@ -332,7 +332,7 @@ def section_pairs(res: dict) -> None:
     """The pairs kernel (int4_pairs: two weights per instruction, PTX) at M = 1, 4, 16 on every shape (group 32,
     and group 128 with zero points on the 31B): checked against the fp32 product of the bf16-rounded dequantised
     weights, row 0 of M = 16 bit-equal to M = 1, repeats bit-equal; timed against bf16 and the tiled kernel
-    (int4_config's choice); on the 31B's shapes a sweep of column tiles, steps, waves, stages and the swapped
+    (int4_config's choice); on the 31B's qkv a sweep of column tiles, steps, waves, stages and the swapped
     (weights-left) form."""
     from gemmaserve.quantization import int4_pairs as P
 
@@ -367,7 +367,7 @@ def section_pairs(res: dict) -> None:
                 row[f"M{m}_tiled_us"] = round(graph_us(I4.int4_linear, x, weights), 2)
                 row[f"M{m}_pairs_us"] = round(graph_us(P.int4_pairs_linear, x, weights), 2)
                 row[f"M{m}_pairs_GBs"] = round(packed.nbytes / (row[f"M{m}_pairs_us"] * 1e-6) / 1e9)
-                if model == "gemma4-31b" and form == "g32" and m in (1, 16):
+                if model == "gemma4-31b" and proj == "qkv" and form == "g32" and m in (1, 16):
                     sweep = {}
                     for bn in (32, 64, 128):
                         for bkw in (16, 32):
