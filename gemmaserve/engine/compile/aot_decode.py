@@ -15,7 +15,9 @@ packages that hold code and no weights:
 
 The numerically sensitive work of a step runs in ops the graph calls as they are (models/cpu_kernels.py),
 so a package gives an eager step's bits (tests/test_aot_decode.py), and the engine may switch to it
-between any two steps. Where a step's layout cannot be exported (one arena of one geometry is needed,
+between any two steps. The package calls those ops' C shims (models/cpu_shims.py) where this torch has
+`aot_inductor.custom_ops_to_c_shims`, else (or where that build fails) through its proxy executor, ~10 us
+a call more; the manifest records which, and the log says so. Where a step's layout cannot be exported (one arena of one geometry is needed,
 as for the traced attention; the packed fbgemm objects of CPUs without VNNI are Python objects) the
 engine says why and stays eager unless `--cpu-compile on` asks for compiled_decode.py.
 """
@@ -48,7 +50,7 @@ from ...models.quant_cache import code_fingerprint
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2             # of the packages and their manifest: a change makes every old one stale
+FORMAT = 3             # of the packages and their manifest: a change makes every old one stale (3: C shims)
 MAX_ROWS = 63          # the dynamic graph's rows (2..MAX_ROWS); larger decode batches run eagerly
 STATIC_SIZES = (1, 8)  # graphs for exactly this many rows (other batches run the dynamic one)
 # CPU features that change what inductor writes or what our kernels do
@@ -189,11 +191,49 @@ def _constant_paths(ep, package: Path, step: DecodeStep) -> dict[str, str]:
     return paths
 
 
+def _proxy_calls(package: Path) -> int:
+    """How many op calls of the package's generated code go through the proxy executor."""
+    with zipfile.ZipFile(package) as z:
+        cpp = z.read(next(n for n in z.namelist() if n.endswith("wrapper.cpp"))).decode()
+    return cpp.count("aoti_torch_proxy_executor_call_function(")
+
+
+def shim_configs() -> dict:
+    """Inductor's options for calling the ops' C shims, or {} (with a log line saying why) where they
+    cannot be used: the ops' library does not build here, or this torch has no such option."""
+    from ...models import cpu_library, cpu_shims
+    from ...models.cpu_kernels import OPS
+
+    why = cpu_library.load()
+    configs = cpu_shims.inductor_configs(OPS) if why is None else {}
+    if why is None and not configs:
+        why = f"torch {torch.__version__} has no aot_inductor.custom_ops_to_c_shims"
+    if why is not None:
+        log.info("compiled decode graphs call the ops through the proxy executor (no C shims: %s)", why)
+    return configs
+
+
+def _compile(ep, package: Path, shims: dict) -> bool:
+    """AOTInductor-compile `ep` into `package`, calling the ops' C shims where `shims` names them. False where
+    it was compiled without them (their build failed: logged), True where with them."""
+    base = {"aot_inductor.package_constants_in_so": False}
+    if shims:
+        try:
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs={**base, **shims})
+            return True
+        except Exception as e:   # a torch whose generated calls do not match the shims' convention
+            log.warning("compiling with the ops' C shims failed (%s: %s); compiling with the proxy executor",
+                        type(e).__name__, str(e)[:500])
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs=base)
+    return False
+
+
 def build(model: nn.Module, layout: DecodeLayout, key: dict, out: Path) -> None:
     """Export and compile every graph into `out` (written elsewhere first, then moved into place)."""
     from torch.export import Dim
 
     start = time.perf_counter()
+    shims = shim_configs()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -215,10 +255,11 @@ def build(model: nn.Module, layout: DecodeLayout, key: dict, out: Path) -> None:
             warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
             with torch.inference_mode():
                 ep = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
-            torch._inductor.aoti_compile_and_package(
-                ep, package_path=str(package), inductor_configs={"aot_inductor.package_constants_in_so": False})
-        graphs[name] = {"rows": size, "constants": _constant_paths(ep, package, step)}
-        log.info("compiled decode graph %s in %.0f s", name, time.perf_counter() - t)
+            shimmed = _compile(ep, package, shims)
+        graphs[name] = {"rows": size, "constants": _constant_paths(ep, package, step), "shims": shimmed,
+                        "proxy_calls": _proxy_calls(package)}
+        log.info("compiled decode graph %s in %.0f s (%s; %d op calls through the proxy executor)", name,
+                 time.perf_counter() - t, "C shims" if shimmed else "no C shims", graphs[name]["proxy_calls"])
     manifest = {"key": key, "graphs": graphs, "build_seconds": round(time.perf_counter() - start, 1)}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     shutil.rmtree(out, ignore_errors=True)
@@ -234,8 +275,10 @@ class AotDecode:
         steps as decode rows included)."""
         from ...models import cpu_library   # the ops' C++ kernels (the packages call them by name)
 
-        cpu_library.load()
+        why = cpu_library.load()
         manifest = json.loads((directory / "manifest.json").read_text())
+        if why is not None and any(g["shims"] for g in manifest["graphs"].values()):
+            raise RuntimeError(f"the packages call the ops' C shims, whose library does not load ({why})")
         live = tensor_paths(DecodeStep(model, layout))
         self.layout = layout
         self.max_rows = min(MAX_ROWS, max_rows)
