@@ -95,6 +95,8 @@ def test_a_background_build_switches_between_steps_without_changing_tokens(built
     assert built["after"] > 0 and built["ran"] == [(1, 1)] * built["after"]   # every step after it: the 1-row graph
     manifest = json.loads((built["store"] / "manifest.json").read_text())
     assert set(manifest["graphs"]) == {"rows1", "rows8", "dynamic"}
+    shims = bool(aot_decode.shim_configs())   # the ops' C shims where this torch takes them: no proxy-executor call
+    assert all(g["shims"] == shims and (g["proxy_calls"] == 0) == shims for g in manifest["graphs"].values()), manifest
     assert not built["store"].with_name(built["store"].name + ".lock").exists()   # the builder cleaned up
 
 
