@@ -1,10 +1,10 @@
 """C entry points ("C shims") of the CPU ops, so AOTInductor's generated code calls their kernels directly.
 
 An AOTInductor graph calls a custom op through its proxy executor: the arguments boxed into a stack,
-the dispatcher, the op's autograd kernel (Python, for `torch.library.custom_op`), then ours: ~10 us a
-call, ~190 calls a 270M decode step (BENCHMARKS.md, issue 29). Inductor instead calls a C function
-`aoti_torch_cpu_<op>` for every op named in `aot_inductor.custom_ops_to_c_shims` (declared there, linked
-when the package loads). Each shim here unwraps the handles and calls the same C++ kernel the dispatcher
+the dispatcher, the op's autograd kernel (Python, for `torch.library.custom_op`), then ours: 8.5 us a
+call under inference_mode (BENCHMARKS.md, issue 47), 185 calls a 270M decode step. Inductor instead
+calls a C function `aoti_torch_cpu_<op>` for every op named in `aot_inductor.custom_ops_to_c_shims`
+(declared there, resolved when the package loads). Each shim here unwraps the handles and calls the same C++ kernel the dispatcher
 would reach (cpu_kernels.py's library), so a shimmed package gives the proxied one's bits.
 
 The shims are written from the ops' schemas, in inductor's calling convention for a fallback kernel:

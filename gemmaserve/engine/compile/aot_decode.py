@@ -16,10 +16,11 @@ packages that hold code and no weights:
 The numerically sensitive work of a step runs in ops the graph calls as they are (models/cpu_kernels.py),
 so a package gives an eager step's bits (tests/test_aot_decode.py), and the engine may switch to it
 between any two steps. The package calls those ops' C shims (models/cpu_shims.py) where this torch has
-`aot_inductor.custom_ops_to_c_shims`, else (or where that build fails) through its proxy executor, ~10 us
-a call more; the manifest records which, and the log says so. Where a step's layout cannot be exported (one arena of one geometry is needed,
-as for the traced attention; the packed fbgemm objects of CPUs without VNNI are Python objects) the
-engine says why and stays eager unless `--cpu-compile on` asks for compiled_decode.py.
+`aot_inductor.custom_ops_to_c_shims`, else (or where that build fails) through its proxy executor, ~7 us
+a call more; the manifest records which, and the log says so. Where a step's layout cannot be exported
+(one arena of one geometry is needed, as for the traced attention; the packed fbgemm objects of CPUs
+without VNNI are Python objects) the engine says why and stays eager unless `--cpu-compile on` asks for
+compiled_decode.py.
 """
 
 from __future__ import annotations
@@ -256,6 +257,7 @@ def build(model: nn.Module, layout: DecodeLayout, key: dict, out: Path) -> None:
             with torch.inference_mode():
                 ep = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
             shimmed = _compile(ep, package, shims)
+        shims = shims if shimmed else {}   # a failed shim build fails for the next graphs too
         graphs[name] = {"rows": size, "constants": _constant_paths(ep, package, step), "shims": shimmed,
                         "proxy_calls": _proxy_calls(package)}
         log.info("compiled decode graph %s in %.0f s (%s; %d op calls through the proxy executor)", name,
