@@ -22,6 +22,9 @@ Off CUDA (Triton's interpreter, the tests) `ASM` is off and the same planes come
 rounds the same way: the kernel's structure (tiles, split-K, dot order) is the one the GPU runs.
 
 Every M up to SMALL_M takes the same tiles and K split, so a row's bits do not depend on the rows beside it.
+
+Not yet the engine's decode path (quantization/linear.py keeps int4_kernels): its PTX has not run on a GPU.
+`python -m benchmarks.gpu_quant hbm pairs` checks and times it there first.
 """
 
 from __future__ import annotations
