@@ -42,7 +42,7 @@ class EveryOp(torch.nn.Module):
         if self.lin is not None:
             t, r = self.lin._tensors, self.lin.rotation
             out += [ops.int8_linear(x640, r.a_t, r.block, t.shape, t.packed, t.col_offsets, t.bias, t.scales,
-                                    self.lin.row_sums),
+                                    self.lin.row_sums, t.guard),
                     ops.fbgemm_int8_linear(x640.clamp(0, 1), t.shape, t.packed, t.col_offsets, t.bias),
                     *ops.row_affine(x640, r.a_t, r.block)]
         return out
