@@ -86,6 +86,13 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     add_options(dl, EngineConfig, "hub", only=("revision", "gguf_file", "hf_token", "download_dir"))
     dl.set_defaults(handler=_download)
 
+    cache = commands.add_parser("cache", help="list or prune the cached quantised weights, compiled steps, models")
+    cache.add_argument("action", choices=("list", "prune"), help="list the entries, or remove them")
+    cache.add_argument("--older-than", type=float, default=None, metavar="DAYS",
+                       help="prune: only entries unused for DAYS days (default: every entry)")
+    cache.add_argument("--dry-run", action="store_true", help="prune: say what would go, remove nothing")
+    cache.set_defaults(handler=_cache)
+
     rtr = commands.add_parser("router", help="one OpenAI endpoint over prefill and decode engines (serve --role)")
     from .server.router_config import add_arguments as add_router_arguments
 
@@ -201,6 +208,27 @@ def _download(args: argparse.Namespace) -> int:
     if spec is None:
         raise UserInputError(f"{args.name!r} is not a Hugging Face Hub name (ORG/NAME or ORG/NAME:FILE.gguf)")
     print(fetch(spec).path)
+    return 0
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from .models import cache_admin
+    from .models.embedded import cache_dir
+
+    if args.older_than is not None and not args.older_than >= 0:
+        raise UserInputError(f"--older-than must be a number of days >= 0, got {args.older_than}")
+    if args.action == "list" and (args.older_than is not None or args.dry_run):
+        raise UserInputError("--older-than and --dry-run go with `gemmaserve cache prune`")
+    root = cache_dir()
+    found = cache_admin.entries(root)
+    if args.action == "list":
+        print(f"{root}\n{cache_admin.table(found)}")
+        return 0
+    gone = cache_admin.stale(found, args.older_than)
+    for entry in gone if not args.dry_run else ():
+        entry.remove()
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{verb} {len(gone)} of {len(found)} entries, {cache_admin.human(sum(e.nbytes for e in gone))}, from {root}")
     return 0
 
 
