@@ -214,10 +214,8 @@ _PART = st.one_of(
                                                          max_size=3))))
 
 
-@settings(max_examples=150, deadline=None)
-@given(parts=st.lists(_PART, max_size=6), opened=st.booleans(), cuts=st.lists(st.integers(0, 400), max_size=40),
-       chunk_seed=st.integers(0, 2**16))
-def test_any_chunking_of_random_native_outputs_equals_the_whole(parts, opened, cuts, chunk_seed):
+def native_text(parts) -> tuple[str, list[tuple[str, str]]]:
+    """`_PART`s as Gemma 4 output text, and the calls it holds as (name, JSON arguments)."""
     text, calls = "", []
     for kind, body in parts:
         if kind == "think":
@@ -227,6 +225,14 @@ def test_any_chunking_of_random_native_outputs_equals_the_whole(parts, opened, c
         else:
             text += call(body[0], gemma(body[1]))
             calls.append((body[0], json.dumps(body[1], ensure_ascii=False)))
+    return text, calls
+
+
+@settings(max_examples=150, deadline=None)
+@given(parts=st.lists(_PART, max_size=6), opened=st.booleans(), cuts=st.lists(st.integers(0, 400), max_size=40),
+       chunk_seed=st.integers(0, 2**16))
+def test_any_chunking_of_random_native_outputs_equals_the_whole(parts, opened, cuts, chunk_seed):
+    text, calls = native_text(parts)
     kw = dict(reasoning=FMT, calling=NATIVE, starts_in_reasoning=opened, seed="s")
     whole = parse_output(text, **kw)
     rng = random.Random(chunk_seed)   # MTP-like: runs of 1-8 characters
