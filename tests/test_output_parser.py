@@ -264,3 +264,14 @@ def test_any_chunking_of_random_json_format_outputs_equals_the_whole(body, pad, 
     assert streamed(text, [c for c in cuts if c <= len(text)], reasoning=FMT, calling=JSON, seed="s")[1] == whole
     content, calls = JSON.parse(FMT.split(text)[1])
     assert whole.content == content and [c["function"] for c in whole.tool_calls] == [c["function"] for c in calls]
+
+
+def test_reasoning_tokens_count_every_channel_and_one_the_prompt_opened():
+    """usage's reasoning_tokens: markers included, thinking again after a call, and thinking the prompt opened
+    (which was counted 0: the count looked only for an output opening with the channel)."""
+    b, e = FMT.begin_id, FMT.end_id
+    assert FMT.reasoning_tokens([b, 7, 8, e, 9]) == 4
+    assert FMT.reasoning_tokens([9, b, 7, e, 9, b, 7, 8, e]) == 7
+    assert FMT.reasoning_tokens([7, 8, e, 9], opened=True) == 3
+    assert FMT.reasoning_tokens([7, 8, e, 9]) == 0
+    assert FMT.reasoning_tokens([b, 7, 8], opened=False) == 3   # cut short inside the channel

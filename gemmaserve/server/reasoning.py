@@ -43,14 +43,15 @@ class ReasoningFormat:
         answer += more_a
         return (reasoning if stream.thought else None), answer
 
-    def reasoning_tokens(self, token_ids: list[int]) -> int:
-        """Output tokens spent in the thought channel, its markers included."""
-        if not token_ids or token_ids[0] != self.begin_id:
-            return 0
-        try:
-            return token_ids.index(self.end_id) + 1
-        except ValueError:
-            return len(token_ids)
+    def reasoning_tokens(self, token_ids: list[int], opened: bool = False) -> int:
+        """Output tokens spent in thought channels, their markers included: every channel the output opens
+        (after a tool call the model thinks again), and from the first token when the prompt opened one."""
+        count, inside = 0, opened
+        for t in token_ids:
+            inside = inside or t == self.begin_id
+            count += inside
+            inside = inside and t != self.end_id
+        return count
 
     def clean(self, answer: str) -> str:
         return answer if self.hidden is None else self.hidden.sub("", answer)

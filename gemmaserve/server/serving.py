@@ -160,7 +160,7 @@ class ServingCommon:
         return self.client.generate(rid, prompts, deadline, admission=admission)
 
     async def stream(self, rid: str, kind: str, req: CompletionRequest | ChatRequest, prompts: list[Prompt],
-                      outputs, choices, opening: list[dict] = ()) -> AsyncIterator[str]:
+                      outputs, choices, opening: list[dict] = (), opened: bool = False) -> AsyncIterator[str]:
         """Server-sent events: `opening` choices, then `choices(prompt index, completion output)` for
         every output, an error event if generation fails, the usage chunk if asked, and [DONE]."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -191,7 +191,7 @@ class ServingCommon:
                 yield event(err.body())
                 return
         if include_usage:
-            yield chunk([], usage=self.usage(prompts, finals))
+            yield chunk([], usage=self.usage(prompts, finals, opened))
         yield "data: [DONE]\n\n"
 
     async def collect(self, request: Request, outputs) -> dict[tuple[int, int], RequestOutput]:
@@ -224,13 +224,14 @@ class ServingCommon:
                 task.cancel()
         return finals
 
-    def usage(self, prompts: list[Prompt], finals: dict[tuple[int, int], RequestOutput]) -> dict:
+    def usage(self, prompts: list[Prompt], finals: dict[tuple[int, int], RequestOutput], opened: bool = False) -> dict:
+        """OpenAI's usage; `opened`: the prompt opened the thought channel (its output starts thinking)."""
         completion = sum(len(o.outputs[0].token_ids) for o in finals.values())
         cached = sum({pi: o.num_cached_tokens for (pi, _), o in finals.items()}.values())
         out = usage(sum(len(p.ids) for p in prompts), completion, cached)
         if self.model.reasoning is not None:
             out["completion_tokens_details"] = {"reasoning_tokens": sum(
-                self.model.reasoning.reasoning_tokens(list(o.outputs[0].token_ids)) for o in finals.values())}
+                self.model.reasoning.reasoning_tokens(list(o.outputs[0].token_ids), opened) for o in finals.values())}
         return out
 
 

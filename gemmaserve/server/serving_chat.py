@@ -59,7 +59,7 @@ class ChatServing:
                             if c.logprobs is not None else None})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": now(),
                              "model": self.common.answering(req), "choices": choices,
-                             "usage": self.common.usage([job.prompt], finals)})
+                             "usage": self.common.usage([job.prompt], finals, job.answer.opened)})
 
     async def prepare(self, req: ChatRequest) -> "ChatJob":
         """A parsed chat request -> its prompt, sampling, tools and checked engine requests (400s for anything
@@ -136,7 +136,8 @@ class ChatServing:
 
         opening = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for k in range(job.params.n)]
-        return self.common.stream(rid, "chat.completion.chunk", req, [job.prompt], outputs, choices, opening)
+        return self.common.stream(rid, "chat.completion.chunk", req, [job.prompt], outputs, choices, opening,
+                                  job.answer.opened)
 
     def chat_prompt(self, raw_messages: list, calling: ToolCalling | None = None,
                      template_kwargs: dict | None = None) -> tuple[Prompt, list]:

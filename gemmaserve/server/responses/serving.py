@@ -158,7 +158,7 @@ class ResponsesServing:
         prompt = len(job.prompt.ids)
         return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                 "output_tokens": len(ids),
-                "output_tokens_details": {"reasoning_tokens": fmt.reasoning_tokens(ids) if fmt is not None else 0},
+                "output_tokens_details": {"reasoning_tokens": fmt.reasoning_tokens(ids, job.answer.opened) if fmt is not None else 0},
                 "total_tokens": prompt + len(ids)}
 
 
