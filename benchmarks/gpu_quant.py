@@ -369,11 +369,11 @@ def section_pairs(res: dict) -> None:
                 row[f"M{m}_pairs_GBs"] = round(packed.nbytes / (row[f"M{m}_pairs_us"] * 1e-6) / 1e9)
                 if model == "gemma4-31b" and proj == "qkv" and form == "g32" and m in (1, 16):
                     sweep = {}
-                    for bn in (32, 64, 128):
+                    for bn in (64, 128):
                         for bkw in (16, 32):
-                            for waves in (2, 4, 8):
+                            for waves in (2, 4):
                                 per = split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=waves)
-                                for warps, stages in ((4, 1), (4, 3)):
+                                for warps, stages in ((4, 3),):
                                     for swap in (False, True):
                                         cfg = P.PairsConfig(bn, bkw, per, warps, stages, swap)
                                         try:
