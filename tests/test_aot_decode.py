@@ -255,3 +255,18 @@ def test_a_failed_build_is_reported_and_a_second_engine_follows_the_first(tmp_pa
     assert "exited with 1" in outcome and str(first.log_path) in outcome
     assert "neither a known alias" in first.log_path.read_text()
     assert second.poll() and not directory.exists()
+
+
+def test_the_builder_runs_on_idle_time_even_in_a_session_of_its_own():
+    """The builder leads a session of its own; with Linux's autogroups that session is scheduled as a peer of
+    the engine's (half the CPU each, whatever the nice inside): a 270M decode step took 20x longer beside it.
+    It must lower its group and take the idle policy, before importing torch."""
+    import subprocess
+    import sys
+
+    probe = ("import os, sys; from gemmaserve.engine.aot_builder import idle_priority; idle_priority(); "
+             "group = open('/proc/self/autogroup').read().split()[-1] if os.path.exists('/proc/self/autogroup') "
+             "else '19'; print(os.sched_getscheduler(0) == os.SCHED_IDLE, os.nice(0), group, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, start_new_session=True,
+                         check=True).stdout.split()
+    assert out == ["True", "19", "19", "False"], out

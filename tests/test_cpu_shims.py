@@ -101,3 +101,21 @@ def test_a_failed_shim_build_falls_back_to_the_proxy_executor(exported, tmp_path
     assert calls >= 13 and aot_decode._proxy_calls(package) == calls   # every op call
     got = _load(ep, package, module)(*args)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("capability", [None, "avx2", "default"])
+def test_the_library_is_built_for_the_isa_inductor_would_probe_for(capability, monkeypatch):
+    """The library's flags are read from the CPU's (no probe programs: ~12 s of a first start); they must be
+    those of the ISA inductor's probing `pick_vec_isa` chooses, ATEN_CPU_CAPABILITY (the avx2 class) included."""
+    from torch._inductor import cpu_vec_isa
+
+    if capability is None:
+        monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    else:
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+    flags = cpu_library._isa_flags()
+    if flags is None:
+        pytest.skip("not an x86 CPU: inductor probes")
+    isa = cpu_vec_isa.pick_vec_isa()
+    expected = (*isa.build_arch_flags().split(), *(f"-D{m}" for m in getattr(isa, "_macro", ()))) if isa else ()
+    assert flags == expected

@@ -97,6 +97,10 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
     weight. `mmproj` (`--mmproj`): llama.cpp's file of a GGUF model's image encoder and, where it holds
     one, audio encoder (Gemma 4; gemma4_vision.py, gemma4_audio.py)."""
     start = time.perf_counter()
+    if device.type == "cpu":   # the kernels' library compiles (a first start) while the weights load
+        from . import cpu_library
+
+        cpu_library.prepare()
     source = resolve_model(name, hub)
     mmproj_path = _mmproj_path(mmproj, source, shard)
     log.info("loading %s from %s", name, source.path)
@@ -114,14 +118,13 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
     if shard is not None:
         parallelize(model, model.tensor_parallel_plan)
     if device.type == "cpu":   # before any step: a process computes its norms one way only (cpu_kernels.py)
-        from . import cpu_library
-
         t = time.perf_counter()
         why = cpu_library.load()
         if why is not None:
             log.info("CPU ops run their Python kernels: %s", why)
         elif time.perf_counter() - t > 1:
-            log.info("CPU ops' C++ kernels built in %.0f s (once per machine and torch)", time.perf_counter() - t)
+            log.info("CPU ops' C++ kernels: waited %.0f s for their build (once per machine and torch)",
+                     time.perf_counter() - t)
         from . import cpu_invariance
 
         cpu_invariance.check()   # logs a warning where this host's kernels make a row follow its batch
