@@ -351,3 +351,28 @@ def test_gemma4_files_keep_their_projections(tmp_path, as_on_cuda, monkeypatch, 
     ours, theirs = _logits(quantized.model, quantized.tokenizer), _logits(ref.model, ref.tokenizer)
     err = (ours - theirs).abs().max().item()
     assert err <= 1e-5 * theirs.abs().max().item(), f"{variant} seed={seed}: {err}"
+
+
+def test_the_cpu_load_keeps_a_q8_0_table_as_its_blocks_never_dequantised(tmp_path, monkeypatch):
+    """The CPU's quantised load (not the CUDA one above): the Q8_0 token embedding becomes the QuantEmbedding's
+    blocks straight from the file, its q and d exactly, with no fp32 copy of the table made (dequantising the 270M's
+    262k-row table and quantising it back took ~10 s of a first start); the tables, the head and the logits are
+    those of the load that dequantises the table and quantises it again (which recovers Q8_0's blocks)."""
+    from gemmaserve.models import loader
+
+    monkeypatch.setenv("GEMMASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("GEMMASERVE_QUANT_CACHE", "0")
+    path = _file(tmp_path, "Q8_0", fresh_seed())
+    real_load, read = GGUFFile.load, []
+    monkeypatch.setattr(GGUFFile, "load", lambda self, name: read.append(name) or real_load(self, name))
+    direct = load_model(str(path), torch.float32, torch.device("cpu"), quantized=True)
+    assert "token_embd.weight" not in read and "blk.0.attn_q.weight" in read
+    table, file_blocks = direct.model.model.embed_tokens, GGUFFile(path).int8_groups("token_embd.weight")
+    assert torch.equal(table.qweight, file_blocks.q) and torch.equal(table.scales, file_blocks.scale)
+
+    monkeypatch.setattr(loader, "_is_table", lambda model, name: False)   # the load before: through fp32
+    requantised = load_model(str(path), torch.float32, torch.device("cpu"), quantized=True)
+    assert "token_embd.weight" in read
+    other = requantised.model.model.embed_tokens
+    assert torch.equal(other.qweight, table.qweight) and torch.equal(other.scales, table.scales)
+    assert torch.equal(_logits(direct.model, direct.tokenizer), _logits(requantised.model, requantised.tokenizer))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
@@ -128,9 +128,10 @@ class CausalLM(nn.Module, ABC):
             if name is not None:
                 yield name, tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], deferred: Collection[str] = ()) -> None:
         """Copy tensors (our names) into the model, stacking fused parts. Every parameter must be
-        filled exactly once; an unknown tensor or a missing one is an error naming it."""
+        filled exactly once; an unknown tensor or a missing one is an error naming it. `deferred`: parameters
+        the caller fills in its own way afterwards (read once `weights` is exhausted, so it may grow meanwhile)."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
         shards_seen: dict[str, set[int]] = {}
@@ -168,7 +169,7 @@ class CausalLM(nn.Module, ABC):
             target.data.copy_(tensor)
             filled.add(name)
         incomplete = sorted(n for n, s in shards_seen.items() if len(s) != len(self.shard_sizes(n)))
-        missing = sorted(set(params) - filled)
+        missing = sorted(set(params) - filled - set(deferred))
         if "lm_head.weight" in missing:   # (transformers would leave the head random: we refuse)
             raise UserInputError("checkpoint is missing lm_head.weight: its config says tie_word_embeddings: false "
                                  "(an output head apart from the embedding), but it has no such tensor")

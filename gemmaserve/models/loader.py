@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,15 +150,16 @@ def _mmproj_path(mmproj: str | None, source: ModelSource, shard: TensorParallelS
 
 
 def build_model(model_class: type[CausalLM], config, weights: Weights, dtype: torch.dtype, device: torch.device,
-                shard: TensorParallelShard | None = None) -> CausalLM:
+                shard: TensorParallelShard | None = None, deferred: Collection[str] = ()) -> CausalLM:
     """Instantiate on the target device in the target dtype (no random init), then fill it from
     `weights(model, plan)` (our tensor names: the model maps checkpoint names itself). A
     tensor-parallel rank builds with full shapes on the CPU (untouched memory costs nothing), takes
-    its local shapes on the device, then reads only its slices."""
+    its local shapes on the device, then reads only its slices. `deferred`: parameters `weights` leaves to the
+    caller (CausalLM.load_weights)."""
     if shard is None:
         with torch.device(device):
             model = model_class(config, dtype)
-        model.load_weights(weights(model, None))
+        model.load_weights(weights(model, None), deferred)
         return model
     model = model_class(config, dtype)
     model.tensor_parallel_plan = shard_model(model, shard, device)
@@ -213,6 +214,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
     quantized = quantized and any(t.quant_type not in ("F32", "F16", "BF16") for t in gguf.tensors())
     int4 = {}
     kept: set[str] = set()   # GGUF tensors held packed by QuantizedLinears (keep_packed): never dequantised
+    # Q8_0 embedding tables kept quantised (CPU): their exact int8 blocks, never dequantised (the 262k-row
+    # table's fp32 copy and its quantisation back to the same blocks took ~10 s of a first start)
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def weights(model: CausalLM, plan: ShardPlan | None) -> Iterator[tuple[str, torch.Tensor]]:
         for t in gguf.tensors():
@@ -220,6 +224,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
             if name is None or t.name in kept:
                 continue
             part = plan.slice_for(name) if plan is not None else None
+            if quantized and part is None and t.quant_type == "Q8_0" and _is_table(model, name):
+                q8 = gguf.int8_groups(t.name)
+                tables[name] = (q8.q, q8.scale)
+                continue
             if quantized and (groups := gguf.int4_groups(t.name)) is not None:
                 groups = groups if part is None else part.read_int4(groups)
                 if groups is not None:
@@ -242,18 +250,29 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, quantized: 
     elif keep_packed:
         model, formats = _build_gguf_packed(model_class, config, gguf, weights, dtype, device, kept)
     else:
-        model = build_model(model_class, config, weights, dtype, device, shard)
+        model = build_model(model_class, config, weights, dtype, device, shard, deferred=tables.keys())
         release_freed_memory()   # the dequantised tensors just copied into the model (hostmem.py)
     if quantized and cached is None:
         from .quant import quantize_model
 
         log.info("quantising the weights for the CPU kernels (once: later starts load them from the cache)")
         record = {} if cache_file else None
-        formats = quantize_model(model, int4, record=record)
+        formats = quantize_model(model, int4, record=record, tables=tables)
         release_freed_memory()
         if cache_file:
             quant_cache.save(cache_file, model, record, formats)
     return model, tokenizer, formats
+
+
+def _is_table(model: CausalLM, name: str) -> bool:
+    """Whether parameter `name` is an embedding table's weight (a stacked part, like q_proj, has no module)."""
+    from .layers import Embedding
+
+    module, _, leaf = name.rpartition(".")
+    try:
+        return leaf == "weight" and isinstance(model.get_submodule(module), Embedding)
+    except AttributeError:
+        return False
 
 
 def _build_gguf_packed(model_class: type[CausalLM], config, gguf, weights: Weights, dtype: torch.dtype,

@@ -716,12 +716,14 @@ class _BlockRows:
 
 
 def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
-                   head_kernel: Int8Kernel | None = None, record: dict | None = None) -> dict[str, int]:
+                   head_kernel: Int8Kernel | None = None, record: dict | None = None,
+                   tables: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, int]:
     """Replace every `Linear` and `Embedding` of a loaded fp32 `CausalLM` by its quantised form, in
     place. `int4`: exact groups of the checkpoint's 4-bit weights by our tensor name (before fusing
     q/k/v and gate/up: a fused weight is INT4 only if all its parts are). Returns a count per format.
     `record`: gets, per module name, its format and the tensors it was built from (quant_cache.py
-    keeps them so that a later start skips the quantising)."""
+    keeps them so that a later start skips the quantising). `tables`: embedding tables already in `int8_blocks`'
+    form (a GGUF's Q8_0 blocks, exactly), by parameter name: their fp32 weights were never filled."""
     from .layers import Embedding, Linear
 
     parts_of: dict[str, dict[int, Int4Groups]] = {}
@@ -750,7 +752,7 @@ def quantize_model(model: nn.Module, int4: dict[str, Int4Groups],
         parent, _, attr = mod_name.rpartition(".")
         weight = model.get_submodule(mod_name).weight.data
         if isinstance(model.get_submodule(mod_name), Embedding):
-            blocks = int8_blocks(weight)
+            blocks = (tables or {}).get(f"{mod_name}.weight") or int8_blocks(weight)
             del weight
             setattr(model.get_submodule(parent), attr, nn.Identity())   # drop the fp32 table now
             release_freed_memory()   # and the fp32 matrices before it, before the table's copies are made
