@@ -59,6 +59,8 @@ def built(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GEMMASERVE_CACHE_DIR", str(root / "cache"))
         mp.setenv("GEMMASERVE_BACKGROUND_COMPILE", "1")
+        # the requests below keep both cores busy until the switch: an idle-time builder would barely move
+        mp.setenv("GEMMASERVE_BUILDER_PRIORITY", "normal")
         # auto compiles quantised weights only (a GGUF file's): here the tiny fp32 model stands in
         mp.setattr(EngineConfig, "cpu_compile_mode", lambda self, device, quantized: "background")
         llm = LLM(model=str(path), max_num_seqs=16)
@@ -270,3 +272,39 @@ def test_the_builder_runs_on_idle_time_even_in_a_session_of_its_own():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, start_new_session=True,
                          check=True).stdout.split()
     assert out == ["True", "19", "19", "False"], out
+
+
+def test_an_interrupted_build_keeps_its_finished_graphs(built, tmp_path, monkeypatch):
+    """A builder stopped after its first graph (killed, the machine shut down) leaves that package and a record
+    of it; the next build of the same key compiles only the others, and one of another key starts over. (The
+    compiler is a stand-in here: the exports are real.)"""
+    engine = built["llm"].engine
+    layout, key = engine._compiled_steps.layout_and_key()
+    compiled = []
+
+    def compile_(ep, package, shims):
+        compiled.append(package.stem)
+        if len(compiled) == 2:
+            raise KeyboardInterrupt   # stopped while compiling the second graph
+        package.write_bytes(b"a package")
+        return True
+
+    monkeypatch.setattr(aot_decode, "_compile", compile_)
+    monkeypatch.setattr(aot_decode, "_proxy_calls", lambda package: 0)
+    monkeypatch.setattr(aot_decode, "_constant_paths", lambda ep, package, step: {})
+    out = tmp_path / "store"
+    with pytest.raises(KeyboardInterrupt):
+        aot_decode.build(engine._model, layout, key, out)
+    assert compiled == ["rows1", "rows8"] and not out.exists()
+    aot_decode.build(engine._model, layout, key, out)
+    assert compiled == ["rows1", "rows8", "rows8", "dynamic"]
+    assert set(json.loads((out / "manifest.json").read_text())["graphs"]) == {"rows1", "rows8", "dynamic"}
+    assert sorted(p.name for p in out.iterdir()) == ["dynamic.pt2", "manifest.json", "rows1.pt2", "rows8.pt2"]
+    assert not out.with_name(out.name + ".tmp").exists()
+
+    compiled.clear()
+    other = tmp_path / "other"
+    with pytest.raises(KeyboardInterrupt):
+        aot_decode.build(engine._model, layout, key, other)
+    aot_decode.build(engine._model, layout, key | {"torch": "another"}, other)   # its record is of another key
+    assert compiled == ["rows1", "rows8", "rows1", "rows8", "dynamic"]

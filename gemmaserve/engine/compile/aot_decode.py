@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import platform
 import re
 import shutil
@@ -230,17 +231,25 @@ def _compile(ep, package: Path, shims: dict) -> bool:
 
 
 def build(model: nn.Module, layout: DecodeLayout, key: dict, out: Path) -> None:
-    """Export and compile every graph into `out` (written elsewhere first, then moved into place)."""
+    """Export and compile every graph into `out` (written elsewhere first, then moved into place). A build of
+    the same key that was interrupted (the builder killed, the machine stopped) left its finished graphs beside
+    `out` with a record of them (`PARTIAL`): this one keeps those and compiles the rest."""
     from torch.export import Dim
 
     start = time.perf_counter()
     shims = shim_configs()
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    graphs = _finished_graphs(tmp, key)
+    if not graphs:
+        shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True, exist_ok=True)
+    if graphs:
+        log.info("keeping %s from an interrupted build of these packages", ", ".join(graphs))
+        shims = shims if all(g["shims"] for g in graphs.values()) else {}
     step = DecodeStep(model, layout).eval()
-    graphs = {}
     for size in (*STATIC_SIZES, None):
+        if (f"rows{size}" if size else "dynamic") in graphs:
+            continue
         rows = size or 3
         args = _example(layout, rows)
         nb = [Dim(f"blocks{i}", min=MIN_WIDTH, max=1 << 18) for i in range(len(layout.kinds))]
@@ -260,12 +269,30 @@ def build(model: nn.Module, layout: DecodeLayout, key: dict, out: Path) -> None:
         shims = shims if shimmed else {}   # a failed shim build fails for the next graphs too
         graphs[name] = {"rows": size, "constants": _constant_paths(ep, package, step), "shims": shimmed,
                         "proxy_calls": _proxy_calls(package)}
+        record = tmp / (PARTIAL + ".new")   # replaced whole: a build killed while writing it keeps the last one
+        record.write_text(json.dumps({"key": key, "graphs": graphs}))
+        os.replace(record, tmp / PARTIAL)
         log.info("compiled decode graph %s in %.0f s (%s; %d op calls through the proxy executor)", name,
                  time.perf_counter() - t, "C shims" if shimmed else "no C shims", graphs[name]["proxy_calls"])
     manifest = {"key": key, "graphs": graphs, "build_seconds": round(time.perf_counter() - start, 1)}
+    (tmp / PARTIAL).unlink(missing_ok=True)
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+
+
+PARTIAL = "finished_graphs.json"   # an unfinished build's record of the graphs it has compiled
+
+
+def _finished_graphs(tmp: Path, key: dict) -> dict:
+    """The graphs an interrupted build of `key` finished in `tmp` (their packages there), else none."""
+    try:
+        record = json.loads((tmp / PARTIAL).read_text())
+    except (OSError, ValueError):
+        return {}
+    if record.get("key") != key:
+        return {}
+    return {name: g for name, g in record.get("graphs", {}).items() if (tmp / f"{name}.pt2").is_file()}
 
 
 # -- loading and running (in the engine) -----------------------------------------------------------
