@@ -78,8 +78,8 @@ class _Pending:
 @functools.cache   # once per process
 def prepare() -> _Pending:
     """Start compiling the library (where inductor's cache lacks it) on a thread, and return at once."""
-    build, source, flags = _build_class(), _source(), _isa_flags()
     try:
+        build, source, flags = _build_class(), _source(), _isa_flags()
         if flags is not None and "needs_vec_isa" in inspect.signature(build.load_async).parameters:
             pool = ThreadPoolExecutor(1, thread_name_prefix="gemmaserve-cpu-library")
             return _Pending(build.load_async(source, submit_fn=pool.submit, needs_vec_isa=False, extra_flags=flags),

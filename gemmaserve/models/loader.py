@@ -97,12 +97,12 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, quantized: b
     weight. `mmproj` (`--mmproj`): llama.cpp's file of a GGUF model's image encoder and, where it holds
     one, audio encoder (Gemma 4; gemma4_vision.py, gemma4_audio.py)."""
     start = time.perf_counter()
+    source = resolve_model(name, hub)
+    mmproj_path = _mmproj_path(mmproj, source, shard)
     if device.type == "cpu":   # the kernels' library compiles (a first start) while the weights load
         from . import cpu_library
 
         cpu_library.prepare()
-    source = resolve_model(name, hub)
-    mmproj_path = _mmproj_path(mmproj, source, shard)
     log.info("loading %s from %s", name, source.path)
     formats = None
     if source.kind is SourceKind.GGUF:
