@@ -41,6 +41,7 @@ from ..errors import UserInputError
 from .compressed_tensors import ModuleQuant
 from .fp8_kernels import dequantize_activations, fp8_linear, quantize_activations_torch
 from .int4_kernels import Int4Packed, int4_linear, pack_int4, unpack_int4
+from .int4_pairs import int4_pairs_linear, pairs_eligible
 from .int8_kernels import Int8Packed, int8_linear, pack_int8, unpack_int8
 from .schemes import FP8_DTYPE, Fp8Weight, Int4Weight, Int8Weight, Scheme
 
@@ -202,8 +203,8 @@ class QuantizedLinear(nn.Module):
         # By the weight's layout (kernel_layout): packed weights go to their kernel (whose own fallback, off
         # CUDA and outside Triton's interpreter, is the fp32 reference), canonical ones to the references with
         # the CPU's row-invariant product.
-        if isinstance(w, Int4Packed):
-            y = int4_linear(x2, w)
+        if isinstance(w, Int4Packed):   # decode rows of bf16 over bf16 scales: two weights per instruction
+            y = int4_pairs_linear(x2, w) if pairs_eligible(x2, w) else int4_linear(x2, w)
         elif isinstance(w, Int8Packed):
             y = int8_linear(x2, w)
         elif isinstance(w, (Int4Weight, Int8Weight)):
