@@ -23,8 +23,10 @@ rounds the same way: the kernel's structure (tiles, split-K, dot order) is the o
 
 Every M up to SMALL_M takes the same tiles and K split, so a row's bits do not depend on the rows beside it.
 
-Not yet the engine's decode path (quantization/linear.py keeps int4_kernels): its PTX has not run on a GPU.
-`python -m benchmarks.gpu_quant hbm pairs` checks and times it there first.
+The engine's decode path for these weights (quantization/linear.py; int4_kernels serves the rest). On an H100
+(`python -m benchmarks.gpu_quant hbm pairs`, 2026-12-07) the PTX planes were exact to the fp32 product of the
+bf16-rounded weights (relative error 1.7e-3, bf16 output rounding), repeatable and batch-independent, and the
+31B's projections took 0.5-0.6x the tiled kernel's time at one row (1.0-1.5 TB/s of packed weights).
 """
 
 from __future__ import annotations
@@ -182,9 +184,11 @@ class PairsConfig:
 
 def pairs_config(n: int, k: int, sms: int) -> PairsConfig:
     """One configuration for every M up to SMALL_M (row bits independent of the batch), from gpu_quant's `pairs`
-    sweep on an H100."""
-    bn, bkw = 64, 16
-    return PairsConfig(bn, bkw, split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=4), 4, 3)
+    sweep on an H100 (docs/gpu_quant_pairs_2026-12-07_h100.json): on the 31B's qkv, 128 columns, 16 word rows,
+    four waves and the weights on the dot's left took 35 us at one row and 40 at sixteen (bf16: 65 and 66; the
+    sweep's fastest at one row, weights on the right, 32 us, took 51 at sixteen)."""
+    bn, bkw = 128, 16
+    return PairsConfig(bn, bkw, split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=4), 4, 3, swap=True)
 
 
 def pairs_eligible(x: torch.Tensor, w: Int4Packed) -> bool:
