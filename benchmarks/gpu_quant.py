@@ -393,6 +393,53 @@ def section_pairs(res: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def section_pairs_sweep(res: dict) -> None:
+    """The pairs kernel's configurations on four shapes (the 31B's largest and smallest, E4B's), at 1 and 16 rows:
+    column tiles, word rows, waves, stages and the weights' side, for a per-shape choice (any one configuration
+    serves every M up to 16, so a row's bits stay independent of the batch)."""
+    from gemmaserve.quantization import int4_pairs as P
+
+    rows = res["pairs_sweep"] = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for i, (model, proj, n, k) in enumerate(SHAPES):
+        if (model, proj) not in (("gemma4-31b", "gate_up"), ("gemma4-31b", "o"), ("gemma4-e4b", "qkv"),
+                                 ("gemma4-e4b", "gate_up")):
+            continue
+        gen = torch.Generator(device="cuda").manual_seed(i)
+        packed = I4.pack_int4(_int4(gen, n, k, 32, False))
+        weights = [packed] + [_copies(packed) for _ in range(max(0, -(-L2_BYTES // packed.nbytes) - 1))]
+        x16 = torch.randn(16, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+        row: dict = {"model": model, "proj": proj, "N": n, "K": k, "default": str(dataclasses.astuple(
+            P.pairs_config(n, k, sms)))}
+        for m in (1, 16):
+            x = x16[:m].contiguous()
+            row[f"M{m}_default_us"] = round(graph_us(P.int4_pairs_linear, x, weights), 2)
+            sweep = {}
+            for bn in (64, 128, 256):
+                for bkw in (16, 32):
+                    for waves in (2, 4, 8):
+                        per = split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=waves)
+                        for stages in (3, 4):
+                            for swap in (False, True):
+                                cfg = P.PairsConfig(bn, bkw, per, 4, stages, swap)
+                                try:
+                                    us = graph_us(lambda x_, w_, cfg=cfg: P.int4_pairs_linear(x_, w_, cfg), x,
+                                                  weights, reps=5)
+                                except Exception as exc:
+                                    sweep[str(dataclasses.astuple(cfg))] = repr(exc)[:80]
+                                    continue
+                                sweep[str(dataclasses.astuple(cfg))] = round(us, 2)
+            row[f"M{m}_sweep"] = sweep
+        both = [(row["M1_sweep"][c] + row["M16_sweep"][c], c) for c in row["M1_sweep"]
+                if isinstance(row["M1_sweep"][c], float) and isinstance(row["M16_sweep"].get(c), float)]
+        best = min(both)[1]
+        row["best_sum"], row["best_M1_us"], row["best_M16_us"] = best, row["M1_sweep"][best], row["M16_sweep"][best]
+        rows.append(row)
+        print("pairs_sweep", {key: v for key, v in row.items() if not key.endswith("_sweep")}, flush=True)
+        del weights, packed
+        torch.cuda.empty_cache()
+
+
 def section_experts(res: dict) -> None:
     """The grouped expert products at the 26B-A4B's shapes (128 experts, gate_up [1408, 2816], down [2816, 704]):
     rows routed at random (top-8 of 128 per token) and sorted by expert, for 1 and 64 tokens; int4 groups of 32
@@ -498,6 +545,7 @@ def main(argv: list[str]) -> int:
         "prefetch": lambda: section_prefetch(res),
         "experts": lambda: section_experts(res),
         "pairs": lambda: section_pairs(res),
+        "pairs_sweep": lambda: section_pairs_sweep(res),
     }, out)
     print(summary(res))
     return exit_status(res, CHECKS)
