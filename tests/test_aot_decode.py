@@ -276,8 +276,8 @@ def test_the_builder_runs_on_idle_time_even_in_a_session_of_its_own():
 
 def test_an_interrupted_build_keeps_its_finished_graphs(built, tmp_path, monkeypatch):
     """A builder stopped after its first graph (killed, the machine shut down) leaves that package and a record
-    of it; the next build of the same key compiles only the others, and one of another key starts over. (The
-    compiler is a stand-in here: the exports are real.)"""
+    of it; the next build of the same key compiles only the others; a record of another key, or a damaged one,
+    keeps nothing. (The compiler is a stand-in here: the exports are real.)"""
     engine = built["llm"].engine
     layout, key = engine._compiled_steps.layout_and_key()
     compiled = []
@@ -302,9 +302,12 @@ def test_an_interrupted_build_keeps_its_finished_graphs(built, tmp_path, monkeyp
     assert sorted(p.name for p in out.iterdir()) == ["dynamic.pt2", "manifest.json", "rows1.pt2", "rows8.pt2"]
     assert not out.with_name(out.name + ".tmp").exists()
 
-    compiled.clear()
-    other = tmp_path / "other"
-    with pytest.raises(KeyboardInterrupt):
-        aot_decode.build(engine._model, layout, key, other)
-    aot_decode.build(engine._model, layout, key | {"torch": "another"}, other)   # its record is of another key
-    assert compiled == ["rows1", "rows8", "rows1", "rows8", "dynamic"]
+    # a record of another key (other code, torch or weights) keeps nothing; a damaged one neither
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "rows1.pt2").write_bytes(b"a package")
+    (partial / aot_decode.PARTIAL).write_text(json.dumps({"key": key, "graphs": {"rows1": {"rows": 1}}}))
+    assert set(aot_decode._finished_graphs(partial, key)) == {"rows1"}
+    assert aot_decode._finished_graphs(partial, key | {"torch": "another"}) == {}
+    (partial / aot_decode.PARTIAL).write_text('{"key": ')
+    assert aot_decode._finished_graphs(partial, key) == {}
