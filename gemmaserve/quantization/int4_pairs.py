@@ -186,12 +186,9 @@ def pairs_config(n: int, k: int, sms: int) -> PairsConfig:
     """One configuration for every M up to SMALL_M (row bits independent of the batch), from gpu_quant's `pairs`
     sweep on an H100 (docs/gpu_quant_pairs_2026-12-07_h100.json): on the 31B's qkv, 128 columns, 16 word rows,
     four waves and the weights on the dot's left took 35 us at one row and 40 at sixteen (bf16: 65 and 66; the
-    sweep's fastest at one row, weights on the right, 32 us, took 51 at sixteen). Over 32k columns (the 31B's
-    gate_up, 43k) 256 columns, eight waves and the weights on the right took 71 and 94 us against 95 and 111
-    (`pairs_sweep`, docs/gpu_quant_pairs_sweep_2026-12-07_h100.json; E4B's gate_up, 20k, and the smaller shapes
-    kept the first)."""
-    if n > 32768:
-        return PairsConfig(256, 16, split_k(-(-n // 256), k, 128, sms, min_steps=2, waves=8), 4, 3, swap=False)
+    sweep's fastest at one row, weights on the right, 32 us, took 51 at sixteen). A later sweep timed 256 columns,
+    eight waves and the weights on the right 25% faster on the 31B's gate_up (43k columns;
+    docs/gpu_quant_pairs_sweep_2026-12-07_h100.json), but their results were not checked on a GPU: not taken yet."""
     bn, bkw = 128, 16
     return PairsConfig(bn, bkw, split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=4), 4, 3, swap=True)
 
