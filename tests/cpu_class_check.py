@@ -60,6 +60,18 @@ def product(seed: int) -> list:
     return Int8Matmul(*int8_rows(rot.apply(w)), Int8Kernel.FBGEMM_DYNAMIC, rot, keep_rows=False)(x).tolist()
 
 
+def head(seed: int) -> list:
+    """The 4-bit head's logits (cpu_head.py; fixed table and rows): its integer dots and float steps are the
+    same on every vector branch, so the parent (another branch where its CPU has AVX-512) compares the bits."""
+    from gemmaserve.models import cpu_head
+    from gemmaserve.models.quant import int8_blocks
+
+    gen = torch.Generator().manual_seed(seed)
+    q8, s8 = int8_blocks(torch.randn(333, 64, generator=gen) * 0.05)
+    h = torch.randn(9, 64, generator=gen) * 3
+    return torch.ops.gemmaserve.head_logits(h, *cpu_head.pack(q8, s8), q8, s8, 2.0).tolist()
+
+
 def rows(llm: LLM, prompts: list[str]) -> list:
     out = []
     for o in llm.generate(prompts, PARAMS):
@@ -113,6 +125,7 @@ def main(root: Path, out: Path) -> None:
         if forced == "avx2":
             entry["saturation"] = saturation()
             entry["product"] = product(5)
+            entry["head"] = head(6)
     out.write_text(json.dumps(found))
 
 

@@ -89,3 +89,13 @@ def test_the_avx2_class_gives_a_real_avx2_hosts_bits_on_any_fbgemm(forced):
                                          mat.row_sums, _guard_row(256, seven_bits=True))
     assert torch.equal(y, torch.tensor(forced["classes"]["avx2"]["product"]))
     assert isinstance(t, FbgemmTensors)
+
+
+def test_the_head_gives_the_same_bits_on_the_avx2_branch(forced):
+    """The 4-bit head's scan (integer dots, then the same float steps) on the forced process's AVX2 build and
+    on this one's (AVX-512 with or without VNNI where the machine has them): the same logits."""
+    import cpu_class_check
+    from gemmaserve.models import cpu_library
+
+    assert cpu_library.load() is None
+    assert torch.equal(torch.tensor(cpu_class_check.head(6)), torch.tensor(forced["classes"]["avx2"]["head"]))

@@ -213,20 +213,21 @@ def test_cpp_kernels_equal_the_python_ones():
 
 @pytest.mark.parametrize("kernel,tol", KERNELS)
 def test_quant_embedding_lookup_and_head(kernel, tol):
-    """A Q8_0-like table (int8 values, an fp16 scale per block of 32) is kept exactly: lookups and
-    the head's highest logits are the table's own; the head's scan is per-row int8 within `tol`."""
+    """A table whose width is not a multiple of 32 (one int8 block per row, fp16 scales) is kept exactly:
+    lookups and the head's highest logits are the table's own; the head's scan is per-row int8 within
+    `tol`. (Wider tables scan in 4 bits: tests/test_cpu_head.py.)"""
     gen = torch.Generator().manual_seed(fresh_seed())
-    n = 1008
-    q8 = torch.randint(-126, 127, (n, 2, 32), generator=gen, dtype=torch.int8)
-    q8[..., 7] = 127   # as Q8_0 quantises: each block's largest value is +-127 times its scale
-    q8 = q8.view(n, 64)
-    d = (torch.rand(n, 2, generator=gen) * 0.01 + 1e-3).half()
-    w = (q8.float().view(n, 2, 32) * d.float()[..., None]).view(n, 64)
+    n, k = 1008, 80
+    q8 = torch.randint(-126, 127, (n, k), generator=gen, dtype=torch.int8)
+    q8[:, 7] = 127   # as int8_blocks quantises: each block's largest value is +-127 times its scale
+    d = (torch.rand(n, 1, generator=gen) * 0.01 + 1e-3).half()
+    w = q8.float() * d.float()
     emb = QuantEmbedding(w, kernel)
     assert torch.equal(emb.qweight, q8) and torch.equal(emb.scales, d)
+    assert emb.head4 is None and emb.head is not None
     ids = torch.tensor([0, n - 1, 5, 5])
     assert torch.equal(emb(ids), w[ids])
-    h = torch.randn(2, 64, generator=gen)
+    h = torch.randn(2, k, generator=gen)
     ref = h.double() @ w.double().t()
     got = emb.as_head(h)
     assert ((got.double() - ref).norm() / ref.norm()).item() < tol
@@ -236,7 +237,7 @@ def test_quant_embedding_lookup_and_head(kernel, tol):
     assert not torch.equal(emb.head.dequantize(), w)   # (the scan itself is per row: not the table)
     # every row the same bits alone and in batches of any size
     one = emb.as_head(h[:1])[0]
-    many = torch.cat([torch.randn(4, 64, generator=gen), h[:1], torch.randn(6, 64, generator=gen)])
+    many = torch.cat([torch.randn(4, k, generator=gen), h[:1], torch.randn(6, k, generator=gen)])
     assert torch.equal(emb.as_head(many)[4], one) and torch.equal(emb.as_head(h)[0], one)
 
 
@@ -282,7 +283,7 @@ def test_quantize_model_swaps_every_matrix_and_keeps_logits_close():
         assert layers[0].mlp.gate_up_proj.int8.rotation is not None and layers[1].mlp.down_proj.int8.rotation is not None
         # one rotation per input width, shared (q/k/v and the gate/up read the same width)
         assert layers[1].self_attn.qkv_proj.int8.rotation is layers[0].mlp.gate_up_proj.int8.rotation
-    assert isinstance(ours.model.embed_tokens, QuantEmbedding) and ours.model.embed_tokens.head is not None
+    assert isinstance(ours.model.embed_tokens, QuantEmbedding) and ours.model.embed_tokens.head4 is not None
     assert not any(p.numel() > 64 * 64 for p in ours.parameters())   # no fp32 matrix left
     got = paged_logits(ours, seqs)[0]
     # 21 rows: int8 weights and int8 activations (rotated, per row) everywhere: a few percent on a random
@@ -415,7 +416,8 @@ def test_only_the_tied_output_table_gets_a_head_copy():
     counts = quantize_model(ours, {}, Int8Kernel.WEIGHT_ONLY)
     assert counts["embedding_int8"] == 2
     assert counts["float32"] >= 1 and type(ours.model.layers[0].per_layer_projection).__name__ == "Linear"  # width 8
-    assert ours.model.embed_tokens.head is not None and ours.model.embed_tokens_per_layer.head is None
+    assert ours.model.embed_tokens.head4 is not None and ours.model.embed_tokens_per_layer.head4 is None
+    assert ours.model.embed_tokens_per_layer.head is None
     with pytest.raises(RuntimeError, match="lookups only"):
         ours.model.embed_tokens_per_layer.as_head(torch.zeros(1, ours.model.embed_tokens_per_layer.embedding_dim))
     got = paged_logits(ours, [ids])[0]

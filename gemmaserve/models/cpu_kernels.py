@@ -394,6 +394,7 @@ TORCH_LIBRARY_IMPL(gemmaserve, CPU, m) {
   m.impl("linear", &linear);
   m.impl("grouped_linear", &grouped_linear);
   m.impl("lora_add", &lora_add);
+  m.impl("head_logits", &head_logits);
 }
 """
 
@@ -438,4 +439,5 @@ def _(x: torch.Tensor, a_t: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
 
 
 OPS = ("fbgemm_int8_linear", "int8_linear", "row_affine", "rms_norm", "add_rms_norm", "gelu_mul", "rope_tables",
-       "softcap", "attend", "rows_dot", "int4_mm", "int8_mm", "linear", "grouped_linear", "lora_add")
+       "softcap", "attend", "rows_dot", "int4_mm", "int8_mm", "linear", "grouped_linear", "lora_add",
+       "head_logits")

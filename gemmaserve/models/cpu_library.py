@@ -10,7 +10,7 @@ thread. The instruction set it is compiled for is read from the CPU's flags, as
 inductor's `pick_vec_isa` would choose it but without its probes (a test program compiled and run per
 candidate: ~12 s of a first start); where that build fails, inductor's own probing path is tried.
 
-The ops are declared (with their Python kernels) where they are used: cpu_kernels.py, cpu_products.py,
+The ops are declared (with their Python kernels) where they are used: cpu_kernels.py, cpu_products.py, cpu_head.py,
 fused_ops.py, layers.py, lora.py, moe.py, quant.py and attention/blockwise.py. This module imports them
 all, so the library registers a C++ kernel for each; none of them imports this one.
 """
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import blockwise  # noqa: F401  (declares gemmaserve::attend)
-from . import cpu_products, cpu_shims
+from . import cpu_head, cpu_products, cpu_shims
 from . import fused_ops, layers, lora, moe, quant  # noqa: F401  (declare the other ops)
 from .cpu_kernels import LORA_LOOP_RANK, OPS, SOURCE
 
 
 def _source() -> str:
-    return (SOURCE.replace("@PRODUCTS@", cpu_products.SOURCE).replace("@LORA_LOOP_RANK@", str(LORA_LOOP_RANK))
+    return (SOURCE.replace("@PRODUCTS@", cpu_products.SOURCE + cpu_head.SOURCE).replace("@LORA_LOOP_RANK@", str(LORA_LOOP_RANK))
             + cpu_shims.source(OPS))
 
 

@@ -66,7 +66,7 @@ from torch import nn
 
 from .. import opaque
 from . import cpu_kernels  # noqa: F401  (defines gemmaserve::row_affine)
-from . import cpu_products
+from . import cpu_head, cpu_products
 from .cpu_isa import CpuClass, cpu_class
 from ..hostmem import release_freed_memory
 from ..quantization.schemes import Int8Weight
@@ -569,10 +569,10 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """An embedding table in INT8 blocks of 32 (`int8_blocks`: a Q8_0 table, GGUF's usual choice for
     Gemma's, is kept exactly); lookups dequantise the rows they read (fp32). `as_head` is the tied
-    output projection: the kernels take one scale per row, so the head scans an INT8-per-row copy
-    (`Int8Matmul`), then recomputes each row's `REFINE` highest logits exactly (fp32 hidden state
-    against the table's rows): the tokens that sampling and the softmax's mass depend on come out as
-    the weights say, the far tail keeps the scan's ~1% error. (Per-row INT8 alone, table included,
+    output projection: a 4-bit scan of the vocabulary, then every token that can matter recomputed exactly
+    against the blocks (cpu_head.py: half the bytes of an int8 scan, and closer to the exact head). A table
+    whose width is not a multiple of 32 (tiny test models) scans an INT8-per-row copy (`Int8Matmul`) and
+    recomputes each row's `REFINE` highest logits exactly instead. (Per-row INT8 alone, table included,
     doubled the KL divergence from the fp32 path over bench quality's text: 0.0046 vs 0.0023.)"""
 
     REFINE = 32
@@ -588,7 +588,12 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s)
         self.head = None
-        if head:
+        self.head4: tuple[torch.Tensor, torch.Tensor] | None = None
+        if head and self._scans_4bit():
+            self.head4 = cpu_head.pack(q, s)
+            if parts is not None:
+                parts.update(head4_packed=self.head4[0], head4_scales=self.head4[1])
+        elif head:
             kernel = kernel or default_int8_kernel()
             rows = int8_rows(_BlockRows(self))
             # fbgemm keeps only its packed copy; the weight-only kernel reads the rows themselves
@@ -598,6 +603,9 @@ class QuantEmbedding(nn.Module):
         if parts is not None:
             parts.update(qweight=q, scales=s)
 
+    def _scans_4bit(self) -> bool:
+        return cpu_head.supports(self.embedding_dim) and self.scales.shape[1] == self.embedding_dim // GROUP
+
     @classmethod
     def from_parts(cls, parts: dict[str, torch.Tensor]) -> "QuantEmbedding":
         """The table `__init__` built (with the default kernel), from what it recorded."""
@@ -606,8 +614,10 @@ class QuantEmbedding(nn.Module):
         mod.num_embeddings, mod.embedding_dim = parts["qweight"].shape
         mod.register_buffer("qweight", parts["qweight"])
         mod.register_buffer("scales", parts["scales"])
-        mod.head = None
-        if "head_q" in parts:
+        mod.head, mod.head4 = None, None
+        if "head4_packed" in parts:
+            mod.head4 = (parts["head4_packed"], parts["head4_scales"])
+        elif "head_q" in parts:
             kernel = default_int8_kernel()
             mod.head = Int8Matmul(parts["head_q"], parts["head_s"], kernel, keep_rows=kernel is Int8Kernel.WEIGHT_ONLY)
         return mod
@@ -622,6 +632,11 @@ class QuantEmbedding(nn.Module):
         return (q.view(*q.shape[:-1], blocks, -1) * self.scales[ids].float()[..., None]).view(q.shape)
 
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head4 is not None:   # (every row on its own: the same bits alone or in any batch)
+            flat = hidden.reshape(-1, self.embedding_dim)
+            logits = torch.ops.gemmaserve.head_logits(flat, *self.head4, self.qweight, self.scales,
+                                                      cpu_head.REFINE_MARGIN)
+            return logits.view(*hidden.shape[:-1], self.num_embeddings)
         if self.head is None:
             raise RuntimeError("this embedding table was quantised for lookups only")
         logits = self.head(hidden)   # (the same kernel for every row: a row's logits are its own)
