@@ -37,9 +37,9 @@ class Finding:
 
 def _kernels(gen: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Name -> f(x [M, K]) -> [M, ...]: each CPU product of a step, on random weights of a Gemma-like width."""
-    from . import cpu_products, fused_ops
+    from . import cpu_head, cpu_products, fused_ops
     from .cpu_isa import cpu_class
-    from .quant import FbgemmTensors, Int8Kernel, Int8Matmul, Rotation, int8_rows
+    from .quant import FbgemmTensors, Int8Kernel, Int8Matmul, Rotation, int8_blocks, int8_rows
 
     k, n = 256, 96
     ops = torch.ops.gemmaserve
@@ -51,6 +51,8 @@ def _kernels(gen: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.T
     experts = torch.randn(3, n, k, generator=gen)
     kv = torch.randn(2, 192, 1, k // 4, generator=gen)   # 192 keys of one KV head, head dim 64
     rows = torch.randn(1, 40, k, generator=gen)
+    table = int8_blocks(torch.randn(333, k, generator=gen) / 16)   # the output head's Q8_0 table and 4-bit copy
+    scan = cpu_head.pack(*table)
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "linear": lambda x: ops.linear(x, w),
         "int4_mm": lambda x: ops.int4_mm(x, packed, scale, minus),
@@ -59,6 +61,7 @@ def _kernels(gen: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.T
         "grouped_linear": lambda x: ops.grouped_linear(
             x, experts, torch.tensor([0, len(x), len(x)], dtype=torch.int32)),
         "rows_dot": lambda x: ops.rows_dot(x, rows.expand(len(x), -1, -1)),
+        "head_logits": lambda x: ops.head_logits(x, *scan, *table, 4.0),
         # a decode row per key set (4 query heads on 1 KV head), each set the same 192 keys
         "attend": lambda x: ops.attend(x.view(-1, 1, 4, k // 4), kv[0].expand(len(x), -1, -1, -1),
                                        kv[1].expand(len(x), -1, -1, -1), torch.ones(len(x), 1, 192, dtype=torch.bool),
