@@ -4,7 +4,8 @@ the int8 scan with the 32 highest exact that it replaced, on the real Q8_0 table
 
 Hidden states: the quantised model's, teacher-forced over bench quality's passages. Per row count: the median
 time of each head (alternating), and over the captured rows: the KL divergence of each from the exact Q8_0
-head (every logit recomputed in fp32), greedy agreement with it, the tokens the new head refines per row.
+head (every logit recomputed in fp32), greedy agreement with it, the mean difference of the text's next-token
+negative log-likelihood from the exact head's, the tokens the new head refines per row.
 Writes $OUT/cpu_head.json (or bench-out/).
 """
 
@@ -68,8 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     old.head = Int8Matmul(*int8_rows(_BlockRows(old)), default_int8_kernel())
 
     tok = quant.tokenizer
-    hidden = _capture(quant, [tok.encode(t) for t in load_texts().passages[:3]])
-    pick = hidden[torch.randperm(len(hidden), generator=torch.Generator().manual_seed(0))[:args.positions]]
+    texts = [tok.encode(t) for t in load_texts().passages[:3]]
+    hidden = _capture(quant, texts)
+    assert len(hidden) == sum(map(len, texts)), "one hidden row per position"
+    # each position's next token (a text's last position has none: -1)
+    targets = torch.cat([torch.tensor(t[1:] + [-1]) for t in texts])
+    order = torch.randperm(len(hidden), generator=torch.Generator().manual_seed(0))
+    order = order[targets[order] >= 0][:args.positions]
+    pick, target = hidden[order], targets[order]
     w = (table.qweight.float().view(table.num_embeddings, -1, 32) * table.scales.float()[..., None])
     exact = pick @ w.view(table.num_embeddings, -1).T
     ref = torch.log_softmax(exact, -1)
@@ -79,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     quality = {}
     for name, fn in (("int8_scan_top32", old.as_head), ("4bit_scan_margin", table.as_head)):
         got = torch.cat([fn(pick[i:i + 8]) for i in range(0, len(pick), 8)])
-        quality[name] = {"kl_from_exact_q8": float(kl_from(ref, torch.log_softmax(got, -1)).double().mean()),
-                         "argmax_agreement": float((got.argmax(-1) == exact.argmax(-1)).float().mean())}
+        logp = torch.log_softmax(got, -1)
+        quality[name] = {"kl_from_exact_q8": float(kl_from(ref, logp).double().mean()),
+                         "argmax_agreement": float((got.argmax(-1) == exact.argmax(-1)).float().mean()),
+                         "nll_minus_exact_head": float((ref - logp).gather(1, target[:, None]).double().mean())}
     scan = torch.ops.gemmaserve.head_logits(pick, *table.head4, table.qweight, table.scales, -1e30)
     refined = (scan >= scan.amax(-1, keepdim=True) - cpu_head.REFINE_MARGIN).sum(-1).float()
     quality["4bit_scan_margin"]["refined_per_row"] = {"mean": float(refined.mean()), "max": int(refined.max())}
@@ -88,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     timing = {}
     for m in (int(r) for r in args.rows.split(",")):
         h = pick[:m].contiguous()
-        times: dict[str, list[float]] = {"int8_scan_top32": [], "4bit_scan_margin": []}
+        times: dict[str, list[float]] = {"int8_scan_top32": [], "4bit_scan_margin": [], "4bit_scan_alone": []}
+        scan_alone = lambda x: torch.ops.gemmaserve.head_logits(x, *table.head4, table.qweight, table.scales, -1e30)  # noqa: E731
         for _ in range(args.repeats):
-            for name, fn in (("int8_scan_top32", old.as_head), ("4bit_scan_margin", table.as_head)):
+            for name, fn in (("int8_scan_top32", old.as_head), ("4bit_scan_margin", table.as_head),
+                             ("4bit_scan_alone", scan_alone)):
                 t0 = time.perf_counter()
                 fn(h)
                 times[name].append((time.perf_counter() - t0) * 1e3)

@@ -239,14 +239,20 @@ static void head_candidates(const float* row, int64_t v, float margin, std::vect
 // One token's exact logit: the hidden row against its Q8_0 row, w = q * s (exact in fp32), summed as
 // dot_tile<1, 1> sums the dequantised row (16 lanes by fused multiply-add in increasing k, the fixed tree):
 // the same bits as rows_dot.
-static inline float head_exact(const float* x, const int8_t* q, const at::Half* s, int64_t k) {
-  vfloat acc = vfloat{};
+// N tokens at once (independent chains: the fused multiply-adds' latency overlaps), each in that order.
+template <int N>
+static inline void head_exact(const float* const* x, const int8_t* const* q, const at::Half* const* s, int64_t k,
+                              float* const* out) {
+  vfloat acc[N];
+  for (int n = 0; n < N; ++n) acc[n] = vfloat{};
   for (int64_t g = 0; g < k / HEAD_GROUP; ++g) {
-    const vfloat sc = splat(static_cast<float>(s[g]));
+    vfloat sc[N];
+    for (int n = 0; n < N; ++n) sc[n] = splat(static_cast<float>(s[n][g]));
     for (int64_t i = g * HEAD_GROUP; i < (g + 1) * HEAD_GROUP; i += VL)
-      acc = vfma(load16(x + i), __builtin_convertvector(widen16(q + i), vfloat) * sc, acc);
+      for (int n = 0; n < N; ++n)
+        acc[n] = vfma(load16(x[n] + i), __builtin_convertvector(widen16(q[n] + i), vfloat) * sc[n], acc[n]);
   }
-  return lanes_sum(acc);
+  for (int n = 0; n < N; ++n) *out[n] = lanes_sum(acc[n]);
 }
 
 // Tokens [16 t0, 16 t1) for R rows: the groups in increasing order, acc += float(dot - 8 sum x) * (s * xs).
@@ -335,10 +341,25 @@ at::Tensor head_logits(const at::Tensor& h_in, const at::Tensor& packed_in, cons
     for (const int64_t i : found[r]) todo.emplace_back(r, i);
   const int8_t* qp = q8.data_ptr<int8_t>();
   const at::Half* s8p = s8.data_ptr<at::Half>();
+  constexpr int N = 4, AHEAD = 8;   // tokens per pass; rows prefetched this many tokens ahead (random rows)
   at::parallel_for(0, static_cast<int64_t>(todo.size()), 64, [&](int64_t a, int64_t b) {
-    for (int64_t j = a; j < b; ++j) {
-      const auto [r, i] = todo[j];
-      yp[r * v + i] = head_exact(hp + r * k, qp + i * k, s8p + i * groups, k);
+    for (int64_t j = a; j < b; j += N) {
+      for (int64_t f = j + AHEAD; f < std::min(b, j + AHEAD + N); ++f)
+        for (int64_t line = 0; line < k; line += 64)
+          __builtin_prefetch(qp + todo[f].second * k + line, 0, 3);
+      const float* x[N];
+      const int8_t* q[N];
+      const at::Half* sc[N];
+      float* out[N];
+      const int n = static_cast<int>(std::min<int64_t>(N, b - j));
+      for (int t = 0; t < N; ++t) {
+        const auto [r, i] = todo[j + std::min(t, n - 1)];   // a short last pass repeats its last token
+        x[t] = hp + r * k;
+        q[t] = qp + i * k;
+        sc[t] = s8p + i * groups;
+        out[t] = yp + r * v + i;
+      }
+      head_exact<N>(x, q, sc, k, out);
     }
   });
   return y;
