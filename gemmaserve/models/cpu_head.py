@@ -53,10 +53,13 @@ def pack(q8: torch.Tensor, s8: torch.Tensor, chunk: int = 16384) -> tuple[torch.
     for t0 in range(0, tiles, chunk // TILE):
         t1 = min(tiles, t0 + chunk // TILE)
         rows = slice(t0 * TILE, min(v, t1 * TILE))
-        w = (q8[rows].float().view(-1, groups, GROUP) * s8[rows].float()[..., None])        # exact: 7 x 11 bits
-        s = (w.abs().amax(-1) / 7).half()                                                    # [n, G]
-        sf = s.float()[..., None]
-        q = torch.where(sf > 0, torch.round(w / torch.where(sf > 0, sf, 1)), 0).clamp_(-8, 7).to(torch.uint8) + 8
+        qc, sc = q8[rows].view(-1, groups, GROUP), s8[rows].float()
+        # amax |w| = amax |q| * s exactly (|q| <= 128, an fp16 s: both exact in fp32): no pass over w for it
+        s = (qc.to(torch.int16).abs_().amax(-1).float().mul_(sc).div_(7)).half()            # [n, G]
+        sf = s.float()
+        w = qc.float().mul_(sc[..., None])                                                   # exact: 8 x 11 bits
+        # a zero scale's group is all zeros: divided by 1 it stays 0
+        q = w.div_(torch.where(sf > 0, sf, 1)[..., None]).round_().clamp_(-8, 7).add_(8).to(torch.uint8)
         n = t1 * TILE - rows.start
         if len(q) < n:   # the last tile's padding: weight 0 (stored 8), scale 0
             q = torch.cat([q, torch.full((n - len(q), groups, GROUP), 8, dtype=torch.uint8)])

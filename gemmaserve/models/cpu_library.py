@@ -17,6 +17,7 @@ all, so the library registers a C++ kernel for each; none of them imports this o
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import inspect
@@ -61,9 +62,15 @@ def _isa_flags() -> tuple[str, ...] | None:
     if not candidates:
         return ()
     isa = v.get_isa_from_cpu_capability(os.getenv("ATEN_CPU_CAPABILITY"), candidates, v.invalid_vec_isa)
-    if not isa:
+    if isinstance(isa, v.InvalidVecISA):   # (not `not isa`: an ISA's truth value runs inductor's probe programs)
         return ()
-    return (*isa.build_arch_flags().split(), *(f"-D{m}" for m in getattr(isa, "_macro", ())))
+    # the optional extensions its probes would find (they set these attributes), from the CPU's flags; on a copy
+    chosen = copy.copy(isa)
+    for attr, has in (("_is_avx512_bf16_supported", "_is_avx512_bf16_supported"),
+                      ("_is_amx_fp16_supported", "_is_amx_fp16_supported")):
+        if hasattr(chosen, attr) and hasattr(torch.cpu, has):
+            setattr(chosen, attr, bool(getattr(torch.cpu, has)()))
+    return (*chosen.build_arch_flags().split(), *(f"-D{m}" for m in getattr(chosen, "_macro", ())))
 
 
 @dataclass
