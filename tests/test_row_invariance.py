@@ -350,7 +350,7 @@ def test_tiny_gemma3_output_does_not_depend_on_the_batch(tmp_path, quantised):
     loaded = load_model(str(path), torch.float32, torch.device("cpu"))
     if quantised:
         loaded = dataclasses.replace(loaded, weight_formats=quantize_model(loaded.model, {}))
-        assert loaded.weight_formats["int8"] > 0 and loaded.model.model.embed_tokens.head is not None
+        assert loaded.weight_formats["int8"] > 0 and loaded.model.model.embed_tokens.head4 is not None
     _check_batches(lambda **o: LLM.from_config(_config(path, **o), loaded), "gemma3 " + ("int8" if quantised else "fp32"))
 
 

@@ -128,8 +128,9 @@ def test_gguf_output_weight_is_the_head(tmp_path, monkeypatch, family):
     q8 = _gguf(family, hf, tmp_path / "q8.gguf", q8_0=True)
     quant = LLM(model=str(q8), page_size=4, kv_cache_memory=16 << 20)
     model = quant.engine._model
-    assert isinstance(model.lm_head, QuantEmbedding) and model.lm_head.head is not None
-    assert isinstance(model.model.embed_tokens, QuantEmbedding) and model.model.embed_tokens.head is None
+    assert isinstance(model.lm_head, QuantEmbedding) and model.lm_head.head4 is not None
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    assert model.model.embed_tokens.head4 is None and model.model.embed_tokens.head is None
     ref = paged_logits(LLM(model=str(q8), dtype="float32").engine._model, [ids])[0]
     got = paged_logits(model, [ids])[0]
     rel = ((got - ref).norm() / ref.norm()).item()
