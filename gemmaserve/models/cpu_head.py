@@ -8,7 +8,7 @@ per 32 inputs, amax / 7; q = round(w / scale) in -8..7, stored +8). A row's logi
     scan     every token: sum over groups g of float(idot_g) * (scale_g * xscale_g), added in increasing g,
              where idot_g is the exact integer dot of the 4-bit weights with the row's activations quantised
              to int8 per group of 32 (xscale_g = amax_g / 127, round half to even). The integer dots are
-             exact on every instruction set (AVX512-VNNI, AVX-512BW, AVX-VNNI, AVX2, plain C), and the
+             exact on every branch (AVX512-VNNI, AVX-512BW, AVX-VNNI where the flags enable it, AVX2, plain C), and the
              floating-point steps are the same in each, so the scan's bits do not depend on the host's ISA,
              the batch or the threads.
     refine   every token whose scanned logit is within `REFINE_MARGIN` of the row's highest: recomputed
@@ -19,7 +19,7 @@ The scan's error (mean |error| ~0.4 logits on the 270M, at most ~4.6 over 1,400 
 far below the margin of 12, so the greedy token, and every token that carries probability mass, is the
 exact one; the far tail (each token below e^-12 of the top) keeps the scan's value. Measured on the 270M
 (BENCHMARKS.md, issue 47): KL from the exact Q8_0 head 0.0004, against 0.0008 for the int8 scan with the
-32 highest refined that this replaces; ~2,800 tokens refined a row on average.
+32 highest refined that this replaces; ~2,700 tokens refined a row on average.
 
 Rows are independent: the op's Python kernel (the fallback where the library cannot be built) does the
 same operations in the same order, for the same bits.
