@@ -342,6 +342,12 @@ at::Tensor head_logits(const at::Tensor& h_in, const at::Tensor& packed_in, cons
   std::vector<std::pair<int64_t, int64_t>> todo;
   for (int64_t r = 0; r < m; ++r)
     for (const int64_t i : found[r]) todo.emplace_back(r, i);
+  // by token: a token several rows refine is read from memory once, and the table in increasing order
+  // (each output is computed by itself: the order of the work does not change its bits)
+  if (m > 1)
+    std::sort(todo.begin(), todo.end(), [](const auto& a, const auto& b) {
+      return a.second != b.second ? a.second < b.second : a.first < b.first;
+    });
   const int8_t* qp = q8.data_ptr<int8_t>();
   const at::Half* s8p = s8.data_ptr<at::Half>();
   constexpr int N = 4, AHEAD = 8;   // tokens per pass; rows prefetched this many tokens ahead (random rows)
