@@ -119,3 +119,20 @@ def test_the_library_is_built_for_the_isa_inductor_would_probe_for(capability, m
     isa = cpu_vec_isa.pick_vec_isa()
     expected = (*isa.build_arch_flags().split(), *(f"-D{m}" for m in getattr(isa, "_macro", ()))) if isa else ()
     assert flags == expected
+
+
+def test_the_librarys_isa_flags_run_no_probe_programs(monkeypatch):
+    """Reading the flags must not ask an ISA for its truth value: that compiles and runs inductor's probe programs
+    (~4 s of a first start, found in `if not isa`)."""
+    from torch._inductor import cpu_vec_isa
+
+    def probe(self):
+        raise AssertionError(f"{self} probed")
+
+    for isa in cpu_vec_isa.supported_vec_isa_list:
+        monkeypatch.setattr(type(isa), "__bool__", probe)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    flags = cpu_library._isa_flags()
+    if flags is None:
+        pytest.skip("not an x86 CPU: inductor probes")
+    assert flags and any(f.startswith("-m") for f in flags)

@@ -36,7 +36,8 @@ from .cpu_kernels import LORA_LOOP_RANK, OPS, SOURCE
 
 
 def _source() -> str:
-    return (SOURCE.replace("@PRODUCTS@", cpu_products.SOURCE + cpu_head.SOURCE).replace("@LORA_LOOP_RANK@", str(LORA_LOOP_RANK))
+    products = cpu_products.SOURCE + cpu_head.SOURCE
+    return (SOURCE.replace("@PRODUCTS@", products).replace("@LORA_LOOP_RANK@", str(LORA_LOOP_RANK))
             + cpu_shims.source(OPS))
 
 
@@ -66,10 +67,9 @@ def _isa_flags() -> tuple[str, ...] | None:
         return ()
     # the optional extensions its probes would find (they set these attributes), from the CPU's flags; on a copy
     chosen = copy.copy(isa)
-    for attr, has in (("_is_avx512_bf16_supported", "_is_avx512_bf16_supported"),
-                      ("_is_amx_fp16_supported", "_is_amx_fp16_supported")):
-        if hasattr(chosen, attr) and hasattr(torch.cpu, has):
-            setattr(chosen, attr, bool(getattr(torch.cpu, has)()))
+    for extension in ("_is_avx512_bf16_supported", "_is_amx_fp16_supported"):   # attribute = torch.cpu's check
+        if hasattr(chosen, extension) and hasattr(torch.cpu, extension):
+            setattr(chosen, extension, bool(getattr(torch.cpu, extension)()))
     return (*chosen.build_arch_flags().split(), *(f"-D{m}" for m in getattr(chosen, "_macro", ())))
 
 
