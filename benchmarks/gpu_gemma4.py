@@ -11,6 +11,8 @@ weights at the real shapes (E2B, E4B, 12B, 26B-A4B, 31B; testing/synthetic.py). 
   pressure    seed 004's experiment: KV capped, long prompts; V1, V2, V2 + scratch, and V2 with the pool
               split at a pinned sliding:global ratio (the recipe's expected input length 8K, and a mis-guessed
               2K), scratch off and on; `--repeats N` times each (median)
+  profile     (not in the default set) a batch-1 decode graph's kernels under torch's profiler: time per step by
+              kernel name, launches per step, and the gaps between kernels
 
 Writes $OUT/gpu_gemma4.json after every section (a timeout keeps what finished); a table last.
 """
@@ -146,6 +148,45 @@ def section_roofline(res: dict, hbm: float, shapes) -> None:
 
 
 
+def section_profile(res: dict, shapes, replays: int = 20) -> None:
+    """Where a batch-1 decode step's GPU time goes: the captured graph replayed under torch's profiler, kernel
+    time summed by kernel name per step (the top 30 and the rest), their sum against the replay's own time (the
+    difference: gaps between kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu_bench import replay_ms
+
+    rows = res["profile"] = []
+    for name in shapes:
+        loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
+        llm = _engine(loaded, kv_cache_memory=8 * GiB, max_num_seqs=1)
+        batch1_decode(llm, loaded.model, steps=20)
+        graph = llm.engine.internals().runner.graphs.graph(1)
+        graph_ms = replay_ms(graph, 50)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        by_name: dict[str, list[float]] = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                by_name.setdefault(ev.name, []).append(ev.device_time_total)
+        kernels = sorted(((sum(v) / replays, len(v) / replays, k) for k, v in by_name.items()), reverse=True)
+        total_us = sum(us for us, _, _ in kernels)
+        row = {"shape": name, "graph_ms": round(graph_ms, 3), "kernel_us_per_step": round(total_us, 1),
+               "launches_per_step": round(sum(n for _, n, _ in kernels)),
+               "gap_us_per_step": round(graph_ms * 1e3 - total_us, 1),
+               "top": [{"us": round(us, 1), "per_step": round(n, 1), "kernel": k[:160]} for us, n, k in kernels[:30]],
+               "rest_us": round(sum(us for us, _, _ in kernels[30:]), 1)}
+        rows.append(row)
+        print("profile", {k: v for k, v in row.items() if k != "top"}, flush=True)
+        for t in row["top"]:
+            print(f"  {t['us']:9.1f} us {t['per_step']:6.1f}x  {t['kernel']}", flush=True)
+        del llm, loaded, graph, prof
+        _free()
+
+
 # -- throughput -----------------------------------------------------------------------------------------
 def section_throughput(res: dict, shapes, batch: int = 64) -> None:
     from gemmaserve.testing.hf_reference import build_hf_model
@@ -265,6 +306,7 @@ def main(argv: list[str]) -> int:
         "roofline": lambda: section_roofline(res, hbm, shapes),
         "throughput": lambda: section_throughput(res, shapes),
         "pressure": lambda: section_pressure(res, shapes, repeats=args.repeats),
+        "profile": lambda: section_profile(res, shapes),
     }, out)
     print(json.dumps(res, indent=1))
     print(summary(res))
