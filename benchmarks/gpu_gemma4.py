@@ -148,43 +148,61 @@ def section_roofline(res: dict, hbm: float, shapes) -> None:
 
 
 
-def section_profile(res: dict, shapes, replays: int = 20) -> None:
+def section_profile(res: dict, shapes, hbm: float, replays: int = 20) -> None:
     """Where a batch-1 decode step's GPU time goes: the captured graph replayed under torch's profiler, kernel
     time summed by kernel name per step (the top 30 and the rest), their sum against the replay's own time (the
-    difference: gaps between kernels)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from benchmarks.gpu_bench import replay_ms
+    difference: gaps between kernels), and the graph against the roofline. A shape with experts runs twice on the
+    same weights: moe_kernels.py's decode path, then the grouped one (`Experts.fused_decode` off)."""
+    from gemmaserve.models.moe import Experts
 
     rows = res["profile"] = []
     for name in shapes:
         loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
-        llm = _engine(loaded, kv_cache_memory=8 * GiB, max_num_seqs=1)
-        batch1_decode(llm, loaded.model, steps=20)
-        graph = llm.engine.internals().runner.graphs.graph(1)
-        graph_ms = replay_ms(graph, 50)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(replays):
-                graph.replay()
-            torch.cuda.synchronize()
-        by_name: dict[str, list[float]] = {}
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                by_name.setdefault(ev.name, []).append(ev.device_time_total)
-        kernels = sorted(((sum(v) / replays, len(v) / replays, k) for k, v in by_name.items()), reverse=True)
-        total_us = sum(us for us, _, _ in kernels)
-        row = {"shape": name, "graph_ms": round(graph_ms, 3), "kernel_us_per_step": round(total_us, 1),
-               "launches_per_step": round(sum(n for _, n, _ in kernels)),
-               "gap_us_per_step": round(graph_ms * 1e3 - total_us, 1),
-               "top": [{"us": round(us, 1), "per_step": round(n, 1), "kernel": k[:160]} for us, n, k in kernels[:30]],
-               "rest_us": round(sum(us for us, _, _ in kernels[30:]), 1)}
-        rows.append(row)
-        print("profile", {k: v for k, v in row.items() if k != "top"}, flush=True)
-        for t in row["top"]:
-            print(f"  {t['us']:9.1f} us {t['per_step']:6.1f}x  {t['kernel']}", flush=True)
-        del llm, loaded, graph, prof
+        has_experts = any(isinstance(m, Experts) for m in loaded.model.modules())
+        for fused in (True, False) if has_experts else (True,):
+            Experts.fused_decode = fused
+            try:
+                row = _profile_row(loaded, name, hbm, replays)
+            finally:
+                Experts.fused_decode = True
+            row["experts"] = ("fused decode" if fused else "grouped") if has_experts else None
+            rows.append(row)
+            print("profile", {k: v for k, v in row.items() if k != "top"}, flush=True)
+            for t in row["top"]:
+                print(f"  {t['us']:9.1f} us {t['per_step']:6.1f}x  {t['kernel']}", flush=True)
+            _free()
+        del loaded
         _free()
+
+
+def _profile_row(loaded, name: str, hbm: float, replays: int) -> dict:
+    """One engine over `loaded`: its batch-1 decode graph under the profiler (the engine is garbage on return)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu_bench import replay_ms
+
+    llm = _engine(loaded, kv_cache_memory=8 * GiB, max_num_seqs=1)
+    _, _, kv_bytes = batch1_decode(llm, loaded.model, steps=20)
+    graph = llm.engine.internals().runner.graphs.graph(1)
+    graph_ms = replay_ms(graph, 50)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(ev.name, []).append(ev.device_time_total)
+    kernels = sorted(((sum(v) / replays, len(v) / replays, k) for k, v in by_name.items()), reverse=True)
+    total_us = sum(us for us, _, _ in kernels)
+    roof_ms = (decode_weight_bytes(loaded.model) + kv_bytes) / (hbm * 1e9) * 1e3
+    return {"shape": name, "roofline_ms": round(roof_ms, 3), "graph_ms": round(graph_ms, 3),
+            "graph_over_roofline": round(graph_ms / roof_ms, 2), "kernel_us_per_step": round(total_us, 1),
+            "launches_per_step": round(sum(n for _, n, _ in kernels)),
+            "gap_us_per_step": round(graph_ms * 1e3 - total_us, 1),
+            "top": [{"us": round(us, 1), "per_step": round(n, 1), "kernel": k[:160]} for us, n, k in kernels[:30]],
+            "rest_us": round(sum(us for us, _, _ in kernels[30:]), 1)}
 
 
 # -- throughput -----------------------------------------------------------------------------------------
@@ -306,7 +324,7 @@ def main(argv: list[str]) -> int:
         "roofline": lambda: section_roofline(res, hbm, shapes),
         "throughput": lambda: section_throughput(res, shapes),
         "pressure": lambda: section_pressure(res, shapes, repeats=args.repeats),
-        "profile": lambda: section_profile(res, shapes),
+        "profile": lambda: section_profile(res, shapes, hbm),
     }, out)
     print(json.dumps(res, indent=1))
     print(summary(res))

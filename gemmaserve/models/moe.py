@@ -10,6 +10,8 @@ outputs go back to (token, k) order and each token's k outputs are summed in fp3
 no atomics, so the same batch gives the same bits every run (an index_add would not, on the GPU).
 Nothing reads a count back to the host, so a CUDA graph can capture it. `GroupedExperts` is all of this but the
 two products: `Experts` multiplies by bf16/fp32 weights, quantized_experts.QuantizedExperts by quantised ones.
+On the GPU, `Experts` sends steps of up to 8 tokens to moe_kernels.py instead (each pair reads its expert's rows
+directly: two launches, no sort).
 
 `batch_invariant` (`--batch-invariant`, set by the engine): the expert matmuls run on the batch-invariant
 grouped GEMM (invariant_kernels.py) instead of `torch._grouped_mm`, whose kernel choice depends on the
@@ -27,6 +29,7 @@ from torch import nn
 
 from .fused_ops import NormKind, gelu_mul, rms_norm
 from .layers import Linear
+from .moe_kernels import decode_eligible, experts_decode
 
 if TYPE_CHECKING:
     from .lora import LoRABatch
@@ -164,6 +167,8 @@ def float_product(w: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor, exper
 class Experts(GroupedExperts):
     """Expert weights as HF stores them: gate_up_proj [E, 2I, H] ([gate; up] rows), down_proj [E, H, I]."""
 
+    fused_decode = True   # few-token steps on CUDA through moe_kernels.py (a benchmark turns it off to compare)
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int, dtype: torch.dtype):
         super().__init__(hidden, intermediate, num_experts)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype),
@@ -173,3 +178,11 @@ class Experts(GroupedExperts):
     def product(self, which: str, a: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
         w = self.gate_up_proj if which == "gate_up" else self.down_proj
         return float_product(w, a, offsets, expert_of_row, self.batch_invariant)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                lora: "LoRABatch | None" = None) -> torch.Tensor:
+        # A few decode tokens on the GPU: each pair reads its expert directly, two launches (moe_kernels.py).
+        if (self.fused_decode and lora is None and not self.batch_invariant and x.device.type == "cuda"
+                and decode_eligible(x, idx)):
+            return experts_decode(x, weights, idx, self.gate_up_proj, self.down_proj, self.intermediate)
+        return super().forward(x, weights, idx, lora)
