@@ -20,8 +20,8 @@ Sections (default: all; about 3 minutes on one H100, Triton compilation included
   prefetch  the int4 GEMV at M = 1 with its next step's words loaded ahead, or Triton's pipelining, or neither
   pairs   the int4 pairs kernel (int4_pairs: two weights per PTX instruction) for M <= 16: checked, timed
           against bf16 and the tiled kernel, swept on the 31B's qkv
-  pairs_unary  the pairs kernel with one asm per plane (no bf16 planes through shared memory): bits against the
-          path's form at the same tiles, then a checked sweep of its configurations on every shape
+  pairs_candidates  the pairs kernel's configurations on every shape, each checked before it is timed against
+          the path's (where `pairs_config`'s per-shape choice comes from)
   experts the grouped MoE expert products (int4, fp8) at the 26B-A4B's shapes: checked as `check` does, and timed
           against bf16 torch._grouped_mm
 
@@ -443,16 +443,15 @@ def section_pairs_sweep(res: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def section_unary(res: dict) -> None:
-    """The pairs kernel with its planes one asm each (`unary`, Triton then converts the packed words to the dot's
-    register layout instead of eight bf16 planes through shared memory) on every shape, group 32 (and group 128
-    with zero points on the 31B's qkv and gate_up): at the configuration on the path, the unary planes with the
-    same tiles must give the very bits of the eight-output asm; then a sweep of unary configurations (column
-    tiles, word rows, waves, warps; one software stage), each checked against the fp32 product of the
-    bf16-rounded weights and row 0 of 16 rows against one row, timed at 1 and 16 rows against the path's."""
+def section_pairs_candidates(res: dict) -> None:
+    """The pairs kernel's configurations checked and timed on every shape (group 32; group 128 with zero points
+    on the 31B's qkv and gate_up): column tiles 128/256, word rows 16/32, four or eight waves, 4 or 8 warps, the
+    weights on either side of the dot. Each is checked as `pairs` checks (the fp32 product of the bf16-rounded
+    weights, row 0 of 16 rows against one row, repeats) before it is timed at 1 and 16 rows against the
+    configuration on the path (`pairs_config`): where the choice per shape comes from."""
     from gemmaserve.quantization import int4_pairs as P
 
-    rows = res["pairs_unary"] = []
+    rows = res["pairs_candidates"] = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for i, (model, proj, n, k) in enumerate(SHAPES):
         gen = torch.Generator(device="cuda").manual_seed(500 + i)
@@ -468,18 +467,15 @@ def section_unary(res: dict) -> None:
             path = P.pairs_config(n, k, sms)
             row: dict = {"model": model, "proj": proj, "form": form, "N": n, "K": k,
                          "path": str(dataclasses.astuple(path))}
-            same = dataclasses.replace(path, unary=not path.unary, num_stages=1 if not path.unary else 3)
-            y_path = P.int4_pairs_linear(x16, packed, path)
-            y_same = P.int4_pairs_linear(x16, packed, same)
-            row["unary_vs_asm8_same_tiles_deterministic"] = bool(torch.equal(y_path, y_same))
-            worst, bits_ok, sweep = 0.0, True, {}
-            cfgs = [same]
-            for bn in (64, 128, 256):
+            cfgs = [path]
+            for bn in (128, 256):
                 for bkw in (16, 32):
-                    for waves in (2, 4, 8):
-                        for warps in ((4,) if bn == 64 else (4, 8)):
-                            per = split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=waves)
-                            cfgs.append(P.PairsConfig(bn, bkw, per, warps, 1, swap=True, unary=True))
+                    for waves in (4, 8):
+                        per = split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=waves)
+                        for warps in (4, 8):
+                            for swap in (False, True):
+                                cfgs.append(P.PairsConfig(bn, bkw, per, warps, 3, swap))
+            worst, bits_ok, sweep = 0.0, True, {}
             for cfg in dict.fromkeys(cfgs):
                 key = str(dataclasses.astuple(cfg))
                 try:
@@ -493,20 +489,15 @@ def section_unary(res: dict) -> None:
                     sweep[key] = {"err": float(f"{err:.3g}"), "bits": ok, "M1_us": t[0], "M16_us": t[1]}
                 except Exception as exc:
                     sweep[key] = repr(exc)[:160]
-                    bits_ok = False
-            row["unary_max_rel_err"], row["unary_deterministic"] = float(f"{worst:.3g}"), bits_ok
-            for m in (1, 16):
-                row[f"M{m}_path_us"] = round(graph_us(P.int4_pairs_linear, x16[:m].contiguous(), weights), 2)
-            timed = {c: v for c, v in sweep.items() if isinstance(v, dict)}
+            row["candidates_max_rel_err"], row["candidates_deterministic"] = float(f"{worst:.3g}"), bits_ok
+            timed = {c: v for c, v in sweep.items() if isinstance(v, dict) and v["bits"] and v["err"] <= CHECK_TOL}
             best = min(timed, key=lambda c: timed[c]["M1_us"] + timed[c]["M16_us"])
-            best1 = min(timed, key=lambda c: timed[c]["M1_us"])
-            row["same_tiles_unary"] = sweep.get(str(dataclasses.astuple(same)))
+            row["path_M1_us"], row["path_M16_us"] = sweep[row["path"]]["M1_us"], sweep[row["path"]]["M16_us"]
             row["best"], row["best_M1_us"], row["best_M16_us"] = best, timed[best]["M1_us"], timed[best]["M16_us"]
-            row["best_at_1"], row["best_at_1_us"] = best1, timed[best1]["M1_us"]
             row["best_GBs_M1"] = round(packed.nbytes / (timed[best]["M1_us"] * 1e-6) / 1e9)
             row["sweep"] = sweep
             rows.append(row)
-            print("pairs_unary", {key: v for key, v in row.items() if key != "sweep"}, flush=True)
+            print("pairs_candidates", {key: v for key, v in row.items() if key != "sweep"}, flush=True)
             del weights, packed
         del forms
         torch.cuda.empty_cache()
@@ -588,7 +579,8 @@ def summary(res: dict) -> str:
     return "\n".join(lines)
 
 
-CHECKS = {"check": check_row_ok, "experts": check_row_ok, "pairs": check_row_ok, "pairs_unary": check_row_ok}
+CHECKS = {"check": check_row_ok, "experts": check_row_ok, "pairs": check_row_ok,
+          "pairs_candidates": check_row_ok}
 
 
 def main(argv: list[str]) -> int:
@@ -618,7 +610,7 @@ def main(argv: list[str]) -> int:
         "experts": lambda: section_experts(res),
         "pairs": lambda: section_pairs(res),
         "pairs_sweep": lambda: section_pairs_sweep(res),
-        "pairs_unary": lambda: section_unary(res),
+        "pairs_candidates": lambda: section_pairs_candidates(res),
     }, out)
     print(summary(res))
     return exit_status(res, CHECKS)

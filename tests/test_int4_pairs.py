@@ -93,99 +93,65 @@ def test_what_the_pairs_kernel_does_not_take_is_refused():
         P.int4_pairs_linear(torch.randn(1, 64).to(torch.bfloat16), packed, P.PairsConfig(16, 8, 64, 4, 1))
 
 
-def _run_ptx(asm: str, a: int, b: int) -> int:
-    """The few PTX instructions of a one-plane asm (`_unary_asm`), on two packed words: the plane ($0)."""
-    regs = {"$1": a, "$2": b}
+def _bf16_bits(v: float) -> int:
+    return int(torch.tensor([v], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+
+def _bf16_value(bits: int) -> float:
+    return torch.tensor([bits - (1 << 16) * (bits >> 15)], dtype=torch.int16).view(torch.bfloat16).float().item()
+
+
+def _run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
+    """The PTX instructions of the dequantising asm (`_DEQUANT_ASM`), 32-bit registers as Python ints; fma.rn.bf16x2
+    on each half, exact then rounded once to bf16 (the operands here are small integers and bf16 scales, so the
+    exact value fits fp32 and torch's fp32 -> bf16 conversion, to nearest even, is the single rounding)."""
+    regs = dict(regs)
 
     def val(tok: str) -> int:
         return int(tok, 0) if tok[0].isdigit() else regs[tok]
+
+    def fma_half(a: int, b: int, c: int) -> int:
+        return _bf16_bits(_bf16_value(a) * _bf16_value(b) + _bf16_value(c))
 
     for line in asm.strip("{}\n").splitlines():
         if not line or line.startswith(".reg"):
             continue
         op, args = line.rstrip(";").split(" ", 1)
         dst, *src = [t.strip() for t in args.split(",")]
-        if op == "prmt.b32":   # result byte k = byte (selector nibble k) of the eight bytes b:a
-            pool = val(src[0]) | val(src[1]) << 32
-            regs[dst] = sum(((pool >> 8 * ((val(src[2]) >> 4 * k) & 7)) & 0xFF) << 8 * k for k in range(4))
+        v = [val(t) for t in src]
+        if op == "mov.b32":
+            regs[dst] = v[0]
+        elif op == "prmt.b32":   # result byte j = byte (selector nibble j) of the eight bytes src1:src0
+            pool = v[0] | v[1] << 32
+            regs[dst] = sum(((pool >> 8 * ((v[2] >> 4 * j) & 7)) & 0xFF) << 8 * j for j in range(4))
         elif op == "shr.b32":
-            regs[dst] = val(src[0]) >> val(src[1])
+            regs[dst] = v[0] >> v[1]
         elif op == "and.b32":
-            regs[dst] = val(src[0]) & val(src[1])
+            regs[dst] = v[0] & v[1]
         elif op == "or.b32":
-            regs[dst] = val(src[0]) | val(src[1])
+            regs[dst] = v[0] | v[1]
+        elif op == "fma.rn.bf16x2":
+            regs[dst] = fma_half(v[0] & 0xFFFF, v[1] & 0xFFFF, v[2] & 0xFFFF) | \
+                fma_half(v[0] >> 16, v[1] >> 16, v[2] >> 16) << 16
         else:
             raise AssertionError(f"unexpected instruction {op}")
-    return regs["$0"]
+    return regs
 
 
-def test_each_plane_asm_gives_its_nibble_of_both_words_as_bf16_128_plus_q():
-    """The one-plane PTX (what runs on CUDA) emulated: plane i of words (a, b) holds bf16(128 + nibble i of a) in
-    its low half and of b in its high half, and its byte selector is the eight-plane asm's for the same pair."""
-    gen = torch.Generator().manual_seed(fresh_seed())
-    words = torch.randint(0, 2 ** 32, (64, 2), generator=gen, dtype=torch.int64).tolist()
-    for i in range(8):
-        asm = P._unary_asm(i).value
-        assert asm.split("prmt.b32 p, $1, $2, ")[1].split(";")[0] in P._DEQUANT_ASM.value
-        for a, b in words:
-            got = _run_ptx(asm, a, b)
-            lo, hi = (torch.tensor([got & 0xFFFF, got >> 16], dtype=torch.int32).to(torch.int16)
-                      .view(torch.bfloat16).float().tolist())
-            assert (lo, hi) == (128 + (a >> 4 * i & 15), 128 + (b >> 4 * i & 15)), (i, hex(a), hex(b))
-
-
-@interpreted
-@FORMS
-def test_the_unary_form_gives_the_same_bits(group, asym):
-    """`unary` changes only how the GPU builds the planes: in the interpreter (and on CUDA, gpu_quant
-    `pairs_unary`) the same tiles give the same bits, zero points included."""
-    gen = torch.Generator().manual_seed(fresh_seed())
-    packed = I4.pack_int4(_weight(gen, 48, 384, group, asym))
-    x = torch.randn(5, 384, generator=gen).to(torch.bfloat16)
-    cfg = P.PairsConfig(32, 16, 256, 4, 1, True)
-    assert torch.equal(P.int4_pairs_linear(x, packed, cfg),
-                       P.int4_pairs_linear(x, packed, P.PairsConfig(32, 16, 256, 4, 1, True, unary=True)))
-
-
-_COMPILE_SM90 = """
-import json, sys
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import triton
-from gemmaserve.quantization import int4_pairs as P
-
-def ttgir(unary, stages):
-    sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "y_ptr": "*fp32", "M": "i32",
-           "N": "i32", "K": "i32", "k_per_split": "i32", "s_xm": "i32", "s_xk": "constexpr", "s_ym": "i32",
-           "s_yn": "constexpr", **{c: "constexpr" for c in ("GROUP", "HAS_ZERO", "BM", "BN", "BKW", "SWAP", "ASM",
-                                                              "UNARY")}}
-    consts = {"s_xk": 1, "s_yn": 1, "GROUP": 32, "HAS_ZERO": False, "BM": 16, "BN": 64, "BKW": 16, "SWAP": True,
-              "ASM": True, "UNARY": unary}
-    k = triton.compile(ASTSource(fn=P._int4_pairs_kernel, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
-    lines = k.asm["ttgir"].splitlines()
-    return {"planes_in_shared": sum(".local_alloc" in ln and "(tensor<64x16xbf16" in ln for ln in lines),
-            "words_to_dot": any(".local_load" in ln and "64x16xi32" in ln and "dot_op" in ln for ln in lines)}
-
-print(json.dumps({"unary": ttgir(True, 1), "eight": ttgir(False, 3)}))
-"""
-
-
-def test_on_hopper_the_unary_form_converts_words_not_planes():
-    """Compiled for sm_90 (no GPU needed; in a process of its own, outside the interpreter): with one asm per plane
-    and no software pipelining, Triton moves the conversion to the dot's register layout onto the packed words and
-    scales, so the one [BN, BKW] bf16 tile through shared memory is the scales'; the eight-output asm sends all eight
-    planes there. This is what made the unary form pay."""
-    import json
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, env=env, timeout=300)
-    if run.returncode and "ptxas" in run.stderr:
-        pytest.skip(f"cannot compile for sm_90 on this host: {run.stderr[-300:]}")
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["eight"]["planes_in_shared"] == 8          # the eight planes
-    assert got["unary"] == {"planes_in_shared": 1, "words_to_dot": True}   # the scales only
+def test_the_dequantising_ptx_gives_the_bf16_rounded_weights():
+    """What runs on CUDA, emulated instruction by instruction: for two packed words (a, b) with their zero points
+    and bf16 scales, output plane i holds bf16((nibble i - zero) * scale) of word a in its low half and of word b
+    in its high half, rounded once, the very bits the interpreter's planes and the contract give."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    asm = P._DEQUANT_ASM.value
+    for _ in range(48):
+        a, b = torch.randint(0, 2 ** 32, (2,), generator=gen, dtype=torch.int64).tolist()
+        za, zb = torch.randint(0, 16, (2,), generator=gen).tolist()
+        sa, sb = (torch.rand(2, generator=gen) * 0.05 + 1e-3).to(torch.bfloat16).float().tolist()
+        regs = _run_ptx(asm, {"$8": a, "$9": b, "$10": _bf16_bits(-128.0 - za) | _bf16_bits(-128.0 - zb) << 16,
+                              "$11": _bf16_bits(sa) | _bf16_bits(sb) << 16})
+        for i in range(8):
+            got = regs[f"${i}"]
+            want = [_bf16_bits(((w >> 4 * i & 15) - z) * s) for w, z, s in ((a, za, sa), (b, zb, sb))]
+            assert [got & 0xFFFF, got >> 16] == want, (seed, i, hex(a), hex(b))

@@ -62,35 +62,6 @@ _DEQUANT_ASM = tl.constexpr("{\n.reg .b32 p, t, one, nz;\nmov.b32 one, 0x3F803F8
 _CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r")
 
 
-# One plane alone (the `unary` form): byte j of both words into one register, the low (i = 2j) or high (i = 2j + 1)
-# nibble of each half under the exponent 0x43, bf16 128 + q; $0 the plane (bf16x2), $1 $2 the two packed words.
-# A pure one-operand asm is what Triton moves across a conversion to the dot's register layout, so the program
-# converts the packed words and the scales (6 bytes a word) instead of eight bf16 planes (32 bytes a word).
-def _unary_asm(i: int) -> tl.constexpr:
-    j = i // 2
-    return tl.constexpr(f"{{\n.reg .b32 p;\nprmt.b32 p, $1, $2, {hex(j | j << 4 | (4 + j) << 8 | (4 + j) << 12)};\n"
-                        + ("shr.b32 p, p, 4;\n" if i % 2 else "")
-                        + "and.b32 p, p, 0x000F000F;\nor.b32 $0, p, 0x43004300;\n}")
-
-
-_U0, _U1, _U2, _U3, _U4, _U5, _U6, _U7 = (_unary_asm(i) for i in range(8))
-
-
-@triton.jit
-def _unary(words, A: tl.constexpr):
-    return tl.inline_asm_elementwise(A, "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2)
-
-
-@triton.jit
-def _planes_unary(words, neg_base, scale):
-    """The eight planes as `_planes_asm` gives them, bit for bit: (128 + q) + -(128 + zero) exact in bf16, then one
-    rounded bf16 product with the scale."""
-    return ((_unary(words, _U0) + neg_base) * scale, (_unary(words, _U1) + neg_base) * scale,
-            (_unary(words, _U2) + neg_base) * scale, (_unary(words, _U3) + neg_base) * scale,
-            (_unary(words, _U4) + neg_base) * scale, (_unary(words, _U5) + neg_base) * scale,
-            (_unary(words, _U6) + neg_base) * scale, (_unary(words, _U7) + neg_base) * scale)
-
-
 @triton.jit
 def _planes_asm(words, neg_base, scale):
     return tl.inline_asm_elementwise(_DEQUANT_ASM, _CONSTRAINTS, [words, neg_base, scale],
@@ -117,33 +88,10 @@ def _dot(a, b, acc, ASM: tl.constexpr):
     return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
-@triton.jit
-def _tile(qw_ptr, s_ptr, z_ptr, wr, w_hi, rn, nm, N, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-          SWAP: tl.constexpr):
-    """Word rows `wr` of the packed weights, their scales and zero points ([BN, BKW] if SWAP, else [BKW, BN]);
-    rows at or past w_hi read as zero (the zero points as the scales, unused, when there are none)."""
-    wm = wr < w_hi
-    if SWAP:
-        idx = wr[None, :].to(tl.int64) * N + rn[:, None]
-        lm = nm[:, None] & wm[None, :]
-        gidx = ((wr * 8) // GROUP)[None, :] * N + rn[:, None]
-    else:
-        idx = wr[:, None].to(tl.int64) * N + rn[None, :]
-        lm = wm[:, None] & nm[None, :]
-        gidx = ((wr * 8) // GROUP)[:, None] * N + rn[None, :]
-    words = tl.load(qw_ptr + idx, mask=lm, other=0)
-    scale = tl.load(s_ptr + gidx, mask=lm, other=0.0)
-    if HAS_ZERO:
-        zero = tl.load(z_ptr + gidx, mask=lm, other=0)
-    else:
-        zero = scale
-    return words, scale, zero
-
-
 @triton.jit(do_not_specialize=["M"])
 def _int4_pairs_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, k_per_split, s_xm, s_xk, s_ym, s_yn,
                        GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BKW: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, UNARY: tl.constexpr):
+                       BKW: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr):
     """A program owns BN columns, BM rows and a K slice. SWAP computes the transposed tile (weights as the
     dot's left operand, [BN, BKW] x [BKW, BM]): on Hopper the left operand may come from registers."""
     pid_n = tl.program_id(0)
@@ -163,17 +111,21 @@ def _int4_pairs_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, k_per_split,
     for w0 in range(w_lo, w_hi, BKW):
         wr = w0 + rw
         wm = wr < w_hi
-        words, scale, zero = _tile(qw_ptr, s_ptr, z_ptr, wr, w_hi, rn, nm, N, GROUP, HAS_ZERO, SWAP)
+        if SWAP:   # tiles [BN, BKW]
+            idx = wr[None, :].to(tl.int64) * N + rn[:, None]
+            lm = nm[:, None] & wm[None, :]
+            gidx = ((wr * 8) // GROUP)[None, :] * N + rn[:, None]
+        else:      # tiles [BKW, BN]
+            idx = wr[:, None].to(tl.int64) * N + rn[None, :]
+            lm = wm[:, None] & nm[None, :]
+            gidx = ((wr * 8) // GROUP)[:, None] * N + rn[None, :]
+        words = tl.load(qw_ptr + idx, mask=lm, other=0)
+        scale = tl.load(s_ptr + gidx, mask=lm, other=0.0)
         if HAS_ZERO:
-            if ASM and UNARY:   # bf16 arithmetic only (exact: small integers), no fp32 round trip to hoist
-                neg_base = -128.0 - zero.to(tl.bfloat16)   # across (the interpreter converts ints to bf16 wrongly)
-            else:
-                neg_base = (-128.0 - zero.to(tl.float32)).to(tl.bfloat16)
+            neg_base = (-128.0 - tl.load(z_ptr + gidx, mask=lm, other=0).to(tl.float32)).to(tl.bfloat16)
         else:
             neg_base = tl.full(words.shape, -136.0, tl.bfloat16)
-        if ASM and UNARY:
-            p0, p1, p2, p3, p4, p5, p6, p7 = _planes_unary(words, neg_base, scale)
-        elif ASM:
+        if ASM:
             p0, p1, p2, p3, p4, p5, p6, p7 = _planes_asm(words, neg_base, scale)
         else:
             p0 = _plane(words, 0, neg_base, scale)
@@ -225,7 +177,6 @@ class PairsConfig:
     num_stages: int
     swap: bool = False
     block_m: int = SMALL_M
-    unary: bool = False   # the planes one asm each (`_planes_unary`); pays with num_stages 1 (see pairs_config)
 
     def splits(self, k: int) -> int:
         return -(-k // self.k_per_split)
@@ -265,6 +216,6 @@ def int4_pairs_linear(x: torch.Tensor, w: Int4Packed, config: PairsConfig | None
     _int4_pairs_kernel[(triton.cdiv(w.n, cfg.block_n), splits, triton.cdiv(m, cfg.block_m))](
         x2, w.qweight, w.scale, w.zero if w.zero is not None else w.scale, y, m, w.n, w.k, cfg.k_per_split,
         x2.stride(0), x2.stride(1), y.stride(-2), y.stride(-1), GROUP=w.group, HAS_ZERO=w.has_zero,
-        BM=cfg.block_m, BN=cfg.block_n, BKW=cfg.block_kw, SWAP=cfg.swap, ASM=asm, UNARY=cfg.unary,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BM=cfg.block_m, BN=cfg.block_n, BKW=cfg.block_kw, SWAP=cfg.swap, ASM=asm, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return sum_splits(y, splits, x, w.n)
