@@ -26,8 +26,8 @@ MAX_PAIRS = 64   # (token, expert) pairs a step may take here: 8 tokens of top-8
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, h_ptr, H, I, s_x, s_we, s_wn, s_h, TOP_K: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr):
+def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, h_ptr, s_x, s_we, s_wn, s_h, H: tl.constexpr, I: tl.constexpr,
+                    TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pair = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = rn < I
@@ -37,7 +37,7 @@ def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, h_ptr, H, I, s_x, s_we, s_wn, s_h, TO
     up_rows = gate_rows + I * s_wn
     acc_g = tl.zeros((BN,), dtype=tl.float32)
     acc_u = tl.zeros((BN,), dtype=tl.float32)
-    for k0 in range(0, H, BK):
+    for k0 in tl.static_range(0, H, BK):   # unrolled: the loads of every step may issue before the sums
         rk = k0 + tl.arange(0, BK)
         km = rk < H
         x = tl.load(x_row + rk, mask=km, other=0.0).to(tl.float32)[None, :]
@@ -53,8 +53,8 @@ def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, h_ptr, H, I, s_x, s_we, s_wn, s_h, TO
 
 
 @triton.jit
-def _down_kernel(h_ptr, idx_ptr, wgt_ptr, w_ptr, y_ptr, H, I, s_h, s_we, s_wn, s_y, TOP_K: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
+def _down_kernel(h_ptr, idx_ptr, wgt_ptr, w_ptr, y_ptr, s_h, s_we, s_wn, s_y, H: tl.constexpr, I: tl.constexpr,
+                 TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     t = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = rn < H
@@ -65,7 +65,7 @@ def _down_kernel(h_ptr, idx_ptr, wgt_ptr, w_ptr, y_ptr, H, I, s_h, s_we, s_wn, s
         rows = w_ptr + e * s_we + rn[:, None].to(tl.int64) * s_wn
         h_row = h_ptr + pair.to(tl.int64) * s_h
         acc = tl.zeros((BN,), dtype=tl.float32)
-        for k0 in range(0, I, BK):
+        for k0 in tl.static_range(0, I, BK):
             rk = k0 + tl.arange(0, BK)
             km = rk < I
             h = tl.load(h_row + rk, mask=km, other=0.0).to(tl.float32)[None, :]
@@ -97,9 +97,9 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ga
     y = torch.empty(t, h_dim, device=x.device, dtype=x.dtype)
     bn, bk = 16, 256
     _gate_up_kernel[(t * k, triton.cdiv(intermediate, bn))](
-        x, idx, gate_up, h, h_dim, intermediate, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        x, idx, gate_up, h, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), H=h_dim, I=intermediate,
         TOP_K=k, BN=bn, BK=bk, num_warps=4)
     _down_kernel[(t, triton.cdiv(h_dim, bn))](
-        h, idx, weights, down, y, h_dim, intermediate, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        h, idx, weights, down, y, h.stride(0), down.stride(0), down.stride(1), y.stride(0), H=h_dim, I=intermediate,
         TOP_K=k, BN=bn, BK=bk, num_warps=4)
     return y
