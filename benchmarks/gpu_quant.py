@@ -446,7 +446,7 @@ def section_pairs_sweep(res: dict) -> None:
 def section_pairs_candidates(res: dict) -> None:
     """The pairs kernel's configurations checked and timed on every shape (group 32; group 128 with zero points
     on the 31B's qkv and gate_up): column tiles 128/256, word rows 16/32, four or eight waves, 4 or 8 warps, the
-    weights on either side of the dot. Each is checked as `pairs` checks (the fp32 product of the bf16-rounded
+    weights on either side of the dot, and on the left the planes joined for one dot a step (`join`). Each is checked as `pairs` checks (the fp32 product of the bf16-rounded
     weights, row 0 of 16 rows against one row, repeats) before it is timed at 1 and 16 rows against the
     configuration on the path (`pairs_config`): where the choice per shape comes from."""
     from gemmaserve.quantization import int4_pairs as P
@@ -473,8 +473,8 @@ def section_pairs_candidates(res: dict) -> None:
                     for waves in (4, 8):
                         per = split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=waves)
                         for warps in (4, 8):
-                            for swap in (False, True):
-                                cfgs.append(P.PairsConfig(bn, bkw, per, warps, 3, swap))
+                            for swap, join in ((False, False), (True, False), (True, True)):
+                                cfgs.append(P.PairsConfig(bn, bkw, per, warps, 3, swap, join=join))
             worst, bits_ok, sweep = 0.0, True, {}
             for cfg in dict.fromkeys(cfgs):
                 key = str(dataclasses.astuple(cfg))
