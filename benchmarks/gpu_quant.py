@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -446,12 +447,14 @@ def section_pairs_sweep(res: dict) -> None:
 def section_pairs_candidates(res: dict) -> None:
     """The pairs kernel's configurations checked and timed on every shape (group 32; group 128 with zero points
     on the 31B's qkv and gate_up): column tiles 128/256, word rows 16/32, four or eight waves, 4 or 8 warps, the
-    weights on either side of the dot, and on the left the planes joined for one dot a step (`join`). Each is checked as `pairs` checks (the fp32 product of the bf16-rounded
-    weights, row 0 of 16 rows against one row, repeats) before it is timed at 1 and 16 rows against the
-    configuration on the path (`pairs_config`): where the choice per shape comes from."""
+    weights on either side of the dot, and on the left the planes joined for one dot a step (`join`). Each is
+    checked as `pairs` checks (the fp32 product of the bf16-rounded weights, row 0 of 16 rows against one row,
+    repeats) before it is timed at 1 and 16 rows against the configuration on the path (`pairs_config`): where the
+    choice per shape comes from. Writes $OUT/pairs_table.json: the group-32 shapes whose best beats the path's."""
     from gemmaserve.quantization import int4_pairs as P
 
     rows = res["pairs_candidates"] = []
+    table: dict[str, list] = {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for i, (model, proj, n, k) in enumerate(SHAPES):
         gen = torch.Generator(device="cuda").manual_seed(500 + i)
@@ -476,8 +479,8 @@ def section_pairs_candidates(res: dict) -> None:
                             for swap, join in ((False, False), (True, False), (True, True)):
                                 cfgs.append(P.PairsConfig(bn, bkw, per, warps, 3, swap, join=join))
             worst, bits_ok, sweep = 0.0, True, {}
-            for cfg in dict.fromkeys(cfgs):
-                key = str(dataclasses.astuple(cfg))
+            cfg_of = {str(dataclasses.astuple(c)): c for c in cfgs}
+            for key, cfg in cfg_of.items():
                 try:
                     y16 = P.int4_pairs_linear(x16, packed, cfg)
                     err = _rel(y16, ref16)
@@ -498,6 +501,12 @@ def section_pairs_candidates(res: dict) -> None:
             row["sweep"] = sweep
             rows.append(row)
             print("pairs_candidates", {key: v for key, v in row.items() if key != "sweep"}, flush=True)
+            # group 32 (Google's QAT): a shape's best where it beats the path's by 3% over 1 and 16 rows, for
+            # gpu_quant_model --pairs-table
+            if form == "g32" and (row["best_M1_us"] + row["best_M16_us"]) < 0.97 * (row["path_M1_us"]
+                                                                                  + row["path_M16_us"]):
+                table[f"{n},{k}"] = list(dataclasses.astuple(cfg_of[best]))
+                (Path(os.environ.get("OUT", "bench-out")) / "pairs_table.json").write_text(json.dumps(table))
             del weights, packed
         del forms
         torch.cuda.empty_cache()

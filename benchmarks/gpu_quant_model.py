@@ -111,12 +111,33 @@ def _row(shape: str, scheme: str, hbm: float, batch64: bool) -> dict:
     return row
 
 
+def _use_pairs_table(table: dict[str, list]) -> None:
+    """This process's int4 pairs products take `table`'s configuration for its (N, K), the library's elsewhere:
+    what an engine with those configurations in `pairs_config` would run (int4_pairs_linear reads the module's
+    `pairs_config` at each call)."""
+    from gemmaserve.quantization import int4_pairs as P
+
+    chosen = {tuple(int(v) for v in key.split(",")): P.PairsConfig(*fields) for key, fields in table.items()}
+    default = P.pairs_config
+
+    def pairs_config(n: int, k: int, sms: int) -> P.PairsConfig:
+        return chosen.get((n, k)) or default(n, k, sms)
+
+    P.pairs_config = pairs_config
+    print(f"pairs configurations from the table for {sorted(chosen)}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("shapes", nargs="*", default=["gemma4-e4b", "gemma4-31b"])
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--batch64", action="store_true", help="also batch-64 throughput (1K in, 128 out)")
+    ap.add_argument("--pairs-table", type=Path, help="an experiment: the int4 pairs kernel takes the configurations "
+                    "of this JSON ({'N,K': PairsConfig fields}, what gpu_quant pairs_candidates writes) for its "
+                    "shapes, int4_pairs.pairs_config's elsewhere")
     args = ap.parse_args(argv)
+    if args.pairs_table:
+        _use_pairs_table(json.loads(args.pairs_table.read_text()))
     schemes = args.schemes.split(",")
     if unknown := [s for s in schemes if s not in SCHEMES]:
         ap.error(f"unknown schemes {unknown}; known: {', '.join(SCHEMES)}")
