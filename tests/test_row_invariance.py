@@ -250,6 +250,51 @@ def test_any_chunking_gives_every_position_the_same_logits(model):
         assert torch.equal(got, whole), (model, chunk, (got != whole).any(-1).nonzero().flatten()[:5].tolist())
 
 
+def test_paged_attention_is_attend_over_the_gathered_keys():
+    """attend_paged (the compiled decode step's attention): each key read where it lies, from the cache or a
+    row's new K/V (its own, or the one of a row before it, as a verification step's rows see them), masked keys
+    skipped: the same bits as the Python kernel (gather, put the new tokens in place, `attend`)."""
+    from gemmaserve.attention.blockwise import MASKED, NEW, SEEN, attend_paged_reference
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    t, nk, hq, hkv, d, r = 5, 2 * KEY_BLOCK, 4, 2, 40, 700
+    kv = torch.randn(r, 2, hkv, d, generator=gen)
+    q = torch.randn(t, 1, hq, d, generator=gen)
+    new = torch.randn(t, 2, hkv, d, generator=gen)
+    rows = torch.randint(0, r, (t, nk), generator=gen)
+    state = torch.where(torch.rand(t, nk, generator=gen) < 0.8, SEEN, MASKED).to(torch.int8)
+    state[:, 0] = SEEN
+    for row in range(t):   # its own new token, and the new tokens of up to two rows before it
+        state[row, -1] = NEW
+        for back in range(1, min(row, 2) + 1):
+            state[row, -1 - back] = NEW + back
+    got = torch.ops.gemmaserve.attend_paged(q, kv, rows, new, state, 0.125)
+    assert torch.equal(got, attend_paged_reference(q, kv, rows, new, state, 0.125))
+    one = torch.ops.gemmaserve.attend_paged(q[:1], kv, rows[:1], new[:1], state[:1], 0.125)   # a row alone
+    assert torch.equal(one[0], got[0])
+
+
+def test_attend_reads_strided_keys_and_values_as_their_copies():
+    """The C++ attend reads K and V through their strides (the compiled step hands it both as views of one
+    [T, nk, 2, Hkv, D] tensor): the same bits as contiguous copies, and as the Python kernel's up to rounding."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    t, nk, hq, hkv, d = 3, 2 * KEY_BLOCK, 4, 2, 48
+    kv = torch.randn(t, nk, 2, hkv, d, generator=gen)
+    q = torch.randn(t, 1, hq, d, generator=gen)
+    seen = torch.rand(t, 1, nk, generator=gen) < 0.7
+    seen[:, :, 0] = True
+    k, v = kv.select(2, 0), kv.select(2, 1)
+    assert not k.is_contiguous()
+    got = torch.ops.gemmaserve.attend(q, k, v, seen, 0.125)
+    assert torch.equal(got, torch.ops.gemmaserve.attend(q, k.contiguous(), v.contiguous(), seen, 0.125))
+    assert torch.allclose(got, attend_reference(q, k, v, seen, 0.125), atol=1e-5)
+    # a key set's stride other than nk keys (every other set of a larger tensor)
+    wide = torch.randn(2 * t, nk, 2, hkv, d, generator=gen)[::2]
+    got = torch.ops.gemmaserve.attend(q, wide.select(2, 0), wide.select(2, 1), seen, 0.125)
+    assert torch.equal(got, torch.ops.gemmaserve.attend(q, wide.select(2, 0).contiguous(),
+                                                         wide.select(2, 1).contiguous(), seen, 0.125))
+
+
 @pytest.mark.parametrize("hq, hkv, d, window", [(4, 1, 256, None), (4, 1, 256, 100), (2, 1, 16, 30), (8, 4, 64, None)])
 def test_a_query_attends_the_same_alone_in_a_batch_and_in_any_chunk(hq, hkv, d, window):
     """blockwise.py: a query's output is the same bits as a decode row alone, among other decode rows of

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 KEY_BLOCK = 64
 ROW_TILE = 4   # models/layers.py's
+MASKED, SEEN, NEW = 0, 1, 2   # what a key of `attend_paged`'s state is; NEW + d: the new token of the row d before
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
@@ -81,6 +82,42 @@ def block_span(first: int, end: int) -> tuple[int, int]:
     lo = first // KEY_BLOCK * KEY_BLOCK
     hi = -(-end // KEY_BLOCK) * KEY_BLOCK
     return lo, max(hi, lo + KEY_BLOCK)
+
+
+def attend_paged(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, state: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Decode rows' attention straight from a cache of token rows (attention/traced.py): q [T, 1, Hq, D]; kv
+    [R, 2, Hkv, D] the cache (K, V of a token row); rows [T, nk] each key's token row; new [T, 2, Hkv, D] the
+    step's new K/V; state [T, nk] MASKED (not seen), SEEN, or NEW + d (the new token of row t - d, which the
+    cache does not hold yet). The same bits as `attend` over the gathered keys; on the CPU with fp32 cache and
+    queries an op whose C++ kernel reads each key where it lies (no gathered copy of every row's keys)."""
+    if q.device.type == "cpu" and q.dtype == torch.float32 and kv.dtype == torch.float32:
+        return torch.ops.gemmaserve.attend_paged(q, kv, rows, new, state, scale)
+    return attend_paged_reference(q, kv, rows, new, state, scale)
+
+
+def attend_paged_reference(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, new: torch.Tensor,
+                           state: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend_paged` as tensor ops (the op's Python kernel, and its specification): gather, put each new token
+    in its place, `attend`."""
+    b, nk = rows.shape
+    old = kv.index_select(0, rows.reshape(-1)).view(b, nk, *kv.shape[1:])             # [T, nk, 2, Hkv, D]
+    src = torch.arange(b, device=rows.device)[:, None] - (state.long() - NEW).clamp(min=0)
+    fresh = new.to(kv.dtype).index_select(0, src.reshape(-1)).view(b, nk, *new.shape[1:])
+    keys = torch.where((state >= NEW)[:, :, None, None, None], fresh, old).to(q.dtype)
+    return attend(q, keys.select(2, 0), keys.select(2, 1), (state != MASKED)[:, None, :], scale)
+
+
+@torch.library.custom_op("gemmaserve::attend_paged", mutates_args=())
+def _attend_paged_op(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, state: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    return attend_paged_reference(q, kv, rows, new, state, scale)
+
+
+@_attend_paged_op.register_fake
+def _(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, state: torch.Tensor,
+      scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 @torch.library.custom_op("gemmaserve::attend", mutates_args=())

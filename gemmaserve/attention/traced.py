@@ -36,12 +36,11 @@ import torch.nn.functional as F
 
 from ..kv.spec import LayerSpec
 from .base import AttentionMetadata, BatchAttention
-from .blockwise import KEY_BLOCK, attend
+from .blockwise import KEY_BLOCK, NEW, SEEN, attend_paged
 from .kv_quant import FP8_DTYPE
 from .torch_backend import TokenRows
 
 MIN_WIDTH = 2   # key blocks
-MASKED, SEEN, NEW = 0, 1, 2   # what a key of DecodeTables.state is; NEW + d: the new token of the row d before
 
 
 @dataclass(frozen=True)
@@ -168,18 +167,12 @@ class TracedDecodeAttention(BatchAttention):
         kind, col = self.layout.slot[layer]
         at = self.keys[kind][col].flatten(1)                               # [B, nk]
         state = self.state[kind].flatten(1)                                # [B, nk]
-        b, nk = at.shape
-        old = self.kv.index_select(0, at.reshape(-1)).view(b, nk, *self.kv.shape[1:])   # [B, nk, 2, Hkv, D]
-        new_at = state >= NEW
         if k is not None:
             self._new[layer] = torch.stack((k, v), 1).to(self.kv.dtype)
         new = self._new[self.layout.source[layer]]                          # [B, 2, Hkv, D]
-        # which row's new token a key is: the row itself, or one of the rows before it (state NEW + d)
-        src = torch.arange(b, device=at.device)[:, None] - (state.long() - NEW).clamp(min=0)
-        fresh = new.index_select(0, src.reshape(-1)).view(b, nk, *new.shape[1:])
-        kv = torch.where(new_at[:, :, None, None, None], fresh, old).to(q.dtype)
-        o = attend(q.unsqueeze(1), kv.select(2, 0), kv.select(2, 1), (state != MASKED)[:, None, :], scale)
-        return o.squeeze(1)
+        # each key read where it lies: the cache's row, or a row's new token (its own, or state NEW + d: the
+        # one of the row d before)
+        return attend_paged(q.unsqueeze(1), self.kv, at, new, state, scale).squeeze(1)
 
     def new_kv(self) -> torch.Tensor:
         return torch.stack([self._new[layer] for layer in self.layout.owners])

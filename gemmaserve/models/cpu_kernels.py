@@ -388,6 +388,7 @@ TORCH_LIBRARY_IMPL(gemmaserve, CPU, m) {
   m.impl("rope_tables", &rope_tables);
   m.impl("softcap", &softcap);
   m.impl("attend", &attend);
+  m.impl("attend_paged", &attend_paged);
   m.impl("rows_dot", &rows_dot);
   m.impl("int4_mm", &int4_mm);
   m.impl("int8_mm", &int8_mm);
@@ -439,5 +440,5 @@ def _(x: torch.Tensor, a_t: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
 
 
 OPS = ("fbgemm_int8_linear", "int8_linear", "row_affine", "rms_norm", "add_rms_norm", "gelu_mul", "rope_tables",
-       "softcap", "attend", "rows_dot", "int4_mm", "int8_mm", "linear", "grouped_linear", "lora_add",
-       "head_logits")
+       "softcap", "attend", "attend_paged", "rows_dot", "int4_mm", "int8_mm", "linear", "grouped_linear",
+       "lora_add", "head_logits")

@@ -402,9 +402,12 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
 
 // -- attention ------------------------------------------------------------------------------------------
 // One unit: query rows [r0, r1) of kv head h of key set t (row i * g + j: query i, head h * g + j).
+// k and v are read through their strides (ks/vs: key set, key, head; elements of a head contiguous), so a view
+// into a larger cache (the compiled step's K/V, one tensor with both) needs no copy.
 static void attend_rows(const float* q, const float* k, const float* v, const bool* vis, float* out, int64_t t,
                         int64_t h, int64_t r0, int64_t r1, int64_t n, int64_t nk, int64_t hq, int64_t hkv, int64_t d,
-                        float scale, std::vector<float>& qs, std::vector<float>& p) {
+                        const int64_t* ks, const int64_t* vs, float scale, std::vector<float>& qs,
+                        std::vector<float>& p) {
   const int64_t g = hq / hkv, rows = r1 - r0;
   qs.resize(rows * d);
   for (int64_t r = 0; r < rows; ++r) {
@@ -430,9 +433,9 @@ static void attend_rows(const float* q, const float* k, const float* v, const bo
     }
     return;
   }
-  const int64_t span = hi - lo, ldk = hkv * d;
-  const float* kh = k + (t * nk + lo) * ldk + h * d;   // this head's keys and values from key `lo`
-  const float* vh = v + (t * nk + lo) * ldk + h * d;
+  const int64_t span = hi - lo, ldk = ks[1], ldv = vs[1];
+  const float* kh = k + t * ks[0] + lo * ldk + h * ks[2];   // this head's keys and values from key `lo`
+  const float* vh = v + t * vs[0] + lo * ldv + h * vs[2];
   p.assign(rows * span, 0.0f);
   // scores, tile by tile (a tile no row of which sees a key of is skipped)
   for (int64_t r = 0; r < rows; r += TILE_R) {
@@ -488,7 +491,7 @@ static void attend_rows(const float* q, const float* k, const float* v, const bo
         for (int b = 0; b < DC; ++b) acc[a][b] = vfloat{};
       for (int64_t c = c_lo; c < c_hi; ++c) {
         vfloat vv[DC];
-        for (int64_t b = 0; b < nv; ++b) vv[b] = load16(vh + c * ldk + e0 + b * VL);
+        for (int64_t b = 0; b < nv; ++b) vv[b] = load16(vh + c * ldv + e0 + b * VL);
         for (int64_t a = 0; a < rr; ++a) {
           const vfloat pa = splat(p[(r + a) * span + c]);
           for (int64_t b = 0; b < nv; ++b) acc[a][b] = vfma(pa, vv[b], acc[a][b]);
@@ -500,7 +503,7 @@ static void attend_rows(const float* q, const float* k, const float* v, const bo
     for (int64_t e = d16; e < d; ++e)
       for (int64_t a = 0; a < rr; ++a) {
         float acc = 0.0f;
-        for (int64_t c = c_lo; c < c_hi; ++c) acc = std::fma(p[(r + a) * span + c], vh[c * ldk + e], acc);
+        for (int64_t c = c_lo; c < c_hi; ++c) acc = std::fma(p[(r + a) * span + c], vh[c * ldv + e], acc);
         dst[a][e] = acc / den[r + a];
       }
   }
@@ -508,8 +511,14 @@ static void attend_rows(const float* q, const float* k, const float* v, const bo
 
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& visible,
                   double scale) {
-  const at::Tensor q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat).contiguous();
-  const at::Tensor v = v_in.to(at::kFloat).contiguous(), vis = visible.to(at::kBool).contiguous();
+  // K and V as given where a head's elements are contiguous (a strided view of the step's K/V: no copy)
+  auto heads = [](const at::Tensor& x) {
+    const at::Tensor f = x.to(at::kFloat);
+    return f.dim() == 4 && f.stride(3) == 1 ? f : f.contiguous();
+  };
+  const at::Tensor q = q_in.to(at::kFloat).contiguous(), k = heads(k_in), v = heads(v_in);
+  const at::Tensor vis = visible.to(at::kBool).contiguous();
+  const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)}, vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
   const int64_t t = q.size(0), n = q.size(1), hq = q.size(2), d = q.size(3), nk = k.size(1), hkv = k.size(2);
   TORCH_CHECK(hq % hkv == 0 && vis.size(0) == t && vis.size(1) == n && vis.size(2) == nk, "attend: shapes");
   at::Tensor out = at::empty(q.sizes(), q.options());
@@ -530,7 +539,57 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t set = u / units_per_set, part = u % units_per_set;
       const int64_t r0 = part * per, r1 = std::min(rows, r0 + per);
-      attend_rows(qp, kp, vp, bp, op, set / hkv, set % hkv, r0, r1, n, nk, hq, hkv, d, sc, qs, p);
+      attend_rows(qp, kp, vp, bp, op, set / hkv, set % hkv, r0, r1, n, nk, hq, hkv, d, ks, vs, sc, qs, p);
+    }
+  });
+  return out.to(q_in.scalar_type());
+}
+
+// attention/blockwise.py's attend_paged: decode rows (one query each) whose keys are read where they lie, key j
+// of row t the cache's token row rows[t, j], or where state[t, j] >= NEW (2) the step's new K/V of row
+// t - (state - NEW); masked where state is 0. Each unit copies its head's keys and values into a buffer of its
+// own, then runs attend_rows on it: the values attend's caller would gather, so the same bits, without writing
+// (and reading back) a gathered copy of every row's keys.
+at::Tensor attend_paged(const at::Tensor& q_in, const at::Tensor& kv, const at::Tensor& rows_in,
+                        const at::Tensor& new_in, const at::Tensor& state_in, double scale) {
+  TORCH_CHECK(kv.scalar_type() == at::kFloat && kv.dim() == 4 && kv.size(1) == 2 && kv.stride(3) == 1 &&
+              kv.stride(2) == kv.size(3), "attend_paged: a float cache [R, 2, Hkv, D], a head's elements contiguous");
+  const at::Tensor q = q_in.to(at::kFloat).contiguous(), fresh = new_in.to(at::kFloat).contiguous();
+  const at::Tensor rows_t = rows_in.to(at::kLong).contiguous(), state = state_in.to(at::kInt).contiguous();
+  const int64_t t = q.size(0), n = q.size(1), hq = q.size(2), d = q.size(3), nk = rows_t.size(1), hkv = kv.size(2);
+  TORCH_CHECK(n == 1 && hq % hkv == 0 && kv.size(3) == d && rows_t.size(0) == t && state.size(0) == t &&
+              state.size(1) == nk && fresh.size(0) == t && fresh.size(1) == 2 && fresh.size(2) == hkv &&
+              fresh.size(3) == d, "attend_paged: shapes");
+  const at::Tensor vis = state.ne(0).view({t, 1, nk}).contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const int64_t rows = hq / hkv;
+  const int64_t threads = at::get_num_threads(), sets = t * hkv;
+  int64_t per = rows;
+  if (sets < threads) per = std::max<int64_t>(1, (rows * sets + threads - 1) / threads);
+  const int64_t units_per_set = (rows + per - 1) / per;
+  const float* qp = q.data_ptr<float>();
+  const float* cache = kv.data_ptr<float>();
+  const float* np = fresh.data_ptr<float>();
+  const int64_t* rp = rows_t.data_ptr<int64_t>();
+  const int32_t* st = state.data_ptr<int32_t>();
+  const bool* bp = vis.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  const int64_t c0 = kv.stride(0), c1 = kv.stride(1), c2 = kv.stride(2);
+  const int64_t ks[3] = {0, d, 0};   // the buffers: one head's keys (values), key after key
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, sets * units_per_set, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> qs, p, kb(nk * d), vb(nk * d);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t set = u / units_per_set, part = u % units_per_set, row = set / hkv, h = set % hkv;
+      for (int64_t j = 0; j < nk; ++j) {
+        const int32_t s = st[row * nk + j];
+        const float* kj = s >= 2 ? np + ((row - (s - 2)) * 2 * hkv + h) * d : cache + rp[row * nk + j] * c0 + h * c2;
+        const float* vj = s >= 2 ? kj + hkv * d : kj + c1;
+        std::memcpy(kb.data() + j * d, kj, d * sizeof(float));
+        std::memcpy(vb.data() + j * d, vj, d * sizeof(float));
+      }
+      const int64_t r0 = part * per, r1 = std::min(rows, r0 + per);
+      attend_rows(qp, kb.data(), vb.data(), bp, op, row, h, r0, r1, n, nk, hq, hkv, d, ks, ks, sc, qs, p);
     }
   });
   return out.to(q_in.scalar_type());
