@@ -39,6 +39,12 @@ class EveryOp(torch.nn.Module):
                 ops.grouped_linear(x, self.experts, self.ends)]
         out += [ops.gelu_mul(out[-1], 48), ops.softcap(out[-2], 30.0), *ops.rope_tables(positions, self.inv_freq)]
         out += [ops.rows_dot(x, self.experts[:, :5]), ops.attend(q, k, k * 0.5, seen, 0.125)]
+        # the same keys as a cache of token rows, each row's last key its new token
+        cache = torch.stack((k, k * 0.5), 2).reshape(-1, 2, *k.shape[2:])
+        rows = torch.arange(cache.shape[0]).view(k.shape[0], k.shape[1])
+        state = seen.squeeze(1).to(torch.int8)
+        state[:, -1] = 2
+        out += [ops.attend_paged(q, cache, rows, cache[rows[:, -1]], state, 0.125)]
         if self.lin is not None:
             t, r = self.lin._tensors, self.lin.rotation
             out += [ops.int8_linear(x640, r.a_t, r.block, t.shape, t.packed, t.col_offsets, t.bias, t.scales,

@@ -50,6 +50,8 @@ def _kernels(gen: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.T
     q8, s8 = int8_rows(w)
     experts = torch.randn(3, n, k, generator=gen)
     kv = torch.randn(2, 192, 1, k // 4, generator=gen)   # 192 keys of one KV head, head dim 64
+    cache = kv.permute(1, 0, 2, 3).contiguous()            # the same as a cache of token rows [192, 2, 1, 64]
+    state = torch.tensor([1] * 191 + [2], dtype=torch.int8)   # seen, and the last key a row's new token
     rows = torch.randn(1, 40, k, generator=gen)
     table = int8_blocks(torch.randn(333, k, generator=gen) / 16)   # the output head's Q8_0 table and 4-bit copy
     scan = cpu_head.pack(*table)
@@ -66,6 +68,10 @@ def _kernels(gen: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.T
         "attend": lambda x: ops.attend(x.view(-1, 1, 4, k // 4), kv[0].expand(len(x), -1, -1, -1),
                                        kv[1].expand(len(x), -1, -1, -1), torch.ones(len(x), 1, 192, dtype=torch.bool),
                                        0.1).flatten(1),
+        # the same keys read from a cache of token rows, each row's last key its own new token
+        "attend_paged": lambda x: ops.attend_paged(
+            x.view(-1, 1, 4, k // 4), cache, torch.arange(192).expand(len(x), -1),
+            cache[191:192].expand(len(x), -1, -1, -1), state.expand(len(x), -1), 0.1).flatten(1),
         "gelu_mul": lambda x: fused_ops.gelu_mul(x, k // 2),
         "rms_norm": lambda x: fused_ops.rms_norm(x, w[0], fused_ops.NormKind(1e-6, 1.0)),
     }
