@@ -71,6 +71,7 @@ def section_check(res: dict, variants=("31b", "26b_a4b", "e2b", "12b_unified")) 
     from gemmaserve.config.engine import EngineConfig
     from gemmaserve.engine.llm import LLM
     from gemmaserve.engine.sampling_params import SamplingParams
+    from gemmaserve.models.moe import Experts
 
     rows = res["check"] = []   # filled as it goes: an error keeps what finished
     prompts = ["abcdefghij klmnop qrstuv " * 6, "zyxw vuts " * 3, "hello"]
@@ -89,6 +90,8 @@ def section_check(res: dict, variants=("31b", "26b_a4b", "e2b", "12b_unified")) 
                          "cuda_graphs": llm.engine.info.cuda_graphs})
             del llm
             _free()
+        if any(isinstance(m, Experts) for m in base.engine.internals().runner.model.modules()):
+            rows += _check_moe_decode(variant, common, base, prompts, params, ref)
         bf = {}
         for name, opts in (("graphs", {}), ("eager", dict(enforce_eager=True)), ("eager again", dict(enforce_eager=True))):
             llm = LLM(**common, dtype="bfloat16", attention_backend="triton", **opts)
@@ -105,6 +108,36 @@ def section_check(res: dict, variants=("31b", "26b_a4b", "e2b", "12b_unified")) 
         _free()
         for r in rows[-4:]:
             print("check", r, flush=True)
+
+
+def _check_moe_decode(variant: str, common: dict, base, prompts, params, ref) -> list[dict]:
+    """moe_kernels.py's decode path (`Experts.fused_decode`, off by default): fp32 greedy tokens equal the
+    grouped path's (`ref`), and in bf16 its graphs equal its eager steps."""
+    from gemmaserve.config.engine import EngineConfig
+    from gemmaserve.engine.llm import LLM
+    from gemmaserve.models.moe import Experts
+
+    rows, before = [], Experts.fused_decode
+    Experts.fused_decode = True
+    try:
+        llm = LLM.from_config(EngineConfig(**common, dtype="float32", attention_backend="triton"), base)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        rows.append({"variant": variant, "engine": "fp32 MoE decode kernels vs grouped", "tokens_equal": got == ref})
+        del llm
+        _free()
+        bf = {}
+        for name, opts in (("graphs", {}), ("eager", dict(enforce_eager=True))):
+            llm = LLM(**common, dtype="bfloat16", attention_backend="triton", **opts)
+            bf[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            del llm
+            _free()
+        rows.append({"variant": variant, "engine": "bf16 MoE decode kernels, graphs vs eager",
+                     "tokens_equal": bf["graphs"] == bf["eager"]})
+    finally:
+        Experts.fused_decode = before
+    for r in rows:
+        print("check", r, flush=True)
+    return rows
 
 
 def _bf16_backend_gap(llm, common) -> float:
@@ -160,11 +193,11 @@ def section_profile(res: dict, shapes, hbm: float, replays: int = 20) -> None:
         loaded = random_model(name, torch.bfloat16, torch.device("cuda"))
         has_experts = any(isinstance(m, Experts) for m in loaded.model.modules())
         for fused in (True, False) if has_experts else (True,):
-            Experts.fused_decode = fused
+            before, Experts.fused_decode = Experts.fused_decode, fused
             try:
                 row = _profile_row(loaded, name, hbm, replays)
             finally:
-                Experts.fused_decode = True
+                Experts.fused_decode = before
             row["experts"] = ("fused decode" if fused else "grouped") if has_experts else None
             rows.append(row)
             print("profile", {k: v for k, v in row.items() if k != "top"}, flush=True)
