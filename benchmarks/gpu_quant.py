@@ -446,7 +446,7 @@ def section_pairs_sweep(res: dict) -> None:
 
 def section_pairs_candidates(res: dict) -> None:
     """The pairs kernel's configurations checked and timed on every shape (group 32; group 128 with zero points
-    on the 31B's qkv and gate_up): column tiles 128/256, word rows 16/32, four or eight waves, 4 or 8 warps, the
+    on the 31B's gate_up): column tiles 128/256, word rows 16/32, four or eight waves, 4 warps (and 8 with 256), the
     weights on either side of the dot, and on the left the planes joined for one dot a step (`join`). Each is
     checked as `pairs` checks (the fp32 product of the bf16-rounded weights, row 0 of 16 rows against one row,
     repeats) before it is timed at 1 and 16 rows against the configuration on the path (`pairs_config`): where the
@@ -459,7 +459,7 @@ def section_pairs_candidates(res: dict) -> None:
     for i, (model, proj, n, k) in enumerate(SHAPES):
         gen = torch.Generator(device="cuda").manual_seed(500 + i)
         forms = [("g32", _int4(gen, n, k, 32, False))]
-        if model == "gemma4-31b" and proj in ("qkv", "gate_up"):
+        if model == "gemma4-31b" and proj == "gate_up":
             forms.append(("g128_asym", _int4(gen, n, k, 128, True)))
         for form, w in forms:
             ref_w = w.dequantize(torch.float32).to(torch.bfloat16).float()
@@ -475,7 +475,7 @@ def section_pairs_candidates(res: dict) -> None:
                 for bkw in (16, 32):
                     for waves in (4, 8):
                         per = split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=waves)
-                        for warps in (4, 8):
+                        for warps in (4, 8) if bn == 256 else (4,):
                             for swap, join in ((False, False), (True, False), (True, True)):
                                 cfgs.append(P.PairsConfig(bn, bkw, per, warps, 3, swap, join=join))
             worst, bits_ok, sweep = 0.0, True, {}
