@@ -417,3 +417,13 @@ def test_sampling_with_a_seed_does_not_depend_on_the_batch(tmp_path):
                             repetition_penalty=1.1, ignore_eos=True)
     alone = _generated(llm, [PROBE], params)[0]
     assert _generated(llm, OTHERS[:3] + [PROBE] + OTHERS[3:], params)[3] == alone
+
+
+def test_paged_attention_refuses_keys_outside_the_cache_or_the_step():
+    q, kv, new = torch.randn(2, 1, 4, 16), torch.randn(10, 2, 1, 16), torch.randn(2, 2, 1, 16)
+    state = torch.ones(2, KEY_BLOCK, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.gemmaserve.attend_paged(q, kv, torch.full((2, KEY_BLOCK), 10), new, state, 0.1)
+    state[0, -1] = 3   # row 0's key: the new token of the row before it (there is none)
+    with pytest.raises(RuntimeError, match="outside the step's rows"):
+        torch.ops.gemmaserve.attend_paged(q, kv, torch.zeros(2, KEY_BLOCK, dtype=torch.long), new, state, 0.1)

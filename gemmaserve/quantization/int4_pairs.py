@@ -227,6 +227,5 @@ def int4_pairs_linear(x: torch.Tensor, w: Int4Packed, config: PairsConfig | None
         x2, w.qweight, w.scale, w.zero if w.zero is not None else w.scale, y, m, w.n, w.k, cfg.k_per_split,
         x2.stride(0), x2.stride(1), y.stride(-2), y.stride(-1), GROUP=w.group, HAS_ZERO=w.has_zero,
         BM=cfg.block_m, BN=cfg.block_n, BKW=cfg.block_kw, SWAP=cfg.swap, ASM=asm, JOIN=cfg.join and cfg.swap,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return sum_splits(y, splits, x, w.n)
