@@ -81,7 +81,11 @@ def section_check(res: dict, variants=("31b", "26b_a4b", "e2b", "12b_unified")) 
                                               global_head_dim=256), Path(tempfile.mkdtemp()) / variant)
         common = dict(model=str(path), device="cuda", page_size=16, kv_cache_memory=1 << 30)
         base = LLM(**common, dtype="float32", attention_backend="torch", kv_cache_manager="v1")
-        ref = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+        fused, Experts.fused_decode = Experts.fused_decode, False   # the reference: MoE through the grouped path
+        try:
+            ref = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+        finally:
+            Experts.fused_decode = fused
         for name, opts in (("triton graphs v2+scratch", {}), ("triton eager", dict(enforce_eager=True)),
                            ("triton graphs chunk 16", dict(max_num_batched_tokens=16))):
             llm = LLM.from_config(EngineConfig(**common, dtype="float32", attention_backend="triton", **opts), base)
@@ -111,8 +115,8 @@ def section_check(res: dict, variants=("31b", "26b_a4b", "e2b", "12b_unified")) 
 
 
 def _check_moe_decode(variant: str, common: dict, base, prompts, params, ref) -> list[dict]:
-    """moe_kernels.py's decode path (`Experts.fused_decode`, off by default): fp32 greedy tokens equal the
-    grouped path's (`ref`), and in bf16 its graphs equal its eager steps."""
+    """moe_kernels.py's decode path (`Experts.fused_decode`): fp32 greedy tokens equal the grouped path's (`ref`),
+    and in bf16 its graphs equal its eager steps."""
     from gemmaserve.config.engine import EngineConfig
     from gemmaserve.engine.llm import LLM
     from gemmaserve.models.moe import Experts

@@ -10,8 +10,8 @@ outputs go back to (token, k) order and each token's k outputs are summed in fp3
 no atomics, so the same batch gives the same bits every run (an index_add would not, on the GPU).
 Nothing reads a count back to the host, so a CUDA graph can capture it. `GroupedExperts` is all of this but the
 two products: `Experts` multiplies by bf16/fp32 weights, quantized_experts.QuantizedExperts by quantised ones.
-On the GPU, `Experts` can send steps of up to 8 tokens to moe_kernels.py instead (each pair reads its expert's rows
-directly: two launches, no sort): `Experts.fused_decode`, off until checked on a GPU.
+On the GPU, `Experts` sends steps of up to 8 tokens to moe_kernels.py instead (each pair reads its expert's rows
+directly: two launches, no sort; `Experts.fused_decode`).
 
 `batch_invariant` (`--batch-invariant`, set by the engine): the expert matmuls run on the batch-invariant
 grouped GEMM (invariant_kernels.py) instead of `torch._grouped_mm`, whose kernel choice depends on the
@@ -167,9 +167,9 @@ def float_product(w: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor, exper
 class Experts(GroupedExperts):
     """Expert weights as HF stores them: gate_up_proj [E, 2I, H] ([gate; up] rows), down_proj [E, H, I]."""
 
-    # Few-token steps on CUDA through moe_kernels.py: off until benchmarks/gpu_gemma4 `check` has run it on a GPU
-    # (its rows "MoE decode kernels"); `profile` turns it on to compare it with the grouped path.
-    fused_decode = False
+    # Few-token steps on CUDA through moe_kernels.py (checked on an H100 by benchmarks/gpu_gemma4 `check`: fp32
+    # tokens equal the grouped path's, bf16 graphs equal eager); `profile` turns it off to compare.
+    fused_decode = True
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, dtype: torch.dtype):
         super().__init__(hidden, intermediate, num_experts)

@@ -193,14 +193,19 @@ class PairsConfig:
 
 
 def pairs_config(n: int, k: int, sms: int) -> PairsConfig:
-    """One configuration for every M up to SMALL_M (row bits independent of the batch), from gpu_quant's `pairs`
-    sweep on an H100 (docs/gpu_quant_pairs_2026-12-07_h100.json): on the 31B's qkv, 128 columns, 16 word rows,
-    four waves and the weights on the dot's left took 35 us at one row and 40 at sixteen (bf16: 65 and 66; the
-    sweep's fastest at one row, weights on the right, 32 us, took 51 at sixteen). A later sweep timed 256 columns,
-    eight waves and the weights on the right 25% faster on the 31B's gate_up (43k columns;
-    docs/gpu_quant_pairs_sweep_2026-12-07_h100.json), but their results were not checked on a GPU: not taken yet."""
-    bn, bkw = 128, 16
-    return PairsConfig(bn, bkw, split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=4), 4, 3, swap=True)
+    """One configuration for every M up to SMALL_M (row bits independent of the batch), from gpu_quant's
+    `pairs_candidates` on an H100 (docs/gpu_quant_pairs_candidates_2026-12-07_h100.json: 36 configurations a shape,
+    each checked, timed at 1 and 16 rows): 128 columns, 16 word rows, four waves and the weights on the dot's left
+    were the best or within 3% on ten of the twelve Gemma 4 shapes. Two exceptions: the widest products (200+
+    tiles of 128 columns: the 31B's and 12B's gate_up) take 256 columns with the weights on the right (31B:
+    71 / 91 us at 1 / 16 rows against 98 / 110; with group 128 and zero points 97 / 122 against 97 / 117), and the
+    longest K (16K+: the 31B's down) eight waves (48 / 53 against 50 / 54)."""
+    if -(-n // 128) >= 200:
+        bn, swap, waves = 256, False, 4
+    else:
+        bn, swap, waves = 128, True, 8 if k >= 16384 else 4
+    bkw = 16
+    return PairsConfig(bn, bkw, split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=waves), 4, 3, swap=swap)
 
 
 def pairs_eligible(x: torch.Tensor, w: Int4Packed) -> bool:
