@@ -1,4 +1,4 @@
-"""Gemma 4's experts for a few decode tokens in three launches (moe.py's `Experts` takes this path on the GPU).
+"""Gemma 4's experts for a few decode tokens in two launches (moe.py's `Experts` takes this path on the GPU).
 
 The grouped path sorts the (token, expert) pairs by expert, gathers rows, runs two grouped matmuls sized for
 prefill, unsorts and sums: about ten launches a layer, and matmul tiles of 64+ rows for one row per expert. At
@@ -6,12 +6,7 @@ decode each pair is one row, so here every pair reads its own expert's weights d
 stay on the device: nothing is sorted, counted or read back):
 
     gate_up   grid (pairs, I / BN): h[p] = gelu_tanh(x[t] . W_gate[e]) * (x[t] . W_up[e]), e = idx[p], t = p / k
-    down      grid (pairs, H / BN): part[p] = w[p] * (h[p] . W_down[e])
-    sum       grid (tokens, H / 1024): y[t] = sum over j = 0..k-1, in that order, of part[t k + j]
-
-(A first version summed a token's k products inside the down kernel, a program per token and tile looping over
-its experts one after the other: at one token 176 programs, 0.9 TB/s on an H100. The sums and their order are the
-same here, so are the bits.)
+    down      grid (tokens, H / BN): y[t] = sum over j = 0..k-1, in that order, of w[t, j] * (h[t k + j] . W_down[e])
 
 Products accumulate in fp32 and are rounded to the activations' dtype where the grouped path rounds them (its
 matmuls' outputs), so the values are that path's up to summation order. A token's programs read only its own
@@ -58,36 +53,25 @@ def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, h_ptr, s_x, s_we, s_wn, s_h, H: tl.co
 
 
 @triton.jit
-def _down_kernel(h_ptr, idx_ptr, wgt_ptr, w_ptr, part_ptr, s_h, s_we, s_wn, H: tl.constexpr, I: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
-    """One pair's down product for BN outputs, rounded as the grouped matmul's output, times its router weight:
-    part[pair] in fp32 (a program per pair and tile: every pair's expert streams at once)."""
-    pair = tl.program_id(0)
+def _down_kernel(h_ptr, idx_ptr, wgt_ptr, w_ptr, y_ptr, s_h, s_we, s_wn, s_y, H: tl.constexpr, I: tl.constexpr,
+                 TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    t = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = rn < H
-    e = tl.load(idx_ptr + pair).to(tl.int64)
-    rows = w_ptr + e * s_we + rn[:, None].to(tl.int64) * s_wn
-    h_row = h_ptr + pair.to(tl.int64) * s_h
-    acc = tl.zeros((BN,), dtype=tl.float32)
-    for k0 in tl.static_range(0, I, BK):
-        rk = k0 + tl.arange(0, BK)
-        km = rk < I
-        h = tl.load(h_row + rk, mask=km, other=0.0).to(tl.float32)[None, :]
-        acc += tl.sum(tl.load(rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32) * h,
-                      axis=1)
-    part = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(wgt_ptr + pair)
-    tl.store(part_ptr + pair.to(tl.int64) * H + rn, part, mask=nm)
-
-
-@triton.jit
-def _sum_kernel(part_ptr, y_ptr, s_y, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """y[t] = a token's k weighted outputs added in index order (no atomics: the same bits every run)."""
-    t = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    nm = rn < H
-    total = tl.load(part_ptr + (t * TOP_K).to(tl.int64) * H + rn, mask=nm, other=0.0)
-    for j in tl.static_range(1, TOP_K):
-        total += tl.load(part_ptr + (t * TOP_K + j).to(tl.int64) * H + rn, mask=nm, other=0.0)
+    total = tl.zeros((BN,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):   # a token's k outputs summed in index order
+        pair = t * TOP_K + j
+        e = tl.load(idx_ptr + pair).to(tl.int64)
+        rows = w_ptr + e * s_we + rn[:, None].to(tl.int64) * s_wn
+        h_row = h_ptr + pair.to(tl.int64) * s_h
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for k0 in tl.static_range(0, I, BK):
+            rk = k0 + tl.arange(0, BK)
+            km = rk < I
+            h = tl.load(h_row + rk, mask=km, other=0.0).to(tl.float32)[None, :]
+            acc += tl.sum(tl.load(rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32) * h,
+                          axis=1)
+        total += acc.to(y_ptr.dtype.element_ty).to(tl.float32) * tl.load(wgt_ptr + pair)
     tl.store(y_ptr + t.to(tl.int64) * s_y + rn, total.to(y_ptr.dtype.element_ty), mask=nm)
 
 
@@ -115,9 +99,7 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ga
     _gate_up_kernel[(t * k, triton.cdiv(intermediate, bn))](
         x, idx, gate_up, h, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), H=h_dim, I=intermediate,
         TOP_K=k, BN=bn, BK=bk, num_warps=4)
-    part = torch.empty(t * k, h_dim, device=x.device, dtype=torch.float32)
-    _down_kernel[(t * k, triton.cdiv(h_dim, bn))](
-        h, idx, weights, down, part, h.stride(0), down.stride(0), down.stride(1), H=h_dim, I=intermediate, BN=bn,
-        BK=bk, num_warps=4)
-    _sum_kernel[(t, triton.cdiv(h_dim, 1024))](part, y, y.stride(0), H=h_dim, TOP_K=k, BLOCK=1024, num_warps=4)
+    _down_kernel[(t, triton.cdiv(h_dim, bn))](
+        h, idx, weights, down, y, h.stride(0), down.stride(0), down.stride(1), y.stride(0), H=h_dim, I=intermediate,
+        TOP_K=k, BN=bn, BK=bk, num_warps=4)
     return y
