@@ -583,10 +583,10 @@ at::Tensor attend_paged(const at::Tensor& q_in, const at::Tensor& kv, const at::
       const int64_t set = u / units_per_set, part = u % units_per_set, row = set / hkv, h = set % hkv;
       for (int64_t j = 0; j < nk; ++j) {
         const int32_t s = st[row * nk + j];
-        const int64_t at = s >= 2 ? row - (s - 2) : rp[row * nk + j];   // a new token's row, or a cache row
-        TORCH_CHECK(at >= 0 && at < (s >= 2 ? t : kv.size(0)), "attend_paged: key ", j, " of row ", row,
+        const int64_t src = s >= 2 ? row - (s - 2) : rp[row * nk + j];   // a new token's row, or a cache row
+        TORCH_CHECK(src >= 0 && src < (s >= 2 ? t : kv.size(0)), "attend_paged: key ", j, " of row ", row,
                     " points outside ", s >= 2 ? "the step's rows" : "the cache");
-        const float* kj = s >= 2 ? np + (at * 2 * hkv + h) * d : cache + at * c0 + h * c2;
+        const float* kj = s >= 2 ? np + (src * 2 * hkv + h) * d : cache + src * c0 + h * c2;
         const float* vj = s >= 2 ? kj + hkv * d : kj + c1;
         std::memcpy(kb.data() + j * d, kj, d * sizeof(float));
         std::memcpy(vb.data() + j * d, vj, d * sizeof(float));
