@@ -447,14 +447,13 @@ def section_pairs_sweep(res: dict) -> None:
 def section_pairs_candidates(res: dict) -> None:
     """The pairs kernel's configurations checked and timed on every shape (group 32; group 128 with zero points
     on the 31B's gate_up): column tiles 128/256, word rows 16/32, four or eight waves, 4 warps (and 8 with 256), the
-    weights on either side of the dot, and on the left the planes joined for one dot a step (`join`). Each is
-    checked as `pairs` checks (the fp32 product of the bf16-rounded weights, row 0 of 16 rows against one row,
-    repeats) before it is timed at 1 and 16 rows against the configuration on the path (`pairs_config`): where the
-    choice per shape comes from. Writes $OUT/pairs_table.json: the group-32 shapes whose best beats the path's."""
+    weights on either side of the dot. Each is checked as `pairs` checks (the fp32 product of the bf16-rounded
+    weights, row 0 of 16 rows against one row, repeats) before it is timed at 1 and 16 rows against the
+    configuration on the path (`pairs_config`): where the choice per shape comes from. Writes $OUT/pairs_table.json: the group-32 shapes whose best beats the path's."""
     from gemmaserve.quantization import int4_pairs as P
 
     rows = res["pairs_candidates"] = []
-    table: dict[str, list] = {}
+    table: dict[str, dict] = {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for i, (model, proj, n, k) in enumerate(SHAPES):
         gen = torch.Generator(device="cuda").manual_seed(500 + i)
@@ -476,8 +475,8 @@ def section_pairs_candidates(res: dict) -> None:
                     for waves in (4, 8):
                         per = split_k(-(-n // bn), k, 8 * bkw, sms, min_steps=2, waves=waves)
                         for warps in (4, 8) if bn == 256 else (4,):
-                            for swap, join in ((False, False), (True, False), (True, True)):
-                                cfgs.append(P.PairsConfig(bn, bkw, per, warps, 3, swap, join=join))
+                            for swap in (False, True):
+                                cfgs.append(P.PairsConfig(bn, bkw, per, warps, 3, swap))
             worst, bits_ok, sweep = 0.0, True, {}
             cfg_of = {str(dataclasses.astuple(c)): c for c in cfgs}
             for key, cfg in cfg_of.items():
@@ -505,7 +504,7 @@ def section_pairs_candidates(res: dict) -> None:
             # gpu_quant_model --pairs-table
             if form == "g32" and (row["best_M1_us"] + row["best_M16_us"]) < 0.97 * (row["path_M1_us"]
                                                                                   + row["path_M16_us"]):
-                table[f"{n},{k}"] = list(dataclasses.astuple(cfg_of[best]))
+                table[f"{n},{k}"] = dataclasses.asdict(cfg_of[best])
                 (Path(os.environ.get("OUT", "bench-out")) / "pairs_table.json").write_text(json.dumps(table))
             del weights, packed
         del forms

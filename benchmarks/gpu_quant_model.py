@@ -111,13 +111,13 @@ def _row(shape: str, scheme: str, hbm: float, batch64: bool) -> dict:
     return row
 
 
-def _use_pairs_table(table: dict[str, list]) -> None:
+def _use_pairs_table(table: dict[str, dict]) -> None:
     """This process's int4 pairs products take `table`'s configuration for its (N, K), the library's elsewhere:
     what an engine with those configurations in `pairs_config` would run (int4_pairs_linear reads the module's
     `pairs_config` at each call)."""
     from gemmaserve.quantization import int4_pairs as P
 
-    chosen = {tuple(int(v) for v in key.split(",")): P.PairsConfig(*fields) for key, fields in table.items()}
+    chosen = {tuple(int(v) for v in key.split(",")): P.PairsConfig(**fields) for key, fields in table.items()}
     default = P.pairs_config
 
     def pairs_config(n: int, k: int, sms: int) -> P.PairsConfig:
@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--batch64", action="store_true", help="also batch-64 throughput (1K in, 128 out)")
     ap.add_argument("--pairs-table", type=Path, help="an experiment: the int4 pairs kernel takes the configurations "
-                    "of this JSON ({'N,K': PairsConfig fields}, what gpu_quant pairs_candidates writes) for its "
+                    "of this JSON ({'N,K': {PairsConfig field: value}}, what gpu_quant pairs_candidates writes) for its "
                     "shapes, int4_pairs.pairs_config's elsewhere")
     args = ap.parse_args(argv)
     if args.pairs_table:

@@ -34,8 +34,8 @@ def _bf16_weight(w: Int4Weight) -> torch.Tensor:
 
 @interpreted
 @FORMS
-@pytest.mark.parametrize("swap, join", [(False, False), (True, False), (True, True)], ids=["x_left", "w_left", "joined"])
-def test_planes_are_the_bf16_rounded_weights_bit_for_bit(group, asym, swap, join):
+@pytest.mark.parametrize("swap", [False, True], ids=["x_left", "w_left"])
+def test_planes_are_the_bf16_rounded_weights_bit_for_bit(group, asym, swap):
     """One-hot rows pick single weights: y[j, n] = w[n, k_j] exactly (one exact product, zeros elsewhere), for
     columns at every nibble position of a word and in several groups."""
     gen = torch.Generator().manual_seed(fresh_seed())
@@ -44,15 +44,15 @@ def test_planes_are_the_bf16_rounded_weights_bit_for_bit(group, asym, swap, join
     cols = torch.randperm(k, generator=gen)[:16]
     x = torch.zeros(16, k, dtype=torch.bfloat16)
     x[torch.arange(16), cols] = 1
-    y = P.int4_pairs_linear(x, I4.pack_int4(w), P.PairsConfig(32, 16, 128, 4, 1, swap, join=join))
+    y = P.int4_pairs_linear(x, I4.pack_int4(w), P.PairsConfig(32, 16, 128, 4, 1, swap))
     assert torch.equal(y, _bf16_weight(w)[:, cols].t())
 
 
 @interpreted
 @FORMS
-@pytest.mark.parametrize("swap, join", [(False, False), (True, False), (True, True)], ids=["x_left", "w_left", "joined"])
+@pytest.mark.parametrize("swap", [False, True], ids=["x_left", "w_left"])
 @pytest.mark.parametrize("m", [1, 5, 16])
-def test_pairs_product_matches_the_fp32_product_of_the_bf16_weights(m, group, asym, swap, join):
+def test_pairs_product_matches_the_fp32_product_of_the_bf16_weights(m, group, asym, swap):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     n, k = 48, 384
@@ -60,7 +60,7 @@ def test_pairs_product_matches_the_fp32_product_of_the_bf16_weights(m, group, as
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     ref = x.double() @ _bf16_weight(w).double().t()
     # a K slice of 256 over K = 384: two slices, the second half a slice (masked steps)
-    for cfg in (P.PairsConfig(16, 16, 256, 4, 1, swap, join=join), P.PairsConfig(64, 32, 256, 4, 1, swap, join=join)):
+    for cfg in (P.PairsConfig(16, 16, 256, 4, 1, swap), P.PairsConfig(64, 32, 256, 4, 1, swap)):
         y = P.int4_pairs_linear(x, I4.pack_int4(w), cfg)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         # bf16 output rounding (half an ulp) plus fp32 summation order

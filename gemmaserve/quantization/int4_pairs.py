@@ -91,11 +91,9 @@ def _dot(a, b, acc, ASM: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _int4_pairs_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, k_per_split, s_xm, s_xk, s_ym, s_yn,
                        GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BKW: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, JOIN: tl.constexpr):
+                       BKW: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr):
     """A program owns BN columns, BM rows and a K slice. SWAP computes the transposed tile (weights as the
-    dot's left operand, [BN, BKW] x [BKW, BM]): on Hopper the left operand may come from registers. JOIN (with
-    SWAP) joins the eight planes back into K order, [BN, 8 BKW], for one dot against x's contiguous [8 BKW, BM]
-    columns: x then loads as whole rows (asynchronously, pipelined) instead of eight strided tiles a step."""
+    dot's left operand, [BN, BKW] x [BKW, BM]): on Hopper the left operand may come from registers."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -139,14 +137,7 @@ def _int4_pairs_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, k_per_split,
             p6 = _plane(words, 6, neg_base, scale)
             p7 = _plane(words, 7, neg_base, scale)
         # x's columns 8r + i for plane i: [BM, BKW] (or its transpose), masked rows and steps read as zero
-        if JOIN:   # [BN, BKW, 8], plane i at minor index i: each join's new index is the minor one, so the
-            # innermost joins pick bit 2 of i and the outermost bit 0
-            w8 = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
-            kk = w0 * 8 + tl.arange(0, 8 * BKW)
-            xt = tl.load(x_ptr + rm[None, :] * s_xm + kk[:, None].to(tl.int64) * s_xk,
-                         mask=(kk < w_hi * 8)[:, None] & mm[None, :], other=0.0)
-            acc = _dot(tl.reshape(w8, (BN, 8 * BKW)), xt, acc, ASM)
-        elif SWAP:
+        if SWAP:
             xp = x_ptr + rm[None, :] * s_xm + (wr * 8)[:, None].to(tl.int64) * s_xk
             xm = wm[:, None] & mm[None, :]
             acc = _dot(p0, tl.load(xp + 0 * s_xk, mask=xm, other=0.0), acc, ASM)
@@ -186,7 +177,6 @@ class PairsConfig:
     num_stages: int
     swap: bool = False
     block_m: int = SMALL_M
-    join: bool = False   # one dot a step over the joined planes (needs swap)
 
     def splits(self, k: int) -> int:
         return -(-k // self.k_per_split)
@@ -231,6 +221,6 @@ def int4_pairs_linear(x: torch.Tensor, w: Int4Packed, config: PairsConfig | None
     _int4_pairs_kernel[(triton.cdiv(w.n, cfg.block_n), splits, triton.cdiv(m, cfg.block_m))](
         x2, w.qweight, w.scale, w.zero if w.zero is not None else w.scale, y, m, w.n, w.k, cfg.k_per_split,
         x2.stride(0), x2.stride(1), y.stride(-2), y.stride(-1), GROUP=w.group, HAS_ZERO=w.has_zero,
-        BM=cfg.block_m, BN=cfg.block_n, BKW=cfg.block_kw, SWAP=cfg.swap, ASM=asm, JOIN=cfg.join and cfg.swap,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BM=cfg.block_m, BN=cfg.block_n, BKW=cfg.block_kw, SWAP=cfg.swap, ASM=asm, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return sum_splits(y, splits, x, w.n)
